@@ -1,0 +1,55 @@
+"""Shared fixtures: paths to the real tokenizers and corpora in ../shared/data."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+TOKENIZERS = SHARED_DATA / "tokenizers"
+CORPORA = SHARED_DATA / "corpora"
+WIKI = sorted((CORPORA / "wiki").glob("wiki-*.jsonl.gz"))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+try:  # fixtures for real HTTP and S3 servers on 127.0.0.1
+    from remote_fixtures import *  # noqa: F401,F403
+except ImportError:  # pragma: no cover - until that module lands
+    pass
+
+# Keep tokenizer threads from oversubscribing the 2-core CI machine inside test processes.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def gpt2_json() -> Path:
+    return TOKENIZERS / "gpt2.json"
+
+
+@pytest.fixture(scope="session")
+def llama_json() -> Path:
+    return TOKENIZERS / "openllama.json"
+
+
+@pytest.fixture(scope="session")
+def neox_json() -> Path:
+    return TOKENIZERS / "gpt-neox-20b.json"
+
+
+@pytest.fixture(scope="session")
+def wiki_files() -> list[Path]:
+    return WIKI
+
+
+@pytest.fixture(scope="session")
+def shakespeare() -> Path:
+    return CORPORA / "tinyshakespeare.txt"
+
+
+@pytest.fixture(scope="session")
+def wikitext() -> Path:
+    return CORPORA / "wikitext-2-valid.txt"

@@ -1,0 +1,263 @@
+"""Documents to tar samples: whole documents (split when over-long) or fixed-length packed rows.
+
+Both shapers consume encoded chunks in input order and emit *groups*: the content of one tar
+sample. After every group they can say where the input stands (``Position``), which is what
+``--resume`` restarts from. Output depends only on the document sequence, never on how the
+documents were chunked or how many workers encoded them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class EncodedChunk:
+    """What a tokenizer worker returns for one RawChunk."""
+
+    file_index: int
+    first_line: int
+    tokens: np.ndarray  # all documents' ids concatenated, specials included
+    lengths: np.ndarray  # int64, one per document
+    lines: np.ndarray  # int64, 1-based line of each document
+    skips: list = field(default_factory=list)  # sources.Skip records
+    raw_offset: int = 0
+    text_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Position:
+    """Everything up to and including this point of the input is in written groups.
+
+    docs mode: the document at (file, line) has had pieces 0..piece written.
+    packed mode: the document at (file, line) has had its first ``offset`` tokens written.
+    """
+
+    file: int
+    line: int
+    piece: int = 0
+    offset: int = 0
+    done: bool = True  # whether that document is complete (all pieces / all tokens written)
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "line": self.line, "piece": self.piece, "offset": self.offset, "done": self.done}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Position":
+        return cls(d["file"], d["line"], d.get("piece", 0), d.get("offset", 0), d.get("done", True))
+
+
+@dataclass
+class GroupData:
+    tokens: np.ndarray
+    files: np.ndarray  # provenance of each document (docs mode) / document start (packed)
+    lines: np.ndarray
+    pieces: np.ndarray
+    lengths: np.ndarray | None = None  # docs mode: tokens per document
+    starts: np.ndarray | None = None  # packed mode: offsets of document starts in tokens
+    doc_lengths: np.ndarray | None = None  # full token length of each document that starts here
+    rows: int = 0
+    position: Position | None = None
+
+    @property
+    def documents(self) -> int:
+        return len(self.files)
+
+
+class DocGrouper:
+    """docs mode: documents go whole into groups of about ``sample_tokens`` tokens.
+
+    A document longer than ``max_doc_tokens`` becomes consecutive pieces (piece 0, 1, ...), each
+    its own logical document; nothing is truncated.
+    """
+
+    def __init__(self, sample_tokens: int, max_doc_tokens: int | None, dtype: np.dtype, resume: Position | None = None):
+        self.sample_tokens = max(1, sample_tokens)
+        self.max_doc_tokens = max_doc_tokens
+        self.dtype = dtype
+        self.resume = resume
+        self._parts: list[tuple] = []  # (tokens, lengths, files, lines, pieces, last_done)
+        self._tokens = 0
+
+    def feed(self, chunk: EncodedChunk) -> list[GroupData]:
+        tokens, lengths, lines = chunk.tokens, chunk.lengths, chunk.lines
+        n = len(lengths)
+        if n == 0:
+            return []
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        # Expand over-long documents into pieces.
+        if self.max_doc_tokens and lengths.max() > self.max_doc_tokens:
+            m = self.max_doc_tokens
+            counts = (lengths + m - 1) // m
+            doc_of = np.repeat(np.arange(n), counts)
+            piece = np.arange(len(doc_of)) - np.repeat(np.cumsum(counts) - counts, counts)
+            starts = offsets[doc_of] + piece * m
+            item_lengths = np.minimum(m, lengths[doc_of] - piece * m)
+            last = piece == counts[doc_of] - 1
+        else:
+            doc_of = np.arange(n)
+            piece = np.zeros(n, np.int64)
+            starts = offsets[:-1]
+            item_lengths = lengths
+            last = np.ones(n, bool)
+        r = self.resume
+        if r is not None:
+            if chunk.file_index < r.file:
+                return []
+            if chunk.file_index == r.file:
+                item_lines = lines[doc_of]
+                keep = (item_lines > r.line) | ((item_lines == r.line) & (piece > r.piece))
+                doc_of, piece, starts, item_lengths, last = doc_of[keep], piece[keep], starts[keep], item_lengths[keep], last[keep]
+                if lines[-1] < r.line:
+                    return []
+            self.resume = None
+        if len(doc_of) == 0:
+            return []
+        # Gather the items' tokens (contiguous unless a resume dropped a prefix: still contiguous).
+        first, end = int(starts[0]), int(starts[-1] + item_lengths[-1])
+        item_tokens = tokens[first:end]
+        files = np.full(len(doc_of), chunk.file_index, np.int64)
+        item_lines = lines[doc_of]
+        groups: list[GroupData] = []
+        cum = np.cumsum(item_lengths)
+        base = 0  # items consumed from this chunk
+        tok_base = 0
+        while base < len(item_lengths):
+            room = self.sample_tokens - self._tokens
+            # How many next items fit in the room (at least one if the group is empty).
+            limit = tok_base + room
+            take = int(np.searchsorted(cum, limit, side="right")) - base
+            if take <= 0:
+                if self._tokens == 0:
+                    take = 1
+                else:
+                    groups.append(self._emit())
+                    continue
+            stop = base + take
+            tok_stop = int(cum[stop - 1])
+            self._parts.append(
+                (
+                    item_tokens[tok_base:tok_stop],
+                    item_lengths[base:stop],
+                    files[base:stop],
+                    item_lines[base:stop],
+                    piece[base:stop],
+                    bool(last[stop - 1]),
+                )
+            )
+            self._tokens += tok_stop - tok_base
+            base, tok_base = stop, tok_stop
+            if self._tokens >= self.sample_tokens:
+                groups.append(self._emit())
+        return groups
+
+    def _emit(self) -> GroupData:
+        parts = self._parts
+        self._parts, self._tokens = [], 0
+        lengths = np.concatenate([p[1] for p in parts])
+        files = np.concatenate([p[2] for p in parts])
+        lines = np.concatenate([p[3] for p in parts])
+        pieces = np.concatenate([p[4] for p in parts])
+        position = Position(int(files[-1]), int(lines[-1]), piece=int(pieces[-1]), done=parts[-1][5])
+        return GroupData(
+            tokens=np.concatenate([p[0] for p in parts]).astype(self.dtype, copy=False),
+            files=files,
+            lines=lines,
+            pieces=pieces,
+            lengths=lengths,
+            doc_lengths=lengths,
+            position=position,
+        )
+
+    def finish(self) -> list[GroupData]:
+        return [self._emit()] if self._parts else []
+
+
+class RowPacker:
+    """packed mode: documents concatenated and cut into rows of ``seq_len`` tokens.
+
+    A group holds ``rows_per_group`` rows; the last group of the input may end with a short row
+    (the tail), which is kept, never dropped. ``starts`` marks where each document begins.
+    """
+
+    def __init__(self, seq_len: int, rows_per_group: int, dtype: np.dtype, resume: Position | None = None):
+        self.seq_len = seq_len
+        self.group_tokens = seq_len * max(1, rows_per_group)
+        self.dtype = dtype
+        self.resume = resume
+        self._buf: list[np.ndarray] = []
+        self._n = 0  # tokens in the buffer
+        # Documents overlapping the buffer: offset of their first token relative to the buffer
+        # (negative when it was written in an earlier group), file, line, full length.
+        self._spans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def feed(self, chunk: EncodedChunk) -> list[GroupData]:
+        tokens, lengths, lines = chunk.tokens, chunk.lengths, chunk.lines
+        n = len(lengths)
+        if n == 0:
+            return []
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        first_doc, lead = 0, 0  # resume: first document to take, tokens of it already written
+        r = self.resume
+        if r is not None:
+            if chunk.file_index < r.file:
+                return []
+            if chunk.file_index == r.file:
+                if lines[-1] < r.line:
+                    return []
+                first_doc = int(np.searchsorted(lines, r.line, side="left"))
+                if lines[first_doc] == r.line:
+                    if r.done or r.offset >= lengths[first_doc]:
+                        first_doc += 1
+                    else:
+                        lead = r.offset
+            self.resume = None
+            if first_doc >= n:
+                return []
+        drop = int(offsets[first_doc]) + lead
+        self._spans.append(
+            (
+                offsets[first_doc:-1] - drop + self._n,
+                np.full(n - first_doc, chunk.file_index, np.int64),
+                lines[first_doc:],
+                lengths[first_doc:],
+            )
+        )
+        data = tokens[drop:]
+        self._buf.append(data)
+        self._n += len(data)
+        groups = []
+        while self._n >= self.group_tokens:
+            groups.append(self._emit(self.group_tokens))
+        return groups
+
+    def _emit(self, size: int) -> GroupData:
+        buf = np.concatenate(self._buf) if len(self._buf) > 1 else self._buf[0]
+        group_tokens, rest = buf[:size], buf[size:]
+        self._buf = [rest] if len(rest) else []
+        self._n = len(rest)
+        offs, files, lines, lens = (np.concatenate(parts) for parts in zip(*self._spans))
+        new = (offs >= 0) & (offs < size)
+        # The document covering the group's last token says where the input stands.
+        last = int(np.searchsorted(offs, size - 1, side="right")) - 1
+        written = size - int(offs[last])
+        position = Position(int(files[last]), int(lines[last]), offset=written, done=written >= int(lens[last]))
+        carry = offs + lens > size
+        self._spans = [(offs[carry] - size, files[carry], lines[carry], lens[carry])] if carry.any() else []
+        return GroupData(
+            tokens=group_tokens.astype(self.dtype, copy=False),
+            files=files[new],
+            lines=lines[new],
+            pieces=np.zeros(int(new.sum()), np.int64),
+            starts=offs[new],
+            doc_lengths=lens[new],
+            rows=(size + self.seq_len - 1) // self.seq_len,
+            position=position,
+        )
+
+    def finish(self) -> list[GroupData]:
+        return [self._emit(self._n)] if self._n else []

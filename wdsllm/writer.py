@@ -1,0 +1,287 @@
+"""Shard writing: groups to tar samples, shards finished atomically, a journal for --resume.
+
+A shard is written under a temporary name and handed to ``storage.Output.put_file`` only when
+complete. After each shard a journal record (the shard's index entry, its document lengths and
+where the input stands) is stored beside the shards; ``--resume`` continues from the last record.
+The index is written last, after which the journal is removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import tarfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import webdataset as wds
+
+from . import format as fmt
+from .shaping import GroupData, Position
+
+log = logging.getLogger(__name__)
+
+JOURNAL_PREFIX = ".pack-"
+JOURNAL_START = ".pack-start.json"
+MAX_SKIP_RECORDS = 10_000
+
+
+def journal_record_name(number: int) -> str:
+    return f"{JOURNAL_PREFIX}shard-{number:06d}.json"
+
+
+def journal_lengths_name(number: int) -> str:
+    return f"{JOURNAL_PREFIX}shard-{number:06d}.lengths.npy"
+
+
+class _HashingFile(io.RawIOBase):
+    """Writes through to a file while counting bytes and hashing them (no second read)."""
+
+    def __init__(self, path: str):
+        self._f = open(path, "wb")
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        self.size += len(b)
+        return self._f.write(b)
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+        super().close()
+
+
+def _member_bytes(sample: dict[str, Any]) -> int:
+    """Bytes a sample adds to a tar: a 512-byte header per member plus padded payloads."""
+    total = 0
+    for k, v in sample.items():
+        if not k.startswith("__"):
+            total += 512 + (len(v) + 511) // 512 * 512
+    return total
+
+
+@dataclass
+class Counters:
+    """Per-run tallies that the index reports; additive over shards so --resume can sum them."""
+
+    documents_by_input: Counter = field(default_factory=Counter)
+    skipped_by_input: Counter = field(default_factory=Counter)
+    skipped: Counter = field(default_factory=Counter)
+    skip_records: list = field(default_factory=list)
+
+    def add_skips(self, skips, inputs_display: dict) -> None:
+        for s in skips:
+            self.skipped[s.reason] += 1
+            self.skipped_by_input[s.file_index] += 1
+            if s.reason != "empty" and len(self.skip_records) < MAX_SKIP_RECORDS:
+                self.skip_records.append({"file": inputs_display[s.file_index], "line": s.line, "reason": s.reason, "detail": s.detail})
+
+    def to_json(self) -> dict:
+        return {
+            "documents_by_input": {str(k): v for k, v in self.documents_by_input.items()},
+            "skipped_by_input": {str(k): v for k, v in self.skipped_by_input.items()},
+            "skipped": dict(self.skipped),
+            "skip_records": self.skip_records,
+        }
+
+    def add_json(self, d: dict) -> None:
+        self.documents_by_input.update({int(k): v for k, v in d["documents_by_input"].items()})
+        self.skipped_by_input.update({int(k): v for k, v in d["skipped_by_input"].items()})
+        self.skipped.update(d["skipped"])
+        room = MAX_SKIP_RECORDS - len(self.skip_records)
+        self.skip_records.extend(d["skip_records"][: max(0, room)])
+
+
+class ShardSink:
+    """Receives groups in order and writes them into size-limited shards."""
+
+    def __init__(
+        self,
+        output,
+        *,
+        prefix: str,
+        task: int,
+        mode: str,
+        shard_size: int,
+        shard_samples: int | None,
+        first_shard: int = 0,
+        first_group: int = 0,
+        inputs_display: dict | None = None,
+    ):
+        self.output = output
+        self.prefix = prefix
+        self.task = task
+        self.mode = mode
+        self.shard_size = shard_size
+        self.shard_samples = shard_samples
+        self.number = first_shard
+        self.group_counter = first_group
+        self.entries: list[fmt.ShardEntry] = []
+        self.inputs_display = inputs_display or {}
+        self.pending = Counters()  # documents written since the last finished shard
+        self.pending_skips: list = []  # skipped input not yet vouched for by a shard record
+        self._tar = None
+        self._file: _HashingFile | None = None
+        self._tmp_path = ""
+        self._cur: dict[str, int] = {}
+        self._lengths: list[np.ndarray] = []
+        self._position: Position | None = None
+
+    # -- writing ------------------------------------------------------------------------------
+    def write(self, group: GroupData) -> None:
+        key = fmt.group_key(self.task, self.group_counter)
+        meta = {"documents": group.documents, "provenance": fmt.provenance_runs(group.files, group.lines, group.pieces)}
+        if self.mode == "packed":
+            meta["rows"] = group.rows
+            sample = fmt.encode_group(key, group.tokens, starts=group.starts, meta=meta)
+        else:
+            sample = fmt.encode_group(key, group.tokens, lengths=group.lengths, meta=meta)
+        size = _member_bytes(sample)
+        items = group.rows if self.mode == "packed" else group.documents
+        if self._tar is not None and (
+            self._cur["bytes"] + size + 1024 > self.shard_size
+            or (self.shard_samples and self._cur["items"] + items > self.shard_samples)
+        ):
+            self.finish_shard()
+        if self._tar is None:
+            self._open()
+        self._tar.write(sample)
+        self.group_counter += 1
+        self._cur["bytes"] += size
+        self._cur["items"] += items
+        self._cur["samples"] += 1
+        self._cur["documents"] += group.documents
+        self._cur["tokens"] += len(group.tokens)
+        self._cur["rows"] += group.rows
+        self._lengths.append(np.asarray(group.doc_lengths, dtype=np.uint32))
+        for f, c in zip(*np.unique(group.files, return_counts=True)):
+            self.pending.documents_by_input[int(f)] += int(c)
+        self._position = group.position
+
+    def _open(self) -> None:
+        name = fmt.shard_name(self.prefix, self.number)
+        self._tmp_path = os.path.join(self.output.local_staging_dir(), f".{name}.tmp")
+        self._file = _HashingFile(self._tmp_path)
+        self._tar = wds.TarWriter(
+            self._file,
+            user=fmt.TAR_USER,
+            group=fmt.TAR_USER,
+            mode=fmt.TAR_MODE,
+            encoder=False,
+            mtime=fmt.TAR_MTIME,
+            format="USTAR_FORMAT",
+        )
+        self._cur = Counter(bytes=0, items=0, samples=0, documents=0, tokens=0, rows=0)
+        self._lengths = []
+
+    def add_skips(self, skips) -> None:
+        self.pending_skips.extend(skips)
+
+    def _take_skips(self, final: bool) -> None:
+        """Move skips at or before the written position into the pending counters.
+
+        Chunks are parsed ahead of the groups being written, so a skip may lie past the last
+        written document; it must then be counted by a later record, or --resume counts it twice.
+        """
+        if final or self._position is None:
+            taken, self.pending_skips = self.pending_skips, ([] if final else self.pending_skips)
+            if not final:
+                return
+        else:
+            p = (self._position.file, self._position.line)
+            taken = [s for s in self.pending_skips if (s.file_index, s.line) <= p]
+            self.pending_skips = [s for s in self.pending_skips if (s.file_index, s.line) > p]
+        self.pending.add_skips(taken, self.inputs_display)
+
+    def leftover_counters(self) -> Counters:
+        """Tallies not in any shard record (a pack with no documents at all)."""
+        self._take_skips(final=True)
+        left, self.pending = self.pending, Counters()
+        return left
+
+    def finish_shard(self, final: bool = False) -> fmt.ShardEntry | None:
+        if self._tar is None:
+            return None
+        self._take_skips(final)
+        self._tar.close()
+        self._file.close()
+        name = fmt.shard_name(self.prefix, self.number)
+        entry = fmt.ShardEntry(
+            name=name,
+            samples=self._cur["samples"],
+            documents=self._cur["documents"],
+            tokens=self._cur["tokens"],
+            bytes=self._file.size,
+            sha256=self._file.sha.hexdigest(),
+            rows=self._cur["rows"],
+        )
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.uint32)
+        # Order matters for --resume: lengths, then the shard, then the record that vouches for both.
+        self.output.put_bytes(journal_lengths_name(self.number), fmt.npy_bytes(lengths))
+        self.output.put_file(self._tmp_path, name)
+        record = {
+            "entry": asdict(entry),
+            "position": self._position.to_json() if self._position else None,
+            "next_group": self.group_counter,
+            "counters": self.pending.to_json(),
+        }
+        self.output.put_bytes(journal_record_name(self.number), json.dumps(record).encode())
+        self.entries.append(entry)
+        self._tar = None
+        self._file = None
+        self.number += 1
+        self.pending = Counters()
+        log.info("wrote %s (%d documents, %d tokens, %d bytes)", name, entry.documents, entry.tokens, entry.bytes)
+        return entry
+
+    def abort(self) -> None:
+        """Drop the unfinished shard so that nothing half-written remains."""
+        if self._tar is not None:
+            try:
+                self._tar.close()
+                self._file.close()
+            except Exception:  # noqa: BLE001 - best effort while failing
+                pass
+            self._tar = None
+        if self._tmp_path and os.path.exists(self._tmp_path):
+            os.remove(self._tmp_path)
+
+    @property
+    def current_shard_bytes(self) -> int:
+        return self._cur.get("bytes", 0) if self._tar is not None else 0
+
+
+def read_journal(output) -> list[dict]:
+    """Journal records of finished shards, in order, stopping at the first gap."""
+    numbers = sorted(
+        int(n[len(JOURNAL_PREFIX) + 6 : len(JOURNAL_PREFIX) + 12])
+        for n in output.list_names()
+        if n.startswith(JOURNAL_PREFIX + "shard-") and n.endswith(".json")
+    )
+    records = []
+    for expected, number in enumerate(numbers):
+        if number != expected:
+            break
+        data = output.get_bytes(journal_record_name(number))
+        if data is None:
+            break
+        records.append(json.loads(data))
+    return records
+
+
+def tarfile_check(path: str) -> None:
+    """Raise if a local shard cannot be listed by plain tarfile (used by tests and verify)."""
+    with tarfile.open(path) as tf:
+        tf.getmembers()
