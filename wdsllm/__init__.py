@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["dataset", "loader", "__version__"]
+__all__ = ["dataset", "loader", "Loader", "__version__"]
 
 
 def __getattr__(name: str):
@@ -15,8 +15,8 @@ def __getattr__(name: str):
         from .pipeline import dataset
 
         return dataset
-    if name == "loader":
-        from .loader import loader
+    if name in ("loader", "Loader"):
+        from . import loaders
 
-        return loader
+        return getattr(loaders, name)
     raise AttributeError(f"module 'wdsllm' has no attribute {name!r}")

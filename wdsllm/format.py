@@ -241,6 +241,7 @@ class Index:
     inputs: list[dict[str, Any]]
     skipped: dict[str, Any]
     lengths_file: dict[str, Any] | None = None
+    packed: dict[str, Any] | None = None  # packed mode: {"max_row_segments": k, "short_rows": n}
     version: int = FORMAT_VERSION
     format: str = FORMAT_NAME
     created_by: str = ""
@@ -296,6 +297,7 @@ class Index:
             "totals": self.totals(),
             "doc_lengths": self.doc_lengths,
             "lengths_file": self.lengths_file,
+            "packed": self.packed,
             "options": self.options,
             "inputs": self.inputs,
             "skipped": self.skipped,
@@ -329,6 +331,7 @@ class Index:
                 inputs=body.get("inputs", []),
                 skipped=body.get("skipped", {}),
                 lengths_file=body.get("lengths_file"),
+                packed=body.get("packed"),
                 version=version,
                 format=body["format"],
                 created_by=body.get("created_by", ""),

@@ -263,8 +263,12 @@ def pack(cfg: PackConfig, on_progress: Callable[[PackProgress], None] | None = N
         first_shard=len(records),
         first_group=next_group,
         inputs_display={i.index: i.display for i in all_inputs},
+        seq_len=cfg.seq_len,
     )
     sink.entries = list(entries)
+    if records:  # running tallies, as of the last finished shard
+        sink.max_row_segments = records[-1].get("max_row_segments", 0)
+        sink.short_rows = records[-1].get("short_rows", 0)
 
     progress = PackProgress(
         documents=sum(e.documents for e in entries),
@@ -396,6 +400,7 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, all_inputs, inputs, c
             "records_truncated": sum(v for k, v in totals.skipped.items() if k != "empty") > len(totals.skip_records),
         },
         lengths_file={"name": fmt.LENGTHS_NAME, "bytes": len(lengths_bytes), "sha256": hashlib.sha256(lengths_bytes).hexdigest()},
+        packed={"max_row_segments": sink.max_row_segments, "short_rows": sink.short_rows} if cfg.mode == "packed" else None,
         created_by=f"wdsllm {__version__}",
     )
     out.put_bytes(fmt.INDEX_NAME, index.to_json().encode())

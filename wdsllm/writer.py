@@ -119,7 +119,9 @@ class ShardSink:
         first_shard: int = 0,
         first_group: int = 0,
         inputs_display: dict | None = None,
+        seq_len: int | None = None,
     ):
+        self.seq_len = seq_len
         self.output = output
         self.prefix = prefix
         self.task = task
@@ -138,6 +140,8 @@ class ShardSink:
         self._cur: dict[str, int] = {}
         self._lengths: list[np.ndarray] = []
         self._position: Position | None = None
+        self.max_row_segments = 0  # packed mode: most documents (incl. a continuation) in one row
+        self.short_rows = 0
 
     # -- writing ------------------------------------------------------------------------------
     def write(self, group: GroupData) -> None:
@@ -166,6 +170,8 @@ class ShardSink:
         self._cur["tokens"] += len(group.tokens)
         self._cur["rows"] += group.rows
         self._lengths.append(np.asarray(group.doc_lengths, dtype=np.uint32))
+        if self.mode == "packed" and group.rows:
+            self._note_rows(group)
         for f, c in zip(*np.unique(group.files, return_counts=True)):
             self.pending.documents_by_input[int(f)] += int(c)
         self._position = group.position
@@ -185,6 +191,16 @@ class ShardSink:
         )
         self._cur = Counter(bytes=0, items=0, samples=0, documents=0, tokens=0, rows=0)
         self._lengths = []
+
+    def _note_rows(self, group: GroupData) -> None:
+        seq_len = (len(group.tokens) + group.rows - 1) // group.rows if group.rows > 1 else len(group.tokens)
+        seq_len = self.seq_len or seq_len
+        starts = np.asarray(group.starts, dtype=np.int64)
+        per_row = np.bincount(starts // seq_len, minlength=group.rows)
+        continues = np.ones(group.rows, np.int64)
+        continues[(starts[starts % seq_len == 0] // seq_len)] = 0
+        self.max_row_segments = max(self.max_row_segments, int((per_row + continues).max()))
+        self.short_rows += int(len(group.tokens) % seq_len != 0)
 
     def add_skips(self, skips) -> None:
         self.pending_skips.extend(skips)
@@ -235,6 +251,8 @@ class ShardSink:
             "entry": asdict(entry),
             "position": self._position.to_json() if self._position else None,
             "next_group": self.group_counter,
+            "max_row_segments": self.max_row_segments,
+            "short_rows": self.short_rows,
             "counters": self.pending.to_json(),
         }
         self.output.put_bytes(journal_record_name(self.number), json.dumps(record).encode())

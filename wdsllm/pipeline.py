@@ -1,0 +1,441 @@
+"""``wdsllm.dataset``: a webdataset.DataPipeline of epoch source -> worker batches -> collate.
+
+Everything a worker does in an epoch is decided by (seed, epoch, rank, worker) and the index, so
+the number of batches every (rank, worker) will produce is known before any shard is read. With
+``equal_batches`` each rank stops after the same count N, and because each worker knows how many
+of the rank's first N batches are its own (DataLoader takes them round-robin), the cap works
+inside the workers: a plain ``torch.utils.data.DataLoader`` over this pipeline also yields exactly
+N batches per rank, and no rank waits on another.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+from dataclasses import dataclass, field, replace
+from typing import Iterator
+
+import numpy as np
+import webdataset as wds
+from torch.utils.data import IterableDataset, get_worker_info
+
+from . import plan as planmod
+from .batching import Batch, FixedBatcher
+from .catalog import Catalog, open_catalog
+from .collate import CollateOptions, collate_docs, collate_rows
+from .items import ReadOptions
+from .stream import StreamSpec, StreamStats, epoch_slices, plan_items, shuffled_items, slice_item_counts, slice_item_lengths
+
+log = logging.getLogger(__name__)
+
+BATCHINGS = ("fixed",)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Loader settings that decide which batches come out (and so belong in a resume state)."""
+
+    batch_size: int = 32
+    seed: int = 0
+    shuffle: bool = True
+    shuffle_buffer: int = 10_000
+    epochs: int | None = 1  # None: stream epoch after epoch forever
+    resample: bool = False
+    steps_per_epoch: int | None = None
+    equal_batches: bool | None = None  # default: True when world_size > 1
+    drop_last: bool = False
+    max_len: int | None = None
+    max_len_mode: str = "split"
+    batching: str = "fixed"
+    pad_id: int | None = None
+    pad_to_multiple_of: int | None = None
+    boundaries: bool = False
+    max_segments: int | None = None
+
+    def check(self, catalog: Catalog) -> None:
+        if self.batch_size is None or self.batch_size < 1:
+            raise ValueError("batch_size must be a positive integer")
+        if self.max_len_mode not in ("split", "truncate"):
+            raise ValueError("max_len_mode must be 'split' or 'truncate'")
+        if self.batching not in BATCHINGS:
+            raise ValueError(f"batching must be one of {BATCHINGS}")
+        if catalog.mode == "packed" and self.max_len is not None:
+            raise ValueError("max_len applies to docs-mode datasets; packed rows have the index's seq_len")
+        if self.resample and not catalog.urls:
+            raise ValueError("resample needs at least one shard")
+
+
+def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Explicit arguments, else the initialised torch.distributed group, else RANK/WORLD_SIZE, else (0, 1)."""
+    if rank is not None or world_size is not None:
+        if rank is None or world_size is None:
+            raise ValueError("pass rank= and world_size= together")
+        r, w = int(rank), int(world_size)
+    else:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            r, w = dist.get_rank(), dist.get_world_size()
+        elif "WORLD_SIZE" in os.environ:
+            r, w = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+        else:
+            r, w = 0, 1
+    if not (0 <= r < w):
+        raise ValueError(f"rank {r} is outside world size {w}")
+    return r, w
+
+
+def make_batcher(cfg: Config):
+    return FixedBatcher(cfg.batch_size, cfg.drop_last)
+
+
+def collate_options(cfg: Config, catalog: Catalog) -> CollateOptions:
+    tok = catalog.index.tokenizer if catalog.index else None
+    pad = cfg.pad_id
+    if pad is None:
+        pad = (tok.pad_id if tok and tok.pad_id is not None else (tok.eos_id if tok and tok.eos_id is not None else 0))
+    max_seg = cfg.max_segments
+    if catalog.mode == "packed" and max_seg is None and catalog.index is not None:
+        max_seg = (catalog.index.packed or {}).get("max_row_segments") or None
+    return CollateOptions(
+        pad_id=pad,
+        pad_to_multiple_of=cfg.pad_to_multiple_of,
+        boundaries=cfg.boundaries,
+        seq_len=catalog.index.seq_len if catalog.index else None,
+        max_segments=max_seg,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Counting
+
+
+def spec_for(cfg: Config, epoch: int, rank: int, world: int, worker: int, workers: int) -> StreamSpec:
+    return StreamSpec(
+        seed=cfg.seed,
+        epoch=epoch,
+        rank=rank,
+        world=world,
+        worker=worker,
+        workers=workers,
+        shuffle=cfg.shuffle,
+        shuffle_buffer=cfg.shuffle_buffer if cfg.shuffle else 0,
+        max_len=cfg.max_len,
+        max_len_mode=cfg.max_len_mode,
+        resample=cfg.resample,
+    )
+
+
+def worker_batch_count(catalog: Catalog, cfg: Config, spec: StreamSpec) -> int | None:
+    """Batches (rank, worker) yields in the epoch, from the index alone; None if unknown."""
+    slices = epoch_slices(catalog, spec)
+    batcher = make_batcher(cfg)
+    counts = slice_item_counts(catalog, slices, spec)
+    if counts is None:
+        return None
+    needs_lengths = getattr(batcher, "needs_lengths", False)
+    lengths = slice_item_lengths(catalog, slices, spec) if needs_lengths else None
+    return batcher.count(int(sum(counts)), lengths)
+
+
+def batch_counts(catalog: Catalog, cfg: Config, epoch: int, world: int, workers: int) -> np.ndarray | None:
+    """[world, workers] batch counts for a finite epoch, or None when the index cannot say."""
+    out = np.zeros((world, max(1, workers)), np.int64)
+    for r in range(world):
+        for w in range(max(1, workers)):
+            c = worker_batch_count(catalog, cfg, spec_for(cfg, epoch, r, world, w, max(1, workers)))
+            if c is None:
+                return None
+            out[r, w] = c
+    return out
+
+
+def round_robin_share(counts: np.ndarray, total: int) -> np.ndarray:
+    """How many of the first ``total`` batches, taken round-robin over workers that still have
+    batches (DataLoader's order), come from each worker."""
+    counts = np.asarray(counts, np.int64)
+    if total >= counts.sum():
+        return counts.copy()
+    lo, hi = 0, int(counts.max())
+    while lo < hi:  # the most full rounds that fit
+        mid = (lo + hi + 1) // 2
+        if np.minimum(counts, mid).sum() <= total:
+            lo = mid
+        else:
+            hi = mid - 1
+    share = np.minimum(counts, lo)
+    rest = total - int(share.sum())
+    for w in np.nonzero(counts > lo)[0][:rest]:
+        share[w] += 1
+    return share
+
+
+@dataclass
+class EpochLimits:
+    """The equal-batches decision for one epoch."""
+
+    per_rank: int  # batches every rank yields
+    per_worker: np.ndarray  # [workers] of this rank's share
+    dropped_batches: int  # this rank's batches beyond per_rank
+    dropped_items: int | None = None
+
+
+def epoch_limits(catalog: Catalog, cfg: Config, epoch: int, rank: int, world: int, workers: int) -> EpochLimits | None:
+    counts = batch_counts(catalog, cfg, epoch, world, workers)
+    if counts is None:
+        return None
+    per_rank = int(counts.sum(axis=1).min())
+    mine = counts[rank]
+    share = round_robin_share(mine, per_rank)
+    return EpochLimits(per_rank=per_rank, per_worker=share, dropped_batches=int(mine.sum()) - per_rank)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stages
+
+
+@dataclass
+class EpochTask:
+    """What a worker streams: one epoch of its plan, possibly resuming and possibly capped."""
+
+    spec: StreamSpec
+    first_batch: int = 0
+    limit: int | None = None  # batches this worker may yield this epoch
+    infinite_epochs: bool = False
+
+
+@dataclass
+class EndOfWorker:
+    """Marks the end of a worker's batches (the loader uses it to keep the round-robin order)."""
+
+    worker: int
+    epoch: int
+
+
+class EpochSource(IterableDataset):
+    """First stage: knows the rank, finds its worker, reads the current epoch, emits EpochTasks.
+
+    The epoch lives in shared memory so that ``set_epoch`` reaches persistent DataLoader workers.
+    """
+
+    def __init__(self, catalog: Catalog, cfg: Config, rank: int, world: int):
+        super().__init__()
+        self.catalog = catalog
+        self.cfg = cfg
+        self.rank = rank
+        self.world = world
+        self._epoch = mp.get_context().Value("q", 0, lock=False)
+        self.resume: dict[int, tuple[int, int]] = {}  # worker -> (epoch, first batch) for the next iteration
+        self.end_marker = False
+        self._limits_cache: dict = {}
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch.value)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch.value = int(epoch)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_limits_cache"] = {}
+        return state
+
+    def limits(self, epoch: int, workers: int) -> EpochLimits | None:
+        key = (epoch, workers)
+        if key not in self._limits_cache:
+            cfg = self.cfg
+            equal = cfg.equal_batches if cfg.equal_batches is not None else self.world > 1
+            finite = cfg.epochs is not None and not cfg.resample and cfg.steps_per_epoch is None
+            limits = None
+            if finite and equal:
+                limits = epoch_limits(self.catalog, cfg, epoch, self.rank, self.world, workers)
+                if limits is None:
+                    log.warning("equal_batches needs an index with counts; ranks may yield different numbers of batches")
+            self._limits_cache = {key: limits}
+        return self._limits_cache[key]
+
+    def __iter__(self) -> Iterator[EpochTask]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        cfg = self.cfg
+        epoch = self.epoch
+        first_batch = 0
+        if worker in self.resume:
+            epoch, first_batch = self.resume[worker]
+        infinite = cfg.epochs is None or cfg.steps_per_epoch is not None
+        while True:
+            spec = spec_for(cfg, epoch, self.rank, self.world, worker, workers)
+            limits = self.limits(epoch, workers)
+            limit = int(limits.per_worker[worker]) if limits is not None else None
+            yield EpochTask(spec=spec, first_batch=first_batch, limit=limit, infinite_epochs=infinite)
+            if not infinite:
+                break
+            epoch += 1
+            first_batch = 0
+
+
+def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, read: ReadOptions, end_marker: bool) -> Iterator:
+    """Second stage: read, shuffle and batch each task's stream (runs inside a worker)."""
+    batcher = make_batcher(cfg)
+    last = None
+    for task in tasks:
+        spec = task.spec
+        last = spec
+        if task.limit is not None and task.first_batch >= task.limit:
+            continue
+        stats = StreamStats()
+        if spec.resample:
+            slices = _resampled_slices(catalog, spec)
+        else:
+            slices = epoch_slices(catalog, spec)
+        lengths = None
+        if getattr(batcher, "needs_lengths", False):
+            lengths = slice_item_lengths(catalog, slices, spec)
+        start = batcher.start_position(task.first_batch, lengths)
+
+        def blocks_from(position: int, slices=slices, spec=spec, stats=stats):
+            return plan_items(catalog, slices, spec, start=position, options=read, stats=stats)
+
+        shuffled = shuffled_items(blocks_from, spec, start=start)
+        for index, items in batcher.batches(shuffled, task.first_batch):
+            if task.limit is not None and index >= task.limit:
+                break
+            yield Batch(
+                items=items.compact(),
+                index=index,
+                epoch=spec.epoch,
+                worker=spec.worker,
+                state={"epoch": spec.epoch, "batches": index + 1},
+                stats={"truncated_tokens": stats.truncated_tokens},
+            )
+            stats.truncated_tokens = 0
+    if end_marker and last is not None:
+        yield EndOfWorker(worker=last.worker, epoch=last.epoch)
+
+
+def _bundle(batches: Iterator, max_batches: int, max_tokens: int) -> Iterator[list]:
+    """Lists of consecutive batches: one DataLoader message per list instead of per batch.
+
+    DataLoader's per-message cost (queues, pickling threads, wake-ups) is several hundred
+    microseconds; a bundle amortises it. The first bundle holds one batch so the first batch
+    arrives as soon as it is made.
+    """
+    bundle: list = []
+    tokens = 0
+    limit = 1
+    for batch in batches:
+        bundle.append(batch)
+        tokens += batch.items.n_tokens if isinstance(batch, Batch) else 0
+        if len(bundle) >= limit or tokens >= max_tokens:
+            yield bundle
+            bundle, tokens, limit = [], 0, max_batches
+    if bundle:
+        yield bundle
+
+
+def _resampled_slices(catalog: Catalog, spec: StreamSpec):
+    """An endless with-replacement stream of whole shards for (rank, worker)."""
+    drawn = 0
+    while True:
+        for shard in planmod.resampled_shards(
+            len(catalog.urls), seed=spec.seed, epoch=spec.epoch, rank=spec.rank, worker=spec.worker, start=drawn, count=256
+        ):
+            yield planmod.Slice(int(shard))
+        drawn += 256
+
+
+def _collate(batches: Iterator, catalog: Catalog, opts: CollateOptions) -> Iterator[dict]:
+    """Third stage: compact batches to dicts of tensors."""
+    fn = collate_rows if catalog.mode == "packed" else collate_docs
+    for batch in batches:
+        if isinstance(batch, EndOfWorker):
+            continue
+        out = fn(batch.items, opts)
+        out["epoch"] = batch.epoch
+        yield out
+
+
+class WdsPipeline(wds.DataPipeline):
+    """A webdataset.DataPipeline that also exposes ``set_epoch`` and what the loader needs."""
+
+    source: EpochSource
+
+    def set_epoch(self, epoch: int) -> None:
+        self.source.set_epoch(epoch)
+
+
+def build_pipeline(
+    catalog: Catalog, cfg: Config, rank: int, world: int, read: ReadOptions, *, collate: bool, end_marker: bool, bundle: int = 0
+) -> WdsPipeline:
+    cfg.check(catalog)
+    source = EpochSource(catalog, cfg, rank, world)
+    stages = [source, wds.filters.pipelinefilter(_epoch_batches)(catalog, cfg, read, end_marker)]
+    if bundle:
+        stages.append(wds.filters.pipelinefilter(_bundle)(bundle, 1 << 20))
+    if collate:
+        stages.append(wds.filters.pipelinefilter(_collate)(catalog, collate_options(cfg, catalog)))
+    pipe = WdsPipeline(*stages)
+    pipe.source = source
+    pipe.catalog = catalog
+    pipe.cfg = cfg
+    return pipe
+
+
+def dataset(
+    source,
+    *,
+    batch_size: int = 32,
+    seed: int = 0,
+    shuffle: bool = True,
+    shuffle_buffer: int = 10_000,
+    epochs: int | None = 1,
+    resample: bool = False,
+    steps_per_epoch: int | None = None,
+    equal_batches: bool | None = None,
+    drop_last: bool = False,
+    max_len: int | None = None,
+    max_len_mode: str = "split",
+    batching: str = "fixed",
+    pad_id: int | None = None,
+    pad_to_multiple_of: int | None = None,
+    boundaries: bool = False,
+    max_segments: int | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    retry=None,
+    cache_dir: str | None = None,
+    cache_size: int = 64 << 30,
+    on_error: str = "raise",
+) -> WdsPipeline:
+    """A webdataset.DataPipeline that yields collated batches (dicts of tensors).
+
+    ``source`` is a dataset directory or URL holding index.json, the URL of an index.json, or
+    shard URLs / brace patterns. See docs/loader.md for every option and guarantee.
+    """
+    from . import storage
+
+    catalog = open_catalog(source)
+    r, w = resolve_world(rank, world_size)
+    cfg = Config(
+        batch_size=batch_size,
+        seed=seed,
+        shuffle=shuffle,
+        shuffle_buffer=shuffle_buffer,
+        epochs=epochs,
+        resample=resample,
+        steps_per_epoch=steps_per_epoch,
+        equal_batches=equal_batches,
+        drop_last=drop_last,
+        max_len=max_len,
+        max_len_mode=max_len_mode,
+        batching=batching,
+        pad_id=pad_id,
+        pad_to_multiple_of=pad_to_multiple_of,
+        boundaries=boundaries,
+        max_segments=max_segments,
+    )
+    cache = storage.ShardCache(cache_dir, cache_size) if cache_dir else None
+    read = ReadOptions(retry=retry, cache=cache, on_error=on_error)
+    return build_pipeline(catalog, cfg, r, w, read, collate=True, end_marker=False)

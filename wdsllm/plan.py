@@ -1,0 +1,133 @@
+"""The epoch plan: which shards, or parts of shards, each rank and worker reads.
+
+Randomness comes only from (seed, epoch) for the shard order, shared by every rank and worker,
+and from (seed, epoch, rank, worker, ...) for per-worker streams (see ``rng``). The order is split
+by rank first and then by worker. With an index the split is by items (documents or rows), so
+every consumer gets the same count to within one, and shards are cut below shard level whenever
+a boundary falls inside one; without an index whole shards are dealt out, and when there are
+fewer shards than consumers a shard's items are dealt out by stride.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+# Independent random streams: the same (seed, epoch) never feeds two different decisions.
+STREAM_SHARD_ORDER = 1
+STREAM_SAMPLE_SHUFFLE = 2
+STREAM_BATCH_ORDER = 3
+STREAM_RESAMPLE = 4
+STREAM_PACK = 5
+_MASK = (1 << 63) - 1
+
+
+def rng(seed: int, *key: int) -> np.random.Generator:
+    """A generator determined by the seed and the key alone (never by pid, time or urandom)."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed) & _MASK, *[int(k) & _MASK for k in key]])))
+
+
+def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    if not shuffle:
+        return np.arange(n_shards)
+    return rng(seed, STREAM_SHARD_ORDER, epoch).permutation(n_shards)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Items [start, stop) of one shard, every ``stride``-th one from ``start`` (stop None: to the end)."""
+
+    shard: int
+    start: int = 0
+    stop: int | None = None
+    stride: int = 1
+
+    @property
+    def count(self) -> int | None:
+        if self.stop is None:
+            return None
+        return max(0, (self.stop - self.start + self.stride - 1) // self.stride)
+
+
+def split_range(total: int, parts: int, i: int) -> tuple[int, int]:
+    """The i-th of ``parts`` contiguous ranges of [0, total), sizes differing by at most one."""
+    return total * i // parts, total * (i + 1) // parts
+
+
+def plan_epoch(
+    items_per_shard: Sequence[int] | None,
+    n_shards: int,
+    *,
+    seed: int,
+    epoch: int,
+    rank: int,
+    world: int,
+    worker: int,
+    workers: int,
+    shuffle: bool = True,
+) -> list[Slice]:
+    """The slices that (rank, worker) reads in this epoch, in reading order."""
+    order = shard_order(n_shards, seed, epoch, shuffle)
+    if items_per_shard is not None:
+        counts = np.asarray(items_per_shard, dtype=np.int64)[order]
+        ends = np.cumsum(counts)
+        total = int(ends[-1]) if len(ends) else 0
+        ra, rb = split_range(total, world, rank)
+        wa, wb = split_range(rb - ra, workers, worker)
+        return slices_of_range(order, counts, ends, ra + wa, ra + wb)
+    consumers = world * workers
+    if n_shards >= world:
+        mine = order[rank::world]
+        if len(mine) >= workers:
+            return [Slice(int(s)) for s in mine[worker::workers]]
+        # This rank has fewer shards than workers: share them by stride.
+        return _stride_share(mine, workers, worker)
+    consumer = rank * workers + worker
+    return _stride_share(order, consumers, consumer)
+
+
+def _stride_share(shards: np.ndarray, consumers: int, consumer: int) -> list[Slice]:
+    n = len(shards)
+    if n == 0:
+        return []
+    j = consumer % n
+    sharing = len(range(j, consumers, n))
+    return [Slice(int(shards[j]), start=consumer // n, stop=None, stride=sharing)]
+
+
+def slices_of_range(order: np.ndarray, counts: np.ndarray, ends: np.ndarray, a: int, b: int) -> list[Slice]:
+    """Slices covering items [a, b) of the shards concatenated in ``order``."""
+    out = []
+    if b <= a:
+        return out
+    i = int(np.searchsorted(ends, a, side="right"))
+    while i < len(order) and a < b:
+        shard_start = int(ends[i] - counts[i])
+        lo = a - shard_start
+        hi = min(b, int(ends[i])) - shard_start
+        if hi > lo:
+            out.append(Slice(int(order[i]), lo, hi))
+        a = shard_start + hi
+        i += 1
+    return out
+
+
+def resampled_shards(n_shards: int, *, seed: int, epoch: int, rank: int, worker: int, start: int, count: int) -> np.ndarray:
+    """Shard draws ``start .. start+count-1`` of a with-replacement stream for (rank, worker).
+
+    Draws come in blocks of 1024 with their own generator, so any draw can be recomputed without
+    replaying the ones before it (resumption).
+    """
+    out = np.empty(count, np.int64)
+    filled = 0
+    pos = start
+    while filled < count:
+        block, within = divmod(pos, 1024)
+        draws = rng(seed, STREAM_RESAMPLE, epoch, rank, worker, block).integers(0, n_shards, 1024)
+        take = min(1024 - within, count - filled)
+        out[filled : filled + take] = draws[within : within + take]
+        filled += take
+        pos += take
+    return out

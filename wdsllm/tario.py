@@ -1,0 +1,180 @@
+"""Reading shards: a small USTAR reader that yields decoded groups with their byte offsets.
+
+``tarfile`` costs tens of microseconds per member and cannot skip a member without reading it
+from a stream; this reader parses the 512-byte headers itself, seeks over unwanted members when
+the stream is seekable, and reports the byte offset of every sample so that errors can name it.
+It reads any USTAR/GNU tar that holds regular files; wdsllm writes only USTAR.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator
+
+from . import format as fmt
+
+BLOCK = 512
+
+
+class ShardError(fmt.FormatError):
+    """A shard is truncated or malformed; the message names the shard and the byte offset."""
+
+
+@dataclass
+class RawSample:
+    key: str
+    offset: int  # byte offset of the sample's first member header in the shard
+    members: dict  # suffix -> bytes (suffixes not wanted are absent)
+    meta: dict
+
+
+def _octal(field: bytes, where: str) -> int:
+    field = field.rstrip(b"\0 ").lstrip(b" ")
+    if not field:
+        return 0
+    if field[0] & 0x80:  # GNU base-256 for large sizes
+        return int.from_bytes(field, "big") & ~(0x80 << (8 * (len(field) - 1)))
+    try:
+        return int(field, 8)
+    except ValueError:
+        raise ShardError(f"{where}: bad number {field!r} in tar header") from None
+
+
+def _read_exact(stream: BinaryIO, n: int, where: str, offset: int) -> bytes:
+    data = stream.read(n)
+    if len(data) != n:
+        if not isinstance(data, bytes):
+            data = bytes(data or b"")
+        # BufferedReader may return short reads only at EOF; loop for raw streams.
+        parts = [data]
+        got = len(data)
+        while got < n:
+            more = stream.read(n - got)
+            if not more:
+                raise ShardError(f"{where}: truncated at byte {offset + got} (wanted {n} bytes of a member at {offset})")
+            parts.append(more)
+            got += len(more)
+        data = b"".join(parts)
+    return data
+
+
+def _skip(stream: BinaryIO, n: int, seekable: bool, where: str, offset: int) -> None:
+    if n <= 0:
+        return
+    if seekable:
+        stream.seek(n, 1)
+        return
+    while n > 0:
+        chunk = stream.read(min(n, 1 << 20))
+        if not chunk:
+            raise ShardError(f"{where}: truncated at byte {offset} while skipping")
+        n -= len(chunk)
+        offset += len(chunk)
+
+
+def iter_members(stream: BinaryIO, where: str, base_offset: int = 0, verify_checksums: bool = False) -> Iterator[tuple[str, int, int]]:
+    """(name, header offset, size) of each regular file; the caller reads or skips its data.
+
+    The caller must consume exactly ``size`` bytes (read or :func:`skip_data`) before resuming.
+    """
+    offset = base_offset
+    while True:
+        header = stream.read(BLOCK)
+        if not header:
+            raise ShardError(f"{where}: truncated at byte {offset}: missing the end-of-archive blocks")
+        if len(header) < BLOCK:
+            header += _read_exact(stream, BLOCK - len(header), where, offset + len(header))
+        if header == b"\0" * BLOCK:
+            return
+        if verify_checksums:
+            stored = _octal(header[148:156], where)
+            computed = sum(header[:148]) + 8 * 32 + sum(header[156:])
+            if stored != computed:
+                raise ShardError(f"{where}: bad tar header checksum at byte {offset}")
+        name = header[:100].split(b"\0", 1)[0]
+        prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
+        if prefix:
+            name = prefix + b"/" + name
+        size = _octal(header[124:136], where)
+        typeflag = header[156:157]
+        padded = (size + BLOCK - 1) // BLOCK * BLOCK
+        if typeflag in (b"0", b"\0", b"7"):
+            yield name.decode("utf-8", "replace"), offset, size
+            offset += BLOCK + padded
+            pad = padded - size
+            if pad:
+                _read_exact(stream, pad, where, offset - pad)
+        else:  # directories, links, pax/GNU headers: skip the payload
+            _read_exact(stream, padded, where, offset + BLOCK) if padded else None
+            offset += BLOCK + padded
+
+
+def iter_samples(
+    stream: BinaryIO,
+    where: str,
+    *,
+    wanted=None,
+    base_offset: int = 0,
+    verify_checksums: bool = False,
+) -> Iterator[RawSample]:
+    """Samples (members grouped by key) with their offsets.
+
+    ``wanted(meta) -> bool`` is called with the sample's JSON metadata, which wdsllm writes as
+    the first member; members of an unwanted sample are skipped without being read (seeked over
+    when the stream allows it).
+    """
+    seekable = bool(getattr(stream, "seekable", lambda: False)())
+    current: RawSample | None = None
+    skipping_key = None
+    members = iter_members(stream, where, base_offset, verify_checksums)
+    for name, offset, size in members:
+        slash = name.rfind("/")
+        dot = name.find(".", slash + 1)
+        if dot < 0:
+            _skip(stream, size, seekable, where, offset + BLOCK)
+            continue
+        key, suffix = name[:dot], name[dot + 1 :]
+        if key == skipping_key:
+            _skip(stream, size, seekable, where, offset + BLOCK)
+            continue
+        if current is None or key != current.key:
+            if current is not None:
+                yield current
+            current = RawSample(key, offset, {}, {})
+            skipping_key = None
+        data = _read_exact(stream, size, where, offset + BLOCK)
+        if suffix == fmt.META:
+            try:
+                current.meta = json.loads(data)
+            except ValueError as exc:
+                raise ShardError(f"{where}: sample {key} at byte {offset}: bad JSON metadata: {exc}") from None
+            if wanted is not None and not wanted(current.meta):
+                skipping_key, current = key, None
+                continue
+        current.members[suffix] = data
+    if current is not None:
+        yield current
+
+
+def decode_sample(raw: RawSample, where: str) -> fmt.Group:
+    """The sample as a Group; a format error names the shard and the byte offset."""
+    sample = dict(raw.members)
+    sample["__key__"] = raw.key
+    try:
+        group = fmt.decode_group(sample, f"{where} @{raw.offset}")
+    except fmt.FormatError:
+        raise
+    group.meta = raw.meta
+    return group
+
+
+def iter_groups(stream: BinaryIO, where: str, **kw) -> Iterator[tuple[int, fmt.Group]]:
+    """(offset, Group) for each sample of a wdsllm shard."""
+    for raw in iter_samples(stream, where, **kw):
+        yield raw.offset, decode_sample(raw, where)
+
+
+def group_items(meta: dict) -> int:
+    """Items (documents, or rows in packed mode) a group holds, from its metadata alone."""
+    return int(meta["rows"]) if "rows" in meta else int(meta["documents"])
