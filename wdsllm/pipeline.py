@@ -259,6 +259,10 @@ class EpochSource(IterableDataset):
     def __iter__(self) -> Iterator[EpochTask]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return self.tasks(worker, workers)
+
+    def tasks(self, worker: int, workers: int) -> Iterator[EpochTask]:
+        """The tasks of DataLoader worker ``worker`` of ``workers`` (what ``__iter__`` yields there)."""
         cfg = self.cfg
         epoch = self.epoch
         first_batch = 0
@@ -364,6 +368,17 @@ class WdsPipeline(wds.DataPipeline):
 
     def set_epoch(self, epoch: int) -> None:
         self.source.set_epoch(epoch)
+
+    def worker_iter(self, worker: int, workers: int) -> Iterator:
+        """What DataLoader worker ``worker`` of ``workers`` would yield, run in this process.
+
+        Lets tests and tools check distribution semantics for any rank x worker layout in one
+        process (ranks are explicit; workers are simulated here).
+        """
+        source = self.invoke(lambda: self.source.tasks(worker, workers))
+        for step in self.pipeline[1:]:
+            source = self.invoke(step, source)
+        return source
 
 
 def build_pipeline(

@@ -1,0 +1,289 @@
+"""The loader's distribution guarantees (issue #3), as property tests over layouts and shard sets.
+
+Ranks are explicit and DataLoader workers are simulated in one process with
+``WdsPipeline.worker_iter`` (what worker w of W yields); separate tests run real DataLoader
+workers and real torch.distributed processes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import wdsllm
+from synth import write_dataset
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+shard_sizes = st.lists(st.integers(min_value=0, max_value=30), min_size=1, max_size=17)
+worlds = st.integers(min_value=1, max_value=4)
+workers_ = st.integers(min_value=0, max_value=3)
+buffers = st.sampled_from([0, 1, 7, 50])
+
+
+def _ids(batch: dict) -> list[int]:
+    if "rows" in batch:
+        return batch["rows"].tolist()
+    return batch["docs"][:, 0].tolist()
+
+
+def run_layout(source, world: int, workers: int, epoch: int = 0, **options) -> dict[tuple[int, int], list[dict]]:
+    """Batches of every (rank, worker) for one epoch."""
+    out = {}
+    n = max(1, workers)
+    for rank in range(world):
+        pipe = wdsllm.dataset(source, rank=rank, world_size=world, **options)
+        pipe.set_epoch(epoch)
+        for w in range(n):
+            out[(rank, w)] = list(pipe.worker_iter(w, n))
+    return out
+
+
+def check_contents(batches: list[dict], expect: dict) -> None:
+    for b in batches:
+        ids = _ids(b)
+        for i, item in enumerate(ids):
+            n = int(b["attention_mask"][i].sum())
+            got = b["input_ids"][i, :n].numpy()
+            assert np.array_equal(got, expect[item].astype(np.int64)), f"item {item} content differs"
+
+
+def _source(root: Path, with_index: bool):
+    if with_index:
+        return str(root)
+    return str(root) + "/shard-{000000..%06d}.tar" % (len(list(root.glob("*.tar"))) - 1)
+
+
+@SETTINGS
+@given(sizes=shard_sizes, world=worlds, workers=workers_, buffer=buffers, seed=st.integers(0, 2**31), epoch=st.integers(0, 5),
+       with_index=st.booleans(), batch=st.integers(1, 8))
+def test_every_document_once_per_epoch(sizes, world, workers, buffer, seed, epoch, with_index, batch):
+    with tempfile.TemporaryDirectory() as tmp:
+        info = write_dataset(tmp, sizes, seed=seed % 1000, write_index=with_index)
+        layout = run_layout(_source(Path(tmp), with_index), world, workers, epoch, batch_size=batch, seed=seed,
+                            shuffle_buffer=buffer, equal_batches=False)
+        pipe_epoch = {k: v for k, v in layout.items()}
+        seen = Counter(i for batches in pipe_epoch.values() for b in batches for i in _ids(b))
+        assert set(seen) == set(info["expect"]), "some documents were not yielded"
+        assert all(c == 1 for c in seen.values()), "a document was yielded twice"
+        for batches in layout.values():
+            check_contents(batches, info["expect"])
+        if with_index:
+            # Counts differ by at most one document between consumers: no worker is left empty
+            # while another has many.
+            per = [sum(len(_ids(b)) for b in v) for v in layout.values()]
+            assert max(per) - min(per) <= 1
+
+
+@SETTINGS
+@given(rows=st.lists(st.integers(min_value=0, max_value=12), min_size=1, max_size=9), world=worlds, workers=workers_,
+       buffer=buffers, seed=st.integers(0, 1000))
+def test_every_row_once_per_epoch_packed(rows, world, workers, buffer, seed):
+    if sum(rows) == 0:
+        rows[0] = 1
+    with tempfile.TemporaryDirectory() as tmp:
+        info = write_dataset(tmp, rows, mode="packed", seq_len=16, seed=seed)
+        layout = run_layout(tmp, world, workers, batch_size=3, seed=seed, shuffle_buffer=buffer, equal_batches=False)
+        seen = Counter(i for batches in layout.values() for b in batches for i in _ids(b))
+        assert set(seen) == set(info["expect"]) and all(c == 1 for c in seen.values())
+        for batches in layout.values():
+            for b in batches:
+                for i, row in enumerate(_ids(b)):
+                    want = info["expect"][row].astype(np.int64)
+                    assert np.array_equal(b["input_ids"][i, : len(want)].numpy(), want)
+                    assert bool((b["labels"][i, len(want):] == -100).all())
+
+
+@SETTINGS
+@given(sizes=shard_sizes, world=worlds, workers=workers_, seed=st.integers(0, 2**31))
+def test_plan_is_shared_and_split_by_rank_then_worker(sizes, world, workers, seed):
+    """With a buffer of 0 the items follow the plan: the epoch's shard order (same on every
+    consumer) cut into contiguous rank ranges, each cut into worker ranges."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_dataset(tmp, sizes)
+        layout = run_layout(tmp, world, workers, batch_size=4, seed=seed, shuffle_buffer=0, equal_batches=False)
+        n = max(1, workers)
+        sequence = [i for r in range(world) for w in range(n) for b in layout[(r, w)] for i in _ids(b)]
+        order = wdsllm.plan.shard_order(len(sizes), seed, 0)
+        expected = [(int(s) << 32) | j for s in order for j in range(sizes[s])]
+        assert sequence == expected
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31), buffer=buffers)
+def test_epoch_order_depends_on_seed_and_epoch_only(seed, buffer, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ds")
+    write_dataset(tmp, [9, 4, 11, 7, 3])
+
+    def order(epoch: int, rank: int = 0, world: int = 2) -> list[int]:
+        pipe = wdsllm.dataset(str(tmp), batch_size=5, seed=seed, shuffle_buffer=buffer, rank=rank, world_size=world)
+        pipe.set_epoch(epoch)
+        return [i for b in pipe.worker_iter(0, 2) for i in _ids(b)]
+
+    assert order(3) == order(3), "the same epoch must give the same order after a restart"
+    assert len({tuple(order(e)) for e in range(6)}) > 1, "epochs must reshuffle"
+
+
+def test_shuffle_buffer_is_seeded_per_worker(tmp_path):
+    write_dataset(tmp_path, [40, 40])
+
+    def order(**kw) -> list[int]:
+        return [i for b in wdsllm.dataset(str(tmp_path), batch_size=8, **kw).worker_iter(0, 1) for i in _ids(b)]
+
+    a = order(seed=1, shuffle_buffer=20)
+    assert a == order(seed=1, shuffle_buffer=20)
+    assert sorted(a) == sorted(set(a))
+    plain = order(seed=1, shuffle_buffer=0)
+    shard_first = int(wdsllm.plan.shard_order(2, 1, 0)[0])
+    assert plain == [(s << 32) | j for s in (shard_first, 1 - shard_first) for j in range(40)], "a buffer of 0 follows the plan"
+    assert order(seed=1, shuffle=False, shuffle_buffer=20) == sorted(plain), "shuffle=False reads in index order"
+    assert a != plain
+    # Within each buffer of 20 the items are a permutation of that buffer's items.
+    for k in range(0, 80, 20):
+        assert sorted(a[k : k + 20]) == plain[k : k + 20]
+    assert order(seed=2, shuffle_buffer=20) != a
+
+
+@SETTINGS
+@given(sizes=shard_sizes, world=st.integers(2, 4), workers=workers_, batch=st.integers(1, 6), seed=st.integers(0, 1000))
+def test_equal_batches_per_rank(sizes, world, workers, batch, seed):
+    with tempfile.TemporaryDirectory() as tmp:
+        info = write_dataset(tmp, sizes)
+        layout = run_layout(tmp, world, workers, batch_size=batch, seed=seed, shuffle_buffer=7)
+        per_rank = [sum(len(layout[(r, w)]) for w in range(max(1, workers))) for r in range(world)]
+        assert len(set(per_rank)) == 1, per_rank
+        # Nothing is duplicated; what is missing is exactly what the ranks report as dropped.
+        seen = Counter(i for v in layout.values() for b in v for i in _ids(b))
+        assert all(c == 1 for c in seen.values())
+        full = run_layout(tmp, world, workers, batch_size=batch, seed=seed, shuffle_buffer=7, equal_batches=False)
+        full_per_rank = [sum(len(full[(r, w)]) for w in range(max(1, workers))) for r in range(world)]
+        dropped = 0
+        for r in range(world):
+            loader = wdsllm.loader(tmp, batch_size=batch, seed=seed, shuffle_buffer=7, rank=r, world_size=world, num_workers=workers)
+            assert len(loader) == per_rank[r]
+            loader.limits = loader.source.limits(0, max(1, workers))
+            assert loader.limits.dropped_batches == full_per_rank[r] - per_rank[r]
+            dropped += loader.limits.dropped_batches
+        assert len(seen) <= len(info["expect"])
+
+
+def test_batch_count_is_known_before_reading_any_shard(tmp_path):
+    write_dataset(tmp_path, [13, 5, 22])
+    for shard in tmp_path.glob("*.tar"):
+        shard.unlink()
+    counts = [len(wdsllm.loader(str(tmp_path), batch_size=4, rank=r, world_size=3, num_workers=2)) for r in range(3)]
+    assert len(set(counts)) == 1 and counts[0] > 0
+
+
+def test_fewer_shards_than_consumers(tmp_path):
+    """One shard, 4 ranks x 3 workers: the shard is split below shard level; every worker gets
+    items, none raises or hangs."""
+    info = write_dataset(tmp_path, [30])
+    layout = run_layout(str(tmp_path), 4, 3, batch_size=2, equal_batches=False)
+    assert all(len(v) > 0 for v in layout.values())
+    seen = Counter(i for v in layout.values() for b in v for i in _ids(b))
+    assert set(seen) == set(info["expect"]) and max(seen.values()) == 1
+    # Without an index the shard is dealt out by stride.
+    layout = run_layout(str(tmp_path / "shard-000000.tar"), 4, 3, batch_size=2, equal_batches=False)
+    seen = Counter(i for v in layout.values() for b in v for i in _ids(b))
+    assert set(seen) == set(info["expect"]) and max(seen.values()) == 1
+
+
+def test_infinite_stream_covers_every_document_each_pass(tmp_path):
+    info = write_dataset(tmp_path, [11, 6, 17])
+    world, workers = 2, 2
+    by_epoch: dict[int, Counter] = {}
+    orders = {}
+    for rank in range(world):
+        pipe = wdsllm.dataset(str(tmp_path), batch_size=3, epochs=None, rank=rank, world_size=world, shuffle_buffer=5)
+        for w in range(workers):
+            for b in pipe.worker_iter(w, workers):
+                if b["epoch"] >= 3:
+                    break
+                by_epoch.setdefault(b["epoch"], Counter()).update(_ids(b))
+                orders.setdefault(b["epoch"], []).extend(_ids(b))
+    for epoch in range(3):
+        assert set(by_epoch[epoch]) == set(info["expect"]) and max(by_epoch[epoch].values()) == 1
+    assert orders[0] != orders[1] != orders[2]
+
+
+def test_resample_is_deterministic_per_rank_and_worker(tmp_path):
+    write_dataset(tmp_path, [5, 9, 3, 8])
+
+    def draw(rank, worker, epoch=0, n=12):
+        pipe = wdsllm.dataset(str(tmp_path), batch_size=4, resample=True, rank=rank, world_size=2, seed=5)
+        pipe.set_epoch(epoch)
+        out = []
+        for b in pipe.worker_iter(worker, 2):
+            out.extend(_ids(b))
+            if len(out) >= n:
+                return out[:n]
+
+    assert draw(0, 1) == draw(0, 1)
+    assert draw(0, 1) != draw(1, 1) or draw(0, 0) != draw(0, 1)
+    assert draw(0, 1, epoch=1) != draw(0, 1, epoch=0)
+
+
+def test_steps_per_epoch_gives_a_fixed_length(tmp_path):
+    write_dataset(tmp_path, [7, 7])
+    loader = wdsllm.loader(str(tmp_path), batch_size=4, steps_per_epoch=5, shuffle_buffer=3)
+    assert len(loader) == 5
+    runs = [[_ids(b) for b in loader] for _ in range(3)]
+    assert all(len(r) == 5 for r in runs)
+    # The stream continues across loops rather than restarting.
+    once = [_ids(b) for b in wdsllm.loader(str(tmp_path), batch_size=4, steps_per_epoch=15, shuffle_buffer=3)]
+    assert [b for r in runs for b in r] == once
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_set_epoch_reaches_dataloader_workers(tmp_path, persistent):
+    info = write_dataset(tmp_path, [20, 13, 9, 17])
+    loader = wdsllm.loader(str(tmp_path), batch_size=4, num_workers=2, persistent_workers=persistent, shuffle_buffer=6)
+    epochs = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        ids = [i for b in loader for i in _ids(b)]
+        assert sorted(ids) == sorted(info["expect"])
+        epochs.append(ids)
+    assert epochs[0] != epochs[1] != epochs[2]
+    fresh = wdsllm.loader(str(tmp_path), batch_size=4, num_workers=2, shuffle_buffer=6)
+    fresh.set_epoch(2)
+    assert [i for b in fresh for i in _ids(b)] == epochs[2], "same epoch, same order, in a fresh process state"
+
+
+def test_real_workers_match_simulated_workers(tmp_path):
+    write_dataset(tmp_path, [20, 13, 9, 17, 4])
+    loader = wdsllm.loader(str(tmp_path), batch_size=3, num_workers=3, shuffle_buffer=5, seed=9)
+    real = [_ids(b) for b in loader]
+    pipe = wdsllm.dataset(str(tmp_path), batch_size=3, shuffle_buffer=5, seed=9)
+    per_worker = [[_ids(b) for b in pipe.worker_iter(w, 3)] for w in range(3)]
+    # DataLoader takes batches round-robin over the workers that still have batches.
+    expect, k = [], 0
+    while any(per_worker):
+        for w in range(3):
+            if per_worker[w]:
+                expect.append(per_worker[w].pop(0))
+    assert real == expect
+
+
+def test_no_pid_time_or_urandom(tmp_path, monkeypatch):
+    write_dataset(tmp_path, [15, 8])
+
+    def forbidden(*a, **k):
+        raise AssertionError("the data order must not depend on pid, time or os.urandom")
+
+    pipe = wdsllm.dataset(str(tmp_path), batch_size=4, shuffle_buffer=6, rank=1, world_size=2)
+    monkeypatch.setattr(os, "urandom", forbidden)
+    monkeypatch.setattr(os, "getpid", forbidden)
+    monkeypatch.setattr(time, "time", forbidden)
+    a = [_ids(b) for b in pipe.worker_iter(1, 2)]
+    monkeypatch.undo()
+    assert a == [_ids(b) for b in pipe.worker_iter(1, 2)]

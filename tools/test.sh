@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up the environment if needed, then run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup.sh
+exec .venv/bin/python -m pytest tests -q "$@"
