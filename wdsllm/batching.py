@@ -1,22 +1,37 @@
 """Batchers: turn a worker's shuffled item stream into batches, deterministically.
 
-A batcher is a pure function of the stream: batch j is fixed by the items' positions and lengths
-and the random key (seed, epoch, rank, worker). That gives three things: the number of batches
-can be computed from lengths alone, before reading (equal batches per rank); a stream can resume
-at batch j from a position (exact, cheap resumption); and no per-item Python runs.
+Every batcher is a pure function of the items' lengths and the random key (seed, epoch, rank,
+worker): which items form batch j, and in what order batches come, never depends on anything
+else. That gives three things at once:
 
-This module holds the fixed-size batcher; windowed batchers (bucket, pack, concat) follow the
-same protocol: ``count(lengths)``, ``start_position(j, lengths)``, ``batches(shuffled, j)``.
+- the number of batches can be computed from ``lengths.npy`` before any shard is read, so every
+  rank can stop at the same count (equal batches, even for token budgets);
+- a stream can be resumed at batch j by re-running the plan over lengths and reading only the
+  window(s) that batch j needs;
+- the work is numpy over index arrays, never Python per token.
+
+Batchers:
+- ``FixedBatcher``: consecutive items, ``batch_size`` per batch (random batches).
+- ``BucketBatcher``: windows of ``window`` items sorted by length (stably, so the shuffle
+  survives among equal lengths), cut into batches of a fixed size or a padded-token budget, the
+  batches of a window shuffled. The partial batch at a window's end is carried into the next
+  window (see ``_bucket_window``).
+- ``PackBatcher``: windows of documents packed into rows of ``seq_len`` by best-fit decreasing
+  (Ding et al. 2024, "Fewer Truncations Improve Language Modeling"); rows shuffled per window,
+  ``batch_size`` rows per batch.
+- ``ConcatBatcher``: the documents concatenated and cut into rows of ``seq_len`` (GPT-style).
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 
-from .items import Block, concat_blocks
+from . import plan as planmod
+from .items import Block, concat_blocks, empty_block
 
 
 @dataclass
@@ -35,8 +50,40 @@ class Batch:
     stats: dict = field(default_factory=dict)
 
 
+def round_up(n, multiple: int | None):
+    return n if not multiple else (n + multiple - 1) // multiple * multiple
+
+
+def _windows(shuffled: Iterator[tuple[int, Block]], size: int) -> Iterator[Block]:
+    """Consecutive windows of exactly ``size`` items (the last may be shorter)."""
+    pending: list[Block] = []
+    have = 0
+    for _, block in shuffled:
+        while len(block):
+            take = min(size - have, len(block))
+            pending.append(block.slice(0, take) if take < len(block) else block)
+            block = block.slice(take, len(block)) if take < len(block) else block.slice(0, 0)
+            have += take
+            if have == size:
+                yield concat_blocks(pending)
+                pending, have = [], 0
+    if have:
+        yield concat_blocks(pending)
+
+
+def _order_rng(spec, window: int) -> np.random.Generator:
+    return planmod.rng(spec.seed, planmod.STREAM_BATCH_ORDER, spec.epoch, spec.rank, spec.worker, window)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fixed-size batches
+
+
 class FixedBatcher:
     """``batch_size`` consecutive items of the shuffled stream per batch."""
+
+    needs_lengths = False
+    rows = False
 
     def __init__(self, batch_size: int, drop_last: bool = False):
         if batch_size < 1:
@@ -51,23 +98,404 @@ class FixedBatcher:
     def start_position(self, batch: int, lengths: np.ndarray | None = None) -> int:
         return batch * self.batch_size
 
-    def batches(self, shuffled: Iterator[tuple[int, Block]], first_batch: int = 0) -> Iterator[tuple[int, Block]]:
-        """(batch number, items) from batch ``first_batch`` on; the stream must start at its position."""
+    def batches(self, shuffled, first_batch: int, spec, lengths=None) -> Iterator[tuple[int, Block]]:
+        """(batch number, items) from batch ``first_batch``; ``shuffled`` starts at its position."""
         b = self.batch_size
         index = first_batch
-        pending: list[Block] = []
-        have = 0
+        pending: Block | None = None
         for _, block in shuffled:
-            if have:
-                pending.append(block)
-                block = concat_blocks(pending)
-                pending, have = [], 0
+            if pending is not None:
+                block = concat_blocks([pending, block])
+                pending = None
             full = len(block) // b
             for i in range(full):
                 yield index, block.slice(i * b, (i + 1) * b)
                 index += 1
-            rest = len(block) - full * b
-            if rest:
-                pending, have = [block.slice(full * b, len(block))], rest
-        if have and not self.drop_last:
-            yield index, concat_blocks(pending)
+            if len(block) > full * b:
+                pending = block.slice(full * b, len(block))
+        if pending is not None and len(pending) and not self.drop_last:
+            yield index, pending
+
+
+# ----------------------------------------------------------------------------------------------
+# Length bucketing
+
+
+@dataclass
+class WindowPlan:
+    """One window of the bucket plan, over ``carry + new`` items (carried first)."""
+
+    batches: list[np.ndarray]  # item indices into carry+new, in the order batches are emitted
+    carry_out: int  # how many of the new items (the longest, stably) go to the next window
+    small: int = 0  # batches emitted below size because a carried item was left over again
+
+
+class BucketBatcher:
+    """Length-sorted windows cut into fixed-size or token-budget batches.
+
+    The carried partial batch of window i is always the ``carry_out`` longest *new* items of
+    window i (stable order), so it is known from window i's lengths and one integer; a window
+    plan never depends on windows further back, and resuming reads at most two windows.
+    """
+
+    needs_lengths = True
+    rows = False
+
+    def __init__(self, window: int, batch_size: int | None = None, max_tokens: int | None = None,
+                 pad_to_multiple_of: int | None = None, drop_last: bool = False):
+        if (batch_size is None) == (max_tokens is None):
+            raise ValueError("bucket batching takes batch_size= or max_tokens=, not both")
+        if batch_size is not None and window < batch_size:
+            raise ValueError(f"window ({window}) must hold at least one batch ({batch_size})")
+        self.window = window
+        self.batch_size = batch_size
+        self.max_tokens = max_tokens
+        self.multiple = pad_to_multiple_of
+        self.drop_last = drop_last
+
+    # -- the rule, on lengths only ------------------------------------------------------------
+    def _cut_budget(self, sorted_lengths: np.ndarray) -> list[tuple[int, int]]:
+        """Greedy [start, end) ranges over ascending lengths: count x padded longest <= budget."""
+        padded = round_up(sorted_lengths, self.multiple) if self.multiple else sorted_lengths
+        n = len(padded)
+        out = []
+        s = 0
+        while s < n:
+            # (e - s) * padded[e - 1] grows with e, so the largest fitting e is found by bisection
+            lo, hi = s + 1, n
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if (mid - s) * int(padded[mid - 1]) <= self.max_tokens:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            out.append((s, lo))
+            s = lo
+        return out
+
+    def plan_window(self, carry_lengths: np.ndarray, new_lengths: np.ndarray, final: bool) -> WindowPlan:
+        c = len(carry_lengths)
+        merged = np.concatenate([carry_lengths, new_lengths])
+        order = np.argsort(merged, kind="stable")  # carried items first among equal lengths
+        if self.batch_size is not None:
+            b = self.batch_size
+            carry_out = 0 if final else len(merged) % b
+            if carry_out:
+                # the longest new items (stably) are carried; carried items always go out now
+                new_sorted = c + np.argsort(new_lengths, kind="stable")
+                keep = np.ones(len(merged), bool)
+                keep[new_sorted[-carry_out:]] = False
+                order = order[keep[order]]
+            chunks = [order[i : i + b] for i in range(0, len(order), b)]
+            if final and self.drop_last and chunks and len(chunks[-1]) < b:
+                chunks.pop()
+            return WindowPlan(chunks, carry_out)
+        ranges = self._cut_budget(merged[order])
+        chunks = [order[s:e] for s, e in ranges]
+        if final or not chunks:
+            if final and self.drop_last and chunks and self._underfull(merged[chunks[-1]]):
+                chunks.pop()
+            return WindowPlan(chunks, 0)
+        last = chunks[-1]
+        if np.all(last >= c):  # only new items: carry them into the next window
+            return WindowPlan(chunks[:-1], len(last))
+        return WindowPlan(chunks, 0, small=1)
+
+    def _underfull(self, lengths: np.ndarray) -> bool:
+        return (len(lengths) + 1) * int(round_up(int(lengths.max()), self.multiple)) <= self.max_tokens
+
+    def simulate(self, lengths: np.ndarray) -> list[tuple[int, int]]:
+        """(batches emitted, items carried out) per window of the whole stream."""
+        out = []
+        k = self.window
+        n = len(lengths)
+        carry = np.zeros(0, np.int64)
+        n_windows = max(1, (n + k - 1) // k)
+        for i in range(n_windows):
+            new = lengths[i * k : (i + 1) * k]
+            plan = self.plan_window(carry, new, final=i == n_windows - 1)
+            out.append((len(plan.batches), plan.carry_out))
+            carry = np.sort(new, kind="stable")[len(new) - plan.carry_out :] if plan.carry_out else np.zeros(0, np.int64)
+        return out
+
+    def count(self, n_items: int, lengths: np.ndarray | None) -> int:
+        if lengths is None:
+            raise ValueError("bucket batch counts need the documents' lengths (an index)")
+        if n_items == 0:
+            return 0
+        return sum(b for b, _ in self.simulate(lengths))
+
+    def _locate(self, batch: int, lengths: np.ndarray) -> tuple[int, int, int]:
+        """(window holding batch, batches before that window, items carried into it)."""
+        done = 0
+        carry_in = 0
+        for i, (emitted, carry_out) in enumerate(self.simulate(lengths)):
+            if done + emitted > batch:
+                return i, done, carry_in
+            done += emitted
+            carry_in = carry_out
+        return len(lengths) // self.window + 1, done, 0
+
+    def start_position(self, batch: int, lengths: np.ndarray | None) -> int:
+        if batch == 0 or lengths is None:
+            return 0
+        i, _, carry_in = self._locate(batch, lengths)
+        return (i - 1 if carry_in else i) * self.window
+
+    def batches(self, shuffled, first_batch: int, spec, lengths=None) -> Iterator[tuple[int, Block]]:
+        k = self.window
+        start_window, done, carry_in = 0, 0, 0
+        if first_batch and lengths is not None:
+            start_window, done, carry_in = self._locate(first_batch, lengths)
+        windows = _windows(shuffled, k)
+        carry: Block | None = None
+        i = start_window
+        if first_batch and lengths is not None and carry_in:
+            prev = next(windows)  # window i-1: only its carried items are needed
+            keep = np.argsort(prev.lengths, kind="stable")[len(prev) - carry_in :]
+            carry = prev.take(keep)
+        index = done
+        skip = first_batch - done if lengths is not None else first_batch
+        pending = next(windows, None)
+        while pending is not None:
+            following = next(windows, None)
+            final = following is None
+            carry_block = carry if carry is not None else pending.slice(0, 0)
+            plan = self.plan_window(carry_block.lengths, pending.lengths, final=final)
+            merged = concat_blocks([carry_block, pending]) if len(carry_block) else pending
+            order = _order_rng(spec, i).permutation(len(plan.batches))
+            for j in order:
+                if skip:
+                    skip -= 1
+                    index += 1
+                    continue
+                yield index, merged.take(plan.batches[j])
+                index += 1
+            carry = None
+            if plan.carry_out:
+                keep = np.argsort(pending.lengths, kind="stable")[len(pending) - plan.carry_out :]
+                carry = pending.take(keep)
+            pending = following
+            i += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows: best-fit packing and concatenation
+
+
+def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Bins (lists of item indices, in insertion order) by best-fit decreasing.
+
+    Items are placed longest first (stably), each into the fullest bin it fits in; an item that
+    fits nowhere opens a bin. Bin keys pack (room, bin id) into one int so bisect stays cheap.
+    """
+    order = np.argsort(-lengths, kind="stable")
+    shift = 32
+    rooms: list[int] = []  # sorted keys: room << shift | bin
+    bins: list[list[int]] = []
+    for idx in order.tolist():
+        need = int(lengths[idx])
+        pos = bisect.bisect_left(rooms, need << shift)
+        if pos < len(rooms):
+            key = rooms.pop(pos)
+            b, room = key & ((1 << shift) - 1), key >> shift
+        else:
+            b, room = len(bins), capacity
+            bins.append([])
+        bins[b].append(idx)
+        room -= need
+        if room > 0:
+            bisect.insort(rooms, room << shift | b)
+    return bins
+
+
+def _rows_block(block: Block, rows: list[np.ndarray]) -> Block:
+    """A block whose items are rows made of ``block``'s items (segments keep the document ids)."""
+    if not rows:
+        return empty_block(block.tokens.dtype, packed=True)
+    flat = np.concatenate(rows)
+    counts = np.array([len(r) for r in rows], np.int64)
+    inner = block.take(flat)
+    tokens = inner.gather_tokens()
+    seg_len = inner.lengths
+    row_len = np.add.reduceat(seg_len, np.concatenate([[0], np.cumsum(counts)[:-1]])) if len(counts) else counts
+    out = Block(tokens, np.concatenate([[0], np.cumsum(row_len)[:-1]]).astype(np.int64), row_len.astype(np.int64),
+                np.zeros(len(rows), np.int64))
+    out.seg_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    cum = np.cumsum(seg_len) - seg_len
+    out.seg_starts = (cum - np.repeat(cum[out.seg_ptr[:-1]], counts)).astype(np.int64)
+    out.seg_ids = inner.ids.copy()
+    return out
+
+
+class PackBatcher:
+    """Best-fit-decreasing rows of ``seq_len`` from windows of whole documents (or pieces).
+
+    Documents longer than ``seq_len`` arrive already split into ``seq_len`` pieces (the stream
+    splits them), so no document at or under ``seq_len`` is ever cut and nothing is dropped.
+    Rows of a window are shuffled; batches take ``batch_size`` rows and run across windows.
+    """
+
+    needs_lengths = True
+    rows = True
+
+    def __init__(self, window: int, seq_len: int, batch_size: int, drop_last: bool = False):
+        self.window = window
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+
+    def rows_per_window(self, lengths: np.ndarray) -> list[int]:
+        k = self.window
+        return [len(best_fit_decreasing(lengths[i : i + k], self.seq_len)) for i in range(0, len(lengths), k)]
+
+    def count(self, n_items: int, lengths: np.ndarray | None) -> int:
+        if lengths is None:
+            raise ValueError("pack batch counts need the documents' lengths (an index)")
+        rows = sum(self.rows_per_window(lengths))
+        b = self.batch_size
+        return rows // b if self.drop_last else (rows + b - 1) // b
+
+    def start_position(self, batch: int, lengths: np.ndarray | None) -> int:
+        if batch == 0 or lengths is None:
+            return 0
+        first_row = batch * self.batch_size
+        done = 0
+        for i, rows in enumerate(self.rows_per_window(lengths)):
+            if done + rows > first_row:
+                return i * self.window
+            done += rows
+        return len(lengths)
+
+    def window_rows(self, window: Block, spec, i: int) -> Block:
+        bins = best_fit_decreasing(window.lengths, self.seq_len)
+        order = planmod.rng(spec.seed, planmod.STREAM_PACK, spec.epoch, spec.rank, spec.worker, i).permutation(len(bins))
+        return _rows_block(window, [np.asarray(bins[j], np.int64) for j in order])
+
+    def batches(self, shuffled, first_batch: int, spec, lengths=None) -> Iterator[tuple[int, Block]]:
+        k = self.window
+        start_window, skip_rows = 0, first_batch * self.batch_size
+        if first_batch and lengths is not None:
+            done = 0
+            for i, rows in enumerate(self.rows_per_window(lengths)):
+                if done + rows > skip_rows:
+                    start_window = i
+                    break
+                done += rows
+            skip_rows -= done
+        rows_stream = (self.window_rows(w, spec, start_window + i) for i, w in enumerate(_windows(shuffled, k)))
+        yield from _row_batches(rows_stream, self.batch_size, first_batch, skip_rows, self.drop_last)
+
+
+def _row_batches(rows_stream: Iterator[Block], b: int, first_batch: int, skip_rows: int, drop_last: bool) -> Iterator[tuple[int, Block]]:
+    index = first_batch
+    pending: Block | None = None
+    for rows in rows_stream:
+        if skip_rows:
+            take = min(skip_rows, len(rows))
+            skip_rows -= take
+            rows = rows.slice(take, len(rows))
+        if pending is not None:
+            rows = concat_blocks([pending, rows])
+            pending = None
+        full = len(rows) // b
+        for i in range(full):
+            yield index, rows.slice(i * b, (i + 1) * b)
+            index += 1
+        if len(rows) > full * b:
+            pending = rows.slice(full * b, len(rows))
+    if pending is not None and len(pending) and not drop_last:
+        yield index, pending
+
+
+class ConcatBatcher:
+    """Documents concatenated in stream order and cut into rows of ``seq_len`` (GPT-style)."""
+
+    needs_lengths = True
+    rows = True
+
+    def __init__(self, seq_len: int, batch_size: int, drop_last: bool = False):
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+
+    def count(self, n_items: int, lengths: np.ndarray | None) -> int:
+        if lengths is None:
+            raise ValueError("concat batch counts need the documents' lengths (an index)")
+        rows = (int(lengths.sum()) + self.seq_len - 1) // self.seq_len
+        return rows // self.batch_size if self.drop_last else (rows + self.batch_size - 1) // self.batch_size
+
+    def start_position(self, batch: int, lengths: np.ndarray | None) -> int:
+        if batch == 0 or lengths is None:
+            return 0
+        offset = batch * self.batch_size * self.seq_len
+        return int(np.searchsorted(np.cumsum(lengths), offset, side="right"))
+
+    def batches(self, shuffled, first_batch: int, spec, lengths=None) -> Iterator[tuple[int, Block]]:
+        L = self.seq_len
+        lead = 0  # tokens of the first item already used by earlier rows
+        skip_rows = first_batch * self.batch_size
+        if first_batch and lengths is not None:
+            start = self.start_position(first_batch, lengths)
+            lead = first_batch * self.batch_size * L - (int(lengths[:start].sum()) if start else 0)
+            skip_rows = 0
+        rows_stream = _concat_rows(shuffled, L, lead)
+        yield from _row_batches(rows_stream, self.batch_size, first_batch, skip_rows, self.drop_last)
+
+
+def _concat_rows(shuffled, seq_len: int, lead: int) -> Iterator[Block]:
+    """Rows of ``seq_len`` over the concatenated items; a row's segments are the pieces of
+    items it holds. ``lead`` tokens of the first item belong to rows before the stream start."""
+    carry: Block | None = None
+    for _, block in shuffled:
+        if lead:
+            block = Block(block.tokens, block.starts.copy(), block.lengths.copy(), block.ids, block.pieces)
+            block.starts[0] += lead
+            block.lengths[0] -= lead
+            lead = 0
+        if carry is not None:
+            block = concat_blocks([carry, block])
+        total = int(block.lengths.sum())
+        n_rows = total // seq_len
+        if n_rows == 0:
+            carry = block
+            continue
+        rows, carry = _cut_rows(block, seq_len, n_rows)
+        yield rows
+    if carry is not None and len(carry):
+        rows, _ = _cut_rows(carry, seq_len, 1)
+        yield rows
+
+
+def _cut_rows(block: Block, seq_len: int, n_rows: int) -> tuple[Block, Block | None]:
+    """The first ``n_rows`` rows of the block's concatenated tokens, and the rest as a block."""
+    ends = np.cumsum(block.lengths)
+    starts = ends - block.lengths
+    limit = min(n_rows * seq_len, int(ends[-1]))
+    # segments: every item piece that falls inside a row
+    row_edges = np.arange(0, limit, seq_len)
+    cuts = np.unique(np.concatenate([starts[starts < limit], row_edges]))
+    item_of = np.searchsorted(ends, cuts, side="right")
+    seg_end = np.minimum(np.append(cuts[1:], limit), ends[item_of])
+    seg_len = seg_end - cuts
+    keep = seg_len > 0
+    cuts, item_of, seg_len = cuts[keep], item_of[keep], seg_len[keep]
+    tokens = block.gather_tokens()
+    row_of = cuts // seq_len
+    counts = np.bincount(row_of, minlength=(limit + seq_len - 1) // seq_len)
+    n = len(counts)
+    row_len = np.minimum(seq_len, limit - np.arange(n) * seq_len)
+    rows = Block(tokens[:limit], np.arange(n, dtype=np.int64) * seq_len, row_len.astype(np.int64), np.zeros(n, np.int64))
+    rows.seg_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    rows.seg_starts = (cuts - row_of * seq_len).astype(np.int64)
+    rows.seg_ids = block.ids[item_of]
+    rest = None
+    if limit < int(ends[-1]):
+        i = int(np.searchsorted(ends, limit, side="right"))
+        rest = block.slice(i, len(block))
+        used = limit - int(starts[i])
+        if used:
+            rest = Block(rest.tokens, rest.starts.copy(), rest.lengths.copy(), rest.ids, rest.pieces)
+            rest.starts[0] += used
+            rest.lengths[0] -= used
+    return rows, rest

@@ -96,12 +96,13 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
         "rows": torch.from_numpy(items.ids.astype(np.int64)),
     }
     seg_counts = np.diff(items.seg_ptr)
-    max_seg = opts.max_segments or int(seg_counts.max() if n else 1)
-    if n and int(seg_counts.max()) > max_seg:
-        raise ValueError(f"a row holds {int(seg_counts.max())} documents, more than max_segments={max_seg}; raise max_segments")
+    most = int(seg_counts.max()) if n else 1
+    max_seg = opts.max_segments or most
+    if most > max_seg:
+        raise ValueError(f"a row holds {most} documents, more than max_segments={max_seg}; raise max_segments")
     row_of_seg = np.repeat(np.arange(n), seg_counts)
     slot = np.arange(len(row_of_seg)) - np.repeat(items.seg_ptr[:-1], seg_counts)
-    docs = np.full((n, max_seg), -1, np.int64)
+    docs = np.full((n, most), -1, np.int64)  # metadata, not a model input: as wide as this batch needs
     docs[row_of_seg, slot] = items.seg_ids
     out["docs"] = torch.from_numpy(docs)
     if opts.boundaries:

@@ -22,7 +22,7 @@ from .batching import Batch
 from .catalog import open_catalog
 from .collate import collate_docs, collate_rows
 from .items import ReadOptions
-from .pipeline import Config, EndOfWorker, build_pipeline, collate_options, resolve_world
+from .pipeline import Config, EndOfWorker, build_pipeline, collate_options, resolve_world, rows_out
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Loader:
         )
         self.source = self.pipeline.source
         self.collate_options = collate_options(self.cfg, self.catalog)
-        self._collate = collate_rows if self.catalog.mode == "packed" else collate_docs
+        self._collate = collate_rows if rows_out(self.cfg, self.catalog) else collate_docs
         self._epoch = 0
         self._epoch_explicit = False
         self._dataloader: DataLoader | None = None

@@ -21,22 +21,31 @@ import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan as planmod
-from .batching import Batch, FixedBatcher
+from .batching import Batch, BucketBatcher, ConcatBatcher, FixedBatcher, PackBatcher
 from .catalog import Catalog, open_catalog
 from .collate import CollateOptions, collate_docs, collate_rows
 from .items import ReadOptions
-from .stream import StreamSpec, StreamStats, epoch_slices, plan_items, shuffled_items, slice_item_counts, slice_item_lengths
+from .stream import (
+    StreamSpec,
+    StreamStats,
+    epoch_slices,
+    plan_items,
+    shuffle_lengths,
+    shuffled_items,
+    slice_item_counts,
+    slice_item_lengths,
+)
 
 log = logging.getLogger(__name__)
 
-BATCHINGS = ("fixed",)
+BATCHINGS = ("fixed", "bucket", "pack", "concat")
 
 
 @dataclass(frozen=True)
 class Config:
     """Loader settings that decide which batches come out (and so belong in a resume state)."""
 
-    batch_size: int = 32
+    batch_size: int | None = 32
     seed: int = 0
     shuffle: bool = True
     shuffle_buffer: int = 10_000
@@ -48,14 +57,26 @@ class Config:
     max_len: int | None = None
     max_len_mode: str = "split"
     batching: str = "fixed"
+    window: int = 10_000  # bucket/pack: items per window
+    max_tokens: int | None = None  # bucket: padded tokens per batch instead of batch_size
+    seq_len: int | None = None  # pack/concat: row length
     pad_id: int | None = None
     pad_to_multiple_of: int | None = None
     boundaries: bool = False
     max_segments: int | None = None
 
     def check(self, catalog: Catalog) -> None:
-        if self.batch_size is None or self.batch_size < 1:
+        if self.batching == "bucket" and self.max_tokens is not None:
+            if self.max_tokens < 1:
+                raise ValueError("max_tokens must be positive")
+        elif self.batch_size is None or self.batch_size < 1:
             raise ValueError("batch_size must be a positive integer")
+        if self.batching in ("bucket", "pack", "concat") and catalog.mode != "docs":
+            raise ValueError(f"batching={self.batching!r} works on docs-mode datasets; this one is packed (rows are fixed)")
+        if self.batching in ("pack", "concat") and not self.seq_len:
+            raise ValueError(f"batching={self.batching!r} needs seq_len=")
+        if self.batching in ("bucket", "pack") and self.window < 1:
+            raise ValueError("window must be positive")
         if self.max_len_mode not in ("split", "truncate"):
             raise ValueError("max_len_mode must be 'split' or 'truncate'")
         if self.batching not in BATCHINGS:
@@ -87,7 +108,19 @@ def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def make_batcher(cfg: Config):
+    if cfg.batching == "bucket":
+        return BucketBatcher(cfg.window, batch_size=None if cfg.max_tokens else cfg.batch_size, max_tokens=cfg.max_tokens,
+                             pad_to_multiple_of=cfg.pad_to_multiple_of, drop_last=cfg.drop_last)
+    if cfg.batching == "pack":
+        return PackBatcher(cfg.window, cfg.seq_len, cfg.batch_size, cfg.drop_last)
+    if cfg.batching == "concat":
+        return ConcatBatcher(cfg.seq_len, cfg.batch_size, cfg.drop_last)
     return FixedBatcher(cfg.batch_size, cfg.drop_last)
+
+
+def rows_out(cfg: Config, catalog: Catalog) -> bool:
+    """Whether batches are rows of a fixed length (packed data, or pack/concat batching)."""
+    return catalog.mode == "packed" or cfg.batching in ("pack", "concat")
 
 
 def collate_options(cfg: Config, catalog: Catalog) -> CollateOptions:
@@ -96,13 +129,17 @@ def collate_options(cfg: Config, catalog: Catalog) -> CollateOptions:
     if pad is None:
         pad = (tok.pad_id if tok and tok.pad_id is not None else (tok.eos_id if tok and tok.eos_id is not None else 0))
     max_seg = cfg.max_segments
-    if catalog.mode == "packed" and max_seg is None and catalog.index is not None:
-        max_seg = (catalog.index.packed or {}).get("max_row_segments") or None
+    seq_len = cfg.seq_len if cfg.batching in ("pack", "concat") else (catalog.index.seq_len if catalog.index else None)
+    if max_seg is None:
+        if catalog.mode == "packed" and catalog.index is not None:
+            max_seg = (catalog.index.packed or {}).get("max_row_segments") or None
+        elif cfg.batching in ("pack", "concat"):
+            max_seg = seq_len  # every document has at least one token: a safe fixed bound
     return CollateOptions(
         pad_id=pad,
         pad_to_multiple_of=cfg.pad_to_multiple_of,
-        boundaries=cfg.boundaries,
-        seq_len=catalog.index.seq_len if catalog.index else None,
+        boundaries=cfg.boundaries or cfg.batching == "pack",
+        seq_len=seq_len,
         max_segments=max_seg,
     )
 
@@ -112,6 +149,9 @@ def collate_options(cfg: Config, catalog: Catalog) -> CollateOptions:
 
 
 def spec_for(cfg: Config, epoch: int, rank: int, world: int, worker: int, workers: int) -> StreamSpec:
+    max_len = cfg.max_len
+    if cfg.batching == "pack":  # longer documents become seq_len pieces, all kept
+        max_len = cfg.seq_len if max_len is None else min(max_len, cfg.seq_len)
     return StreamSpec(
         seed=cfg.seed,
         epoch=epoch,
@@ -121,8 +161,8 @@ def spec_for(cfg: Config, epoch: int, rank: int, world: int, worker: int, worker
         workers=workers,
         shuffle=cfg.shuffle,
         shuffle_buffer=cfg.shuffle_buffer if cfg.shuffle else 0,
-        max_len=cfg.max_len,
-        max_len_mode=cfg.max_len_mode,
+        max_len=max_len,
+        max_len_mode="split" if cfg.batching == "pack" else cfg.max_len_mode,
         resample=cfg.resample,
     )
 
@@ -134,8 +174,12 @@ def worker_batch_count(catalog: Catalog, cfg: Config, spec: StreamSpec) -> int |
     counts = slice_item_counts(catalog, slices, spec)
     if counts is None:
         return None
-    needs_lengths = getattr(batcher, "needs_lengths", False)
-    lengths = slice_item_lengths(catalog, slices, spec) if needs_lengths else None
+    lengths = None
+    if batcher.needs_lengths:
+        lengths = slice_item_lengths(catalog, slices, spec)
+        if lengths is None:
+            return None
+        lengths = shuffle_lengths(lengths, spec)
     return batcher.count(int(sum(counts)), lengths)
 
 
@@ -295,15 +339,17 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
         else:
             slices = epoch_slices(catalog, spec)
         lengths = None
-        if getattr(batcher, "needs_lengths", False):
+        if batcher.needs_lengths and not spec.resample:
             lengths = slice_item_lengths(catalog, slices, spec)
+            if lengths is not None:
+                lengths = shuffle_lengths(lengths, spec)
         start = batcher.start_position(task.first_batch, lengths)
 
         def blocks_from(position: int, slices=slices, spec=spec, stats=stats):
             return plan_items(catalog, slices, spec, start=position, options=read, stats=stats)
 
         shuffled = shuffled_items(blocks_from, spec, start=start)
-        for index, items in batcher.batches(shuffled, task.first_batch):
+        for index, items in batcher.batches(shuffled, task.first_batch, spec, lengths):
             if task.limit is not None and index >= task.limit:
                 break
             yield Batch(
@@ -350,9 +396,9 @@ def _resampled_slices(catalog: Catalog, spec: StreamSpec):
         drawn += 256
 
 
-def _collate(batches: Iterator, catalog: Catalog, opts: CollateOptions) -> Iterator[dict]:
+def _collate(batches: Iterator, rows: bool, opts: CollateOptions) -> Iterator[dict]:
     """Third stage: compact batches to dicts of tensors."""
-    fn = collate_rows if catalog.mode == "packed" else collate_docs
+    fn = collate_rows if rows else collate_docs
     for batch in batches:
         if isinstance(batch, EndOfWorker):
             continue
@@ -390,7 +436,7 @@ def build_pipeline(
     if bundle:
         stages.append(wds.filters.pipelinefilter(_bundle)(bundle, 1 << 20))
     if collate:
-        stages.append(wds.filters.pipelinefilter(_collate)(catalog, collate_options(cfg, catalog)))
+        stages.append(wds.filters.pipelinefilter(_collate)(rows_out(cfg, catalog), collate_options(cfg, catalog)))
     pipe = WdsPipeline(*stages)
     pipe.source = source
     pipe.catalog = catalog
@@ -413,6 +459,9 @@ def dataset(
     max_len: int | None = None,
     max_len_mode: str = "split",
     batching: str = "fixed",
+    window: int = 10_000,
+    max_tokens: int | None = None,
+    seq_len: int | None = None,
     pad_id: int | None = None,
     pad_to_multiple_of: int | None = None,
     boundaries: bool = False,
@@ -446,6 +495,9 @@ def dataset(
         max_len=max_len,
         max_len_mode=max_len_mode,
         batching=batching,
+        window=window,
+        max_tokens=max_tokens,
+        seq_len=seq_len,
         pad_id=pad_id,
         pad_to_multiple_of=pad_to_multiple_of,
         boundaries=boundaries,

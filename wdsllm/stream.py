@@ -97,6 +97,19 @@ def slice_item_lengths(catalog: Catalog, slices: list[Slice], spec: StreamSpec) 
     return lengths
 
 
+def shuffle_lengths(lengths: np.ndarray, spec: StreamSpec) -> np.ndarray:
+    """Plan-order lengths in shuffled-stream order: the same block permutations as the stream."""
+    size = spec.shuffle_buffer
+    if size <= 1 or len(lengths) == 0:
+        return lengths
+    out = np.empty_like(lengths)
+    for k, a in enumerate(range(0, len(lengths), size)):
+        block = lengths[a : a + size]
+        perm = planmod.rng(spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, k).permutation(len(block))
+        out[a : a + len(block)] = block[perm]
+    return out
+
+
 def slice_item_counts(catalog: Catalog, slices: list[Slice], spec: StreamSpec) -> list[int] | None:
     """Items of each slice in the plan stream (pieces counted)."""
     if not _splits(spec, catalog):
