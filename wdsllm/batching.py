@@ -98,6 +98,14 @@ class FixedBatcher:
     def start_position(self, batch: int, lengths: np.ndarray | None = None) -> int:
         return batch * self.batch_size
 
+    def dry_batches(self, lengths: np.ndarray, spec) -> Iterator[np.ndarray]:
+        """The shuffled-stream positions of each batch's items, from lengths alone."""
+        n, b = len(lengths), self.batch_size
+        for a in range(0, n, b):
+            if self.drop_last and a + b > n:
+                return
+            yield np.arange(a, min(n, a + b))
+
     def batches(self, shuffled, first_batch: int, spec, lengths=None) -> Iterator[tuple[int, Block]]:
         """(batch number, items) from batch ``first_batch``; ``shuffled`` starts at its position."""
         b = self.batch_size
@@ -242,6 +250,20 @@ class BucketBatcher:
         i, _, carry_in = self._locate(batch, lengths)
         return (i - 1 if carry_in else i) * self.window
 
+    def dry_batches(self, lengths: np.ndarray, spec) -> Iterator[np.ndarray]:
+        k = self.window
+        n_windows = max(1, (len(lengths) + k - 1) // k)
+        carry_pos = np.zeros(0, np.int64)
+        for i in range(n_windows):
+            new_pos = np.arange(i * k, min(len(lengths), (i + 1) * k))
+            plan = self.plan_window(lengths[carry_pos], lengths[new_pos], final=i == n_windows - 1)
+            merged = np.concatenate([carry_pos, new_pos])
+            for j in _order_rng(spec, i).permutation(len(plan.batches)):
+                yield merged[plan.batches[j]]
+            carry_pos = np.zeros(0, np.int64)
+            if plan.carry_out:
+                carry_pos = new_pos[np.argsort(lengths[new_pos], kind="stable")[len(new_pos) - plan.carry_out :]]
+
     def batches(self, shuffled, first_batch: int, spec, lengths=None) -> Iterator[tuple[int, Block]]:
         k = self.window
         start_window, done, carry_in = 0, 0, 0
@@ -367,10 +389,22 @@ class PackBatcher:
             done += rows
         return len(lengths)
 
-    def window_rows(self, window: Block, spec, i: int) -> Block:
-        bins = best_fit_decreasing(window.lengths, self.seq_len)
+    def _window_bins(self, lengths: np.ndarray, spec, i: int) -> list[np.ndarray]:
+        bins = best_fit_decreasing(lengths, self.seq_len)
         order = planmod.rng(spec.seed, planmod.STREAM_PACK, spec.epoch, spec.rank, spec.worker, i).permutation(len(bins))
-        return _rows_block(window, [np.asarray(bins[j], np.int64) for j in order])
+        return [np.asarray(bins[j], np.int64) for j in order]
+
+    def dry_batches(self, lengths: np.ndarray, spec) -> Iterator[np.ndarray]:
+        k = self.window
+        rows = [a + r for i, a in enumerate(range(0, len(lengths), k)) for r in self._window_bins(lengths[a : a + k], spec, i)]
+        b = self.batch_size
+        for a in range(0, len(rows), b):
+            if self.drop_last and a + b > len(rows):
+                return
+            yield np.concatenate(rows[a : a + b])
+
+    def window_rows(self, window: Block, spec, i: int) -> Block:
+        return _rows_block(window, self._window_bins(window.lengths, spec, i))
 
     def batches(self, shuffled, first_batch: int, spec, lengths=None) -> Iterator[tuple[int, Block]]:
         k = self.window
@@ -430,6 +464,19 @@ class ConcatBatcher:
             return 0
         offset = batch * self.batch_size * self.seq_len
         return int(np.searchsorted(np.cumsum(lengths), offset, side="right"))
+
+    def dry_batches(self, lengths: np.ndarray, spec) -> Iterator[np.ndarray]:
+        """Items each batch's rows touch; an item that runs across batches is in each of them."""
+        ends = np.cumsum(lengths)
+        total = int(ends[-1]) if len(ends) else 0
+        span = self.batch_size * self.seq_len
+        for a in range(0, total, span):
+            b = min(total, a + span)
+            if self.drop_last and b - a < span:
+                return
+            first = int(np.searchsorted(ends, a, side="right"))
+            last = int(np.searchsorted(ends, b - 1, side="right"))
+            yield np.arange(first, last + 1)
 
     def batches(self, shuffled, first_batch: int, spec, lengths=None) -> Iterator[tuple[int, Block]]:
         L = self.seq_len

@@ -1,12 +1,16 @@
-"""``wdsllm.loader``: the DataLoader face — workers, ``set_epoch``, equal batches per rank.
+"""``wdsllm.loader``: the DataLoader face — workers, ``set_epoch``, equal batches, state.
 
-Workers batch inside their processes and send compact batches (the items' tokens, no padding);
-the main process collates them into tensors. Sending one sample at a time between processes, or
-padded tensors through shared memory, costs far more than the collation.
+Workers batch inside their processes and send compact batches (the items' tokens, no padding,
+several per message); the main process collates them into tensors. Sending one sample at a time
+between processes, or padded tensors through shared memory, costs far more than the collation.
 
-Batches come out in DataLoader's round-robin order over workers; the loader keeps that order by
-itself (a worker's batches are queued until its turn), so the order after a resume is the same
-as without one.
+Batches come out in DataLoader's round-robin order over the workers that still have batches; the
+loader keeps that order itself (a worker's batches wait in a small queue until its turn), so the
+sequence of batches depends on the configuration alone, also after a resume.
+
+``state_dict()`` records, per worker, the epoch and the number of its batches that were handed
+to the caller (not merely prefetched), the round-robin turn, and the rank's batch count; see
+``resume.py`` for why that is enough.
 """
 
 from __future__ import annotations
@@ -15,17 +19,27 @@ import logging
 from collections import deque
 from typing import Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from . import resume as resumemod
 from .batching import Batch
 from .catalog import open_catalog
 from .collate import collate_docs, collate_rows
 from .items import ReadOptions
-from .pipeline import Config, EndOfWorker, build_pipeline, collate_options, resolve_world, rows_out
+from .pipeline import (
+    Config,
+    EndOfWorker,
+    batch_counts,
+    build_pipeline,
+    collate_options,
+    resolve_world,
+    round_robin_share,
+    rows_out,
+)
 
 log = logging.getLogger(__name__)
-
 
 #: batches per message from a worker (see pipeline._bundle)
 BUNDLE_BATCHES = 16
@@ -33,6 +47,39 @@ BUNDLE_BATCHES = 16
 
 def _identity(x):
     return x
+
+
+class RoundRobin:
+    """DataLoader's order: turns over the workers that still have batches, starting at ``turn``."""
+
+    def __init__(self, workers: int, turn: int = 0, active: list[int] | None = None):
+        self.queues = [deque() for _ in range(workers)]
+        self.active = list(range(workers)) if active is None else list(active)
+        self.turn = turn
+
+    def _advance(self) -> None:
+        if self.active:
+            self.turn = min((w for w in self.active if w > self.turn), default=self.active[0])
+
+    def run(self, raw: Iterator, on_end) -> Iterator[Batch]:
+        while self.active:
+            if self.turn not in self.active:
+                self._advance()
+            while not self.queues[self.turn]:
+                item = next(raw, None)
+                if item is None:
+                    break
+                self.queues[item.worker].append(item)
+            if not self.queues[self.turn]:  # DataLoader ended without this worker's end marker
+                self.active.remove(self.turn)
+                continue
+            item = self.queues[self.turn].popleft()
+            if isinstance(item, EndOfWorker):
+                on_end(item)
+                self.active.remove(self.turn)
+                continue
+            self._advance()
+            yield item
 
 
 class Loader:
@@ -53,6 +100,7 @@ class Loader:
         cache_size: int = 64 << 30,
         on_error: str = "raise",
         multiprocessing_context=None,
+        workers_in_process: bool = False,
         **options,
     ):
         from . import storage
@@ -65,23 +113,38 @@ class Loader:
         self.persistent_workers = persistent_workers and self.num_workers > 0
         self.pin_memory = pin_memory
         self.multiprocessing_context = multiprocessing_context
+        #: run the workers' streams in this process, one after another (debugging and tests)
+        self.workers_in_process = workers_in_process
         cache = storage.ShardCache(cache_dir, cache_size) if cache_dir else None
         self.read_options = ReadOptions(retry=retry, cache=cache, on_error=on_error)
         self.pipeline = build_pipeline(
             self.catalog, self.cfg, self.rank, self.world_size, self.read_options,
-            collate=False, end_marker=True, bundle=BUNDLE_BATCHES if self.num_workers > 0 else 0,
+            collate=False, end_marker=True,
+            bundle=BUNDLE_BATCHES if self.num_workers > 0 and not workers_in_process else 0,
         )
         self.source = self.pipeline.source
         self.collate_options = collate_options(self.cfg, self.catalog)
         self._collate = collate_rows if rows_out(self.cfg, self.catalog) else collate_docs
         self._epoch = 0
-        self._epoch_explicit = False
+        self._auto_epoch = True  # until set_epoch is called, each completed pass advances the epoch
+        self._completed: int | None = None  # the last epoch iterated to its end
         self._dataloader: DataLoader | None = None
         self._stream: Iterator | None = None  # the endless stream of an infinite loader
+        self._rr: RoundRobin | None = None
+        self._positions: dict[int, tuple[int, int]] = {}  # worker -> (epoch, batches handed out)
+        self._yielded = 0  # batches handed out this epoch (finite) or since the stream began
+        self._steps = 0  # batches handed out in the current steps_per_epoch loop
+        self._pending_resume: dict | None = None
         #: the equal-batches decision of the current epoch: dropped batches of this rank etc.
         self.limits = None
         self.dropped_batches = 0
+        #: tokens cut by max_len_mode="truncate", and shards skipped as unreadable (on_error="skip")
         self.truncated_tokens = 0
+        self.skipped_shards: list[str] = []
+
+    @property
+    def workers(self) -> int:
+        return max(1, self.num_workers)
 
     # -- epochs ---------------------------------------------------------------------------------
     @property
@@ -93,8 +156,11 @@ class Loader:
 
         Without calls the epoch advances by one after every completed pass.
         """
+        if self._pending_resume is not None and int(epoch) != self._epoch:
+            log.warning("set_epoch(%d) after load_state_dict: the restored epoch %d is abandoned", epoch, self._epoch)
+            self._drop_resume()
         self._epoch = int(epoch)
-        self._epoch_explicit = True
+        self._auto_epoch = False
 
     @property
     def infinite(self) -> bool:
@@ -105,12 +171,10 @@ class Loader:
             return self.cfg.steps_per_epoch
         if self.infinite:
             raise TypeError("an endless loader has no length; pass steps_per_epoch= to give it one")
-        limits = self.source.limits(self._epoch, max(1, self.num_workers))
+        limits = self.source.limits(self._epoch, self.workers)
         if limits is not None:
             return limits.per_rank
-        from .pipeline import batch_counts
-
-        counts = batch_counts(self.catalog, self.cfg, self._epoch, self.world_size, max(1, self.num_workers))
+        counts = batch_counts(self.catalog, self.cfg, self._epoch, self.world_size, self.workers, self.source.plans.get(self._epoch))
         if counts is None:
             raise TypeError("the number of batches is unknown without an index")
         return int(counts[self.rank].sum())
@@ -120,9 +184,8 @@ class Loader:
         """Compact batches and end markers from the workers (or this process)."""
         if self.num_workers == 0:
             return iter(self.pipeline)
-        return (item for bundle in self._bundles() for item in bundle)
-
-    def _bundles(self) -> Iterator[list]:
+        if self.workers_in_process:
+            return self._interleave([self.pipeline.worker_iter(w, self.num_workers) for w in range(self.num_workers)])
         if self._dataloader is None:
             self._dataloader = DataLoader(
                 self.pipeline,
@@ -133,40 +196,30 @@ class Loader:
                 persistent_workers=self.persistent_workers,
                 multiprocessing_context=self.multiprocessing_context,
             )
-        return iter(self._dataloader)
+        return (item for bundle in iter(self._dataloader) for item in bundle)
 
-    def _ordered(self, raw: Iterator, first_worker: int = 0) -> Iterator[Batch]:
-        """Batches in round-robin order over the workers that still have batches."""
-        n = max(1, self.num_workers)
-        queues = [deque() for _ in range(n)]
-        active = list(range(n))
-        turn = first_worker % n
-        while active:
-            if turn not in active:
-                turn = min((w for w in active if w > turn), default=active[0])
-            while not queues[turn]:
-                try:
-                    item = next(raw)
-                except StopIteration:
-                    # DataLoader ended: every remaining queue is drained in order, then done.
-                    if all(not q for q in queues):
-                        return
-                    break
-                queues[item.worker].append(item)
-            if not queues[turn]:
-                active.remove(turn)
-                continue
-            item = queues[turn].popleft()
-            if isinstance(item, EndOfWorker):
-                active.remove(turn)
-                continue
-            yield item
-            turn = min((w for w in active if w > turn), default=active[0])
+    @staticmethod
+    def _interleave(streams: list) -> Iterator:
+        """One item from each worker's stream in turn, as DataLoader asks its workers."""
+        live = list(streams)
+        while live:
+            for stream in list(live):
+                item = next(stream, None)
+                if item is None:
+                    live.remove(stream)
+                else:
+                    yield item
 
-    def _to_tensors(self, batch: Batch) -> dict:
+    def _note_stats(self, stats: dict) -> None:
+        self.truncated_tokens += stats.get("truncated_tokens", 0)
+        self.skipped_shards.extend(stats.get("skipped_shards", ()))
+
+    def _hand_out(self, batch: Batch) -> dict:
         out = self._collate(batch.items, self.collate_options)
         out["epoch"] = batch.epoch
-        self.truncated_tokens += batch.stats.get("truncated_tokens", 0)
+        self._note_stats(batch.stats)
+        self._positions[batch.worker] = (batch.epoch, batch.index + 1)
+        self._yielded += 1
         if self.pin_memory and torch.cuda.is_available():
             out = {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
         return out
@@ -176,10 +229,26 @@ class Loader:
             return self._iter_infinite()
         return self._iter_epoch()
 
+    def _begin(self) -> RoundRobin:
+        """Start the stream, from a restored state if one is pending."""
+        rr = RoundRobin(self.workers)
+        if self._pending_resume is not None:
+            st = self._pending_resume
+            rr = RoundRobin(self.workers, st.get("turn", 0), st.get("active"))
+            self._positions = dict(self.source.resume)
+            self._yielded = st.get("yielded", 0)
+            self._steps = st.get("steps", 0)
+            self._pending_resume = None
+        else:
+            self._positions = {}
+            self._yielded = 0
+        self._rr = rr
+        return rr
+
     def _iter_epoch(self) -> Iterator[dict]:
         epoch = self._epoch
         self.source.set_epoch(epoch)
-        self.limits = self.source.limits(epoch, max(1, self.num_workers))
+        self.limits = self.source.limits(epoch, self.workers)
         if self.limits is not None:
             self.dropped_batches = self.limits.dropped_batches
             if self.limits.dropped_batches:
@@ -187,25 +256,159 @@ class Loader:
                     "rank %d: epoch %d yields %d batches; %d batches beyond the smallest rank's count are dropped",
                     self.rank, epoch, self.limits.per_rank, self.limits.dropped_batches,
                 )
-        for batch in self._ordered(self._worker_batches()):
-            yield self._to_tensors(batch)
-        if not self._epoch_explicit:
+        rr = self._begin()
+        resumed = bool(self.source.resume)
+        try:
+            for batch in rr.run(self._worker_batches(), lambda end: self._note_stats(end.stats)):
+                yield self._hand_out(batch)
+        finally:
+            if resumed:
+                self._drop_resume()
+        # The epoch is complete.
+        self._rr = None
+        self._completed = epoch
+        if self._auto_epoch:
             self._epoch = epoch + 1
-        self._epoch_explicit = False
 
     def _iter_infinite(self) -> Iterator[dict]:
         if self._stream is None:
             self.source.set_epoch(self._epoch)
-            self._stream = self._ordered(self._worker_batches())
+            rr = self._begin()
+            self._stream = rr.run(self._worker_batches(), lambda end: self._note_stats(end.stats))
         steps = self.cfg.steps_per_epoch
-        produced = 0
-        while steps is None or produced < steps:
+        while steps is None or self._steps < steps:
             try:
                 batch = next(self._stream)
             except StopIteration:
                 return
-            produced += 1
-            yield self._to_tensors(batch)
+            self._steps += 1
+            yield self._hand_out(batch)
+        self._steps = 0
+
+    def _drop_resume(self) -> None:
+        """Forget a restored position once it has been used (or abandoned): later epochs start
+        fresh, and persistent workers, which hold a copy of it, are restarted once."""
+        self.source.resume = {}
+        self._pending_resume = None
+        self._dataloader = None
+
+    # -- state ----------------------------------------------------------------------------------
+    def _settings(self) -> str:
+        return resumemod.settings_fingerprint(self.cfg)
+
+    def state_dict(self) -> dict:
+        """Where this rank's stream stands: small JSON-able data (see docs/loader.md)."""
+        in_epoch = self._rr is not None or (self.infinite and self._stream is not None)
+        if self._pending_resume is not None:
+            return dict(self._pending_resume["state"])
+        equal = self.cfg.equal_batches if self.cfg.equal_batches is not None else self.world_size > 1
+        epoch = self._epoch
+        if not in_epoch and self._completed is not None and self._completed == epoch:
+            epoch += 1  # saved after a finished epoch: the next one is what a resume runs
+        plan = self.source.plans.get(epoch)
+        state = {
+            "kind": resumemod.STATE_KIND,
+            "version": resumemod.STATE_VERSION,
+            "dataset": self.catalog.fingerprint(),
+            "settings": self._settings(),
+            "config": {k: v for k, v in vars(self.cfg).items()},
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_workers": self.workers,
+            "equal_batches": bool(equal),
+            "infinite": self.infinite,
+            "epoch": epoch,
+            "yielded": self._yielded if in_epoch else 0,
+            "steps": self._steps,
+            "workers": {str(w): list(p) for w, p in sorted(self._positions.items())} if in_epoch else {},
+            "turn": self._rr.turn if (in_epoch and self._rr is not None) else 0,
+            "active": list(self._rr.active) if (in_epoch and self._rr is not None) else None,
+            "plan": plan.to_json() if plan is not None else None,
+        }
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a state saved by ``state_dict`` (on any rank when batches were equal).
+
+        Another world size or worker count is accepted for finite epochs: the rest of the saved
+        epoch is re-planned for this layout (every unconsumed document once, in another order).
+        """
+        resumemod.check_state(state, dataset=self.catalog.fingerprint(), settings=self._settings())
+        if bool(state.get("infinite")) != self.infinite:
+            raise resumemod.StateError("the state is from an endless loader and this one is finite, or the other way round")
+        self.source._limits_cache = {}
+        self._stream = None
+        self._dataloader = None
+        self._epoch = int(state["epoch"])
+        self._completed = None
+        plan = resumemod.RemainderPlan.from_json(state.get("plan"))
+        if plan is not None:
+            self.source.plans = {plan.epoch: plan}
+        same_layout = state["world_size"] == self.world_size and state["num_workers"] == self.workers
+        if not state["workers"]:
+            self.source.resume = {}
+            return  # saved between epochs: the next iteration starts epoch `epoch` afresh
+        if same_layout:
+            if state["rank"] != self.rank and not state["equal_batches"]:
+                raise resumemod.StateError(
+                    f"this state is rank {state['rank']}'s and ranks yielded different numbers of batches; load each rank's own state"
+                )
+            positions = self._positions_from(state) if state["rank"] != self.rank else {int(w): tuple(p) for w, p in state["workers"].items()}
+            self.source.resume = {w: (e, m) for w, (e, m) in positions.items()}
+            turn, active = state["turn"], state["active"]
+            if state["rank"] != self.rank:
+                turn, active = self._turn_from(positions)
+            self._pending_resume = {"turn": turn, "active": active, "yielded": state["yielded"], "steps": state["steps"], "state": state}
+            return
+        if self.infinite:
+            raise resumemod.StateError("resuming an endless stream with another world size or worker count is not supported")
+        self._elastic(state, plan)
+
+    # -- helpers for loading ----------------------------------------------------------------------
+    def _worker_counts(self, epoch: int, world: int, workers: int, plan) -> np.ndarray:
+        counts = batch_counts(self.catalog, self.cfg, epoch, world, workers, plan)
+        if counts is None:
+            raise resumemod.StateError("this needs the dataset's index (lengths.npy) to recompute other ranks' positions")
+        equal = self.cfg.equal_batches if self.cfg.equal_batches is not None else world > 1
+        if equal:
+            per_rank = int(counts.sum(axis=1).min())
+            counts = np.stack([round_robin_share(c, per_rank) for c in counts])
+        return counts
+
+    def _positions_from(self, state: dict) -> dict[int, tuple[int, int]]:
+        """This rank's per-worker positions, from another rank's state (equal batch counts)."""
+        epoch, k = state["epoch"], state["yielded"]
+        counts = self._worker_counts(epoch, self.world_size, self.workers, self.source.plans.get(epoch))[self.rank]
+        share = round_robin_share(counts, k)
+        return {w: (epoch, int(share[w])) for w in range(self.workers)}
+
+    def _turn_from(self, positions: dict) -> tuple[int, list[int]]:
+        """The round-robin turn after these per-worker counts: the worker after the last one
+        served (the last in worker order among those that served the most rounds). Workers that
+        are done stay in the turn order: their end markers are consumed when their turn comes,
+        which yields no batch, so the sequence of batches is the same."""
+        served = [positions.get(w, (0, 0))[1] for w in range(self.workers)]
+        most = max(served) if served else 0
+        if most == 0:
+            return 0, list(range(self.workers))
+        last = max(w for w in range(self.workers) if served[w] == most)
+        return (last + 1) % self.workers, list(range(self.workers))
+
+    def _elastic(self, state: dict, plan) -> None:
+        """Re-plan the rest of the saved epoch for this world size and worker count."""
+        epoch = state["epoch"]
+        old_world, old_workers = state["world_size"], state["num_workers"]
+        if old_world > 1 and not state["equal_batches"]:
+            raise resumemod.StateError("an elastic resume needs equal batch counts on the old ranks (equal_batches=True)")
+        counts = self._worker_counts(epoch, old_world, old_workers, plan)
+        k = state["yielded"]
+        consumed = [[int(x) for x in round_robin_share(counts[r], k)] for r in range(old_world)]
+        if old_world == 1 and state["workers"]:
+            consumed = [[int(state["workers"].get(str(w), [epoch, 0])[1]) for w in range(old_workers)]]
+        remainder = resumemod.RemainderPlan(epoch, old_world, old_workers, consumed, base=plan)
+        self.source.plans = {epoch: remainder}
+        self.source.resume = {}
+        log.info("resuming epoch %d of a %d x %d layout as %d x %d: the epoch's remainder is re-planned", epoch, old_world, old_workers, self.world_size, self.workers)
 
 
 def loader(source, **kwargs) -> Loader:

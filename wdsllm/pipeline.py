@@ -167,9 +167,16 @@ def spec_for(cfg: Config, epoch: int, rank: int, world: int, worker: int, worker
     )
 
 
-def worker_batch_count(catalog: Catalog, cfg: Config, spec: StreamSpec) -> int | None:
+def slices_for(catalog: Catalog, cfg: Config, spec: StreamSpec, plan=None) -> list:
+    """The slices (rank, worker) reads in spec.epoch: the normal plan, or a remainder plan."""
+    if plan is None:
+        return epoch_slices(catalog, spec)
+    return plan.slices_for(catalog, cfg, PLAN_HELPERS, spec.rank, spec.world, spec.worker, spec.workers)
+
+
+def worker_batch_count(catalog: Catalog, cfg: Config, spec: StreamSpec, plan=None) -> int | None:
     """Batches (rank, worker) yields in the epoch, from the index alone; None if unknown."""
-    slices = epoch_slices(catalog, spec)
+    slices = slices_for(catalog, cfg, spec, plan)
     batcher = make_batcher(cfg)
     counts = slice_item_counts(catalog, slices, spec)
     if counts is None:
@@ -183,12 +190,12 @@ def worker_batch_count(catalog: Catalog, cfg: Config, spec: StreamSpec) -> int |
     return batcher.count(int(sum(counts)), lengths)
 
 
-def batch_counts(catalog: Catalog, cfg: Config, epoch: int, world: int, workers: int) -> np.ndarray | None:
+def batch_counts(catalog: Catalog, cfg: Config, epoch: int, world: int, workers: int, plan=None) -> np.ndarray | None:
     """[world, workers] batch counts for a finite epoch, or None when the index cannot say."""
     out = np.zeros((world, max(1, workers)), np.int64)
     for r in range(world):
         for w in range(max(1, workers)):
-            c = worker_batch_count(catalog, cfg, spec_for(cfg, epoch, r, world, w, max(1, workers)))
+            c = worker_batch_count(catalog, cfg, spec_for(cfg, epoch, r, world, w, max(1, workers)), plan)
             if c is None:
                 return None
             out[r, w] = c
@@ -225,8 +232,8 @@ class EpochLimits:
     dropped_items: int | None = None
 
 
-def epoch_limits(catalog: Catalog, cfg: Config, epoch: int, rank: int, world: int, workers: int) -> EpochLimits | None:
-    counts = batch_counts(catalog, cfg, epoch, world, workers)
+def epoch_limits(catalog: Catalog, cfg: Config, epoch: int, rank: int, world: int, workers: int, plan=None) -> EpochLimits | None:
+    counts = batch_counts(catalog, cfg, epoch, world, workers, plan)
     if counts is None:
         return None
     per_rank = int(counts.sum(axis=1).min())
@@ -247,6 +254,7 @@ class EpochTask:
     first_batch: int = 0
     limit: int | None = None  # batches this worker may yield this epoch
     infinite_epochs: bool = False
+    plan: object = None  # a resume.RemainderPlan replacing the normal epoch plan
 
 
 @dataclass
@@ -255,6 +263,7 @@ class EndOfWorker:
 
     worker: int
     epoch: int
+    stats: dict = field(default_factory=dict)
 
 
 class EpochSource(IterableDataset):
@@ -271,6 +280,7 @@ class EpochSource(IterableDataset):
         self.world = world
         self._epoch = mp.get_context().Value("q", 0, lock=False)
         self.resume: dict[int, tuple[int, int]] = {}  # worker -> (epoch, first batch) for the next iteration
+        self.plans: dict = {}  # epoch -> resume.RemainderPlan (an elastic resume's remainder)
         self.end_marker = False
         self._limits_cache: dict = {}
 
@@ -294,7 +304,7 @@ class EpochSource(IterableDataset):
             finite = cfg.epochs is not None and not cfg.resample and cfg.steps_per_epoch is None
             limits = None
             if finite and equal:
-                limits = epoch_limits(self.catalog, cfg, epoch, self.rank, self.world, workers)
+                limits = epoch_limits(self.catalog, cfg, epoch, self.rank, self.world, workers, self.plans.get(epoch))
                 if limits is None:
                     log.warning("equal_batches needs an index with counts; ranks may yield different numbers of batches")
             self._limits_cache = {key: limits}
@@ -317,7 +327,7 @@ class EpochSource(IterableDataset):
             spec = spec_for(cfg, epoch, self.rank, self.world, worker, workers)
             limits = self.limits(epoch, workers)
             limit = int(limits.per_worker[worker]) if limits is not None else None
-            yield EpochTask(spec=spec, first_batch=first_batch, limit=limit, infinite_epochs=infinite)
+            yield EpochTask(spec=spec, first_batch=first_batch, limit=limit, infinite_epochs=infinite, plan=self.plans.get(epoch))
             if not infinite:
                 break
             epoch += 1
@@ -328,16 +338,16 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
     """Second stage: read, shuffle and batch each task's stream (runs inside a worker)."""
     batcher = make_batcher(cfg)
     last = None
+    stats = StreamStats()
     for task in tasks:
         spec = task.spec
         last = spec
         if task.limit is not None and task.first_batch >= task.limit:
             continue
-        stats = StreamStats()
         if spec.resample:
             slices = _resampled_slices(catalog, spec)
         else:
-            slices = epoch_slices(catalog, spec)
+            slices = slices_for(catalog, cfg, spec, task.plan)
         lengths = None
         if batcher.needs_lengths and not spec.resample:
             lengths = slice_item_lengths(catalog, slices, spec)
@@ -358,11 +368,27 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
                 epoch=spec.epoch,
                 worker=spec.worker,
                 state={"epoch": spec.epoch, "batches": index + 1},
-                stats={"truncated_tokens": stats.truncated_tokens},
+                stats={"truncated_tokens": stats.truncated_tokens, "skipped_shards": stats.skipped_shards},
             )
             stats.truncated_tokens = 0
+            stats.skipped_shards = []
     if end_marker and last is not None:
-        yield EndOfWorker(worker=last.worker, epoch=last.epoch)
+        yield EndOfWorker(worker=last.worker, epoch=last.epoch,
+                          stats={"truncated_tokens": stats.truncated_tokens, "skipped_shards": stats.skipped_shards})
+
+
+class _PlanHelpers:
+    """What resume.RemainderPlan needs from the stream and batching modules (no import cycle)."""
+
+    spec_for = staticmethod(lambda cfg, epoch, rank, world, worker, workers: spec_for(cfg, epoch, rank, world, worker, workers))
+    slices_for = staticmethod(lambda catalog, cfg, spec, plan: slices_for(catalog, cfg, spec, plan))
+    item_counts = staticmethod(slice_item_counts)
+    item_lengths = staticmethod(slice_item_lengths)
+    make_batcher = staticmethod(lambda cfg: make_batcher(cfg))
+    shuffle_lengths = staticmethod(shuffle_lengths)
+
+
+PLAN_HELPERS = _PlanHelpers()
 
 
 def _bundle(batches: Iterator, max_batches: int, max_tokens: int) -> Iterator[list]:

@@ -35,20 +35,33 @@ def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool = True) -> n
     return rng(seed, STREAM_SHARD_ORDER, epoch).permutation(n_shards)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Slice:
-    """Items [start, stop) of one shard, every ``stride``-th one from ``start`` (stop None: to the end)."""
+    """Items [start, stop) of one shard, every ``stride``-th one from ``start`` (stop None: to the end).
+
+    ``pick`` (sorted positions within the slice's item sequence, pieces counted) keeps only those
+    items: how the remainder of an interrupted epoch is re-planned for a new layout.
+    """
 
     shard: int
     start: int = 0
     stop: int | None = None
     stride: int = 1
+    pick: np.ndarray | None = None
 
     @property
     def count(self) -> int | None:
+        if self.pick is not None:
+            return len(self.pick)
         if self.stop is None:
             return None
         return max(0, (self.stop - self.start + self.stride - 1) // self.stride)
+
+    def key(self) -> tuple:
+        return (self.shard, self.start, self.stop, self.stride, None if self.pick is None else tuple(self.pick.tolist()))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Slice) and self.key() == other.key()
 
 
 def split_range(total: int, parts: int, i: int) -> tuple[int, int]:

@@ -12,6 +12,7 @@ The shuffle is blockwise (as infinibatch's): each buffer of items is drawn in a 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Iterator
@@ -19,7 +20,9 @@ from typing import Iterator
 import numpy as np
 
 from . import plan as planmod
+from . import storage
 from .catalog import Catalog
+from .format import FormatError
 from .items import Block, ReadOptions, concat_blocks, read_slice
 from .plan import Slice
 
@@ -78,23 +81,30 @@ def slice_item_lengths(catalog: Catalog, slices: list[Slice], spec: StreamSpec) 
             rows = np.full(e.rows, seq_len, np.int64)
             if e.rows:
                 rows[-1] = e.tokens - seq_len * (e.rows - 1)
-            out.append(rows[sl.start : sl.stop : sl.stride])
+            r = rows[sl.start : sl.stop : sl.stride]
+            out.append(r if sl.pick is None else r[sl.pick])
         return np.concatenate(out) if out else np.zeros(0, np.int64)
     by_shard = catalog.lengths_by_shard()
     if by_shard is None:
         return None
-    parts = [by_shard[sl.shard][sl.start : sl.stop : sl.stride] for sl in slices]
-    lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    if spec.max_len is not None and catalog.mode == "docs":
-        m = spec.max_len
-        if spec.max_len_mode == "split":
-            counts = (lengths + m - 1) // m
-            reps = np.repeat(lengths, counts)
-            piece = np.arange(len(reps)) - np.repeat(np.cumsum(counts) - counts, counts)
-            lengths = np.minimum(m, reps - piece * m)
-        else:
-            lengths = np.minimum(lengths, m)
-    return lengths
+    parts = []
+    for sl in slices:
+        items = _max_len_lengths(by_shard[sl.shard][sl.start : sl.stop : sl.stride], spec)
+        parts.append(items if sl.pick is None else items[sl.pick])
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _max_len_lengths(lengths: np.ndarray, spec: StreamSpec) -> np.ndarray:
+    """Documents' lengths as items: split into pieces, or truncated, at max_len."""
+    m = spec.max_len
+    if m is None:
+        return lengths
+    if spec.max_len_mode == "split":
+        counts = (lengths + m - 1) // m
+        reps = np.repeat(lengths, counts)
+        piece = np.arange(len(reps)) - np.repeat(np.cumsum(counts) - counts, counts)
+        return np.minimum(m, reps - piece * m)
+    return np.minimum(lengths, m)
 
 
 def shuffle_lengths(lengths: np.ndarray, spec: StreamSpec) -> np.ndarray:
@@ -112,14 +122,34 @@ def shuffle_lengths(lengths: np.ndarray, spec: StreamSpec) -> np.ndarray:
 
 def slice_item_counts(catalog: Catalog, slices: list[Slice], spec: StreamSpec) -> list[int] | None:
     """Items of each slice in the plan stream (pieces counted)."""
+    counts = [slice_item_count(catalog, sl, spec) for sl in slices]
+    return None if any(c is None for c in counts) else counts
+
+
+def slice_item_count(catalog: Catalog, sl: Slice, spec: StreamSpec) -> int | None:
+    if sl.pick is not None:
+        return len(sl.pick)
     if not _splits(spec, catalog):
-        counts = [sl.count for sl in slices]
-        return None if any(c is None for c in counts) else counts
+        if sl.stop is None and sl.stride == 1 and sl.start == 0 and catalog.items_per_shard is not None:
+            return catalog.items_per_shard[sl.shard]  # a whole shard (resampled streams)
+        return sl.count
     by_shard = catalog.lengths_by_shard()
     if by_shard is None:
         return None
     m = spec.max_len
-    return [int(((by_shard[sl.shard][sl.start : sl.stop : sl.stride] + m - 1) // m).sum()) for sl in slices]
+    return int(((by_shard[sl.shard][sl.start : sl.stop : sl.stride] + m - 1) // m).sum())
+
+
+def _docs_before(catalog: Catalog, sl: Slice, spec: StreamSpec, item: int) -> tuple[int, int]:
+    """(whole documents before in-slice item position ``item``, items those documents make)."""
+    if item <= 0:
+        return 0, 0
+    if not _splits(spec, catalog):
+        return item, item
+    lengths = catalog.lengths_by_shard()[sl.shard][sl.start : sl.stop : sl.stride]
+    pieces_through = np.cumsum((lengths + spec.max_len - 1) // spec.max_len)
+    docs = int(np.searchsorted(pieces_through, item, side="right"))
+    return docs, int(pieces_through[docs - 1]) if docs else 0
 
 
 def _apply_max_len(block: Block, spec: StreamSpec) -> tuple[Block, int]:
@@ -141,10 +171,12 @@ def _apply_max_len(block: Block, spec: StreamSpec) -> tuple[Block, int]:
 
 
 class StreamStats:
-    """Tallies a worker reports with its batches (tokens cut by max_len='truncate')."""
+    """Tallies a worker reports with its batches: tokens cut by max_len='truncate', and shards
+    skipped as unreadable (on_error='skip')."""
 
     def __init__(self) -> None:
         self.truncated_tokens = 0
+        self.skipped_shards: list[str] = []
 
 
 def plan_items(
@@ -160,41 +192,87 @@ def plan_items(
 
     With counts from the index, slices before ``start`` are not opened and the slice holding it
     is entered by skipping groups; without them the items before ``start`` are read and dropped.
+    The next shard is opened (and, when remote, read ahead) while the current one is consumed.
     """
-    counts = slice_item_counts(catalog, slices, spec) if isinstance(slices, list) else None
-    split = _splits(spec, catalog)
+    options = options or ReadOptions()
+    work = _slice_work(catalog, slices, spec, start)
+    if options.prefetch:
+        work, ahead = itertools.tee(work)
+        streams = storage.prefetch_iter(
+            (
+                catalog.urls[sl.shard],
+                dict(retry=options.retry, cache=options.cache, allow_pipe=catalog.user_urls,
+                     expected_size=catalog.shard_entries[sl.shard].bytes if catalog.shard_entries else None),
+            )
+            for sl, _, _ in ahead
+        )
+    else:
+        streams = None
+    leftover = 0  # items still to drop when counts are unknown and a slice ran out first
+    for sl, skip_docs, drop in work:
+        drop += leftover
+        stream = next(streams) if streams is not None else None
+        position = _items_of_docs(catalog, sl, spec, skip_docs) if sl.pick is not None else 0
+        try:
+            for block in read_slice(catalog, sl, skip=skip_docs, options=options, stream=stream):
+                if catalog.mode == "docs":
+                    block, cut = _apply_max_len(block, spec)
+                    if stats is not None:
+                        stats.truncated_tokens += cut
+                if sl.pick is not None:
+                    here = position + np.arange(len(block))
+                    position += len(block)
+                    block = block.take(np.nonzero(np.isin(here, sl.pick, assume_unique=True))[0])
+                if drop:
+                    take = min(drop, len(block))
+                    drop -= take
+                    block = block.slice(take, len(block))
+                if len(block):
+                    yield block
+        except (storage.StorageError, FormatError) as exc:
+            if options.on_error != "skip":
+                raise
+            url = catalog.urls[sl.shard]
+            log.warning("skipping unreadable shard %s: %s", url, exc)
+            if stats is not None:
+                stats.skipped_shards.append(url)
+        leftover = drop
+
+
+def _items_of_docs(catalog: Catalog, sl: Slice, spec: StreamSpec, docs: int) -> int:
+    """In-slice item position of the first item of document ``docs``."""
+    if docs <= 0:
+        return 0
+    if not _splits(spec, catalog):
+        return docs
+    lengths = catalog.lengths_by_shard()[sl.shard][sl.start : sl.stop : sl.stride][:docs]
+    return int(((lengths + spec.max_len - 1) // spec.max_len).sum())
+
+
+def _slice_work(catalog: Catalog, slices, spec: StreamSpec, start: int) -> Iterator[tuple[Slice, int, int]]:
+    """(slice, documents to skip by group, items to drop after reading) for each slice to read."""
     pos = 0  # plan position of the current slice's first item
-    for k, sl in enumerate(slices):
-        n = counts[k] if counts is not None else None
-        if n is not None and pos + n <= start:
+    remaining = start  # items still to pass when counts are unknown
+    for sl in slices:
+        n = slice_item_count(catalog, sl, spec)
+        if n is None:
+            # Unknown counts: read from the first slice and drop items until ``start``.
+            yield sl, 0, remaining
+            remaining = 0
+            continue
+        if pos + n <= start:
             pos += n
             continue
         skip_items = max(0, start - pos)
-        skip_docs, drop = 0, 0
-        if skip_items and n is None:
-            drop = skip_items
-        elif skip_items and split:
-            # an item offset counts pieces: convert it into whole documents plus pieces
-            lengths = catalog.lengths_by_shard()[sl.shard][sl.start : sl.stop : sl.stride]
-            pieces_through = np.cumsum((lengths + spec.max_len - 1) // spec.max_len)
-            skip_docs = int(np.searchsorted(pieces_through, skip_items, side="right"))
-            drop = skip_items - (int(pieces_through[skip_docs - 1]) if skip_docs else 0)
-        else:
-            skip_docs = skip_items
-        seen = skip_docs if not split else skip_items - drop
-        for block in read_slice(catalog, sl, skip=skip_docs, options=options):
-            if catalog.mode == "docs":
-                block, cut = _apply_max_len(block, spec)
-                if stats is not None:
-                    stats.truncated_tokens += cut
-            seen += len(block)
-            if drop:
-                take = min(drop, len(block))
-                drop -= take
-                block = block.slice(take, len(block))
-            if len(block):
-                yield block
-        pos += n if n is not None else seen
+        pos += n
+        if sl.pick is not None:
+            # keep the picks from skip_items on; read from the document holding the first one
+            sl = Slice(sl.shard, sl.start, sl.stop, sl.stride, sl.pick[skip_items:])
+            skip_docs, _ = _docs_before(catalog, sl, spec, int(sl.pick[0]))
+            yield sl, skip_docs, 0
+            continue
+        skip_docs, passed = _docs_before(catalog, sl, spec, skip_items)
+        yield sl, skip_docs, skip_items - passed
 
 
 def shuffled_items(

@@ -1,0 +1,195 @@
+"""Loader state for exact resumption, and re-planning an epoch's remainder for a new layout.
+
+A worker's position is two integers: the epoch and the number of batches it has yielded in it.
+Everything else is recomputed: the plan from (seed, epoch, rank, worker), the shuffle blocks, and
+each batcher's windows from the documents' lengths. A resumed worker starts reading at the
+shuffle block or window that holds its next batch, so resuming reads at most the shards in flight
+at checkpoint time and never replays an epoch.
+
+Elastic resumption (another world size or worker count) needs what every old (rank, worker) had
+consumed. With equal batches every rank had yielded the same number k of batches, and DataLoader's
+round-robin order says how many of them came from each worker, so the state of any one rank is
+enough. The consumed items of each old worker are its first batches re-planned over lengths; the
+rest of the epoch, in a fixed order, is dealt out to the new layout like a normal epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from . import plan as planmod
+from .catalog import Catalog
+from .plan import Slice
+
+STATE_VERSION = 1
+STATE_KIND = "wdsllm.loader"
+# Settings that do not change which batches come out, so a resume may change them.
+RUNTIME_ONLY: tuple[str, ...] = ()
+
+
+class StateError(ValueError):
+    """A saved state does not fit this loader; the message says what differs."""
+
+
+def settings_fingerprint(cfg) -> str:
+    fields = {k: v for k, v in asdict(cfg).items() if k not in RUNTIME_ONLY and k != "equal_batches"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# Consumed items of one worker
+
+
+def inverse_shuffle(shuffled_positions: np.ndarray, n: int, spec) -> np.ndarray:
+    """Plan positions of the given shuffled-stream positions (see stream.shuffled_items)."""
+    size = spec.shuffle_buffer
+    if size <= 1 or len(shuffled_positions) == 0:
+        return shuffled_positions
+    out = np.empty_like(shuffled_positions)
+    blocks = shuffled_positions // size
+    for k in np.unique(blocks):
+        k = int(k)
+        block_n = min(size, n - k * size)
+        perm = planmod.rng(spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, k).permutation(block_n)
+        sel = blocks == k
+        out[sel] = k * size + perm[shuffled_positions[sel] - k * size]
+    return out
+
+
+def consumed_plan_positions(batcher, lengths_plan: np.ndarray, spec, batches: int, shuffle_lengths) -> np.ndarray:
+    """Plan positions of the items in a worker's first ``batches`` batches (sorted, unique)."""
+    if batches <= 0 or len(lengths_plan) == 0:
+        return np.zeros(0, np.int64)
+    shuffled = shuffle_lengths(lengths_plan, spec)
+    parts = []
+    for j, positions in enumerate(batcher.dry_batches(shuffled, spec)):
+        if j >= batches:
+            break
+        parts.append(positions)
+    if not parts:
+        return np.zeros(0, np.int64)
+    return np.unique(inverse_shuffle(np.concatenate(parts).astype(np.int64), len(lengths_plan), spec))
+
+
+def remaining_slices(slices: list[Slice], counts: list[int], consumed: np.ndarray) -> list[Slice]:
+    """The slices minus the consumed plan positions; partly consumed slices keep ``pick``s."""
+    out = []
+    pos = 0
+    for sl, n in zip(slices, counts):
+        lo, hi = np.searchsorted(consumed, [pos, pos + n])
+        gone = consumed[lo:hi] - pos
+        if len(gone) == 0:
+            out.append(sl)
+        elif len(gone) < n:
+            keep = np.setdiff1d(np.arange(n), gone, assume_unique=True)
+            pick = keep if sl.pick is None else sl.pick[keep]
+            out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, pick))
+        pos += n
+    return out
+
+
+def cut_sequence(slices: list[Slice], counts: list[int], a: int, b: int, split: bool) -> list[Slice]:
+    """Items [a, b) of the slices taken in order; a cut inside a slice becomes a range or a pick."""
+    out = []
+    pos = 0
+    for sl, n in zip(slices, counts):
+        lo, hi = max(a, pos) - pos, min(b, pos + n) - pos
+        if hi > lo:
+            if lo == 0 and hi == n:
+                out.append(sl)
+            elif sl.pick is not None:
+                out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, sl.pick[lo:hi]))
+            elif not split and sl.stride == 1 and sl.stop is not None:
+                out.append(Slice(sl.shard, sl.start + lo, sl.start + hi))
+            else:
+                out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, np.arange(lo, hi)))
+        pos += n
+        if pos >= b:
+            break
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The remainder of an epoch, for a new layout
+
+
+@dataclass
+class RemainderPlan:
+    """Epoch ``epoch`` minus what an old layout (world x workers) had consumed.
+
+    ``consumed[r][w]`` is how many batches old (rank r, worker w) had yielded; ``base`` is the plan
+    the old layout was itself following (None: the normal epoch plan).
+    """
+
+    epoch: int
+    world: int
+    workers: int
+    consumed: list[list[int]]
+    base: "RemainderPlan | None" = None
+
+    def to_json(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "world": self.world,
+            "workers": self.workers,
+            "consumed": self.consumed,
+            "base": self.base.to_json() if self.base else None,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> "RemainderPlan | None":
+        if d is None:
+            return None
+        return cls(d["epoch"], d["world"], d["workers"], d["consumed"], cls.from_json(d.get("base")))
+
+    def sequence(self, catalog: Catalog, cfg, helpers) -> tuple[list[Slice], list[int]]:
+        """Every remaining item, in a fixed order: old ranks, then old workers, plan order."""
+        cache = getattr(self, "_sequence", None)
+        if cache is not None:
+            return cache
+        slices_out: list[Slice] = []
+        for r in range(self.world):
+            for w in range(self.workers):
+                spec = helpers.spec_for(cfg, self.epoch, r, self.world, w, self.workers)
+                slices = helpers.slices_for(catalog, cfg, spec, self.base)
+                counts = helpers.item_counts(catalog, slices, spec)
+                lengths = helpers.item_lengths(catalog, slices, spec)
+                if counts is None or lengths is None:
+                    raise StateError("resuming with another world size or worker count needs the dataset's index (lengths.npy)")
+                gone = consumed_plan_positions(helpers.make_batcher(cfg), lengths, spec, self.consumed[r][w], helpers.shuffle_lengths)
+                slices_out.extend(remaining_slices(slices, counts, gone))
+        spec0 = helpers.spec_for(cfg, self.epoch, 0, 1, 0, 1)
+        counts_out = helpers.item_counts(catalog, slices_out, spec0)
+        self._sequence = (slices_out, counts_out)
+        return self._sequence
+
+    def slices_for(self, catalog: Catalog, cfg, helpers, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
+        slices, counts = self.sequence(catalog, cfg, helpers)
+        total = int(sum(counts))
+        ra, rb = planmod.split_range(total, world, rank)
+        wa, wb = planmod.split_range(rb - ra, workers, worker)
+        spec0 = helpers.spec_for(cfg, self.epoch, 0, 1, 0, 1)
+        split = spec0.max_len is not None and spec0.max_len_mode == "split" and catalog.mode == "docs"
+        return cut_sequence(slices, counts, ra + wa, ra + wb, split)
+
+
+def check_state(state: Any, *, dataset: str, settings: str) -> None:
+    if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
+        raise StateError("not a wdsllm loader state (missing kind 'wdsllm.loader')")
+    if state.get("version") != STATE_VERSION:
+        raise StateError(f"loader state version {state.get('version')} is not supported (this wdsllm reads {STATE_VERSION})")
+    if state.get("dataset") != dataset:
+        raise StateError(
+            f"the state was saved for another dataset (fingerprint {state.get('dataset')}, this one is {dataset}); "
+            "shards or their order differ"
+        )
+    if state.get("settings") != settings:
+        raise StateError(
+            "the state was saved with other loader settings (batch size, seed, shuffle, batching, max_len, ...): "
+            f"saved {state.get('config')}"
+        )
