@@ -95,7 +95,7 @@ class FixedBatcher:
         b = self.batch_size
         return n_items // b if self.drop_last else (n_items + b - 1) // b
 
-    def start_position(self, batch: int, lengths: np.ndarray | None = None) -> int:
+    def start_position(self, batch: int, lengths: np.ndarray | None = None, hint: dict | None = None) -> int:
         return batch * self.batch_size
 
     def dry_batches(self, lengths: np.ndarray, spec) -> Iterator[np.ndarray]:
@@ -106,8 +106,10 @@ class FixedBatcher:
                 return
             yield np.arange(a, min(n, a + b))
 
-    def batches(self, shuffled, first_batch: int, spec, lengths=None) -> Iterator[tuple[int, Block]]:
-        """(batch number, items) from batch ``first_batch``; ``shuffled`` starts at its position."""
+    def batches(self, shuffled, first_batch: int, spec, lengths=None, hint=None) -> Iterator[tuple[int, Block, dict | None]]:
+        """(batch number, items, resume hint) from batch ``first_batch``; ``shuffled`` starts at
+        its position. The hint says where the next batch starts, so a resume needs no replanning
+        (fixed batches need none)."""
         b = self.batch_size
         index = first_batch
         pending: Block | None = None
@@ -117,12 +119,12 @@ class FixedBatcher:
                 pending = None
             full = len(block) // b
             for i in range(full):
-                yield index, block.slice(i * b, (i + 1) * b)
+                yield index, block.slice(i * b, (i + 1) * b), None
                 index += 1
             if len(block) > full * b:
                 pending = block.slice(full * b, len(block))
         if pending is not None and len(pending) and not self.drop_last:
-            yield index, pending
+            yield index, pending, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,10 +246,18 @@ class BucketBatcher:
             carry_in = carry_out
         return len(lengths) // self.window + 1, done, 0
 
-    def start_position(self, batch: int, lengths: np.ndarray | None) -> int:
+    def _resume_point(self, batch: int, lengths, hint) -> tuple[int, int, int]:
+        """(window, batches before it, items carried into it) for resuming at ``batch``."""
+        if hint is not None:
+            return hint["w"], batch - hint["skip"], hint["carry"]
         if batch == 0 or lengths is None:
+            return 0, 0, 0
+        return self._locate(batch, lengths)
+
+    def start_position(self, batch: int, lengths: np.ndarray | None, hint: dict | None = None) -> int:
+        if batch == 0 or (lengths is None and hint is None):
             return 0
-        i, _, carry_in = self._locate(batch, lengths)
+        i, _, carry_in = self._resume_point(batch, lengths, hint)
         return (i - 1 if carry_in else i) * self.window
 
     def dry_batches(self, lengths: np.ndarray, spec) -> Iterator[np.ndarray]:
@@ -264,20 +274,19 @@ class BucketBatcher:
             if plan.carry_out:
                 carry_pos = new_pos[np.argsort(lengths[new_pos], kind="stable")[len(new_pos) - plan.carry_out :]]
 
-    def batches(self, shuffled, first_batch: int, spec, lengths=None) -> Iterator[tuple[int, Block]]:
+    def batches(self, shuffled, first_batch: int, spec, lengths=None, hint=None) -> Iterator[tuple[int, Block, dict]]:
         k = self.window
-        start_window, done, carry_in = 0, 0, 0
-        if first_batch and lengths is not None:
-            start_window, done, carry_in = self._locate(first_batch, lengths)
+        known = lengths is not None or hint is not None
+        start_window, done, carry_in = self._resume_point(first_batch, lengths, hint) if first_batch and known else (0, 0, 0)
         windows = _windows(shuffled, k)
         carry: Block | None = None
         i = start_window
-        if first_batch and lengths is not None and carry_in:
+        if first_batch and known and carry_in:
             prev = next(windows)  # window i-1: only its carried items are needed
             keep = np.argsort(prev.lengths, kind="stable")[len(prev) - carry_in :]
             carry = prev.take(keep)
         index = done
-        skip = first_batch - done if lengths is not None else first_batch
+        skip = first_batch - done if known else first_batch
         pending = next(windows, None)
         while pending is not None:
             following = next(windows, None)
@@ -286,12 +295,16 @@ class BucketBatcher:
             plan = self.plan_window(carry_block.lengths, pending.lengths, final=final)
             merged = concat_blocks([carry_block, pending]) if len(carry_block) else pending
             order = _order_rng(spec, i).permutation(len(plan.batches))
-            for j in order:
+            for emitted, j in enumerate(order, 1):
                 if skip:
                     skip -= 1
                     index += 1
                     continue
-                yield index, merged.take(plan.batches[j])
+                if emitted < len(order):
+                    after = {"w": i, "carry": len(carry_block), "skip": emitted}
+                else:
+                    after = {"w": i + 1, "carry": plan.carry_out, "skip": 0}
+                yield index, merged.take(plan.batches[j]), after
                 index += 1
             carry = None
             if plan.carry_out:
@@ -368,8 +381,13 @@ class PackBatcher:
         self.drop_last = drop_last
 
     def rows_per_window(self, lengths: np.ndarray) -> list[int]:
+        cached = getattr(self, "_rows_cache", None)
+        if cached is not None and cached[0] is lengths:
+            return cached[1]
         k = self.window
-        return [len(best_fit_decreasing(lengths[i : i + k], self.seq_len)) for i in range(0, len(lengths), k)]
+        rows = [len(best_fit_decreasing(lengths[i : i + k], self.seq_len)) for i in range(0, len(lengths), k)]
+        self._rows_cache = (lengths, rows)
+        return rows
 
     def count(self, n_items: int, lengths: np.ndarray | None) -> int:
         if lengths is None:
@@ -378,7 +396,9 @@ class PackBatcher:
         b = self.batch_size
         return rows // b if self.drop_last else (rows + b - 1) // b
 
-    def start_position(self, batch: int, lengths: np.ndarray | None) -> int:
+    def start_position(self, batch: int, lengths: np.ndarray | None, hint: dict | None = None) -> int:
+        if hint is not None:
+            return hint["w"] * self.window
         if batch == 0 or lengths is None:
             return 0
         first_row = batch * self.batch_size
@@ -406,10 +426,12 @@ class PackBatcher:
     def window_rows(self, window: Block, spec, i: int) -> Block:
         return _rows_block(window, self._window_bins(window.lengths, spec, i))
 
-    def batches(self, shuffled, first_batch: int, spec, lengths=None) -> Iterator[tuple[int, Block]]:
+    def batches(self, shuffled, first_batch: int, spec, lengths=None, hint=None) -> Iterator[tuple[int, Block, dict]]:
         k = self.window
         start_window, skip_rows = 0, first_batch * self.batch_size
-        if first_batch and lengths is not None:
+        if hint is not None:
+            start_window, skip_rows = hint["w"], hint["skip"]
+        elif first_batch and lengths is not None:
             done = 0
             for i, rows in enumerate(self.rows_per_window(lengths)):
                 if done + rows > skip_rows:
@@ -417,29 +439,45 @@ class PackBatcher:
                     break
                 done += rows
             skip_rows -= done
-        rows_stream = (self.window_rows(w, spec, start_window + i) for i, w in enumerate(_windows(shuffled, k)))
+        rows_stream = ((start_window + i, self.window_rows(w, spec, start_window + i)) for i, w in enumerate(_windows(shuffled, k)))
         yield from _row_batches(rows_stream, self.batch_size, first_batch, skip_rows, self.drop_last)
 
 
-def _row_batches(rows_stream: Iterator[Block], b: int, first_batch: int, skip_rows: int, drop_last: bool) -> Iterator[tuple[int, Block]]:
+def _row_batches(rows_stream, b: int, first_batch: int, skip_rows: int, drop_last: bool) -> Iterator[tuple[int, Block, dict]]:
+    """Batches of ``b`` rows over a stream of (window, rows); rows run across windows. The hint
+    after a batch is (window, rows of it already used) of the next row."""
     index = first_batch
-    pending: Block | None = None
-    for rows in rows_stream:
+    queue: list[tuple[int, int, Block]] = []  # (window, first row's offset in it, rows)
+    have = 0
+    last_window = -1
+    for w, rows in rows_stream:
+        last_window = w
+        offset = 0
         if skip_rows:
             take = min(skip_rows, len(rows))
             skip_rows -= take
+            offset = take
             rows = rows.slice(take, len(rows))
-        if pending is not None:
-            rows = concat_blocks([pending, rows])
-            pending = None
-        full = len(rows) // b
-        for i in range(full):
-            yield index, rows.slice(i * b, (i + 1) * b)
+        if len(rows):
+            queue.append((w, offset, rows))
+            have += len(rows)
+        while have >= b:
+            parts, need = [], b
+            while need:
+                qw, qoff, qrows = queue[0]
+                take = min(need, len(qrows))
+                parts.append(qrows.slice(0, take))
+                if take == len(qrows):
+                    queue.pop(0)
+                else:
+                    queue[0] = (qw, qoff + take, qrows.slice(take, len(qrows)))
+                need -= take
+            have -= b
+            after = {"w": queue[0][0], "skip": queue[0][1]} if queue else {"w": w + 1, "skip": 0}
+            yield index, concat_blocks(parts) if len(parts) > 1 else parts[0], after
             index += 1
-        if len(rows) > full * b:
-            pending = rows.slice(full * b, len(rows))
-    if pending is not None and len(pending) and not drop_last:
-        yield index, pending
+    if have and not drop_last:
+        yield index, concat_blocks([q[2] for q in queue]), {"w": last_window + 1, "skip": 0}
 
 
 class ConcatBatcher:
@@ -459,7 +497,7 @@ class ConcatBatcher:
         rows = (int(lengths.sum()) + self.seq_len - 1) // self.seq_len
         return rows // self.batch_size if self.drop_last else (rows + self.batch_size - 1) // self.batch_size
 
-    def start_position(self, batch: int, lengths: np.ndarray | None) -> int:
+    def start_position(self, batch: int, lengths: np.ndarray | None, hint: dict | None = None) -> int:
         if batch == 0 or lengths is None:
             return 0
         offset = batch * self.batch_size * self.seq_len
@@ -478,7 +516,7 @@ class ConcatBatcher:
             last = int(np.searchsorted(ends, b - 1, side="right"))
             yield np.arange(first, last + 1)
 
-    def batches(self, shuffled, first_batch: int, spec, lengths=None) -> Iterator[tuple[int, Block]]:
+    def batches(self, shuffled, first_batch: int, spec, lengths=None, hint=None) -> Iterator[tuple[int, Block, None]]:
         L = self.seq_len
         lead = 0  # tokens of the first item already used by earlier rows
         skip_rows = first_batch * self.batch_size
@@ -486,8 +524,9 @@ class ConcatBatcher:
             start = self.start_position(first_batch, lengths)
             lead = first_batch * self.batch_size * L - (int(lengths[:start].sum()) if start else 0)
             skip_rows = 0
-        rows_stream = _concat_rows(shuffled, L, lead)
-        yield from _row_batches(rows_stream, self.batch_size, first_batch, skip_rows, self.drop_last)
+        rows_stream = ((0, rows) for rows in _concat_rows(shuffled, L, lead))
+        for index, block, _ in _row_batches(rows_stream, self.batch_size, first_batch, skip_rows, self.drop_last):
+            yield index, block, None
 
 
 def _concat_rows(shuffled, seq_len: int, lead: int) -> Iterator[Block]:

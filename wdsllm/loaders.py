@@ -131,7 +131,7 @@ class Loader:
         self._dataloader: DataLoader | None = None
         self._stream: Iterator | None = None  # the endless stream of an infinite loader
         self._rr: RoundRobin | None = None
-        self._positions: dict[int, tuple[int, int]] = {}  # worker -> (epoch, batches handed out)
+        self._positions: dict[int, tuple] = {}  # worker -> (epoch, batches handed out, batcher hint)
         self._yielded = 0  # batches handed out this epoch (finite) or since the stream began
         self._steps = 0  # batches handed out in the current steps_per_epoch loop
         self._pending_resume: dict | None = None
@@ -218,7 +218,7 @@ class Loader:
         out = self._collate(batch.items, self.collate_options)
         out["epoch"] = batch.epoch
         self._note_stats(batch.stats)
-        self._positions[batch.worker] = (batch.epoch, batch.index + 1)
+        self._positions[batch.worker] = (batch.epoch, batch.index + 1, batch.state.get("hint"))
         self._yielded += 1
         if self.pin_memory and torch.cuda.is_available():
             out = {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
@@ -354,7 +354,7 @@ class Loader:
                     f"this state is rank {state['rank']}'s and ranks yielded different numbers of batches; load each rank's own state"
                 )
             positions = self._positions_from(state) if state["rank"] != self.rank else {int(w): tuple(p) for w, p in state["workers"].items()}
-            self.source.resume = {w: (e, m) for w, (e, m) in positions.items()}
+            self.source.resume = {w: tuple(p) for w, p in positions.items()}
             turn, active = state["turn"], state["active"]
             if state["rank"] != self.rank:
                 turn, active = self._turn_from(positions)
@@ -380,7 +380,7 @@ class Loader:
         epoch, k = state["epoch"], state["yielded"]
         counts = self._worker_counts(epoch, self.world_size, self.workers, self.source.plans.get(epoch))[self.rank]
         share = round_robin_share(counts, k)
-        return {w: (epoch, int(share[w])) for w in range(self.workers)}
+        return {w: (epoch, int(share[w]), None) for w in range(self.workers)}
 
     def _turn_from(self, positions: dict) -> tuple[int, list[int]]:
         """The round-robin turn after these per-worker counts: the worker after the last one

@@ -255,6 +255,7 @@ class EpochTask:
     limit: int | None = None  # batches this worker may yield this epoch
     infinite_epochs: bool = False
     plan: object = None  # a resume.RemainderPlan replacing the normal epoch plan
+    hint: dict | None = None  # the batcher's own note of where first_batch starts (same layout)
 
 
 @dataclass
@@ -279,7 +280,7 @@ class EpochSource(IterableDataset):
         self.rank = rank
         self.world = world
         self._epoch = mp.get_context().Value("q", 0, lock=False)
-        self.resume: dict[int, tuple[int, int]] = {}  # worker -> (epoch, first batch) for the next iteration
+        self.resume: dict[int, tuple] = {}  # worker -> (epoch, first batch, hint) for the next iteration
         self.plans: dict = {}  # epoch -> resume.RemainderPlan (an elastic resume's remainder)
         self.end_marker = False
         self._limits_cache: dict = {}
@@ -319,19 +320,19 @@ class EpochSource(IterableDataset):
         """The tasks of DataLoader worker ``worker`` of ``workers`` (what ``__iter__`` yields there)."""
         cfg = self.cfg
         epoch = self.epoch
-        first_batch = 0
+        first_batch, hint = 0, None
         if worker in self.resume:
-            epoch, first_batch = self.resume[worker]
+            epoch, first_batch, hint = (tuple(self.resume[worker]) + (None,))[:3]
         infinite = cfg.epochs is None or cfg.steps_per_epoch is not None
         while True:
             spec = spec_for(cfg, epoch, self.rank, self.world, worker, workers)
             limits = self.limits(epoch, workers)
             limit = int(limits.per_worker[worker]) if limits is not None else None
-            yield EpochTask(spec=spec, first_batch=first_batch, limit=limit, infinite_epochs=infinite, plan=self.plans.get(epoch))
+            yield EpochTask(spec=spec, first_batch=first_batch, limit=limit, infinite_epochs=infinite, plan=self.plans.get(epoch), hint=hint)
             if not infinite:
                 break
             epoch += 1
-            first_batch = 0
+            first_batch, hint = 0, None
 
 
 def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, read: ReadOptions, end_marker: bool) -> Iterator:
@@ -349,17 +350,17 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
         else:
             slices = slices_for(catalog, cfg, spec, task.plan)
         lengths = None
-        if batcher.needs_lengths and not spec.resample:
+        if batcher.needs_lengths and not spec.resample and task.hint is None:
             lengths = slice_item_lengths(catalog, slices, spec)
             if lengths is not None:
                 lengths = shuffle_lengths(lengths, spec)
-        start = batcher.start_position(task.first_batch, lengths)
+        start = batcher.start_position(task.first_batch, lengths, task.hint)
 
         def blocks_from(position: int, slices=slices, spec=spec, stats=stats):
             return plan_items(catalog, slices, spec, start=position, options=read, stats=stats)
 
         shuffled = shuffled_items(blocks_from, spec, start=start)
-        for index, items in batcher.batches(shuffled, task.first_batch, spec, lengths):
+        for index, items, hint in batcher.batches(shuffled, task.first_batch, spec, lengths, task.hint):
             if task.limit is not None and index >= task.limit:
                 break
             yield Batch(
@@ -367,7 +368,7 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
                 index=index,
                 epoch=spec.epoch,
                 worker=spec.worker,
-                state={"epoch": spec.epoch, "batches": index + 1},
+                state={"epoch": spec.epoch, "batches": index + 1, "hint": hint},
                 stats={"truncated_tokens": stats.truncated_tokens, "skipped_shards": stats.skipped_shards},
             )
             stats.truncated_tokens = 0
