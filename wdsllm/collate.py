@@ -36,6 +36,18 @@ def _tokens_tensor(tokens: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(tokens)
 
 
+_NP_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
+
+
+def _filled(n: int, value: int, dtype: torch.dtype) -> torch.Tensor:
+    """A new 1-D tensor of ``value``s. numpy's single-threaded fill (calloc for zeros) beats
+    torch.full here: the main process shares the cores with the DataLoader workers, and torch's
+    parallel fill loses badly to that contention."""
+    np_dtype = _NP_DTYPES[dtype]
+    arr = np.zeros(n, np_dtype) if value == 0 else np.full(n, value, np_dtype)
+    return torch.from_numpy(arr)
+
+
 def _round_up(n: int, multiple: int | None) -> int:
     return n if not multiple else (n + multiple - 1) // multiple * multiple
 
@@ -58,9 +70,9 @@ def collate_docs(items: Block, opts: CollateOptions) -> dict:
     width = _round_up(int(lengths.max()) if n else 0, opts.pad_to_multiple_of)
     flat = _tokens_tensor(items.gather_tokens()).to(opts.dtype)
     where = _flat_positions(lengths, width)
-    input_ids = torch.full((n * width,), opts.pad_id, dtype=opts.dtype).index_copy_(0, where, flat)
-    labels = torch.full((n * width,), IGNORE_INDEX, dtype=opts.dtype).index_copy_(0, where, flat)
-    attention_mask = torch.zeros(n * width, dtype=opts.dtype).index_fill_(0, where, 1)
+    input_ids = _filled(n * width, opts.pad_id, opts.dtype).index_copy_(0, where, flat)
+    labels = _filled(n * width, IGNORE_INDEX, opts.dtype).index_copy_(0, where, flat)
+    attention_mask = _filled(n * width, 0, opts.dtype).index_fill_(0, where, 1)
     pieces = items.pieces if items.pieces is not None else np.zeros(n, np.int64)
     return {
         "input_ids": input_ids.view(n, width),
@@ -79,20 +91,20 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
     lengths = items.lengths
     tokens = items.gather_tokens()
     full = bool(n and lengths.min() == seq_len)
+    flat = _tokens_tensor(tokens).to(opts.dtype)
     if full:
-        input_ids = _tokens_tensor(tokens).to(opts.dtype).view(n, seq_len)
-        mask = None
+        input_ids = flat.view(n, seq_len)
+        labels = input_ids.clone()
+        attention_mask = _filled(n * seq_len, 1, opts.dtype).view(n, seq_len)
     else:
-        mask = torch.arange(seq_len).unsqueeze(0) < torch.from_numpy(lengths.astype(np.int64)).unsqueeze(1)
-        input_ids = torch.full((n, seq_len), opts.pad_id, dtype=opts.dtype)
-        input_ids.masked_scatter_(mask, _tokens_tensor(tokens).to(opts.dtype))
-    labels = input_ids.clone()
-    if mask is not None:
-        labels.masked_fill_(~mask, IGNORE_INDEX)
+        where = _flat_positions(lengths.astype(np.int64), seq_len)
+        input_ids = _filled(n * seq_len, opts.pad_id, opts.dtype).index_copy_(0, where, flat).view(n, seq_len)
+        labels = _filled(n * seq_len, IGNORE_INDEX, opts.dtype).index_copy_(0, where, flat).view(n, seq_len)
+        attention_mask = _filled(n * seq_len, 0, opts.dtype).index_fill_(0, where, 1).view(n, seq_len)
     out = {
         "input_ids": input_ids,
         "labels": labels,
-        "attention_mask": torch.ones((n, seq_len), dtype=opts.dtype) if mask is None else mask.to(opts.dtype),
+        "attention_mask": attention_mask,
         "rows": torch.from_numpy(items.ids.astype(np.int64)),
     }
     seg_counts = np.diff(items.seg_ptr)
