@@ -115,7 +115,15 @@ class FixedBatcher:
         pending: Block | None = None
         for _, block in shuffled:
             if pending is not None:
-                block = concat_blocks([pending, block])
+                # complete the pending batch from the head of this block; join nothing more
+                need = b - len(pending)
+                head = block.slice(0, need)
+                pending = concat_blocks([pending, head])
+                block = block.slice(len(head), len(block))
+                if len(pending) < b:
+                    continue
+                yield index, pending, None
+                index += 1
                 pending = None
             full = len(block) // b
             for i in range(full):

@@ -1,8 +1,13 @@
 """Resolving a source (dataset root, index URL, shard URLs or patterns) into shards + index.
 
+A source is one of: a dataset root holding index.json (a directory, ``file://``, ``http(s)://``
+or ``s3://`` URL, with or without a trailing slash); the URL of an index.json; shard URLs or
+brace patterns on any of those schemes; local globs; ``pipe:CMD``.
+
 The index is untrusted data when it comes from the network: its shard names are checked by
-``format.check_shard_name`` and joined to the root by ``storage.join_url``, and ``pipe:`` is
-allowed only for URLs the user typed.
+``format.check_shard_name`` and joined to the root by ``storage.join_url`` (which keeps them one
+literal name), and ``pipe:`` is allowed only for URLs the user typed. Names that come from a
+directory listing or a glob are made into paths that no scheme can claim.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 import numpy as np
 
@@ -30,6 +36,7 @@ class Catalog:
     root: str | None = None
     user_urls: bool = False  # urls typed by the user (pipe: allowed), not derived from an index
     shard_entries: list[fmt.ShardEntry] | None = None  # index entries of ``urls`` (same order)
+    retry: storage.RetryPolicy | None = field(default=None, repr=False)  # for index and lengths reads
     _lengths: np.ndarray | None = field(default=None, repr=False)
 
     @property
@@ -58,7 +65,7 @@ class Catalog:
         if self.index is None or not self.index.lengths_file or self.root is None:
             return None
         info = self.index.lengths_file
-        data = storage.read_bytes(storage.join_url(self.root, fmt.check_shard_name(info["name"])))
+        data = storage.read_bytes(storage.join_url(self.root, fmt.check_shard_name(info["name"])), retry=self.retry)
         if hashlib.sha256(data).hexdigest() != info["sha256"]:
             raise fmt.FormatError(f"{self.root}: {info['name']} does not match the checksum in index.json")
         all_lengths = fmt.npy_array(data, info["name"]).astype(np.int64)
@@ -92,67 +99,101 @@ class Catalog:
         return h.hexdigest()[:16]
 
 
-def _read_index(root: str) -> fmt.Index | None:
+def _read_index(root: str, retry: storage.RetryPolicy | None = None) -> tuple[fmt.Index | None, str]:
+    """(the index of ``root``, "") or (None, why there is none). One GET: a missing index is told
+    from every other failure (403, exhausted retries, a malformed index), and those raise."""
     url = storage.join_url(root, fmt.INDEX_NAME)
-    if not storage.exists(url):
-        return None
-    return fmt.Index.from_json(storage.read_bytes(url), url)
+    try:
+        data = storage.read_bytes(url, retry=retry)
+    except storage.NotFoundError as exc:
+        return None, exc.reason
+    return fmt.Index.from_json(data, url), ""
 
 
 def _looks_like_shards(source: str) -> bool:
     return source.endswith((".tar", ".tgz", ".tar.gz")) or "{" in source or source.startswith("pipe:") or glob.has_magic(source)
 
 
+def _listed_path(path: str) -> str:
+    """A path found on disk (a glob match, a directory entry) as a URL that is that path: a file
+    named ``pipe:rm -rf x.tar`` or ``s3:`` must never read as a command or another scheme."""
+    return path if storage._scheme(path) == "file" else os.path.join(".", path)
+
+
+def _local_dir(url: str) -> str | None:
+    """The local path of a plain path or ``file://`` URL; None for other schemes."""
+    if storage._scheme(url) != "file":
+        return None
+    return storage._local_path(url) if url.startswith("file://") else url
+
+
 def _expand(patterns: list[str]) -> list[str]:
     urls: list[str] = []
     for url in storage.expand_urls(patterns):
-        if not storage.is_remote(url) and not url.startswith(("pipe:", "file:")) and glob.has_magic(url):
-            found = sorted(glob.glob(url))
+        local = _local_dir(url)
+        if local is not None and glob.has_magic(local):
+            found = sorted(glob.glob(local))
             if not found:
-                raise storage.StorageError(f"{url}: no shard matches")
-            urls.extend(found)
+                raise storage.StorageError(f"{url}: no shard matches", url=url, reason="no shard matches")
+            if url.startswith("file://"):
+                urls.extend("file://" + quote(os.path.abspath(f)) for f in found)
+            else:
+                urls.extend(_listed_path(f) for f in found)
         else:
             urls.append(url)
     return urls
 
 
-def open_catalog(source, *, index_for_shards: bool = True) -> Catalog:
+def open_catalog(source, *, index_for_shards: bool = True, retry: storage.RetryPolicy | None = None) -> Catalog:
     """Resolve a source into a Catalog.
 
     ``source`` is a dataset root (directory or URL holding index.json), the URL of an index.json,
     or shard URLs/patterns (a string or a list). For shard URLs, an index.json beside them is used
-    when it lists every one of them, so the guarantees that need an index still hold.
+    when it lists every one of them, so the guarantees that need an index still hold. ``retry``
+    governs reading the index and ``lengths.npy``; a missing index, a 403 or a 404 fail at once.
     """
     if isinstance(source, Catalog):
         return source
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
     if isinstance(source, (list, tuple)):
-        return _from_shards(_expand([str(s) for s in source]), index_for_shards)
+        return _from_shards(_expand([os.fspath(s) if isinstance(s, os.PathLike) else str(s) for s in source]), index_for_shards, retry)
     source = str(source)
-    if source.endswith(fmt.INDEX_NAME):
-        root = storage.dirname_url(source)
-        return _from_root(root, required=True)
+    if source.endswith(fmt.INDEX_NAME) and not source.startswith("pipe:"):
+        return _from_root(storage.dirname_url(source), retry)
     if _looks_like_shards(source):
-        return _from_shards(_expand([source]), index_for_shards)
-    return _from_root(source, required=True)
+        return _from_shards(_expand([source]), index_for_shards, retry)
+    return _from_root(source, retry)
 
 
-def _from_root(root: str, required: bool) -> Catalog:
-    index = _read_index(root)
+def _from_root(root: str, retry: storage.RetryPolicy | None = None) -> Catalog:
+    index_url = storage.join_url(root, fmt.INDEX_NAME)
+    index, missing = _read_index(root, retry)
     if index is None:
-        if not storage.is_remote(root) and os.path.isdir(root):
-            shards = sorted(glob.glob(os.path.join(root, "*.tar")))
-            if shards:
-                log.warning("%s has no index.json: reading %d shards without one (equal batches and exact counts are not available)", root, len(shards))
-                return Catalog(urls=shards, user_urls=False, root=root)
-        raise storage.StorageError(f"{root}: no {fmt.INDEX_NAME} here; pass shard URLs or patterns instead")
+        local = _local_dir(root)
+        if local is not None:
+            if not os.path.isdir(local):
+                raise storage.NotFoundError(f"{root}: no such directory", url=root, reason="no such directory")
+            names = sorted(
+                e.name for e in os.scandir(local) if e.name.endswith(".tar") and not e.name.startswith(".") and e.is_file()
+            )
+            if names:
+                log.warning("%s has no index.json: reading %d shards without one (equal batches and exact counts are not available)", root, len(names))
+                urls = [storage.join_url(root, n) for n in names]
+                return Catalog(urls=[_listed_path(u) for u in urls], user_urls=False, root=root, retry=retry)
+        raise storage.NotFoundError(
+            f"{index_url}: {missing}: {root} is not a dataset root (it holds no {fmt.INDEX_NAME}); pass shard "
+            f"URLs or patterns (such as {root.rstrip('/')}/shard-{{000000..000009}}.tar) instead",
+            url=index_url, reason=missing,
+        )
     urls = [storage.join_url(root, e.name) for e in index.shards]
-    return Catalog(urls=urls, index=index, root=root, shard_entries=list(index.shards))
+    return Catalog(urls=urls, index=index, root=root, shard_entries=list(index.shards), retry=retry)
 
 
-def _from_shards(urls: list[str], index_for_shards: bool) -> Catalog:
+def _from_shards(urls: list[str], index_for_shards: bool, retry: storage.RetryPolicy | None = None) -> Catalog:
     if not urls:
         raise storage.StorageError("no shards given")
-    catalog = Catalog(urls=urls, user_urls=True)
+    catalog = Catalog(urls=urls, user_urls=True, retry=retry)
     if not index_for_shards or any(u.startswith("pipe:") for u in urls):
         return catalog
     roots = {storage.dirname_url(u) for u in urls}
@@ -160,9 +201,9 @@ def _from_shards(urls: list[str], index_for_shards: bool) -> Catalog:
         return catalog
     root = roots.pop()
     try:
-        index = _read_index(root)
+        index, _ = _read_index(root, retry)
     except (storage.StorageError, fmt.FormatError) as exc:
-        log.info("no usable index beside the shards (%s)", exc)
+        log.warning("reading the shards without an index: the index beside them is unusable (%s)", exc)
         return catalog
     if index is None:
         return catalog

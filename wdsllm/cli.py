@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import json
 import logging
-import os
 import sys
 import time
 
@@ -57,6 +57,11 @@ class ProgressLine:
         self.quiet = quiet
         self.tty = sys.stderr.isatty()
         self.last_plain = 0.0
+
+    def clear(self) -> None:
+        """Make room for a message line on a terminal."""
+        if self.tty and not self.quiet:
+            click.echo("\r\033[K", err=True, nl=False)
 
     def show(self, text: str, final: bool = False) -> None:
         if self.quiet:
@@ -135,7 +140,12 @@ def pack(ctx, inputs, output, tokenizer, mode, seq_len, max_doc_tokens, split, t
     if (num_tasks is None) != (task_index is None):
         raise click.UsageError("--num-tasks and --task-index go together")
     if num_tasks is None:
-        num_tasks, task_index = task_from_env()
+        try:
+            num_tasks, task_index, source = task_from_env()
+        except PackError as exc:
+            _fail(exc)
+        if source and not quiet:
+            click.echo(f"task {task_index} of {num_tasks} (from {source}); writes {output.rstrip('/')}/task-{task_index:05d}", err=True)
     cfg = PackConfig(
         inputs=list(inputs),
         output=output,
@@ -166,13 +176,11 @@ def pack(ctx, inputs, output, tokenizer, mode, seq_len, max_doc_tokens, split, t
     def on_progress(p) -> None:
         rate = p.tokens / p.elapsed if p.elapsed else 0
         drate = p.documents / p.elapsed if p.elapsed else 0
-        pct = f"{100 * p.input_bytes / p.input_total:5.1f}% " if p.input_total else ""
-        bar_w = 20
-        filled = int(bar_w * p.input_bytes / p.input_total) if p.input_total else 0
-        bar = f"[{'#' * filled}{'.' * (bar_w - filled)}] " if p.input_total else ""
+        fraction = min(1.0, p.input_bytes / p.input_total) if p.input_total else 0.0
+        bar = f"{_bar(fraction)} {100 * fraction:5.1f}% " if p.input_total else ""
         line.show(
-            f"{bar}{pct}{human(p.documents)} docs {human(p.tokens)} tokens | {human(drate)} docs/s {human(rate)} tok/s | "
-            f"{p.shards} shards | {human(p.skipped)} skipped",
+            f"{bar}{human(p.documents)} docs {human(p.tokens)} tokens | {human(drate)} docs/s {human(rate)} tok/s | "
+            f"{_plural(p.shards, 'shard')} | {human(p.skipped)} skipped",
             final=p.done,
         )
 
@@ -180,27 +188,272 @@ def pack(ctx, inputs, output, tokenizer, mode, seq_len, max_doc_tokens, split, t
         result = run_pack(cfg, on_progress=on_progress)
     except (PackError, SourceError, TokenizerError, StorageError, OSError) as exc:
         _fail(exc)
-    if quiet:
-        return
+    if not quiet:
+        _pack_summary(result)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def _bar(fraction: float, width: int = 20) -> str:
+    filled = int(width * max(0.0, min(1.0, fraction)))
+    return f"[{'#' * filled}{'.' * (width - filled)}]"
+
+
+def _pack_summary(result) -> None:
     idx = result.index
     t = idx.totals()
     p = result.progress
-    click.echo(f"packed {t['documents']:,} documents, {t['tokens']:,} tokens into {t['shards']} shards ({human_bytes(t['bytes'])}) at {result.output}")
+    click.echo(f"packed {t['documents']:,} documents, {t['tokens']:,} tokens into {_plural(t['shards'], 'shard')} ({human_bytes(t['bytes'])}) at {result.output}")
     click.echo(
         f"  {p.tokens / max(p.elapsed, 1e-9):,.0f} tokens/s over {p.elapsed:.1f} s; {t['bytes'] / max(t['tokens'], 1):.3f} bytes/token; "
-        f"dtype {idx.dtype}; mode {idx.mode}" + (f" seq_len {idx.seq_len}" if idx.seq_len else "")
+        f"dtype {idx.dtype}; mode {idx.mode}" + (f" seq_len {idx.seq_len}, {t.get('rows', 0):,} rows" if idx.seq_len else "")
     )
     if result.resumed_shards:
-        click.echo(f"  resumed after {result.resumed_shards} finished shards")
-    skipped = idx.skipped
-    if skipped.get("total"):
-        counts = ", ".join(f"{k} {v:,}" for k, v in skipped["counts"].items())
-        click.echo(f"  skipped {skipped['total']:,}: {counts}")
-        for rec in skipped["records"][:10]:
-            click.echo(f"    {rec['file']}:{rec['line']}: {rec['reason']} {rec['detail']}".rstrip())
-        more = sum(v for k, v in skipped["counts"].items() if k != "empty") - min(10, len(skipped["records"]))
-        if more > 0:
-            click.echo(f"    ... {more:,} more listed in index.json")
+        click.echo(f"  resumed after {_plural(result.resumed_shards, 'finished shard')}")
+    _print_skipped(idx.skipped)
+
+
+def _print_skipped(skipped: dict, limit: int = 10) -> None:
+    if not skipped.get("total"):
+        return
+    counts = ", ".join(f"{k} {v:,}" for k, v in skipped["counts"].items())
+    click.echo(f"  skipped {skipped['total']:,}: {counts}")
+    for rec in skipped["records"][:limit]:
+        click.echo(f"    {rec['file']}:{rec['line']}: {rec['reason']} {rec['detail']}".rstrip())
+    more = sum(v for k, v in skipped["counts"].items() if k != "empty") - min(limit, len(skipped["records"]))
+    if more > 0:
+        click.echo(f"    ... {more:,} more listed in index.json" if len(skipped["records"]) > limit else f"    ... {more:,} more (not listed)")
+
+
+# ----------------------------------------------------------------------------------------------
+# merge
+
+
+@main.command()
+@click.argument("parts", nargs=-1, required=True)
+@click.option("-o", "--output", required=True, help="The merged dataset: a directory or s3://bucket/prefix/ (may be the parts' parent).")
+@click.option("--copy", is_flag=True, help="Copy the shards and keep the parts (default: move them).")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output.")
+@click.option("--allow-partial", is_flag=True, help="Merge even if some tasks of the pack are missing or unfinished.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress line and no summary.")
+@click.pass_context
+def merge(ctx, parts, output, copy, overwrite, allow_partial, quiet):
+    """Combine the task outputs of a multi-task pack (PART... are task dirs, or their parent) into
+    one dataset with one index.
+
+    \b
+    Shards keep their bytes (their keys are task-qualified) and are renamed PREFIX-%06d.tar in
+    task order, then shard order; index.json is written last. Run it again if it was interrupted.
+
+    \b
+    Examples:
+      wdsllm merge out/ -o out/                # in place: out/task-*/ become out/
+      wdsllm merge out/task-0000{0,1} -o merged/ --copy
+    """
+    from .format import FormatError
+    from .merge import MergeError, merge as run_merge
+    from .storage import StorageError
+
+    _setup_logging(ctx.obj["verbose"], quiet)
+    line = ProgressLine(quiet)
+
+    def on_shard(done: int, total: int) -> None:
+        line.show(f"merge {_bar(done / total)} {done}/{total} shards", final=done == total)
+
+    try:
+        index, used = run_merge(list(parts), output, copy=copy, overwrite=overwrite, allow_partial=allow_partial, on_shard=on_shard)
+    except (MergeError, StorageError, FormatError, OSError) as exc:
+        _fail(exc)
+    if not quiet:
+        t = index.totals()
+        click.echo(
+            f"merged {_plural(len(used), 'task')} ({'copied' if copy else 'moved'}): {_plural(t['shards'], 'shard')}, "
+            f"{t['documents']:,} documents, {t['tokens']:,} tokens at {output}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# info
+
+
+@main.command()
+@click.argument("dataset")
+@click.option("--json", "as_json", is_flag=True, help="Print index.json as it is.")
+def info(dataset, as_json):
+    """Summarise a dataset's index (DATASET: a directory, URL, or index.json URL)."""
+    from .verify import load
+
+    try:
+        root, index, raw = load(dataset)
+    except Exception as exc:  # noqa: BLE001 - storage, format and JSON errors all mean "no usable index"
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(raw, indent=1))
+        return
+    for text in info_lines(root, index):
+        click.echo(text)
+
+
+def info_lines(root: str, index) -> list[str]:
+    """The human summary of an index, line by line."""
+    t = index.totals()
+    tok = index.tokenizer
+    opts = index.options
+    out = [
+        f"dataset    {root}  (format {index.format} v{index.version}, {index.created_by or 'unknown writer'})",
+        f"mode       {index.mode}, dtype {index.dtype}" + (f", seq_len {index.seq_len}" if index.seq_len else ""),
+        f"tokenizer  {tok.source}",
+        f"           sha256 {tok.sha256[:16]}…, vocab {tok.vocab_size:,}, bos {_opt(tok.bos_id)}, eos {_opt(tok.eos_id)}, pad {_opt(tok.pad_id)}",
+        f"           added: bos {'yes' if opts.get('bos') else 'no'}, eos {'yes' if opts.get('eos') else 'no'}",
+        f"totals     {t['documents']:,} documents, {t['tokens']:,} tokens, {t['samples']:,} samples" + (f", {t['rows']:,} rows" if "rows" in t else ""),
+    ]
+    sizes = [s.bytes for s in index.shards]
+    if sizes:
+        out.append(
+            f"shards     {len(sizes):,}, {human_bytes(sum(sizes))} ({human_bytes(min(sizes))} to {human_bytes(max(sizes))}), "
+            f"{sum(sizes) / max(1, t['tokens']):.3f} bytes/token"
+        )
+    else:
+        out.append("shards     none")
+    if index.packed:
+        out.append(f"packed     {index.packed.get('short_rows', 0):,} short rows, at most {index.packed.get('max_row_segments', 0)} documents per row")
+    inputs = index.inputs
+    out.append(f"inputs     {_plural(len(inputs), 'file')}, {human_bytes(sum(i.get('bytes', 0) for i in inputs))}" + (f": {inputs[0]['path']}" if len(inputs) == 1 else ""))
+    skipped = index.skipped or {}
+    counts = ", ".join(f"{k} {v:,}" for k, v in skipped.get("counts", {}).items())
+    out.append(f"skipped    {skipped.get('total', 0):,}" + (f" ({counts})" if counts else ""))
+    out.extend(histogram_lines(index.doc_lengths or {}))
+    return out
+
+
+def _opt(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def histogram_lines(hist: dict, width: int = 40) -> list[str]:
+    """The power-of-two length histogram as a text bar chart (empty buckets at the ends left out)."""
+    counts, edges = hist.get("counts", []), hist.get("edges", [])
+    if not hist.get("count") or not counts:
+        return ["lengths    no documents"]
+    stats = ", ".join(f"{k} {_num(hist[k])}" for k in ("min", "mean", "p50", "p90", "p99", "max") if k in hist)
+    lines = [f"lengths    {stats} (tokens per document)"]
+    nonzero = [i for i, c in enumerate(counts) if c]
+    top = max(counts)
+    for i in range(nonzero[0], nonzero[-1] + 1):
+        label = f"[{edges[i]:,}, {edges[i + 1]:,})"
+        bar = "█" * max(1 if counts[i] else 0, round(width * counts[i] / top))
+        lines.append(f"  {label:>18} {counts[i]:>11,} {bar}")
+    return lines
+
+
+def _num(v) -> str:
+    return f"{v:,.1f}" if isinstance(v, float) and not float(v).is_integer() else f"{int(v):,}"
+
+
+# ----------------------------------------------------------------------------------------------
+# verify
+
+
+@main.command()
+@click.argument("dataset")
+@click.option("--jobs", "-j", type=int, default=1, show_default=True, help="Shards verified in parallel.")
+@click.option("-q", "--quiet", is_flag=True, help="Only failures and the final line.")
+@click.pass_context
+def verify(ctx, dataset, jobs, quiet):
+    """Check every shard against the index: existence, size, sha256, header checksums, and counts
+    from decoding every sample; lengths.npy; token ids below the vocabulary size.
+
+    Exits non-zero when anything is wrong; each problem names the shard and the byte offset.
+    """
+    from .verify import verify as run_verify
+
+    _setup_logging(ctx.obj["verbose"], quiet)
+    line = ProgressLine(quiet)
+    seen = {"documents": 0, "tokens": 0}
+
+    def on_shard(done: int, total: int, check) -> None:
+        seen["documents"] += check.documents
+        seen["tokens"] += check.tokens
+        for error in check.errors:
+            line.clear()
+            click.echo(f"FAIL {error if error.startswith(check.name) else f'{check.name}: {error}'}")
+        line.show(f"verify {_bar(done / total)} {done}/{total} shards, {human(seen['documents'])} documents, {human(seen['tokens'])} tokens", final=done == total)
+
+    try:
+        report = run_verify(dataset, jobs=jobs, on_shard=on_shard)
+    except Exception as exc:  # noqa: BLE001 - an unreadable index is a failed verification
+        _fail(exc)
+    for error in report.errors:
+        click.echo(f"FAIL {error}")
+    t = report.index.totals()
+    if report.ok:
+        click.echo(f"OK: {_plural(t['shards'], 'shard')}, {t['documents']:,} documents, {t['tokens']:,} tokens verified")
+        return
+    bad = sum(1 for s in report.shards if s.errors)
+    click.echo(f"FAILED: {len(report.failures)} problems; {bad} of {_plural(t['shards'], 'shard')} bad", err=True)
+    ctx.exit(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# head
+
+
+@main.command()
+@click.argument("dataset")
+@click.option("-n", "count", type=int, default=5, show_default=True, help="How many documents (docs mode) or rows (packed).")
+@click.option("--tokenizer", "-t", help="Tokenizer to decode with [default: the index's tokenizer source].")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--ids", is_flag=True, help="Also show the token ids.")
+@click.option("--skip-special-tokens", is_flag=True, help="Leave BOS/EOS and other special tokens out of the text.")
+def head(dataset, count, tokenizer, as_json, ids, skip_special_tokens):
+    """Decode the first documents (or rows) back to text, with their key, index and provenance."""
+    from itertools import islice
+
+    from .head import iter_items
+    from .tokenize import TokenizerError, load_tokenizer
+    from .verify import load
+
+    try:
+        root, index, _ = load(dataset)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    spec = tokenizer or index.tokenizer.source
+    try:
+        tok = load_tokenizer(spec)
+    except TokenizerError as exc:
+        raise click.ClickException(f"cannot load the dataset's tokenizer: {exc}; pass --tokenizer PATH") from None
+    if tok.sha256 != index.tokenizer.sha256:
+        click.echo(f"warning: {spec} is not the tokenizer this dataset was packed with (sha256 differs)", err=True)
+    try:
+        for item in islice(iter_items(root, index), max(0, count)):
+            text = tok.tokenizer.decode(item.tokens.tolist(), skip_special_tokens=skip_special_tokens)
+            click.echo(_head_json(item, text, ids) if as_json else _head_text(item, text, ids, index.mode))
+    except Exception as exc:  # noqa: BLE001 - a broken shard: say which (the message has the offset)
+        _fail(exc)
+
+
+def _head_json(item, text: str, ids: bool) -> str:
+    record = {"shard": item.shard, "key": item.key, "index": item.index, "input": item.input, "line": item.line,
+              "piece": item.piece, "tokens": len(item.tokens), "text": text}
+    if item.segments:
+        record["segments"] = item.segments
+    if ids:
+        record["ids"] = item.tokens.tolist()
+    return json.dumps(record, ensure_ascii=False)
+
+
+def _head_text(item, text: str, ids: bool, mode: str) -> str:
+    what = "row" if mode == "packed" else "#"
+    where = f"{item.input}:{item.line}" + (f" piece {item.piece}" if item.piece else "")
+    head = f"==> {item.key} {what}{'' if what == '#' else ' '}{item.index}  {where}  ({item.shard}, {len(item.tokens):,} tokens)"
+    if item.segments:
+        head += "\n    documents: " + ", ".join(
+            f"{s['input']}:{s['line']}{' (continued)' if s['continues'] else ''} @{s['offset']}" for s in item.segments
+        )
+    body = text + ("\n    ids: " + " ".join(map(str, item.tokens.tolist())) if ids else "")
+    return f"{head}\n{body}\n"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,6 +16,7 @@ import torch
 from .items import Block
 
 IGNORE_INDEX = -100
+_NP_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
 
 
 @dataclass(frozen=True)
@@ -28,15 +29,9 @@ class CollateOptions:
     dtype: torch.dtype = torch.long
 
 
-def _tokens_tensor(tokens: np.ndarray) -> torch.Tensor:
-    """uint16/uint32 ids as a tensor without a numpy copy (torch has uint16/uint32 dtypes)."""
-    tokens = np.ascontiguousarray(tokens)
-    if not tokens.flags.writeable:
-        tokens = tokens.copy()  # torch warns on read-only buffers; a batch's tokens are small
-    return torch.from_numpy(tokens)
-
-
-_NP_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
+def _tokens_tensor(tokens: np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Token ids as an int64 (or int32) tensor; converted by numpy, single-threaded (see _filled)."""
+    return torch.from_numpy(np.asarray(tokens).astype(_NP_DTYPES[dtype]))
 
 
 def _filled(n: int, value: int, dtype: torch.dtype) -> torch.Tensor:
@@ -68,7 +63,7 @@ def collate_docs(items: Block, opts: CollateOptions) -> dict:
     lengths = items.lengths.astype(np.int64, copy=False)
     n = len(lengths)
     width = _round_up(int(lengths.max()) if n else 0, opts.pad_to_multiple_of)
-    flat = _tokens_tensor(items.gather_tokens()).to(opts.dtype)
+    flat = _tokens_tensor(items.gather_tokens(), opts.dtype)
     where = _flat_positions(lengths, width)
     input_ids = _filled(n * width, opts.pad_id, opts.dtype).index_copy_(0, where, flat)
     labels = _filled(n * width, IGNORE_INDEX, opts.dtype).index_copy_(0, where, flat)
@@ -91,10 +86,10 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
     lengths = items.lengths
     tokens = items.gather_tokens()
     full = bool(n and lengths.min() == seq_len)
-    flat = _tokens_tensor(tokens).to(opts.dtype)
+    flat = _tokens_tensor(tokens, opts.dtype)
     if full:
         input_ids = flat.view(n, seq_len)
-        labels = input_ids.clone()
+        labels = torch.from_numpy(flat.numpy().copy()).view(n, seq_len)
         attention_mask = _filled(n * seq_len, 1, opts.dtype).view(n, seq_len)
     else:
         where = _flat_positions(lengths.astype(np.int64), seq_len)

@@ -79,6 +79,13 @@ class Block:
         ends = self.starts + self.lengths
         if n == 1 or (np.all(self.starts[1:] == ends[:-1])):
             return self.tokens[first : first + total]
+        width = int(self.lengths[0])
+        if width and np.all(self.lengths == width):
+            # equal lengths (packed rows): copy whole rows from a strided view, no per-token index
+            windows = np.lib.stride_tricks.sliding_window_view(self.tokens, width)
+            return windows[self.starts].reshape(-1)
+        if n <= 512:
+            return np.concatenate([self.tokens[a : a + m] for a, m in zip(self.starts.tolist(), self.lengths.tolist())])
         idx = np.repeat(self.starts - (np.cumsum(self.lengths) - self.lengths), self.lengths) + np.arange(total)
         return self.tokens[idx]
 
@@ -182,6 +189,20 @@ def _group_block(group, shard: int, first: int, mode: str, seq_len: int | None, 
     return block
 
 
+def open_kwargs(catalog: Catalog, shard: int, options: ReadOptions) -> dict:
+    """How ``storage.open_stream`` opens shard ``shard``: with the index's size, and with its
+    sha256 where a cache will keep the bytes (a cache entry must match the index's checksum)."""
+    entry = catalog.shard_entries[shard] if catalog.shard_entries else None
+    cached = options.cache is not None and storage.is_remote(catalog.urls[shard])
+    return dict(
+        retry=options.retry,
+        cache=options.cache,
+        allow_pipe=catalog.user_urls,
+        expected_size=entry.bytes if entry else None,
+        expected_sha256=entry.sha256 if entry and cached else None,
+    )
+
+
 def read_slice(
     catalog: Catalog,
     sl: Slice,
@@ -195,7 +216,6 @@ def read_slice(
     url = catalog.urls[sl.shard]
     mode = catalog.mode
     seq_len = catalog.index.seq_len if catalog.index else None
-    entry = catalog.shard_entries[sl.shard] if catalog.shard_entries else None
     if mode == "packed" and seq_len is None:
         raise ValueError("packed shards need their index (seq_len)")
     first_wanted = sl.start + skip * sl.stride
@@ -218,13 +238,7 @@ def read_slice(
 
     own = stream is None
     if own:
-        stream = storage.open_stream(
-            url,
-            retry=options.retry,
-            cache=options.cache,
-            allow_pipe=catalog.user_urls,
-            expected_size=entry.bytes if entry else None,
-        )
+        stream = storage.open_stream(url, **open_kwargs(catalog, sl.shard, options))
     try:
         for raw in tario.iter_samples(stream, url, wanted=wanted):
             group = tario.decode_sample(raw, url)

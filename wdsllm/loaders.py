@@ -34,6 +34,7 @@ from .pipeline import (
     batch_counts,
     build_pipeline,
     collate_options,
+    resolve_config,
     resolve_world,
     round_robin_share,
     rows_out,
@@ -105,9 +106,9 @@ class Loader:
     ):
         from . import storage
 
-        self.catalog = open_catalog(source)
+        self.catalog = open_catalog(source, retry=retry)
         self.rank, self.world_size = resolve_world(rank, world_size)
-        self.cfg = Config(**options)
+        self.cfg = resolve_config(Config(**options), self.catalog)
         self.num_workers = int(num_workers)
         self.prefetch_factor = prefetch_factor if self.num_workers > 0 else None
         self.persistent_workers = persistent_workers and self.num_workers > 0
@@ -141,6 +142,8 @@ class Loader:
         #: tokens cut by max_len_mode="truncate", and shards skipped as unreadable (on_error="skip")
         self.truncated_tokens = 0
         self.skipped_shards: list[str] = []
+        #: batches repeated to keep counts equal after shards were skipped (on_error="skip")
+        self.refilled_batches = 0
 
     @property
     def workers(self) -> int:
@@ -213,6 +216,7 @@ class Loader:
     def _note_stats(self, stats: dict) -> None:
         self.truncated_tokens += stats.get("truncated_tokens", 0)
         self.skipped_shards.extend(stats.get("skipped_shards", ()))
+        self.refilled_batches += stats.get("refilled", 0)
 
     def _hand_out(self, batch: Batch) -> dict:
         out = self._collate(batch.items, self.collate_options)
@@ -296,9 +300,20 @@ class Loader:
     def _settings(self) -> str:
         return resumemod.settings_fingerprint(self.cfg)
 
+    def _epoch_total(self) -> int | None:
+        """Batches this rank yields in the current epoch, when the index says."""
+        if self.limits is not None:
+            return self.limits.per_rank
+        counts = batch_counts(self.catalog, self.cfg, self._epoch, self.world_size, self.workers, self.source.plans.get(self._epoch))
+        return None if counts is None else int(counts[self.rank].sum())
+
     def state_dict(self) -> dict:
         """Where this rank's stream stands: small JSON-able data (see docs/loader.md)."""
         in_epoch = self._rr is not None or (self.infinite and self._stream is not None)
+        if in_epoch and not self.infinite and self._yielded and self._yielded == self._epoch_total():
+            # The last batch is out: a resume starts the next epoch, not an empty rest of this one.
+            in_epoch = False
+            self._completed = self._epoch
         if self._pending_resume is not None:
             return dict(self._pending_resume["state"])
         equal = self.cfg.equal_batches if self.cfg.equal_batches is not None else self.world_size > 1

@@ -14,11 +14,14 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import re
+import tempfile
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
-from typing import Callable
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -26,9 +29,9 @@ from . import __version__
 from . import format as fmt
 from . import storage
 from .shaping import DocGrouper, EncodedChunk, Position, RowPacker
-from .sources import InputFile, RawChunk, expand_inputs, parse_chunk, read_chunks
-from .tokenize import Encoder, load_tokenizer
-from .writer import JOURNAL_PREFIX, JOURNAL_START, Counters, ShardSink, journal_lengths_name, read_journal
+from .sources import SPLITS, STDIN, InputFile, expand_inputs, read_chunks
+from .tokenize import LoadedTokenizer, encode_chunk, init_worker, load_tokenizer
+from .writer import JOURNAL_PREFIX, JOURNAL_START, Counters, ShardSink, read_journal
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ class PackError(RuntimeError):
 
 @dataclass
 class PackConfig:
+    """Everything a pack job needs; the fields mirror the options of `wdsllm pack`."""
+
     inputs: list[str]
     output: str
     tokenizer: str
@@ -102,51 +107,26 @@ class PackResult:
 
 
 # ----------------------------------------------------------------------------------------------
-# Worker side.
-
-_worker: dict = {}
-
-
-def _init_worker(json_text: str, dtype: str, bos_id, eos_id, parse_opts: dict, threads: int) -> None:
-    if threads <= 1:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    else:
-        os.environ["TOKENIZERS_PARALLELISM"] = "true"
-        os.environ["RAYON_NUM_THREADS"] = str(threads)
-    _worker["encoder"] = Encoder(json_text, dtype, bos_id, eos_id)
-    _worker["parse"] = parse_opts
-
-
-def _encode_chunk(chunk: RawChunk, kind: str, display: str) -> EncodedChunk:
-    opts = _worker["parse"]
-    parsed = parse_chunk(chunk, kind=kind, split=opts["split"], text_field=opts["text_field"], on_error=opts["on_error"], display=display)
-    tokens, lengths = _worker["encoder"].encode(parsed.texts)
-    return EncodedChunk(
-        file_index=chunk.file_index,
-        first_line=chunk.first_line,
-        tokens=tokens,
-        lengths=lengths,
-        lines=np.asarray(parsed.lines, dtype=np.int64),
-        skips=parsed.skips,
-        raw_offset=chunk.raw_offset,
-        text_bytes=len(chunk.data),
-    )
-
-
-# ----------------------------------------------------------------------------------------------
 # Task partitioning (--num-tasks / --task-index).
 
 
-def task_from_env(env=os.environ) -> tuple[int, int]:
-    """(num_tasks, task_index) from a SLURM array, SLURM tasks, or torchrun; (1, 0) otherwise."""
-    if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
-        first = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
-        return int(env["SLURM_ARRAY_TASK_COUNT"]), int(env["SLURM_ARRAY_TASK_ID"]) - first
-    if "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
-        return int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"])
-    if "WORLD_SIZE" in env and "RANK" in env:
-        return int(env["WORLD_SIZE"]), int(env["RANK"])
-    return 1, 0
+def task_from_env(env=os.environ) -> tuple[int, int, str | None]:
+    """(num_tasks, task_index, where from): a SLURM job array, or torchrun; (1, 0, None) otherwise.
+
+    A plain SLURM job step (SLURM_NTASKS/SLURM_PROCID) is deliberately not used: those are also set
+    in a batch script that runs one pack, which would then silently pack a fraction of the input.
+    """
+    try:
+        if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
+            first = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
+            step = int(env.get("SLURM_ARRAY_TASK_STEP", "1") or 1)
+            task = (int(env["SLURM_ARRAY_TASK_ID"]) - first) // step
+            return int(env["SLURM_ARRAY_TASK_COUNT"]), task, "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT"
+        if "WORLD_SIZE" in env and "RANK" in env:
+            return int(env["WORLD_SIZE"]), int(env["RANK"]), "RANK/WORLD_SIZE (torchrun)"
+    except ValueError as exc:
+        raise PackError(f"cannot read the task from the environment: {exc}") from None
+    return 1, 0, None
 
 
 def assign_tasks(inputs: list[InputFile], num_tasks: int) -> list[list[InputFile]]:
@@ -177,6 +157,10 @@ def _fingerprint(cfg: PackConfig, inputs: list[InputFile], tok_sha: str) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_]+(?:[A-Za-z0-9_-]*[A-Za-z0-9_])?$")
+
+
 def _validate(cfg: PackConfig) -> None:
     if cfg.mode not in fmt.MODES:
         raise PackError(f"--mode must be one of {fmt.MODES}")
@@ -184,37 +168,70 @@ def _validate(cfg: PackConfig) -> None:
         raise PackError("--mode packed needs --seq-len N")
     if cfg.mode == "docs" and cfg.seq_len:
         raise PackError("--seq-len applies to --mode packed only (the loader sets lengths for docs mode)")
+    if cfg.seq_len is not None and cfg.seq_len < 1:
+        raise PackError("--seq-len must be positive")
     if cfg.max_doc_tokens is not None and cfg.max_doc_tokens < 1:
         raise PackError("--max-doc-tokens must be positive")
+    if cfg.mode == "packed" and cfg.max_doc_tokens:
+        raise PackError("--max-doc-tokens applies to --mode docs only (packed rows already cut documents)")
+    if cfg.num_tasks < 1:
+        raise PackError("--num-tasks must be at least 1")
     if not (0 <= cfg.task_index < cfg.num_tasks):
         raise PackError(f"--task-index {cfg.task_index} is outside 0..{cfg.num_tasks - 1}")
     if cfg.on_error not in ("stop", "skip"):
         raise PackError("--on-error must be stop or skip")
+    if cfg.split not in SPLITS:
+        raise PackError(f"--split must be one of {SPLITS}")
     if cfg.shard_size < 4096:
         raise PackError("--shard-size must be at least 4096 bytes")
+    if cfg.shard_samples is not None and cfg.shard_samples < 1:
+        raise PackError("--shard-samples must be positive")
+    if cfg.sample_tokens < 1:
+        raise PackError("--sample-tokens must be positive")
+    if cfg.workers < 0:
+        raise PackError("--workers must be 0 (all cores) or more")
+    if not _PREFIX_RE.match(cfg.prefix):
+        raise PackError(f"--prefix {cfg.prefix!r}: use letters, digits, '_' and inner '-' only")
+    if cfg.resume and cfg.overwrite:
+        raise PackError("--resume and --overwrite contradict each other: pick one")
 
 
-def pack(cfg: PackConfig, on_progress: Callable[[PackProgress], None] | None = None) -> PackResult:
-    """Run a pack job (or one task of it) and return the written index."""
-    _validate(cfg)
-    start_time = time.monotonic()
-    tok = load_tokenizer(cfg.tokenizer, bos_token=cfg.bos_token, eos_token=cfg.eos_token)
+def _resolve_specials(cfg: PackConfig, tok: LoadedTokenizer) -> tuple[bool, int | None, int | None]:
+    """(use_bos, bos_id, eos_id) to add, from the options and what the tokenizer defines."""
     use_bos = tok.adds_bos if cfg.bos is None else cfg.bos
     if use_bos and tok.bos_id is None:
         raise PackError(f"tokenizer {cfg.tokenizer} has no BOS token; pass --bos-token TEXT or --no-bos")
     if cfg.eos and tok.eos_id is None:
         raise PackError(f"tokenizer {cfg.tokenizer} has no EOS token; pass --eos-token TEXT or --no-eos")
-    bos_id = tok.bos_id if use_bos else None
-    eos_id = tok.eos_id if cfg.eos else None
+    return use_bos, (tok.bos_id if use_bos else None), (tok.eos_id if cfg.eos else None)
 
-    all_inputs = expand_inputs(cfg.inputs, cfg.input_format)
+
+def _task_inputs(cfg: PackConfig) -> tuple[list[InputFile], list[InputFile]]:
+    """(every input of the job, this task's inputs)."""
+    all_inputs = _outside_output(expand_inputs(cfg.inputs, cfg.input_format), cfg.output)
+    if cfg.num_tasks > 1 and any(i.path == STDIN for i in all_inputs):
+        raise PackError("stdin cannot be split between tasks; pack it with --num-tasks 1")
     inputs = assign_tasks(all_inputs, cfg.num_tasks)[cfg.task_index] if cfg.num_tasks > 1 else all_inputs
-    if any(i.path == "-" for i in inputs) and cfg.resume:
+    if cfg.resume and any(i.path == STDIN for i in inputs):
         raise PackError("--resume cannot re-read stdin; pack from files to be able to resume")
-    out = storage.Output(task_output(cfg.output, cfg.num_tasks, cfg.task_index))
-    fingerprint = _fingerprint(cfg, inputs, tok.sha256)
+    return all_inputs, inputs
 
-    # -- the output directory and resume state ---------------------------------------------------
+
+def _outside_output(inputs: list[InputFile], output: str) -> list[InputFile]:
+    """Drop files inside the output directory (``pack corpus/ -o corpus/packed`` run twice would
+    otherwise read its own index.json as input), keeping the indexes of the others stable."""
+    if storage.is_remote(output) or output.startswith("file://"):
+        return inputs
+    root = os.path.realpath(output) + os.sep
+    kept = [i for i in inputs if i.path == STDIN or not os.path.realpath(i.path).startswith(root)]
+    if len(kept) != len(inputs):
+        log.warning("ignoring %d input files inside the output directory %s", len(inputs) - len(kept), output)
+        kept = [replace(i, index=n) for n, i in enumerate(kept)]
+    return kept
+
+
+def _prepare_output(out: storage.Output, cfg: PackConfig, fingerprint: str) -> list[dict]:
+    """Check or clear the output; return the journal records of an interrupted pack (--resume)."""
     records: list[dict] = []
     if cfg.resume:
         started = out.get_bytes(JOURNAL_START)
@@ -222,14 +239,14 @@ def pack(cfg: PackConfig, on_progress: Callable[[PackProgress], None] | None = N
             if out.get_bytes(fmt.INDEX_NAME) is not None:
                 raise PackError(f"{out.url} is already complete (index.json exists); nothing to resume")
             if not out.is_empty():
-                raise PackError(f"{out.url} holds no interrupted pack to resume")
+                raise PackError(f"{out.url} holds no interrupted pack to resume (no {JOURNAL_START})")
         else:
             if json.loads(started)["fingerprint"] != fingerprint:
                 raise PackError(
                     f"{out.url}: the inputs, tokenizer or options differ from the interrupted pack; "
                     "resume with the same command, or start again with --overwrite"
                 )
-            records = read_journal(out)
+            records = _present_records(out, read_journal(out))
             _remove_unrecorded(out, cfg.prefix, len(records))
     elif not out.is_empty():
         if not cfg.overwrite:
@@ -237,111 +254,17 @@ def pack(cfg: PackConfig, on_progress: Callable[[PackProgress], None] | None = N
         out.clear()
     if not records:
         out.put_bytes(JOURNAL_START, json.dumps({"fingerprint": fingerprint, "created_by": f"wdsllm {__version__}"}).encode())
+    return records
 
-    counters = Counters()
-    entries: list[fmt.ShardEntry] = []
-    for rec in records:
-        entries.append(fmt.ShardEntry(**rec["entry"]))
-        counters.add_json(rec["counters"])
-    position = Position.from_json(records[-1]["position"]) if records and records[-1]["position"] else None
-    next_group = records[-1]["next_group"] if records else 0
-    if records:
-        log.info("resuming after %d finished shards at input %s", len(records), position)
 
-    dtype = tok.dtype
-    if cfg.mode == "packed":
-        shaper = RowPacker(cfg.seq_len, max(1, cfg.sample_tokens // cfg.seq_len), dtype, resume=position)
-    else:
-        shaper = DocGrouper(cfg.sample_tokens, cfg.max_doc_tokens, dtype, resume=position)
-    sink = ShardSink(
-        out,
-        prefix=cfg.prefix,
-        task=cfg.task_index,
-        mode=cfg.mode,
-        shard_size=cfg.shard_size,
-        shard_samples=cfg.shard_samples,
-        first_shard=len(records),
-        first_group=next_group,
-        inputs_display={i.index: i.display for i in all_inputs},
-        seq_len=cfg.seq_len,
-    )
-    sink.entries = list(entries)
-    if records:  # running tallies, as of the last finished shard
-        sink.max_row_segments = records[-1].get("max_row_segments", 0)
-        sink.short_rows = records[-1].get("short_rows", 0)
-
-    progress = PackProgress(
-        documents=sum(e.documents for e in entries),
-        tokens=sum(e.tokens for e in entries),
-        shards=len(entries),
-        input_total=sum(i.size for i in inputs),
-    )
-    workers = cfg.workers or os.cpu_count() or 1
-    cpus = os.cpu_count() or 1
-    threads = max(1, cpus // workers)
-    parse_opts = {"split": cfg.split, "text_field": cfg.text_field, "on_error": cfg.on_error}
-    ctx = mp.get_context("spawn")
-    inflight_limit = 2 * workers + 1
-    last_report = 0.0
-    done_input_bytes = 0
-
-    def consume(chunk: EncodedChunk) -> None:
-        nonlocal last_report
-        skips = chunk.skips
-        if position is not None and chunk.file_index == position.file:
-            skips = [s for s in skips if s.line > position.line]  # counted before the interruption
-        sink.add_skips(skips)
-        progress.skipped += len(skips)
-        for group in shaper.feed(chunk):
-            sink.write(group)
-            progress.documents += group.documents
-            progress.tokens += len(group.tokens)
-        progress.shards = len(sink.entries)
-        progress.input_bytes = done_input_bytes + chunk.raw_offset
-        progress.text_bytes += chunk.text_bytes
-        now = time.monotonic()
-        if on_progress and now - last_report > 0.5:
-            last_report = now
-            progress.elapsed = now - start_time
-            on_progress(progress)
-
-    try:
-        with ProcessPoolExecutor(
-            max_workers=workers,
-            mp_context=ctx,
-            initializer=_init_worker,
-            initargs=(tok.json_text, dtype.name, bos_id, eos_id, parse_opts, threads),
-        ) as pool:
-            pending: deque = deque()
-            for inp in inputs:
-                if position is not None and inp.index < position.file:
-                    done_input_bytes += inp.size
-                    continue
-                start_line = position.line if position is not None and inp.index == position.file else 1
-                for chunk in read_chunks(inp, cfg.split, cfg.chunk_bytes, start_line=start_line):
-                    pending.append(pool.submit(_encode_chunk, chunk, inp.kind, inp.display))
-                    if len(pending) >= inflight_limit:
-                        consume(pending.popleft().result())
-                while pending:
-                    consume(pending.popleft().result())
-                done_input_bytes += inp.size
-        for group in shaper.finish():
-            sink.write(group)
-            progress.documents += group.documents
-            progress.tokens += len(group.tokens)
-        sink.finish_shard(final=True)
-    except BaseException:
-        sink.abort()
-        raise
-
-    index = _write_index(out, cfg, tok, use_bos, eos_id is not None, sink.entries, all_inputs, inputs, counters, sink)
-    progress.shards = len(sink.entries)
-    progress.elapsed = time.monotonic() - start_time
-    progress.input_bytes = progress.input_total
-    progress.done = True
-    if on_progress:
-        on_progress(progress)
-    return PackResult(index=index, output=out.url, progress=progress, skipped=index.skipped, resumed_shards=len(records))
+def _present_records(out: storage.Output, records: list[dict]) -> list[dict]:
+    """Journal records up to the first whose shard is missing (a shard deleted by hand is rewritten)."""
+    names = set(out.list_names())
+    for i, rec in enumerate(records):
+        if rec["entry"]["name"] not in names:
+            log.warning("%s is missing; resuming from the shard before it", rec["entry"]["name"])
+            return records[:i]
+    return records
 
 
 def _remove_unrecorded(out, prefix: str, recorded: int) -> None:
@@ -360,14 +283,173 @@ def _remove_unrecorded(out, prefix: str, recorded: int) -> None:
             out.delete(name)
 
 
-def _write_index(out, cfg, tok, use_bos, use_eos, entries, all_inputs, inputs, counters: Counters, sink: ShardSink) -> fmt.Index:
-    # The journal holds every finished shard's tallies, including this run's.
-    totals = Counters()
-    lengths_parts = []
-    for number in range(len(entries)):
-        rec = json.loads(out.get_bytes(f"{JOURNAL_PREFIX}shard-{number:06d}.json"))
+def _make_shaper(cfg: PackConfig, dtype: np.dtype, position: Position | None):
+    if cfg.mode == "packed":
+        rows = max(1, cfg.sample_tokens // cfg.seq_len)
+        if cfg.shard_samples:
+            rows = min(rows, cfg.shard_samples)
+        return RowPacker(cfg.seq_len, rows, dtype, resume=position)
+    return DocGrouper(cfg.sample_tokens, cfg.max_doc_tokens, dtype, resume=position, max_items=cfg.shard_samples)
+
+
+def _chunk_jobs(inputs: list[InputFile], cfg: PackConfig, position: Position | None) -> Iterator[tuple]:
+    """(chunk, kind, display) for every chunk still to pack, in input order."""
+    for inp in inputs:
+        if position is not None and inp.index < position.file:
+            continue
+        start_line = position.line if position is not None and inp.index == position.file else 1
+        for chunk in read_chunks(inp, cfg.split, cfg.chunk_bytes, start_line=start_line):
+            yield chunk, inp.kind, inp.display
+
+
+def _encoded_in_order(pool: ProcessPoolExecutor, jobs: Iterator[tuple], limit: int) -> Iterator[EncodedChunk]:
+    """Results in submission order with at most ``limit`` chunks in flight.
+
+    Reading the next chunk happens while the workers encode the ones before it, and the order of
+    results (so the output) never depends on which worker was faster. The pipeline is kept full
+    across input files: small files must not drain it one by one.
+    """
+    pending: deque = deque()
+    try:
+        for job in jobs:
+            pending.append(pool.submit(encode_chunk, *job))
+            if len(pending) >= limit:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+def _start_pool(workers: int, cpus: int, tok: LoadedTokenizer, dtype: np.dtype, bos_id, eos_id, cfg: PackConfig, tmpdir: str) -> ProcessPoolExecutor:
+    """A spawn pool of tokenizer workers; the tokenizer travels as a file, not inside the spawn
+    handshake, so that starting a worker does not block this process while it imports."""
+    tok_path = os.path.join(tmpdir, "tokenizer.json")
+    with open(tok_path, "w", encoding="utf-8") as f:
+        f.write(tok.json_text)
+    parse_opts = {"split": cfg.split, "text_field": cfg.text_field, "on_error": cfg.on_error}
+    threads = max(1, cpus // workers)
+    return ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=mp.get_context("spawn"),
+        initializer=init_worker,
+        initargs=(tok_path, dtype.name, bos_id, eos_id, parse_opts, threads, os.getpid()),
+    )
+
+
+def pack(cfg: PackConfig, on_progress: Callable[[PackProgress], None] | None = None) -> PackResult:
+    """Run a pack job (or one task of it) and return the written index.
+
+    Workers are spawned processes: a script that calls this must guard its entry point with
+    ``if __name__ == "__main__":`` (and cannot be read from stdin), as for any spawn pool.
+    ``on_progress`` is called about twice a second, and once more at the end.
+    """
+    _validate(cfg)
+    start_time = time.monotonic()
+    tok = load_tokenizer(cfg.tokenizer, bos_token=cfg.bos_token, eos_token=cfg.eos_token)
+    use_bos, bos_id, eos_id = _resolve_specials(cfg, tok)
+    all_inputs, inputs = _task_inputs(cfg)
+    out = storage.Output(task_output(cfg.output, cfg.num_tasks, cfg.task_index))
+    records = _prepare_output(out, cfg, _fingerprint(cfg, inputs, tok.sha256))
+
+    entries = [fmt.ShardEntry(**rec["entry"]) for rec in records]
+    position = Position.from_json(records[-1]["position"]) if records and records[-1]["position"] else None
+    if records:
+        log.info("resuming after %d finished shards at input %s", len(records), position)
+    dtype = tok.dtype
+    shaper = _make_shaper(cfg, dtype, position)
+    sink = ShardSink(
+        out,
+        prefix=cfg.prefix,
+        task=cfg.task_index,
+        mode=cfg.mode,
+        shard_size=cfg.shard_size,
+        shard_samples=cfg.shard_samples,
+        first_shard=len(records),
+        first_group=records[-1]["next_group"] if records else 0,
+        inputs_display={i.index: i.display for i in all_inputs},
+        seq_len=cfg.seq_len,
+    )
+    sink.entries = list(entries)
+    if records:  # running tallies, as of the last finished shard
+        sink.max_row_segments = records[-1].get("max_row_segments", 0)
+        sink.short_rows = records[-1].get("short_rows", 0)
+
+    progress = PackProgress(
+        documents=sum(e.documents for e in entries),
+        tokens=sum(e.tokens for e in entries),
+        shards=len(entries),
+        skipped=sum(sum(rec["counters"]["skipped"].values()) for rec in records),
+        input_total=sum(i.size for i in inputs),
+    )
+    bytes_before = {}
+    running = 0
+    for inp in inputs:
+        bytes_before[inp.index] = running
+        running += inp.size
+    last_report = 0.0
+
+    def write_groups(groups) -> None:
+        for group in groups:
+            sink.write(group)
+            progress.documents += group.documents
+            progress.tokens += len(group.tokens)
+
+    def consume(chunk: EncodedChunk) -> None:
+        nonlocal last_report
+        skips = chunk.skips
+        if position is not None and chunk.file_index == position.file:
+            skips = [s for s in skips if s.line > position.line]  # counted before the interruption
+        sink.add_skips(skips)
+        progress.skipped += len(skips)
+        write_groups(shaper.feed(chunk))
+        progress.shards = len(sink.entries)
+        progress.input_bytes = bytes_before[chunk.file_index] + chunk.raw_offset
+        progress.text_bytes += chunk.text_bytes
+        now = time.monotonic()
+        if on_progress and now - last_report > 0.5:
+            last_report = now
+            progress.elapsed = now - start_time
+            on_progress(progress)
+
+    cpus = os.cpu_count() or 1
+    workers = cfg.workers or cpus
+    try:
+        with tempfile.TemporaryDirectory(prefix="wdsllm-pack-") as tmpdir:
+            pool = _start_pool(workers, cpus, tok, dtype, bos_id, eos_id, cfg, tmpdir)
+            try:
+                for chunk in _encoded_in_order(pool, _chunk_jobs(inputs, cfg, position), 2 * workers + 1):
+                    consume(chunk)
+            except BrokenProcessPool as exc:
+                raise PackError(f"a tokenizer worker died ({exc}); see its error above. Out of memory? Use fewer --workers, then --resume") from exc
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
+        write_groups(shaper.finish())
+        sink.finish_shard(final=True)
+    except BaseException:
+        sink.abort()
+        raise
+
+    index = _write_index(out, cfg, tok, use_bos, eos_id is not None, sink.entries, inputs, sink)
+    progress.shards = len(sink.entries)
+    progress.elapsed = time.monotonic() - start_time
+    progress.input_bytes = progress.input_total
+    progress.done = True
+    if on_progress:
+        on_progress(progress)
+    return PackResult(index=index, output=out.url, progress=progress, skipped=index.skipped, resumed_shards=len(records))
+
+
+def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSink) -> fmt.Index:
+    """lengths.npy, then index.json (last: its presence means complete), then drop the journal."""
+    totals = Counters()  # the journal holds every finished shard's tallies, this run's included
+    records = read_journal(out)
+    if len(records) != len(entries):
+        raise PackError(f"{out.url}: the journal lists {len(records)} finished shards, this pack wrote {len(entries)}")
+    for rec in records:
         totals.add_json(rec["counters"])
-        lengths_parts.append(fmt.npy_array(out.get_bytes(journal_lengths_name(number))))
+    lengths_parts = [rec["lengths"] for rec in records]
     totals.add_json(sink.leftover_counters().to_json())
     lengths = np.concatenate(lengths_parts) if lengths_parts else np.zeros(0, np.uint32)
     lengths_bytes = fmt.npy_bytes(lengths.astype(np.uint32))
@@ -375,6 +457,7 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, all_inputs, inputs, c
     options = cfg.output_options()
     options["bos"] = use_bos
     options["eos"] = use_eos
+    non_empty = sum(v for k, v in totals.skipped.items() if k != "empty")
     index = fmt.Index(
         mode=cfg.mode,
         dtype=tok.dtype.name,
@@ -397,13 +480,14 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, all_inputs, inputs, c
             "counts": dict(sorted(totals.skipped.items())),
             "total": sum(totals.skipped.values()),
             "records": totals.skip_records,
-            "records_truncated": sum(v for k, v in totals.skipped.items() if k != "empty") > len(totals.skip_records),
+            "records_truncated": non_empty > len(totals.skip_records),
         },
         lengths_file={"name": fmt.LENGTHS_NAME, "bytes": len(lengths_bytes), "sha256": hashlib.sha256(lengths_bytes).hexdigest()},
         packed={"max_row_segments": sink.max_row_segments, "short_rows": sink.short_rows} if cfg.mode == "packed" else None,
         created_by=f"wdsllm {__version__}",
     )
     out.put_bytes(fmt.INDEX_NAME, index.to_json().encode())
+    # JOURNAL_START sorts after the shard records: it goes last, so a crash here still resumes.
     for name in out.list_names():
         if name.startswith(JOURNAL_PREFIX):
             out.delete(name)

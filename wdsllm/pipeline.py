@@ -48,7 +48,7 @@ class Config:
     batch_size: int | None = 32
     seed: int = 0
     shuffle: bool = True
-    shuffle_buffer: int = 10_000
+    shuffle_buffer: int | None = None  # items per shuffle block; None: 10,000 documents or ~4M tokens of rows
     epochs: int | None = 1  # None: stream epoch after epoch forever
     resample: bool = False
     steps_per_epoch: int | None = None
@@ -85,6 +85,22 @@ class Config:
             raise ValueError("max_len applies to docs-mode datasets; packed rows have the index's seq_len")
         if self.resample and not catalog.urls:
             raise ValueError("resample needs at least one shard")
+
+
+DEFAULT_DOC_BUFFER = 10_000
+DEFAULT_ROW_BUFFER_TOKENS = 1 << 22
+
+
+def resolve_config(cfg: Config, catalog: Catalog) -> Config:
+    """Fill in defaults that depend on the dataset (the shuffle buffer is counted in items, and a
+    packed row is thousands of tokens, so rows get a smaller count)."""
+    if cfg.shuffle_buffer is None:
+        if catalog.mode == "packed" and catalog.index is not None and catalog.index.seq_len:
+            buffer = max(64, DEFAULT_ROW_BUFFER_TOKENS // catalog.index.seq_len)
+        else:
+            buffer = DEFAULT_DOC_BUFFER
+        cfg = replace(cfg, shuffle_buffer=buffer)
+    return cfg
 
 
 def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -340,6 +356,22 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
     batcher = make_batcher(cfg)
     last = None
     stats = StreamStats()
+    # In a DataLoader worker a batch is pickled: give it its own small token buffer first.
+    compact = get_worker_info() is not None
+
+    def emit(spec: StreamSpec, index: int, items, hint, refill: bool = False) -> Batch:
+        batch = Batch(
+            items=items.compact() if compact else items,
+            index=index,
+            epoch=spec.epoch,
+            worker=spec.worker,
+            state={"epoch": spec.epoch, "batches": index + 1, "hint": hint},
+            stats={"truncated_tokens": stats.truncated_tokens, "skipped_shards": stats.skipped_shards, "refilled": int(refill)},
+        )
+        stats.truncated_tokens = 0
+        stats.skipped_shards = []
+        return batch
+
     for task in tasks:
         spec = task.spec
         last = spec
@@ -355,27 +387,51 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
             if lengths is not None:
                 lengths = shuffle_lengths(lengths, spec)
         start = batcher.start_position(task.first_batch, lengths, task.hint)
+        failed: set[str] = set()
 
-        def blocks_from(position: int, slices=slices, spec=spec, stats=stats):
+        def blocks_from(position: int, slices=slices, spec=spec):
             return plan_items(catalog, slices, spec, start=position, options=read, stats=stats)
 
-        shuffled = shuffled_items(blocks_from, spec, start=start)
-        for index, items, hint in batcher.batches(shuffled, task.first_batch, spec, lengths, task.hint):
+        index = task.first_batch
+        for index, items, hint in batcher.batches(shuffled_items(blocks_from, spec, start=start), task.first_batch, spec, lengths, task.hint):
             if task.limit is not None and index >= task.limit:
                 break
-            yield Batch(
-                items=items.compact(),
-                index=index,
-                epoch=spec.epoch,
-                worker=spec.worker,
-                state={"epoch": spec.epoch, "batches": index + 1, "hint": hint},
-                stats={"truncated_tokens": stats.truncated_tokens, "skipped_shards": stats.skipped_shards},
-            )
-            stats.truncated_tokens = 0
-            stats.skipped_shards = []
+            failed.update(stats.skipped_shards)
+            yield emit(spec, index, items, hint)
+            index += 1
+        failed.update(stats.skipped_shards)
+        if task.limit is not None and index < task.limit and failed:
+            yield from _refill(catalog, batcher, slices, spec, read, stats, failed, index, task.limit, emit)
     if end_marker and last is not None:
         yield EndOfWorker(worker=last.worker, epoch=last.epoch,
                           stats={"truncated_tokens": stats.truncated_tokens, "skipped_shards": stats.skipped_shards})
+
+
+def _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit, emit):
+    """Top up a worker that lost shards (on_error='skip') to its share of the equal batch count.
+
+    Every rank must take part in every step, so a short worker repeats its own readable documents
+    of the epoch (logged, counted in ``loader.refilled_batches``) rather than end early and leave
+    the other ranks waiting in a collective.
+    """
+    readable = [sl for sl in slices if catalog.urls[sl.shard] not in failed]
+    log.warning("worker %d lost %d shard(s); repeating its other documents for %d batch(es) to keep batch counts equal",
+                spec.worker, len(failed), limit - index)
+    while index < limit:
+        made = False
+
+        def blocks_from(position: int):
+            return plan_items(catalog, readable, spec, start=position, options=read, stats=stats)
+
+        for _, items, _ in batcher.batches(shuffled_items(blocks_from, spec, start=0), 0, spec, None, None):
+            if index >= limit:
+                return
+            made = True
+            yield emit(spec, index, items, None, refill=True)
+            index += 1
+        if not made:
+            raise RuntimeError(f"worker {spec.worker} of rank {spec.rank} has no readable shard left to fill its batches; "
+                               "the ranks cannot keep equal batch counts")
 
 
 class _PlanHelpers:
@@ -477,7 +533,7 @@ def dataset(
     batch_size: int = 32,
     seed: int = 0,
     shuffle: bool = True,
-    shuffle_buffer: int = 10_000,
+    shuffle_buffer: int | None = None,
     epochs: int | None = 1,
     resample: bool = False,
     steps_per_epoch: int | None = None,
@@ -507,7 +563,7 @@ def dataset(
     """
     from . import storage
 
-    catalog = open_catalog(source)
+    catalog = open_catalog(source, retry=retry)
     r, w = resolve_world(rank, world_size)
     cfg = Config(
         batch_size=batch_size,
@@ -530,6 +586,7 @@ def dataset(
         boundaries=boundaries,
         max_segments=max_segments,
     )
+    cfg = resolve_config(cfg, catalog)
     cache = storage.ShardCache(cache_dir, cache_size) if cache_dir else None
     read = ReadOptions(retry=retry, cache=cache, on_error=on_error)
     return build_pipeline(catalog, cfg, r, w, read, collate=True, end_marker=False)

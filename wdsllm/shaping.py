@@ -70,16 +70,26 @@ class DocGrouper:
     """docs mode: documents go whole into groups of about ``sample_tokens`` tokens.
 
     A document longer than ``max_doc_tokens`` becomes consecutive pieces (piece 0, 1, ...), each
-    its own logical document; nothing is truncated.
+    its own logical document; nothing is truncated. ``max_items`` caps the documents of a group,
+    so that ``--shard-samples`` can be honoured with groups as the unit of a shard.
     """
 
-    def __init__(self, sample_tokens: int, max_doc_tokens: int | None, dtype: np.dtype, resume: Position | None = None):
+    def __init__(
+        self,
+        sample_tokens: int,
+        max_doc_tokens: int | None,
+        dtype: np.dtype,
+        resume: Position | None = None,
+        max_items: int | None = None,
+    ):
         self.sample_tokens = max(1, sample_tokens)
         self.max_doc_tokens = max_doc_tokens
         self.dtype = dtype
         self.resume = resume
+        self.max_items = max_items
         self._parts: list[tuple] = []  # (tokens, lengths, files, lines, pieces, last_done)
         self._tokens = 0
+        self._items = 0
 
     def feed(self, chunk: EncodedChunk) -> list[GroupData]:
         tokens, lengths, lines = chunk.tokens, chunk.lengths, chunk.lines
@@ -130,8 +140,10 @@ class DocGrouper:
             # How many next items fit in the room (at least one if the group is empty).
             limit = tok_base + room
             take = int(np.searchsorted(cum, limit, side="right")) - base
+            if self.max_items:
+                take = min(take, self.max_items - self._items)
             if take <= 0:
-                if self._tokens == 0:
+                if not self._parts:
                     take = 1
                 else:
                     groups.append(self._emit())
@@ -149,14 +161,15 @@ class DocGrouper:
                 )
             )
             self._tokens += tok_stop - tok_base
+            self._items += take
             base, tok_base = stop, tok_stop
-            if self._tokens >= self.sample_tokens:
+            if self._tokens >= self.sample_tokens or (self.max_items and self._items >= self.max_items):
                 groups.append(self._emit())
         return groups
 
     def _emit(self) -> GroupData:
         parts = self._parts
-        self._parts, self._tokens = [], 0
+        self._parts, self._tokens, self._items = [], 0, 0
         lengths = np.concatenate([p[1] for p in parts])
         files = np.concatenate([p[2] for p in parts])
         lines = np.concatenate([p[3] for p in parts])

@@ -28,6 +28,7 @@ KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".txt": "txt",
 SPLITS = ("line", "paragraph", "file")
 STDIN = "-"
 _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
+_BOM = b"\xef\xbb\xbf"
 
 
 class SourceError(ValueError):
@@ -118,19 +119,29 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
 
 def open_input(inp: InputFile) -> BinaryIO:
     """A binary stream of the decompressed bytes of an input."""
-    if inp.path == STDIN:
-        return sys.stdin.buffer
-    if inp.compression == "gz":
-        return gzip.open(inp.path, "rb")
-    if inp.compression == "bz2":
-        return bz2.open(inp.path, "rb")
-    if inp.compression == "xz":
-        return lzma.open(inp.path, "rb")
-    if inp.compression == "zst":
-        import zstandard
+    return _open_with_raw(inp)[0]
 
-        return zstandard.ZstdDecompressor().stream_reader(open(inp.path, "rb"), closefd=True)
-    return open(inp.path, "rb")
+
+def _open_with_raw(inp: InputFile) -> tuple[BinaryIO, BinaryIO | None]:
+    """The decompressed stream and the raw file under it (whose position tells the progress)."""
+    if inp.path == STDIN:
+        return sys.stdin.buffer, None
+    raw = open(inp.path, "rb")
+    try:
+        if inp.compression == "gz":
+            return gzip.GzipFile(fileobj=raw, mode="rb"), raw
+        if inp.compression == "bz2":
+            return bz2.BZ2File(raw, "rb"), raw
+        if inp.compression == "xz":
+            return lzma.LZMAFile(raw, "rb"), raw
+        if inp.compression == "zst":
+            import zstandard
+
+            return zstandard.ZstdDecompressor().stream_reader(raw, closefd=False), raw
+    except BaseException:
+        raw.close()
+        raise
+    return raw, raw
 
 
 @dataclass
@@ -165,10 +176,11 @@ def _cut(data: bytes, split: str, final: bool) -> int:
 def read_chunks(inp: InputFile, split: str, chunk_bytes: int = 1 << 20, start_line: int = 1) -> Iterator[RawChunk]:
     """Decompressed chunks of ~chunk_bytes that end on document boundaries, from start_line on."""
     split = "line" if inp.kind == "jsonl" else split
-    stream = open_input(inp)
-    raw = stream if inp.compression is None else (getattr(stream, "fileobj", None) or getattr(stream, "_fp", None))
+    chunk_bytes = max(16, chunk_bytes)
+    stream, raw = _open_with_raw(inp)
     line = 1
     pending = b""
+    first = True
     try:
         while True:
             try:
@@ -176,6 +188,15 @@ def read_chunks(inp: InputFile, split: str, chunk_bytes: int = 1 << 20, start_li
             except (OSError, EOFError, lzma.LZMAError, ValueError) as exc:
                 where = line + pending.count(b"\n")
                 raise SourceError(f"{inp.display}: cannot decompress after line {where}: {exc}") from exc
+            except Exception as exc:  # zstandard raises its own ZstdError
+                if type(exc).__name__ != "ZstdError":
+                    raise
+                where = line + pending.count(b"\n")
+                raise SourceError(f"{inp.display}: cannot decompress after line {where}: {exc}") from exc
+            if first:
+                first = False
+                if block.startswith(_BOM):  # editors on Windows write one; json.loads refuses it
+                    block = block[len(_BOM) :]
             final = not block
             data = pending + block if pending else block
             cut = _cut(data, split, final)
@@ -184,29 +205,30 @@ def read_chunks(inp: InputFile, split: str, chunk_bytes: int = 1 << 20, start_li
                 continue
             piece, pending = data[:cut], data[cut:]
             if piece:
-                lines_in_piece = piece.count(b"\n")
-                if line + lines_in_piece < start_line:
-                    line += lines_in_piece
-                elif line < start_line:
-                    # Skip whole lines up to start_line (used by --resume).
-                    skip = start_line - line
-                    pos = 0
-                    for _ in range(skip):
-                        pos = piece.index(b"\n", pos) + 1
-                    line = start_line
-                    piece = piece[pos:]
-                    lines_in_piece = piece.count(b"\n")
-                    if piece:
-                        yield RawChunk(inp.index, line, piece, _tell(raw))
-                    line += lines_in_piece
-                else:
+                piece, line = _skip_to(piece, line, start_line)
+                if piece:
                     yield RawChunk(inp.index, line, piece, _tell(raw))
-                    line += lines_in_piece
+                    line += piece.count(b"\n")
             if final:
                 break
     finally:
         if inp.path != STDIN:
             stream.close()
+            if raw is not None:
+                raw.close()
+
+
+def _skip_to(piece: bytes, line: int, start_line: int) -> tuple[bytes, int]:
+    """Drop the whole lines of ``piece`` (which starts at ``line``) before ``start_line`` (--resume)."""
+    if line >= start_line:
+        return piece, line
+    lines_in_piece = piece.count(b"\n")
+    if line + lines_in_piece < start_line:
+        return b"", line + lines_in_piece
+    pos = 0
+    for _ in range(start_line - line):
+        pos = piece.index(b"\n", pos) + 1
+    return piece[pos:], start_line
 
 
 def _tell(raw) -> int:
@@ -235,10 +257,13 @@ class ParsedChunk:
     skips: list[Skip] = field(default_factory=list)
 
 
+_MISSING = object()
+
+
 def _field(obj, path: list[str]):
     for part in path:
         if not isinstance(obj, dict) or part not in obj:
-            return None
+            return _MISSING
         obj = obj[part]
     return obj
 
@@ -283,13 +308,13 @@ def parse_chunk(chunk: RawChunk, *, kind: str, split: str, text_field: str, on_e
                 continue
             text = _field(obj, path)
             if not isinstance(text, str):
-                problem = "missing" if text is None else f"not a string ({type(text).__name__})"
+                problem = "missing" if text is _MISSING else f"not a string ({'null' if text is None else type(text).__name__})"
                 if on_error != "skip":
                     raise SourceError(f"{display}:{number}: text field {text_field!r} is {problem}")
                 out.skips.append(Skip(chunk.file_index, number, "missing_field", f"{text_field!r} {problem}"))
                 continue
             _add(out, chunk.file_index, number, text)
-        return out
+        return _in_line_order(out)
     if split == "line":
         for number, line in numbered:
             _add(out, chunk.file_index, number, line[:-1] if line.endswith("\r") else line)
@@ -312,6 +337,13 @@ def parse_chunk(chunk: RawChunk, *, kind: str, split: str, text_field: str, on_e
         if chunk.data.endswith(b"\n"):
             text += "\n"
         _add(out, chunk.file_index, chunk.first_line, text.replace("\r\n", "\n"))
+    return _in_line_order(out)
+
+
+def _in_line_order(out: ParsedChunk) -> ParsedChunk:
+    """Decode errors are found before the other skips; the index lists skips in input order
+    whatever the chunking, so sort them (stable: one line never has two skips)."""
+    out.skips.sort(key=lambda s: s.line)
     return out
 
 

@@ -23,7 +23,7 @@ from . import plan as planmod
 from . import storage
 from .catalog import Catalog
 from .format import FormatError
-from .items import Block, ReadOptions, concat_blocks, read_slice
+from .items import Block, ReadOptions, concat_blocks, open_kwargs, read_slice
 from .plan import Slice
 
 log = logging.getLogger(__name__)
@@ -198,14 +198,7 @@ def plan_items(
     work = _slice_work(catalog, slices, spec, start)
     if options.prefetch:
         work, ahead = itertools.tee(work)
-        streams = storage.prefetch_iter(
-            (
-                catalog.urls[sl.shard],
-                dict(retry=options.retry, cache=options.cache, allow_pipe=catalog.user_urls,
-                     expected_size=catalog.shard_entries[sl.shard].bytes if catalog.shard_entries else None),
-            )
-            for sl, _, _ in ahead
-        )
+        streams = storage.prefetch_iter((catalog.urls[sl.shard], open_kwargs(catalog, sl.shard, options)) for sl, _, _ in ahead)
     else:
         streams = None
     leftover = 0  # items still to drop when counts are unknown and a slice ran out first

@@ -11,7 +11,10 @@ import itertools
 import json
 import logging
 import os
+import signal
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .format import TokenizerInfo, token_dtype
+from .shaping import EncodedChunk
+from .sources import RawChunk, Skip, parse_chunk
 
 log = logging.getLogger(__name__)
 
@@ -188,3 +193,61 @@ def add_specials(body: np.ndarray, lengths: np.ndarray, bos_id: int | None, eos_
     if eos_id is not None:
         out[ends - 1] = eos_id
     return out, out_lengths
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker processes. This module imports only numpy and tokenizers (not webdataset, which imports
+# torch), so a spawned worker starts in a fraction of a second.
+
+_worker: dict = {}
+
+
+def init_worker(tokenizer_path: str, dtype: str, bos_id, eos_id, parse_opts: dict, threads: int, parent_pid: int) -> None:
+    """Set up one tokenizer worker: its rayon threads, the encoder, and a watch on the parent."""
+    if threads <= 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    else:
+        os.environ["TOKENIZERS_PARALLELISM"] = "true"
+        os.environ["RAYON_NUM_THREADS"] = str(threads)
+    # Ctrl-C reaches the whole process group; the packing process alone decides how to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with open(tokenizer_path, encoding="utf-8") as f:
+        _worker["encoder"] = Encoder(f.read(), dtype, bos_id, eos_id)
+    _worker["parse"] = parse_opts
+    _watch_parent(parent_pid)
+
+
+def _watch_parent(parent_pid: int, interval: float = 1.0) -> None:
+    """Exit when the packing process is gone (SIGKILL, OOM) instead of lingering as an orphan."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="wdsllm-parent-watch", daemon=True).start()
+
+
+def encode_chunk(chunk: RawChunk, kind: str, display: str) -> EncodedChunk:
+    """Parse and encode one chunk (in a worker): the unit of parallel work of a pack."""
+    opts = _worker["parse"]
+    parsed = parse_chunk(chunk, kind=kind, split=opts["split"], text_field=opts["text_field"], on_error=opts["on_error"], display=display)
+    tokens, lengths = _worker["encoder"].encode(parsed.texts)
+    lines = np.asarray(parsed.lines, dtype=np.int64)
+    skips = parsed.skips
+    if len(lengths) and not lengths.all():
+        # Only possible without BOS and EOS: text the tokenizer maps to nothing is an empty document.
+        empty = lengths == 0
+        skips = sorted(skips + [Skip(chunk.file_index, int(n), "empty", "no tokens") for n in lines[empty]], key=lambda s: s.line)
+        lines, lengths = lines[~empty], lengths[~empty]
+    return EncodedChunk(
+        file_index=chunk.file_index,
+        first_line=chunk.first_line,
+        tokens=tokens,
+        lengths=lengths,
+        lines=lines,
+        skips=skips,
+        raw_offset=chunk.raw_offset,
+        text_bytes=len(chunk.data),
+    )

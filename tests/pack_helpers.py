@@ -1,0 +1,152 @@
+"""Helpers shared by the pack tests: running packs (API and CLI), reading results back.
+
+Packs are cached for the whole session (``cached``) because each one starts worker processes;
+tests that only read a pack share it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from wdsllm import format as fmt
+from wdsllm import tario
+from wdsllm.packer import PackConfig, PackResult, pack
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO.parent / "shared" / "data"
+GPT2 = DATA / "tokenizers" / "gpt2.json"
+LLAMA = DATA / "tokenizers" / "openllama.json"
+WIKI = sorted((DATA / "corpora" / "wiki").glob("wiki-*.jsonl.gz"))
+SHAKESPEARE = DATA / "corpora" / "tinyshakespeare.txt"
+
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="wdsllm-packs-"))
+atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
+_cache: dict[str, object] = {}
+
+
+def session_dir(name: str) -> Path:
+    """A fresh directory that lives for the test session (for shared inputs and packs)."""
+    path = _SESSION_DIR / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cached(name: str, build: Callable[[Path], object]):
+    """Build once per session into session_dir(name); later calls return the first result."""
+    if name not in _cache:
+        _cache[name] = build(session_dir(name))
+    return _cache[name]
+
+
+def wiki_lines(n: int, file_number: int = 0) -> list[str]:
+    """The first n JSON lines of a wiki file."""
+    out = []
+    with gzip.open(WIKI[file_number], "rt", encoding="utf-8") as f:
+        for line in f:
+            out.append(line.rstrip("\n"))
+            if len(out) == n:
+                break
+    return out
+
+
+def wiki_subset(n: int, file_number: int = 0) -> Path:
+    """The first n lines of a wiki file as a .jsonl.gz of their own (cached)."""
+
+    def build(d: Path) -> Path:
+        path = d / f"wiki-{file_number:02d}-head{n}.jsonl.gz"
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write("\n".join(wiki_lines(n, file_number)) + "\n")
+        return path
+
+    return cached(f"wiki{file_number}-{n}", build)
+
+
+def pack_api(inputs, output, tokenizer=GPT2, **options) -> PackResult:
+    """One pack through the Python API; a single worker unless asked otherwise."""
+    options.setdefault("workers", 1)
+    cfg = PackConfig(inputs=[str(i) for i in inputs], output=str(output), tokenizer=str(tokenizer), **options)
+    return pack(cfg)
+
+
+def cli(*args, stdin: bytes | None = None, env: dict | None = None, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `wdsllm ARGS` in a subprocess; text output."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-m", "wdsllm.cli", *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        env=full_env,
+        cwd=REPO,
+        timeout=timeout,
+    )
+    proc.stdout, proc.stderr = proc.stdout.decode(), proc.stderr.decode()
+    if check and proc.returncode != 0:
+        raise AssertionError(f"wdsllm {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def dataset_files(path: Path) -> dict[str, bytes]:
+    """Every visible file of a dataset directory and its bytes (what must be reproducible)."""
+    return {p.name: p.read_bytes() for p in sorted(Path(path).iterdir()) if not p.name.startswith(".")}
+
+
+def load_index(path: Path) -> fmt.Index:
+    return fmt.Index.from_json((Path(path) / fmt.INDEX_NAME).read_text())
+
+
+def groups(path: Path) -> list[fmt.Group]:
+    """Every group of a dataset, in index order, decoded with the strict reader."""
+    index = load_index(path)
+    out = []
+    for entry in index.shards:
+        with open(Path(path) / entry.name, "rb") as f:
+            out.extend(g for _, g in tario.iter_groups(f, entry.name, verify_checksums=True))
+    return out
+
+
+def documents(path: Path) -> list[np.ndarray]:
+    """docs mode: every stored document (pieces count) as its token array, in order."""
+    docs = []
+    for g in groups(path):
+        ends = np.cumsum(g.lengths.astype(np.int64))
+        docs.extend(np.split(g.tokens, ends[:-1]))
+    return docs
+
+
+def provenance(path: Path) -> list[tuple[int, int, int]]:
+    """(input index, line, piece) of every stored document (docs mode) or document start (packed)."""
+    out = []
+    for g in groups(path):
+        files, lines, pieces = fmt.expand_provenance(g.meta["provenance"])
+        out.extend(zip(files.tolist(), lines.tolist(), pieces.tolist()))
+    return out
+
+
+def all_tokens(path: Path) -> np.ndarray:
+    gs = groups(path)
+    return np.concatenate([g.tokens for g in gs]) if gs else np.zeros(0, np.uint16)
+
+
+def jsonl(path: Path, records: list) -> Path:
+    """Write records (dicts, or raw str/bytes lines) as a .jsonl file."""
+    with open(path, "wb") as f:
+        for r in records:
+            if isinstance(r, bytes):
+                f.write(r + b"\n")
+            elif isinstance(r, str):
+                f.write(r.encode() + b"\n")
+            else:
+                f.write(json.dumps(r).encode() + b"\n")
+    return path

@@ -1,0 +1,68 @@
+"""`wdsllm head`: the first documents (docs mode) or rows (packed mode) of a dataset, with their
+identity (key and index within the sample) and provenance (input file and line), read in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from . import format as fmt
+from . import storage, tario
+
+
+@dataclass
+class Item:
+    """One document (docs mode) or one row (packed mode), where it is and where it came from."""
+
+    shard: str
+    key: str
+    index: int  # document (or row) number within the sample: the stable identity with the key
+    tokens: np.ndarray
+    input: str | None  # docs mode: the document's input; packed: of the row's first token
+    line: int | None
+    piece: int = 0
+    segments: list[dict] = field(default_factory=list)  # packed: the documents in the row
+
+
+def iter_items(root: str, index: fmt.Index) -> Iterator[Item]:
+    """Documents or rows in dataset order, read shard by shard (lazily: stop whenever)."""
+    paths = {i["index"]: i["path"] for i in index.inputs}
+    carry: dict | None = None  # packed: the document that runs into the next row
+    for entry in index.shards:
+        with storage.open_stream(storage.join_url(root, entry.name)) as stream:
+            for _, group in tario.iter_groups(stream, entry.name):
+                files, lines, pieces = fmt.expand_provenance(group.meta.get("provenance", []))
+                origins = [{"input": paths.get(int(f), f"#{int(f)}"), "line": int(ln), "piece": int(p)} for f, ln, p in zip(files, lines, pieces)]
+                if index.mode == "docs":
+                    yield from _documents(entry.name, group, origins)
+                else:
+                    for item in _rows(entry.name, group, origins, index.seq_len, carry):
+                        carry = item.segments[-1] if item.segments else carry
+                        yield item
+
+
+def _documents(shard: str, group: fmt.Group, origins: list[dict]) -> Iterator[Item]:
+    ends = np.cumsum(group.lengths.astype(np.int64))
+    for i, (start, end) in enumerate(zip(np.concatenate([[0], ends[:-1]]), ends)):
+        o = origins[i] if i < len(origins) else {"input": None, "line": None, "piece": 0}
+        yield Item(shard, group.key, i, group.tokens[start:end], o["input"], o["line"], o["piece"])
+
+
+def _rows(shard: str, group: fmt.Group, origins: list[dict], seq_len: int, carry: dict | None) -> Iterator[Item]:
+    starts = group.starts.astype(np.int64)
+    for r in range(-(-len(group.tokens) // seq_len)):
+        lo, hi = r * seq_len, min((r + 1) * seq_len, len(group.tokens))
+        inside = [k for k in np.flatnonzero((starts >= lo) & (starts < hi))]
+        segments = []
+        if not inside or starts[inside[0]] > lo:  # the row opens inside an earlier document
+            if carry is not None:
+                segments.append({**carry, "offset": 0, "continues": True})
+        for k in inside:
+            segments.append({**origins[k], "offset": int(starts[k] - lo), "continues": False})
+        first = segments[0] if segments else {"input": None, "line": None, "piece": 0}
+        yield Item(shard, group.key, r, group.tokens[lo:hi], first["input"], first["line"], first.get("piece", 0), segments)
+        if segments:
+            carry = {k: v for k, v in segments[-1].items() if k not in ("offset", "continues")}

@@ -1,0 +1,310 @@
+"""`wdsllm merge`: the outputs of a multi-task pack become one dataset with one index.
+
+Each task of ``wdsllm pack --num-tasks K`` writes a complete dataset of its own (``task-%05d/``
+with shards, ``lengths.npy`` and ``index.json``). Their sample keys are already task-qualified
+(``TTTT-GGGGGGGGG``), so merging never rewrites a tar: shards are moved (or copied) under a
+contiguous ``PREFIX-%06d.tar`` numbering, task order then shard order, and a new index is written
+last. A plan file (``.merge-plan.json``) makes an interrupted merge safe to run again: shards
+already moved are recognised and skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
+
+from . import __version__
+from . import format as fmt
+from . import storage
+from .writer import MAX_SKIP_RECORDS
+
+log = logging.getLogger(__name__)
+
+PLAN_NAME = ".merge-plan.json"
+TASK_DIR_PREFIX = "task-"
+#: Options that legitimately differ between the tasks of one pack.
+PER_TASK_OPTIONS = ("task_index",)
+#: Options compared another way: the tokenizer by its sha256, not by how it was named.
+NOT_COMPARED = PER_TASK_OPTIONS + ("tokenizer",)
+
+
+class MergeError(ValueError):
+    """The parts cannot be merged; the message names the part and what is wrong."""
+
+
+@dataclass
+class Part:
+    """One task's finished output."""
+
+    url: str
+    index: fmt.Index
+    lengths: np.ndarray
+
+    @property
+    def task(self) -> int | None:
+        return self.index.options.get("task_index")
+
+
+@dataclass
+class Move:
+    part: Part
+    entry: fmt.ShardEntry
+    target: str  # the shard's name in the merged dataset
+
+
+def _norm(url: str) -> str:
+    return url.rstrip("/") if storage.is_remote(url) else os.path.abspath(url)
+
+
+def _has_index(url: str) -> bool:
+    return storage.exists(storage.join_url(url, fmt.INDEX_NAME))
+
+
+def _task_dirs(url: str, allow_partial: bool) -> list[str]:
+    """The ``task-*/`` parts under a parent directory, in name order."""
+    names = storage.Output(url).list_names()
+    dirs = sorted({n.split("/", 1)[0] for n in names if n.startswith(TASK_DIR_PREFIX) and "/" in n})
+    complete = {n.split("/", 1)[0] for n in names if n.count("/") == 1 and n.endswith("/" + fmt.INDEX_NAME)}
+    unfinished = [d for d in dirs if d not in complete]
+    if unfinished and not allow_partial:
+        raise MergeError(f"{storage.join_url(url, unfinished[0])} has no {fmt.INDEX_NAME}: that task has not finished (finish it with --resume)")
+    return [storage.join_url(url, d) for d in dirs if d in complete]
+
+
+def find_parts(sources: list[str], allow_partial: bool = False) -> list[Part]:
+    """Each source is a task's output, or a directory holding ``task-*/`` outputs."""
+    urls: list[str] = []
+    for source in sources:
+        if _has_index(source):
+            urls.append(source)
+            continue
+        found = _task_dirs(source, allow_partial)
+        if not found:
+            raise MergeError(f"{source}: neither a pack output ({fmt.INDEX_NAME}) nor a directory of {TASK_DIR_PREFIX}*/ outputs")
+        urls.extend(found)
+    parts = [_load_part(url) for url in urls]
+    return sorted(parts, key=lambda p: (p.task if p.task is not None else -1))
+
+
+def _load_part(url: str) -> Part:
+    index_url = storage.join_url(url, fmt.INDEX_NAME)
+    index = fmt.Index.from_json(storage.read_bytes(index_url), index_url)
+    info = index.lengths_file or {}
+    name = fmt.check_shard_name(info.get("name", fmt.LENGTHS_NAME), index_url)
+    data = storage.read_bytes(storage.join_url(url, name))
+    if info.get("sha256") and hashlib.sha256(data).hexdigest() != info["sha256"]:
+        raise MergeError(f"{storage.join_url(url, name)} does not match its checksum in {index_url}")
+    lengths = fmt.npy_array(data, storage.join_url(url, name))
+    if len(lengths) != index.documents:
+        raise MergeError(f"{storage.join_url(url, name)} has {len(lengths)} lengths, {index_url} counts {index.documents} documents")
+    return Part(url=url, index=index, lengths=lengths)
+
+
+def check_compatible(parts: list[Part], allow_partial: bool = False) -> None:
+    """Refuse parts that are not tasks of one pack: they would not make one dataset."""
+    if not parts:
+        raise MergeError("nothing to merge")
+    first = parts[0]
+    for part in parts:
+        if part.task is None:
+            raise MergeError(f"{part.url} is not the output of one pack task (its index has no task_index); it may be merged already")
+        for what, a, b in _differences(first.index, part.index):
+            raise MergeError(f"cannot merge {part.url} with {first.url}: {what} differs ({b!r} here, {a!r} there)")
+    tasks = [p.task for p in parts]
+    for a, b in zip(parts, parts[1:]):
+        if a.task == b.task:
+            raise MergeError(f"{a.url} and {b.url} are both task {a.task}; their keys would collide")
+    num_tasks = first.index.options.get("num_tasks", len(parts))
+    missing = sorted(set(range(num_tasks)) - set(tasks))
+    if missing and not allow_partial:
+        raise MergeError(f"tasks {missing} of {num_tasks} are missing, so their documents would be; pass them too, or --allow-partial")
+    seen: dict[int, str] = {}
+    for part in parts:
+        for inp in part.index.inputs:
+            if inp["index"] in seen:
+                raise MergeError(f"input {inp['index']} ({inp['path']}) is in both {seen[inp['index']]} and {part.url}")
+            seen[inp["index"]] = part.url
+
+
+def _differences(a: fmt.Index, b: fmt.Index):
+    """(what, value in a, value in b) for everything that must be equal across tasks."""
+    for what in ("format", "version", "mode", "dtype", "seq_len"):
+        if getattr(a, what) != getattr(b, what):
+            yield what, getattr(a, what), getattr(b, what)
+    if a.tokenizer.sha256 != b.tokenizer.sha256:
+        yield "tokenizer (sha256)", a.tokenizer.sha256[:16], b.tokenizer.sha256[:16]
+    for key in sorted(set(a.options) | set(b.options)):
+        if key not in NOT_COMPARED and a.options.get(key) != b.options.get(key):
+            yield f"option {key}", a.options.get(key), b.options.get(key)
+
+
+# ----------------------------------------------------------------------------------------------
+# The merge.
+
+
+def plan_moves(parts: list[Part]) -> list[Move]:
+    prefix = parts[0].index.options.get("prefix", "shard")
+    moves = []
+    for part in parts:
+        for entry in part.index.shards:
+            moves.append(Move(part, entry, fmt.shard_name(prefix, len(moves))))
+    return moves
+
+
+def _plan_json(moves: list[Move], copy: bool) -> bytes:
+    body = {
+        "copy": copy,
+        "moves": [[storage.join_url(m.part.url, m.entry.name), m.target, m.entry.bytes, m.entry.sha256] for m in moves],
+    }
+    return json.dumps(body, indent=0).encode()
+
+
+def _protected(out_url: str, parts: list[Part]) -> list[str]:
+    """Name prefixes inside the output that belong to parts (merging in place)."""
+    root = _norm(out_url)
+    prefixes = []
+    for part in parts:
+        url = _norm(part.url)
+        if url == root or root.startswith(url + "/"):
+            raise MergeError(f"the output {out_url} must not be a part or lie inside one ({part.url})")
+        if url.startswith(root + "/"):
+            prefixes.append(url[len(root) + 1 :] + "/")
+    return prefixes
+
+
+def _prepare_output(out: storage.Output, parts: list[Part], plan: bytes, overwrite: bool) -> None:
+    """Refuse a non-empty output (or clear it with --overwrite), unless this merge was interrupted."""
+    protected = tuple(_protected(out.url, parts))
+    if out.get_bytes(PLAN_NAME) == plan:
+        log.info("continuing an interrupted merge into %s", out.url)
+        return
+    others = [n for n in out.list_names() if not n.startswith(protected)] if protected else out.list_names()
+    if others:
+        if not overwrite:
+            raise MergeError(f"output {out.url} is not empty ({others[0]}, ...); pass --overwrite to replace it")
+        for name in others:
+            out.delete(name)
+    out.put_bytes(PLAN_NAME, plan)
+
+
+def _local_path(url: str) -> str | None:
+    if storage.is_remote(url) or url.startswith(("pipe:", "file://")):
+        return None
+    return url
+
+
+def _transfer(move: Move, out: storage.Output, copy: bool) -> None:
+    """Put one shard into place under its new name (idempotent when run again)."""
+    source = storage.join_url(move.part.url, move.entry.name)
+    local = _local_path(source)
+    source_there = os.path.exists(local) if local else storage.exists(source)
+    if storage.exists(out.url_of(move.target)) and (copy or not source_there):
+        return  # done by an interrupted run: names appear only complete (Output is atomic)
+    if not source_there:
+        raise MergeError(f"{source} is missing; the part is incomplete (run wdsllm verify on it)")
+    staging = os.path.join(out.local_staging_dir(), f".{move.target}.tmp")
+    if local:
+        size = os.path.getsize(local)
+        if size != move.entry.bytes:
+            raise MergeError(f"{source} is {size} bytes, its index says {move.entry.bytes}")
+        if copy:
+            shutil.copyfile(local, staging)
+            out.put_file(staging, move.target)
+        else:
+            out.put_file(local, move.target)  # a rename when both are on one file system
+        return
+    with storage.open_stream(source, expected_size=move.entry.bytes) as src, open(staging, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    out.put_file(staging, move.target)
+    if not copy:
+        storage.Output(move.part.url).delete(move.entry.name)
+
+
+def merged_index(parts: list[Part], moves: list[Move], lengths: np.ndarray, lengths_bytes: bytes) -> fmt.Index:
+    first = parts[0].index
+    options = {k: v for k, v in first.options.items() if k not in PER_TASK_OPTIONS}
+    inputs = sorted((inp for p in parts for inp in p.index.inputs), key=lambda i: i["index"])
+    counts: dict[str, int] = {}
+    for p in parts:
+        for reason, n in p.index.skipped.get("counts", {}).items():
+            counts[reason] = counts.get(reason, 0) + n
+    order = {inp["path"]: inp["index"] for inp in inputs}
+    records = sorted((r for p in parts for r in p.index.skipped.get("records", [])), key=lambda r: (order.get(r["file"], -1), r["line"]))
+    bad = sum(n for reason, n in counts.items() if reason != "empty")
+    packed = None
+    if first.mode == "packed":
+        packed = {
+            "max_row_segments": max((p.index.packed or {}).get("max_row_segments", 0) for p in parts),
+            "short_rows": sum((p.index.packed or {}).get("short_rows", 0) for p in parts),
+        }
+    return fmt.Index(
+        mode=first.mode,
+        dtype=first.dtype,
+        seq_len=first.seq_len,
+        tokenizer=first.tokenizer,
+        shards=[replace(m.entry, name=m.target) for m in moves],
+        doc_lengths=fmt.length_histogram(lengths),
+        options=options,
+        inputs=inputs,
+        skipped={
+            "counts": dict(sorted(counts.items())),
+            "total": sum(counts.values()),
+            "records": records[:MAX_SKIP_RECORDS],
+            "records_truncated": bad > min(len(records), MAX_SKIP_RECORDS),
+        },
+        lengths_file={"name": fmt.LENGTHS_NAME, "bytes": len(lengths_bytes), "sha256": hashlib.sha256(lengths_bytes).hexdigest()},
+        packed=packed,
+        created_by=f"wdsllm {__version__}",
+    )
+
+
+def merge(
+    sources: list[str],
+    output: str,
+    *,
+    copy: bool = False,
+    overwrite: bool = False,
+    allow_partial: bool = False,
+    on_shard: Callable[[int, int], None] | None = None,
+) -> tuple[fmt.Index, list[Part]]:
+    """Merge task outputs into ``output``; returns the merged index and the parts used."""
+    parts = find_parts(sources, allow_partial)
+    check_compatible(parts, allow_partial)
+    moves = plan_moves(parts)
+    out = storage.Output(output)
+    try:
+        _prepare_output(out, parts, _plan_json(moves, copy), overwrite)
+        lengths = np.concatenate([p.lengths for p in parts]).astype(np.uint32) if parts else np.zeros(0, np.uint32)
+        for i, move in enumerate(moves):
+            _transfer(move, out, copy)
+            if on_shard:
+                on_shard(i + 1, len(moves))
+        lengths_bytes = fmt.npy_bytes(lengths)
+        index = merged_index(parts, moves, lengths, lengths_bytes)
+        out.put_bytes(fmt.LENGTHS_NAME, lengths_bytes)
+        out.put_bytes(fmt.INDEX_NAME, index.to_json().encode())
+        if not copy:
+            _retire_parts(parts)
+        out.delete(PLAN_NAME)
+    finally:
+        out.close()
+    log.info("merged %d parts into %s: %d shards", len(parts), output, len(moves))
+    return index, parts
+
+
+def _retire_parts(parts: list[Part]) -> None:
+    """After a move the parts' indexes point at nothing: remove them (and empty local dirs)."""
+    for part in parts:
+        remains = storage.Output(part.url)
+        for name in (fmt.INDEX_NAME, (part.index.lengths_file or {}).get("name", fmt.LENGTHS_NAME)):
+            remains.delete(name)
+        local = _local_path(part.url)
+        if local and os.path.isdir(local) and not os.listdir(local):
+            os.rmdir(local)

@@ -1,0 +1,289 @@
+"""`wdsllm verify`: check every shard of a dataset against its index, decoding every sample.
+
+A shard is read once, as a stream: its bytes are hashed while the strict tar reader
+(:mod:`tario`, header checksums on) walks it and every group is decoded and counted. Problems are
+collected, not raised, so that one run names every broken shard; each names the shard and, where
+there is one, the byte offset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from . import format as fmt
+from . import storage, tario
+
+KEY_RE = re.compile(r"^\d{4}-\d{9}$")
+MAX_ERRORS_PER_SHARD = 20
+
+
+@dataclass
+class ShardCheck:
+    """What one shard holds, as decoded, and what is wrong with it."""
+
+    name: str
+    errors: list[str] = field(default_factory=list)
+    bytes: int = 0
+    samples: int = 0
+    documents: int = 0
+    tokens: int = 0
+    rows: int = 0
+    short_rows: int = 0
+    keys: list[str] = field(default_factory=list)
+    lengths: list[np.ndarray] = field(default_factory=list)  # docs mode: per-document lengths
+    starts: list[np.ndarray] = field(default_factory=list)  # packed mode: document starts, shard offsets
+
+    def fail(self, message: str) -> None:
+        if len(self.errors) < MAX_ERRORS_PER_SHARD:
+            self.errors.append(message)
+
+
+@dataclass
+class Report:
+    root: str
+    index: fmt.Index
+    shards: list[ShardCheck]
+    errors: list[str]  # dataset-level problems (index, lengths.npy)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and all(not s.errors for s in self.shards)
+
+    @property
+    def failures(self) -> list[str]:
+        return self.errors + [f"{s.name}: {e}" if not e.startswith(s.name) else e for s in self.shards for e in s.errors]
+
+
+class _HashingReader:
+    """Reads through a stream while hashing and counting the bytes (one pass per shard)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._stream.read(n)
+        self.sha.update(data)
+        self.size += len(data)
+        return data
+
+    def seekable(self) -> bool:
+        return False
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+def load(source: str) -> tuple[str, fmt.Index, dict]:
+    """(root, index, the raw index JSON) of a dataset directory, URL, or index.json URL."""
+    root = storage.dirname_url(source) if source.rstrip("/").endswith(fmt.INDEX_NAME) else source
+    url = storage.join_url(root, fmt.INDEX_NAME)
+    try:
+        data = storage.read_bytes(url)
+    except storage.StorageError as exc:
+        raise storage.StorageError(f"{url}: cannot read the index ({exc}); is {root} a wdsllm dataset?") from exc
+    return root, fmt.Index.from_json(data, url), json.loads(data)
+
+
+def check_shard(root: str, entry: fmt.ShardEntry, index: fmt.Index) -> ShardCheck:
+    """Decode every sample of one shard; compare its counts, size and checksum with the index."""
+    check = ShardCheck(entry.name)
+    url = storage.join_url(root, entry.name)
+    try:
+        stream = storage.open_stream(url)
+    except storage.StorageError as exc:
+        check.fail(f"missing or unreadable: {exc}")
+        return check
+    complete = False
+    with stream:
+        reader = _HashingReader(stream)
+        try:
+            for raw in tario.iter_samples(reader, entry.name, verify_checksums=True):
+                _check_sample(check, raw, index)
+            complete = True
+            reader.drain()
+        except (fmt.FormatError, storage.StorageError, OSError) as exc:
+            check.fail(str(exc))
+            try:
+                reader.drain()
+            except (storage.StorageError, OSError):
+                pass
+    check.bytes = reader.size
+    _compare_entry(check, entry, reader.sha.hexdigest(), counts=complete)
+    return check
+
+
+def _check_sample(check: ShardCheck, raw: tario.RawSample, index: fmt.Index) -> None:
+    where = f"{check.name} sample {raw.key} @{raw.offset}"
+    group = tario.decode_sample(raw, check.name)
+    check.samples += 1
+    check.keys.append(raw.key)
+    if not KEY_RE.match(raw.key):
+        check.fail(f"{where}: key is not TTTT-GGGGGGGGG")
+    if group.tokens.dtype != np.dtype(index.dtype):
+        check.fail(f"{where}: tokens are {group.tokens.dtype}, the index says {index.dtype}")
+    if len(group.tokens) and int(group.tokens.max()) >= index.tokenizer.vocab_size:
+        i = int(np.argmax(group.tokens >= index.tokenizer.vocab_size))
+        at = _token_offset(raw, i, group.tokens.dtype.itemsize)
+        check.fail(f"{check.name}: token id {int(group.tokens[i])} >= vocab size {index.tokenizer.vocab_size} at byte {at} (sample {raw.key})")
+    docs = group.documents
+    if group.meta.get("documents") != docs:
+        check.fail(f"{where}: metadata says {group.meta.get('documents')} documents, the sample holds {docs}")
+    runs = group.meta.get("provenance")
+    try:
+        files, _, _ = fmt.expand_provenance(runs)
+        if len(files) != docs:
+            check.fail(f"{where}: provenance covers {len(files)} documents, the sample holds {docs}")
+    except (TypeError, ValueError, IndexError):
+        check.fail(f"{where}: malformed provenance {str(runs)[:80]}")
+    if index.mode == "docs":
+        _check_docs_group(check, group, where)
+    else:
+        _check_packed_group(check, group, where, index.seq_len)
+    check.documents += docs
+    check.tokens += len(group.tokens)
+
+
+def _check_docs_group(check: ShardCheck, group: fmt.Group, where: str) -> None:
+    if group.lengths is None:
+        check.fail(f"{where}: a docs-mode sample without {fmt.LENGTHS}")
+        return
+    if len(group.lengths) and not group.lengths.all():
+        check.fail(f"{where}: holds a document of 0 tokens")
+    check.lengths.append(group.lengths)
+
+
+def _check_packed_group(check: ShardCheck, group: fmt.Group, where: str, seq_len: int | None) -> None:
+    if group.starts is None or not seq_len:
+        check.fail(f"{where}: a packed-mode sample without {fmt.STARTS}")
+        return
+    rows = -(-len(group.tokens) // seq_len)
+    if group.meta.get("rows") != rows:
+        check.fail(f"{where}: metadata says {group.meta.get('rows')} rows, {len(group.tokens)} tokens make {rows}")
+    check.rows += rows
+    check.short_rows += int(len(group.tokens) % seq_len != 0)
+    check.starts.append(group.starts.astype(np.int64) + check.tokens)
+
+
+def _token_offset(raw: tario.RawSample, i: int, itemsize: int) -> int:
+    """Byte offset in the shard of token i of a sample (wdsllm writes members in sorted order)."""
+    pos = raw.offset
+    for suffix, data in raw.members.items():
+        start = pos + tario.BLOCK
+        if suffix == fmt.TOKENS:
+            header = len(data) - len(fmt.npy_array(data)) * itemsize
+            return start + header + i * itemsize
+        pos = start + -(-len(data) // tario.BLOCK) * tario.BLOCK
+    return raw.offset
+
+
+def _compare_entry(check: ShardCheck, entry: fmt.ShardEntry, sha256: str, counts: bool) -> None:
+    """Size and checksum always; counts only when every sample decoded (else they are partial)."""
+    if check.bytes != entry.bytes:
+        check.fail(f"is {check.bytes} bytes, the index says {entry.bytes}")
+    if sha256 != entry.sha256:
+        check.fail(f"sha256 is {sha256[:16]}..., the index says {entry.sha256[:16]}...")
+    if not counts:
+        return
+    for what in ("samples", "documents", "tokens", "rows"):
+        have, want = getattr(check, what), getattr(entry, what)
+        if have != want:
+            check.fail(f"holds {have} {what}, the index says {want}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The dataset as a whole.
+
+
+def verify(source: str, jobs: int = 1, on_shard: Callable[[int, int, ShardCheck], None] | None = None) -> Report:
+    """Check every shard (``jobs`` at a time), then lengths.npy and the index's own totals."""
+    root, index, raw = load(source)
+    checks: list[ShardCheck] = []
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        for check in pool.map(lambda e: check_shard(root, e, index), index.shards):
+            checks.append(check)
+            if on_shard:
+                on_shard(len(checks), len(index.shards), check)
+    errors = _check_index(index, raw, checks) + _check_lengths(root, index, checks)
+    return Report(root=root, index=index, shards=checks, errors=errors)
+
+
+def _check_index(index: fmt.Index, raw: dict, checks: list[ShardCheck]) -> list[str]:
+    errors = []
+    totals = index.totals()
+    for key, value in (raw.get("totals") or {}).items():
+        if totals.get(key) != value:
+            errors.append(f"{fmt.INDEX_NAME}: totals.{key} is {value}, the shard entries add up to {totals.get(key)}")
+    hist = index.doc_lengths or {}
+    if hist.get("count", 0) != index.documents or sum(hist.get("counts", [])) != index.documents:
+        errors.append(f"{fmt.INDEX_NAME}: the length histogram counts {hist.get('count')} documents, the shards {index.documents}")
+    from_inputs = sum(i.get("documents", 0) for i in index.inputs)
+    if from_inputs != index.documents:
+        errors.append(f"{fmt.INDEX_NAME}: inputs account for {from_inputs} documents, the shards {index.documents}")
+    counts = (index.skipped or {}).get("counts", {})
+    if sum(counts.values()) != (index.skipped or {}).get("total", 0):
+        errors.append(f"{fmt.INDEX_NAME}: skipped.total is not the sum of skipped.counts")
+    if index.mode == "packed":
+        short = sum(c.short_rows for c in checks)
+        if (index.packed or {}).get("short_rows") != short:
+            errors.append(f"{fmt.INDEX_NAME}: packed.short_rows is {(index.packed or {}).get('short_rows')}, the shards hold {short}")
+    seen: dict[str, str] = {}
+    for c in checks:
+        for key in c.keys:
+            if key in seen:
+                errors.append(f"key {key} is in both {seen[key]} and {c.name}")
+                break
+            seen[key] = c.name
+    return errors
+
+
+def _check_lengths(root: str, index: fmt.Index, checks: list[ShardCheck]) -> list[str]:
+    """lengths.npy: its checksum, and that it holds the documents' lengths as the shards tell them."""
+    info = index.lengths_file
+    if not info:
+        return [f"{fmt.INDEX_NAME}: no lengths_file entry"]
+    name = info["name"]
+    try:
+        data = storage.read_bytes(storage.join_url(root, fmt.check_shard_name(name)))
+    except (storage.StorageError, fmt.FormatError) as exc:
+        return [f"{name}: missing or unreadable: {exc}"]
+    errors = []
+    if len(data) != info.get("bytes") or hashlib.sha256(data).hexdigest() != info.get("sha256"):
+        errors.append(f"{name}: size or sha256 differs from the index")
+    try:
+        lengths = fmt.npy_array(data, name).astype(np.int64)
+    except fmt.FormatError as exc:
+        return errors + [str(exc)]
+    if any(c.errors for c in checks):
+        return errors  # the shards' own errors say more than a mismatch would
+    shard_lengths = _lengths_from_shards(index, checks)
+    if len(lengths) != len(shard_lengths):
+        errors.append(f"{name}: holds {len(lengths)} lengths, the shards hold {len(shard_lengths)} documents")
+    elif not np.array_equal(lengths, shard_lengths):
+        first = int(np.argmax(lengths != shard_lengths))
+        errors.append(f"{name}: document {first} is {lengths[first]} tokens there, {shard_lengths[first]} in the shards")
+    return errors
+
+
+def _lengths_from_shards(index: fmt.Index, checks: list[ShardCheck]) -> np.ndarray:
+    if index.mode == "docs":
+        parts = [part for c in checks for part in c.lengths]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    # packed: a document runs from its start to the next one (across groups and shards).
+    starts, offset = [], 0
+    for c in checks:
+        starts.extend(s + offset for s in c.starts)
+        offset += c.tokens
+    if not starts:
+        return np.zeros(0, np.int64)
+    flat = np.concatenate(starts)
+    return np.diff(np.append(flat, offset))
