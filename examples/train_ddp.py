@@ -232,7 +232,7 @@ def train(args: argparse.Namespace) -> dict:
             rows.extend(batch["rows"].tolist())
             window["loss"] += loss_value
             window["n"] += 1
-            window["tokens"] += float(batch["attention_mask"].sum())
+            window["tokens"] += float(batch["lengths"].sum())
             if in_epoch == epoch_batches:
                 position = {"step": step, "epoch": epoch + 1, "batch_in_epoch": 0}
             else:

@@ -203,3 +203,43 @@ def documents_of_docs_pack():
 def test_tools_refuse_a_missing_dataset(tmp_path, command):
     result = cli(command, tmp_path / "nothing", check=False)
     assert result.returncode == 1 and "Error:" in result.stderr and "Traceback" not in result.stderr
+
+
+# -- stats -----------------------------------------------------------------------------------
+
+
+def test_stats_prints_the_histogram_and_every_mode(tmp_path):
+    out = cli("stats", docs_pack(), "--batch-size", "8", "--max-tokens", "2048", "--seq-len", "256", "--window", "500",
+              "--plot", tmp_path / "hist.png").stdout
+    assert "lengths" in out and "tokens per document" in out
+    for mode in ("random", "random, truncated", "bucket", "pack", "concat"):
+        assert f"\n{mode} " in out
+    assert (tmp_path / "hist.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stats_simulation_matches_what_the_loader_yields():
+    """The simulated padding and batch count of each mode equal what the loader really yields
+    for one worker of one rank in epoch 0: the simulation runs the loader's own batchers."""
+    import wdsllm
+
+    data = docs_pack()
+    report = json.loads(cli("stats", data, "--batch-size", "8", "--max-tokens", "2048", "--seq-len", "256", "--window", "500", "--json").stdout)
+    modes = {(m["mode"], m["settings"].split(",")[0]): m for m in report["modes"]}
+    loaders = {
+        ("random", "batch 8"): dict(batch_size=8, max_len=256),
+        ("bucket", "batch 8"): dict(batching="bucket", batch_size=8, window=500, max_len=256),
+        ("bucket", "budget 2048"): dict(batching="bucket", max_tokens=2048, batch_size=None, window=500, max_len=256),
+        ("pack", "seq_len 256"): dict(batching="pack", seq_len=256, batch_size=8, window=500),
+    }
+    for key, options in loaders.items():
+        batches = list(wdsllm.dataset(str(data), **options))
+        padded = sum(b["input_ids"].numel() for b in batches)
+        real = sum(int(b["lengths"].sum()) for b in batches)
+        assert len(batches) == modes[key]["batches"], key
+        assert padded == modes[key]["padded"], key
+        assert real == modes[key]["tokens"], key
+
+
+def test_stats_refuses_packed_data():
+    result = cli("stats", packed_pack(), check=False)
+    assert result.returncode != 0 and "packed" in result.stderr

@@ -311,7 +311,7 @@ def segments(batch: dict, expect: dict) -> list[tuple[int, np.ndarray]]:
         return out
     for r in range(batch["input_ids"].shape[0]):
         docs = [d for d in batch["docs"][r].tolist() if d >= 0]
-        n = int(batch["attention_mask"][r].sum())
+        n = int(batch["lengths"][r])
         row = batch["input_ids"][r, :n].numpy()
         if "position_ids" in batch:
             starts = np.nonzero(batch["position_ids"][r, :n].numpy() == 0)[0].tolist()

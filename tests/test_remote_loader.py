@@ -161,10 +161,7 @@ def _cli_has(command: str) -> bool:
 
 @pytest.mark.parametrize("command", ["info", "verify", "head", "stats"])
 def test_cli_reads_http_and_s3_datasets(command, wiki_local, http_server, s3_server, s3_bucket):
-    if not _cli_has(command):
-        # The issue lists `stats` among the commands that read every kind of source; there is no
-        # such command yet. This test turns on when it lands.
-        pytest.skip(f"`wdsllm {command}` does not exist yet")
+    assert _cli_has(command)
     shutil.copytree(wiki_local, http_server.root / "wiki")
     s3_server.upload_dir(wiki_local, f"{s3_bucket}/wiki/")
     local = _cli(command, str(wiki_local))

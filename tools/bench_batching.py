@@ -72,7 +72,7 @@ for epoch in range(2):
     t = time.perf_counter(); tokens = batches = 0
     for b in loader:
         batches += 1
-        tokens += int(b["attention_mask"].sum())
+        tokens += int(b["lengths"].sum())
     dt = time.perf_counter() - t
 print(json.dumps({"tokens_per_s": tokens / dt, "batches": batches, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """

@@ -12,7 +12,7 @@ and once in packed mode (--seq-len 2048), unless it is there already, then measu
   batch). Peak RSS of that process and peak PSS of it and its workers are reported.
 - (b) plain webdataset over the same shards: ``wds.WebDataset(urls, shardshuffle=False).decode()``,
   groups split into documents (rows), a shuffle buffer of the same size, padded [B, L] int64
-  input_ids / labels / attention_mask; single process. (b') the same over a per-document layout
+  input_ids / labels (/ attention_mask for documents); single process. (b') the same over a per-document layout
   (one tar member per document, written once with ``webdataset.TarWriter``): the naive layout.
 - (c) ``tarfile`` over the same shards, tokens by ``np.frombuffer``; single process.
 - (d) a flat ``np.memmap`` of the same tokens: rows of 2048 in batches of 64 converted to int64
@@ -251,13 +251,7 @@ def _batch_tokens_items(batch: dict, mode: str) -> tuple[int, int]:
     if mode == "docs":
         lengths = batch["lengths"]
         return int(lengths.sum()), len(lengths)
-    ids = batch["input_ids"]
-    n, width = ids.shape
-    short = batch["attention_mask"][:, -1] == 0  # only a dataset's last row can be short
-    tokens = n * width
-    if bool(short.any()):
-        tokens -= int((batch["attention_mask"][short] == 0).sum())
-    return tokens, n
+    return int(batch["lengths"].sum()), len(batch["lengths"])
 
 
 def run_loader(spec: dict) -> dict:
@@ -344,19 +338,21 @@ def pad_docs(docs: list[np.ndarray], pad_id: int) -> dict:
 
 
 def stack_rows(rows: list[np.ndarray], pad_id: int) -> dict:
+    """The same batch contents as ours for rows: input_ids, labels (-100 on padding), lengths."""
     import torch
 
+    lengths = np.fromiter((len(r) for r in rows), np.int64, len(rows))
     if all(len(r) == SEQ_LEN for r in rows):
         ids = torch.from_numpy(np.stack(rows).astype(np.int64))
-        mask = torch.ones_like(ids)
+        labels = ids.clone()
     else:
         ids = torch.full((len(rows), SEQ_LEN), pad_id, dtype=torch.int64)
-        mask = torch.zeros_like(ids)
         for i, r in enumerate(rows):
             ids[i, : len(r)] = torch.from_numpy(r.astype(np.int64))
-            mask[i, : len(r)] = 1
-    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        labels = ids.clone()
+        for i, r in enumerate(rows):
+            labels[i, len(r) :] = IGNORE_INDEX
+    return {"input_ids": ids, "labels": labels, "lengths": torch.from_numpy(lengths)}
 
 
 def split_groups_to_docs(src):
@@ -421,7 +417,7 @@ def plain_wds_results(paths: Paths, pad_id: int, args) -> list[Result]:
         return int(b["lengths"].sum()), len(b["lengths"])
 
     def count_rows(b):
-        return int(b["attention_mask"].sum()), len(b["input_ids"])
+        return int(b["lengths"].sum()), len(b["input_ids"])
 
     out = []
     for name, group, mode, urls, split, collate, count, note in (
@@ -496,8 +492,8 @@ def memmap_results(paths: Paths, pad_id: int, args) -> list[Result]:
             else:
                 chunk = rows2d[i : i + BATCH]
             ids = torch.from_numpy(chunk.astype(np.int64))
-            if all_tensors:  # what a packed batch of ours holds: labels and attention_mask too
-                batch = (ids, ids.clone(), torch.ones_like(ids))
+            if all_tensors:  # what a packed batch of ours holds: labels too
+                batch = (ids, ids.clone())
             tokens += ids.numel()
         return tokens, n_rows
 
@@ -540,7 +536,7 @@ def memmap_results(paths: Paths, pad_id: int, args) -> list[Result]:
     for name, mode, fn, note in (
         ("memmap rows, sequential", "packed", lambda: rows_pass(False), "[64, 2048] int64 per batch"),
         ("memmap rows, shuffled", "packed", lambda: rows_pass(True), "[64, 2048] int64 per batch; the packed ceiling"),
-        ("memmap rows, shuffled, 3 tensors", "packed", lambda: rows_pass(True, True), "input_ids, labels, attention_mask [64, 2048] int64"),
+        ("memmap rows, shuffled, 2 tensors", "packed", lambda: rows_pass(True, True), "input_ids, labels [64, 2048] int64"),
         ("memmap, one document at a time", "docs", docs_pass, "int64 tensor per document; the docs ceiling"),
         ("memmap docs, padded batches", "docs", padded_pass, "input_ids, labels, attention_mask [64, L]"),
     ):

@@ -113,7 +113,7 @@ def stream(source: str, workers: int, load: dict, seconds: float) -> dict:
         for batch in loader:
             if first is None:
                 first = time.perf_counter() - t0
-            tokens += int(batch["attention_mask"].sum())
+            tokens += int(batch["lengths"].sum())
         epochs += 1
         if time.perf_counter() - t0 >= seconds:
             break

@@ -12,6 +12,6 @@ stamp=.venv/.wdsllm-installed
 want=$(cat pyproject.toml tools/setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
-  .venv/bin/python -m pip install --quiet -e ".[test,s3]"
+  .venv/bin/python -m pip install --quiet -e ".[test,s3,plot]"
   echo "$want" > "$stamp"
 fi

@@ -456,5 +456,80 @@ def _head_text(item, text: str, ids: bool, mode: str) -> str:
     return f"{head}\n{body}\n"
 
 
+# ----------------------------------------------------------------------------------------------
+# stats
+
+
+@main.command()
+@click.argument("dataset")
+@click.option("--batch-size", type=int, default=32, show_default=True, help="Documents per batch (random and bucket).")
+@click.option("--max-tokens", type=int, default=65536, show_default=True, help="Padded tokens per batch (bucket with a token budget).")
+@click.option("--seq-len", type=int, default=2048, show_default=True, help="Row length (pack, concat) and the length cap of the other modes.")
+@click.option("--window", type=int, default=10_000, show_default=True, help="Documents per bucket/pack window.")
+@click.option("--pad-to-multiple-of", type=int, help="Round padded lengths up.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--plot", type=click.Path(dir_okay=False), help="Also draw the length histogram to this PNG (needs matplotlib: pip install wdsllm[plot]).")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, seed, plot, as_json):
+    """Length histogram, and the padding and truncation each batching mode would give.
+
+    Simulated from the index and lengths.npy over the documents one worker sees in epoch 0 (the
+    shard plan and the shuffle buffer included); no shard is read. Longer documents are split at
+    --seq-len, except in the "random, truncated" line, which shows what capping would cut.
+    """
+    from . import stats as statsmod
+    from .catalog import open_catalog
+
+    try:
+        catalog = open_catalog(dataset)
+        if catalog.index is None:
+            raise click.ClickException(f"{dataset}: stats need a dataset with index.json and lengths.npy")
+        if catalog.mode != "docs":
+            raise click.ClickException(f"{dataset} is a packed dataset: its rows are fixed; stats compares batching modes of docs-mode data")
+        costs = statsmod.all_modes(catalog, batch_size=batch_size, max_tokens=max_tokens, seq_len=seq_len, window=window,
+                                   multiple=pad_to_multiple_of, seed=seed)
+    except click.ClickException:
+        raise
+    except Exception as exc:  # noqa: BLE001 - storage/format errors name the file
+        _fail(exc)
+    hist = catalog.index.doc_lengths or {}
+    if as_json:
+        click.echo(json.dumps({"doc_lengths": hist, "modes": [
+            {"mode": c.mode, "settings": c.settings, "batches": c.batches, "tokens": c.tokens, "padded": c.padded,
+             "padding_pct": round(c.padding_pct, 4), "truncated": c.truncated, "truncation_pct": round(c.truncation_pct, 4),
+             "small_batches": c.small_batches} for c in costs]}, indent=1))
+    else:
+        for text in histogram_lines(hist):
+            click.echo(text)
+        click.echo("")
+        click.echo(f"{'mode':<20} {'settings':<30} {'batches':>9} {'padding':>9} {'truncated':>10}")
+        for c in costs:
+            click.echo(f"{c.mode:<20} {c.settings:<30} {c.batches:>9,} {c.padding_pct:>8.2f}% {c.truncation_pct:>9.2f}%")
+    if plot:
+        _plot_histogram(hist, plot, dataset)
+        if not as_json:
+            click.echo(f"\nhistogram drawn to {plot}")
+
+
+def _plot_histogram(hist: dict, path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise click.ClickException("--plot needs matplotlib: pip install wdsllm[plot]") from None
+    edges, counts = hist.get("edges", []), hist.get("counts", [])
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    labels = [f"{edges[i]:,}" for i in range(len(counts))]
+    ax.bar(range(len(counts)), counts, color="#4c72b0")
+    ax.set_xticks(range(len(counts)), labels, rotation=45, ha="right", fontsize=7)
+    ax.set_xlabel("document length in tokens (bucket start, powers of two)")
+    ax.set_ylabel("documents")
+    ax.set_title(f"Document lengths: {title}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
