@@ -93,7 +93,9 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
     flat = _tokens_tensor(tokens, opts.dtype)
     if full:
         input_ids = flat.view(n, seq_len)
-        labels = torch.from_numpy(flat.numpy().copy()).view(n, seq_len)
+        # Nothing to mask: labels are the same values, so they share input_ids' storage (as the
+        # x/y views of one buffer in nanoGPT-style loaders). Boundary masking below copies first.
+        labels = input_ids
     else:
         where = _flat_positions(lengths.astype(np.int64), seq_len)
         input_ids = _filled(n * seq_len, opts.pad_id, opts.dtype).index_copy_(0, where, flat).view(n, seq_len)
@@ -118,6 +120,9 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
         out.update(_boundaries(items, seg_counts, row_of_seg, n, seq_len, max_seg, lengths))
         starts = items.seg_starts
         doc_first = starts > 0  # a segment at a row's start continues or starts unseen context; label 0 is never used
+        if labels is input_ids:
+            labels = labels.clone()
+            out["labels"] = labels
         labels[row_of_seg[doc_first], torch.from_numpy(starts[doc_first].astype(np.int64))] = IGNORE_INDEX
     return out
 

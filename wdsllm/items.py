@@ -97,15 +97,18 @@ class Block:
 
 
 def concat_blocks(blocks: list[Block]) -> Block:
-    """One block over the concatenated buffers of several."""
+    """One block over the concatenated buffers of several (no copy when they share a buffer)."""
     if len(blocks) == 1:
         return blocks[0]
-    parts = [b.gather_tokens() for b in blocks]
-    tokens = np.concatenate(parts)
     lengths = np.concatenate([b.lengths for b in blocks])
-    starts = np.zeros(len(lengths), np.int64)
-    if len(lengths):
-        np.cumsum(lengths[:-1], out=starts[1:])
+    if all(b.tokens is blocks[0].tokens for b in blocks):
+        tokens = blocks[0].tokens
+        starts = np.concatenate([b.starts for b in blocks])
+    else:
+        tokens = np.concatenate([b.gather_tokens() for b in blocks])
+        starts = np.zeros(len(lengths), np.int64)
+        if len(lengths):
+            np.cumsum(lengths[:-1], out=starts[1:])
     ids = np.concatenate([b.ids for b in blocks])
     pieces = None
     if any(b.pieces is not None for b in blocks):
@@ -203,6 +206,18 @@ def open_kwargs(catalog: Catalog, shard: int, options: ReadOptions) -> dict:
     )
 
 
+def _on_shard_buffer(block: Block, shard_tokens: np.ndarray) -> Block:
+    """The block re-expressed over the whole mapped shard, so blocks of one shard share a buffer
+    (and concat_blocks needs no copy)."""
+    offset = block.tokens.__array_interface__["data"][0] - shard_tokens.__array_interface__["data"][0]
+    size = shard_tokens.itemsize
+    if block.tokens.dtype != shard_tokens.dtype or offset % size or not 0 <= offset < shard_tokens.nbytes:
+        return block
+    block.tokens = shard_tokens
+    block.starts = block.starts + offset // size
+    return block
+
+
 def read_slice(
     catalog: Catalog,
     sl: Slice,
@@ -239,12 +254,20 @@ def read_slice(
     own = stream is None
     if own:
         stream = storage.open_stream(url, **open_kwargs(catalog, sl.shard, options))
+    source = tario.mapped(stream) or stream
+    shard_tokens = None
+    if isinstance(source, tario.MappedReader) and catalog.index is not None:
+        dtype = np.dtype(catalog.index.dtype)
+        if len(source.mm) % dtype.itemsize == 0:
+            shard_tokens = np.frombuffer(source.mm, dtype=dtype)
     try:
-        for raw in tario.iter_samples(stream, url, wanted=wanted):
+        for raw in tario.iter_samples(source, url, wanted=wanted):
             group = tario.decode_sample(raw, url)
             n = tario.group_items(raw.meta)
             g0 = state["ordinal"] - n
             block = _group_block(group, sl.shard, g0, mode, seq_len, state["doc"], prev_shard_doc)
+            if shard_tokens is not None:
+                block = _on_shard_buffer(block, shard_tokens)
             state["doc"] += state["pending_docs"]
             lo = max(0, first_wanted - g0)
             hi = n if stop is None else min(n, stop - g0)

@@ -8,7 +8,11 @@ It reads any USTAR/GNU tar that holds regular files; wdsllm writes only USTAR.
 
 from __future__ import annotations
 
+import io
 import json
+import mmap
+import os
+import stat
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
@@ -71,6 +75,52 @@ def _skip(stream: BinaryIO, n: int, seekable: bool, where: str, offset: int) -> 
             raise ShardError(f"{where}: truncated at byte {offset} while skipping")
         n -= len(chunk)
         offset += len(chunk)
+
+
+class MappedReader:
+    """A local shard read through mmap: large reads are zero-copy views of the page cache.
+
+    Token members then need no copy at all, and every group of a shard lies in one buffer
+    (``array``), so the loader can permute and batch items across groups by index alone.
+    """
+
+    SMALL = 4096  # reads up to this size return bytes (headers, JSON), larger ones memoryviews
+
+    def __init__(self, mm: mmap.mmap, offset: int = 0):
+        self.mm = mm
+        self.view = memoryview(mm)
+        self.pos = offset
+
+    def read(self, n: int = -1):
+        end = len(self.mm) if n < 0 else min(len(self.mm), self.pos + n)
+        start, self.pos = self.pos, end
+        return self.mm[start:end] if end - start <= self.SMALL else self.view[start:end]
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else (self.pos + offset if whence == 1 else len(self.mm) + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seekable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.view = None  # the mmap itself lives as long as arrays that view it
+
+
+def mapped(stream) -> MappedReader | None:
+    """A MappedReader over a local regular file's stream (at its position), else None."""
+    try:
+        fileno = stream.fileno()
+        st = os.fstat(fileno)
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+            return None
+        mm = mmap.mmap(fileno, 0, access=mmap.ACCESS_READ)
+        return MappedReader(mm, stream.tell())
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
 
 
 def iter_members(stream: BinaryIO, where: str, base_offset: int = 0, verify_checksums: bool = False) -> Iterator[tuple[str, int, int]]:
@@ -145,6 +195,7 @@ def iter_samples(
             skipping_key = None
         data = _read_exact(stream, size, where, offset + BLOCK)
         if suffix == fmt.META:
+            data = bytes(data)  # a mapped read of a large member is a memoryview
             try:
                 current.meta = json.loads(data)
             except ValueError as exc:
