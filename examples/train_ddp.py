@@ -1,8 +1,8 @@
 """Train a tiny GPT on packed wdsllm shards with DistributedDataParallel (gloo, CPU).
 
-    wdsllm pack ../shared/data/corpora/tinyshakespeare.txt -o shakespeare-packed \\
+    wdsllm pack ../shared/data/corpora/tinyshakespeare.txt -o demo-out/shakespeare-packed \\
         -t ../shared/data/tokenizers/gpt2.json --mode packed --seq-len 128
-    torchrun --nproc_per_node 2 examples/train_ddp.py --data shakespeare-packed --steps 20 --workers 1
+    torchrun --nproc_per_node 2 examples/train_ddp.py --data demo-out/shakespeare-packed --steps 20 --workers 1
 
 Every rank reads its own part of each epoch through ``wdsllm.loader`` (rank and world size come
 from the initialised process group), and every rank yields the same number of batches per epoch
@@ -10,14 +10,10 @@ from the initialised process group), and every rank yields the same number of ba
 all-reduce. At the end each rank prints one JSON line with the steps it took and the row ids it
 trained on; ``--out DIR`` also writes it to DIR/rank{r}.json.
 
-Checkpoints (``--save-every K``, ``--resume PATH``) hold the model, the optimizer, the step, the
-epoch position and every rank's ``loader.state_dict()``, so a resumed run trains on exactly the
-batches the uninterrupted run would have (another world size or worker count is re-planned by the
-loader: the rest of the epoch, every row once). The loader is only used through
-``hasattr(loader, "state_dict")``: with a loader that has no state, a resume replays the current
-epoch's stream up to the saved batch instead, which is exact for the same world size and worker
-count (the stream is a function of seed, epoch, rank, world size and workers) but re-reads that
-much data.
+Checkpoints (``--save-every K``, ``--resume PATH``) hold the model, the optimizer, the step and
+every rank's ``loader.state_dict()``, so a resumed run trains on exactly the batches the
+uninterrupted run would have (another world size or worker count is re-planned by the loader:
+the rest of the epoch, every row once, in another order).
 
 Runs without torchrun too (one process, no DDP): ``python examples/train_ddp.py --data DIR``.
 """
@@ -30,7 +26,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -101,20 +96,17 @@ def all_gather(obj) -> list:
 # Checkpoints
 
 
-def save_checkpoint(path: str, model: torch.nn.Module, optimizer, loader, position: dict, rank: int, world: int) -> None:
+def save_checkpoint(path: str, model: torch.nn.Module, optimizer, loader, step: int, rank: int, world: int) -> None:
     """Every rank calls this at the same step (the loader states are gathered); rank 0 writes."""
-    loader_states = all_gather(loader.state_dict()) if hasattr(loader, "state_dict") else None
+    loader_states = all_gather(loader.state_dict())
     if rank == 0:
         state = {
             "version": CHECKPOINT_VERSION,
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
-            "world_size": world,
-            "workers": loader.num_workers,
-            **position,  # step, epoch, batch_in_epoch
+            "step": step,
+            "loader": loader_states,  # one per rank, in rank order
         }
-        if loader_states is not None:
-            state["loader"] = loader_states  # one per rank, in rank order
         tmp = f"{path}.tmp"
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         torch.save(state, tmp)
@@ -123,31 +115,18 @@ def save_checkpoint(path: str, model: torch.nn.Module, optimizer, loader, positi
         dist.barrier()
 
 
-def load_checkpoint(path: str, model: torch.nn.Module, optimizer, loader, rank: int, world: int) -> tuple[dict, bool]:
-    """Restore model and optimizer; restore the loader when it can. Returns (position, loader_restored)."""
+def load_checkpoint(path: str, model: torch.nn.Module, optimizer, loader, rank: int, world: int) -> int:
+    """Restore model, optimizer and the data stream; returns the step."""
     state = torch.load(path, map_location="cpu", weights_only=True)
     if state.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"{path}: checkpoint version {state.get('version')}, this script reads {CHECKPOINT_VERSION}")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    position = {k: int(state[k]) for k in ("step", "epoch", "batch_in_epoch")}
-    restored = False
-    if "loader" in state and hasattr(loader, "load_state_dict"):
-        # Each rank loads its own state; with another world size any rank's state will do (with
-        # equal batches every rank stood at the same batch), and the loader re-plans the rest of
-        # the epoch for the new layout.
-        states = state["loader"]
-        loader.load_state_dict(states[rank] if len(states) == world else states[0])
-        if loader.epoch != position["epoch"]:  # saved at an epoch's last batch: the loader finishes that epoch first
-            position = {**position, "epoch": loader.epoch, "batch_in_epoch": 0}
-        restored = True
-    elif state["world_size"] != world or state["workers"] != loader.num_workers:
-        warnings.warn(
-            f"{path} was saved with world size {state['world_size']} and {state['workers']} workers, this run has "
-            f"{world} and {loader.num_workers}: the model resumes exactly, the data stream does not (it replays "
-            "the epoch's start under the new plan)"
-        )
-    return position, restored
+    # Each rank loads its own state; with another world size any rank's state will do (with equal
+    # batches every rank stood at the same batch) and the loader re-plans the rest of the epoch.
+    states = state["loader"]
+    loader.load_state_dict(states[rank] if len(states) == world else states[0])
+    return int(state["step"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,38 +164,23 @@ def train(args: argparse.Namespace) -> dict:
     ddp = DDP(model) if dist.is_initialized() else model  # DDP broadcasts rank 0's weights
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
 
-    step, epoch, skip, first_in_epoch = 0, 0, 0, 0
-    loader_restored = False
+    step = 0
     if args.resume:
-        loader.set_epoch(0)
-        position, loader_restored = load_checkpoint(args.resume, model, optimizer, loader, rank, world)
-        step, epoch = position["step"], position["epoch"]
-        # without a loader state, replay the epoch's stream up to the saved batch
-        skip = 0 if loader_restored else position["batch_in_epoch"]
-        first_in_epoch = position["batch_in_epoch"] if loader_restored else 0
+        step = load_checkpoint(args.resume, model, optimizer, loader, rank, world)
         if rank == 0:
-            how = "loader state" if loader_restored else f"replaying {skip} batches of epoch {epoch}"
-            print(f"resumed from {args.resume} at step {step} ({how})", flush=True)
+            print(f"resumed from {args.resume} at step {step}, epoch {loader.epoch}", flush=True)
 
     rows: list[int] = []
     losses: list[float] = []
     batches = 0
     window = {"loss": 0.0, "n": 0, "tokens": 0.0, "t": time.perf_counter()}
-    position = {"step": step, "epoch": epoch, "batch_in_epoch": 0}
+    epoch = loader.epoch  # 0, or where a restored loader stands
 
     while step < args.steps:
-        resuming = loader_restored
-        if not resuming:
-            loader.set_epoch(epoch)  # a restored loader already stands at its epoch and batch
-        loader_restored = False
-        epoch_batches = len(loader)  # the same on every rank (equal batches)
-        in_epoch = first_in_epoch  # batches of this epoch consumed before this iteration
-        first_in_epoch = 0
+        loader.set_epoch(epoch)  # a restored loader continues its epoch from the saved batch
+        yielded = 0
         for batch in loader:
-            in_epoch += 1
-            if skip:
-                skip -= 1
-                continue
+            yielded += 1
             ddp.train()
             position_ids = batch["position_ids"] if args.boundaries else None
             logits = ddp(batch["input_ids"], position_ids)
@@ -233,10 +197,6 @@ def train(args: argparse.Namespace) -> dict:
             window["loss"] += loss_value
             window["n"] += 1
             window["tokens"] += float(batch["lengths"].sum())
-            if in_epoch == epoch_batches:
-                position = {"step": step, "epoch": epoch + 1, "batch_in_epoch": 0}
-            else:
-                position = {"step": step, "epoch": epoch, "batch_in_epoch": in_epoch}
 
             if step % args.log_every == 0 or step == args.steps:
                 loss_sum, n, tokens = all_reduce_sum([window["loss"], window["n"], window["tokens"]])
@@ -249,13 +209,12 @@ def train(args: argparse.Namespace) -> dict:
                     )
                 window = {"loss": 0.0, "n": 0, "tokens": 0.0, "t": now}
             if args.save_every and (step % args.save_every == 0 or step == args.steps):
-                save_checkpoint(args.checkpoint, model, optimizer, loader, position, rank, world)
+                save_checkpoint(args.checkpoint, model, optimizer, loader, step, rank, world)
             if step >= args.steps:
                 break
         else:
-            if in_epoch == 0 and not resuming:  # a state saved at an epoch's last batch resumes empty
-                raise SystemExit(f"rank {rank}: epoch {epoch} yielded no batches; the dataset is smaller than one batch per rank")
-            skip = 0
+            if yielded == 0 and len(loader) == 0:
+                raise SystemExit(f"rank {rank}: epoch {epoch} yields no batches; the dataset is smaller than one batch per rank")
             epoch += 1
 
     report = {

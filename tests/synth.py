@@ -9,7 +9,6 @@ document's content tells which document it is: document g (dataset order) holds 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 

@@ -9,6 +9,7 @@ import torch
 import wdsllm
 from synth import write_dataset
 from wdsllm.collate import IGNORE_INDEX, BufferPool
+from wdsllm.items import split_id
 
 
 def test_docs_batches_pad_and_mask(tmp_path):
@@ -23,6 +24,8 @@ def test_docs_batches_pad_and_mask(tmp_path):
             assert torch.equal(b["labels"][i, :k], want)
             assert bool((b["input_ids"][i, k:] == 7).all()) and bool((b["labels"][i, k:] == IGNORE_INDEX).all())
             assert int(b["attention_mask"][i].sum()) == k and bool((b["attention_mask"][i, :k] == 1).all())
+            shard, ordinal = split_id(int(b["docs"][i, 0]))
+            assert shard in (0, 1) and 0 <= ordinal < (17 if shard == 0 else 9)
 
 
 def test_packed_rows_with_boundaries(tmp_path):

@@ -266,7 +266,7 @@ def test_real_workers_match_simulated_workers(tmp_path):
     pipe = wdsllm.dataset(str(tmp_path), batch_size=3, shuffle_buffer=5, seed=9)
     per_worker = [[_ids(b) for b in pipe.worker_iter(w, 3)] for w in range(3)]
     # DataLoader takes batches round-robin over the workers that still have batches.
-    expect, k = [], 0
+    expect = []
     while any(per_worker):
         for w in range(3):
             if per_worker[w]:

@@ -8,7 +8,6 @@ import json
 import tempfile
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings

@@ -31,7 +31,7 @@ from typing import Iterator
 import numpy as np
 
 from . import plan as planmod
-from .items import Block, concat_blocks, empty_block
+from .items import Block, concat_blocks, empty_block, windows
 
 
 @dataclass
@@ -55,20 +55,7 @@ def round_up(n, multiple: int | None):
 
 
 def _windows(shuffled: Iterator[tuple[int, Block]], size: int) -> Iterator[Block]:
-    """Consecutive windows of exactly ``size`` items (the last may be shorter)."""
-    pending: list[Block] = []
-    have = 0
-    for _, block in shuffled:
-        while len(block):
-            take = min(size - have, len(block))
-            pending.append(block.slice(0, take) if take < len(block) else block)
-            block = block.slice(take, len(block)) if take < len(block) else block.slice(0, 0)
-            have += take
-            if have == size:
-                yield concat_blocks(pending)
-                pending, have = [], 0
-    if have:
-        yield concat_blocks(pending)
+    return windows((block for _, block in shuffled), size)
 
 
 def _order_rng(spec, window: int) -> np.random.Generator:

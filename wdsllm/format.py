@@ -384,24 +384,3 @@ def length_histogram(lengths: np.ndarray) -> dict[str, Any]:
         "p90": qs[1],
         "p99": qs[2],
     }
-
-
-def merge_histograms(hists: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sum power-of-two histograms (used by merge); quantiles are not mergeable and are dropped."""
-    hists = [h for h in hists if h.get("count")]
-    if not hists:
-        return {"edges": [], "counts": [], "count": 0}
-    edges = max((h["edges"] for h in hists), key=len)
-    counts = [0] * (len(edges) - 1)
-    for h in hists:
-        for i, c in enumerate(h["counts"]):
-            counts[i] += c
-    total = sum(h["count"] for h in hists)
-    return {
-        "edges": edges,
-        "counts": counts,
-        "count": total,
-        "min": min(h["min"] for h in hists),
-        "max": max(h["max"] for h in hists),
-        "mean": round(sum(h["mean"] * h["count"] for h in hists) / total, 3),
-    }

@@ -122,6 +122,24 @@ def concat_blocks(blocks: list[Block]) -> Block:
     return out
 
 
+def windows(blocks, size: int):
+    """Consecutive windows of exactly ``size`` items over a stream of blocks (the last may be
+    shorter): what shuffle buffers and bucketing/packing windows are cut from."""
+    pending: list[Block] = []
+    have = 0
+    for block in blocks:
+        while len(block):
+            take = min(size - have, len(block))
+            pending.append(block.slice(0, take) if take < len(block) else block)
+            block = block.slice(take, len(block)) if take < len(block) else block.slice(0, 0)
+            have += take
+            if have == size:
+                yield concat_blocks(pending)
+                pending, have = [], 0
+    if have:
+        yield concat_blocks(pending)
+
+
 def empty_block(dtype, packed: bool = False) -> Block:
     z = np.zeros(0, np.int64)
     b = Block(np.zeros(0, dtype), z, z, z)
@@ -140,14 +158,6 @@ class ReadOptions:
     cache: storage.ShardCache | None = None
     on_error: str = "raise"  # or "skip": a shard that cannot be read is logged, counted, skipped
     prefetch: bool = True
-
-
-class ReadStats:
-    """Per-process tallies of shards read and skipped (on_error='skip')."""
-
-    shards_read = 0
-    shards_skipped = 0
-    skipped_urls: list = []
 
 
 def _group_block(group, shard: int, first: int, mode: str, seq_len: int | None, doc_base: int, prev_shard_doc: int) -> Block:

@@ -117,11 +117,6 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
     return inputs
 
 
-def open_input(inp: InputFile) -> BinaryIO:
-    """A binary stream of the decompressed bytes of an input."""
-    return _open_with_raw(inp)[0]
-
-
 def _open_with_raw(inp: InputFile) -> tuple[BinaryIO, BinaryIO | None]:
     """The decompressed stream and the raw file under it (whose position tells the progress)."""
     if inp.path == STDIN:

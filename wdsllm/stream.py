@@ -23,7 +23,7 @@ from . import plan as planmod
 from . import storage
 from .catalog import Catalog
 from .format import FormatError
-from .items import Block, ReadOptions, concat_blocks, open_kwargs, read_slice
+from .items import Block, ReadOptions, open_kwargs, read_slice, windows
 from .plan import Slice
 
 log = logging.getLogger(__name__)
@@ -287,30 +287,10 @@ def shuffled_items(
         return
     k = start // size
     skip = start - k * size
-    pending: list[Block] = []
-    have = 0
-    src = blocks_from(k * size)
-
-    def emit(blocks: list[Block], n: int, k: int):
-        buf = concat_blocks(blocks)
-        perm = planmod.rng(spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, k).permutation(n)
-        return buf.take(perm)
-
-    for block in src:
-        while len(block):
-            take = min(size - have, len(block))
-            pending.append(block.slice(0, take) if take < len(block) else block)
-            block = block.slice(take, len(block)) if take < len(block) else block.slice(0, 0)
-            have += take
-            if have == size:
-                out = emit(pending, size, k)
-                if skip:
-                    out = out.slice(skip, size)
-                yield k * size + skip, out
-                skip = 0
-                k += 1
-                pending, have = [], 0
-    if have:
-        out = emit(pending, have, k)
-        if skip < have:
-            yield k * size + skip, out.slice(skip, have)
+    for window in windows(blocks_from(k * size), size):
+        perm = planmod.rng(spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, k).permutation(len(window))
+        out = window.take(perm)
+        if skip < len(out):
+            yield k * size + skip, out.slice(skip, len(out)) if skip else out
+        skip = 0
+        k += 1

@@ -338,9 +338,3 @@ def read_journal(output) -> list[dict]:
             break
         records.append(decode_record(data, name))
     return records
-
-
-def tarfile_check(path: str) -> None:
-    """Raise if a local shard cannot be listed by plain tarfile (used by tests and verify)."""
-    with tarfile.open(path) as tf:
-        tf.getmembers()
