@@ -383,3 +383,21 @@ def test_bucket_batches_are_sorted_windows_and_respect_the_budget(tmp_path):
     real = sum(int(b["lengths"].sum()) for b in batches)
     random_ = list(wdsllm.dataset(str(tmp_path), batch_size=len(batches[0]["lengths"])).worker_iter(0, 1))
     assert padded - real < sum(b["input_ids"].numel() for b in random_) - real
+
+
+def test_rank_and_world_size_come_from_arguments_then_environment(tmp_path, monkeypatch):
+    write_dataset(tmp_path, [10, 10])
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    from_env = wdsllm.loader(str(tmp_path), batch_size=4)
+    assert (from_env.rank, from_env.world_size) == (1, 2)
+    explicit = wdsllm.loader(str(tmp_path), batch_size=4, rank=0, world_size=3)
+    assert (explicit.rank, explicit.world_size) == (0, 3)
+    with pytest.raises(ValueError, match="together"):
+        wdsllm.loader(str(tmp_path), batch_size=4, rank=0)
+    with pytest.raises(ValueError, match="outside"):
+        wdsllm.loader(str(tmp_path), batch_size=4, rank=3, world_size=3)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    alone = wdsllm.loader(str(tmp_path), batch_size=4)
+    assert (alone.rank, alone.world_size) == (0, 1)
