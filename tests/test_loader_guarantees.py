@@ -401,3 +401,34 @@ def test_rank_and_world_size_come_from_arguments_then_environment(tmp_path, monk
     monkeypatch.delenv("WORLD_SIZE")
     alone = wdsllm.loader(str(tmp_path), batch_size=4)
     assert (alone.rank, alone.world_size) == (0, 1)
+
+
+@SETTINGS
+@given(sizes=shard_sizes, world=worlds, workers=workers_, buffer=buffers, seed=st.integers(0, 1000), equal=st.booleans())
+def test_documents_one_at_a_time(sizes, world, workers, buffer, seed, equal):
+    """batch_size=None yields single documents (for your own batching stages) with the same
+    guarantees: exactly once across ranks x workers, and equal counts per rank when asked."""
+    with tempfile.TemporaryDirectory() as tmp:
+        info = write_dataset(tmp, sizes, seed=seed, max_len=20)
+        layout = run_layout(tmp, world, workers, batch_size=None, seed=seed, shuffle_buffer=buffer, equal_batches=equal)
+        seen = Counter()
+        for docs in layout.values():
+            for d in docs:
+                seen[d["doc"]] += 1
+                assert torch_equal(d["input_ids"], info["expect"][d["doc"]])
+        assert max(seen.values(), default=1) == 1
+        if equal and world > 1:
+            per_rank = [sum(len(layout[(r, w)]) for w in range(max(1, workers))) for r in range(world)]
+            assert len(set(per_rank)) == 1
+        else:
+            assert set(seen) == set(info["expect"])
+
+
+def torch_equal(tensor, tokens) -> bool:
+    return np.array_equal(tensor.numpy(), tokens.astype(np.int64))
+
+
+def test_loader_needs_a_batch_size(tmp_path):
+    write_dataset(tmp_path, [5])
+    with pytest.raises(ValueError, match="one document at a time"):
+        wdsllm.loader(str(tmp_path), batch_size=None)

@@ -266,7 +266,11 @@ def run_loader(spec: dict) -> dict:
     with MemorySampler() as mem:
         t0 = time.perf_counter()
         options = dict(spec["options"])
-        loader = wdsllm.loader(spec["data"], num_workers=spec["workers"], persistent_workers=spec["workers"] > 0, **options)
+        one_by_one = options.get("batch_size", 1) is None  # wdsllm.dataset, documents one at a time
+        if one_by_one:
+            loader = wdsllm.dataset(spec["data"], **options)
+        else:
+            loader = wdsllm.loader(spec["data"], num_workers=spec["workers"], persistent_workers=spec["workers"] > 0, **options)
         passes = []
         for epoch in range(1 + spec["repeat"]):
             loader.set_epoch(epoch)
@@ -276,9 +280,13 @@ def run_loader(spec: dict) -> dict:
             for batch in loader:
                 if first is None:
                     first = time.perf_counter() - start
-                t, i = _batch_tokens_items(batch, spec["mode"])
-                tokens += t
-                items += i
+                if one_by_one:
+                    tokens += len(batch["input_ids"])
+                    items += 1
+                else:
+                    t, i = _batch_tokens_items(batch, spec["mode"])
+                    tokens += t
+                    items += i
                 batches += 1
             passes.append({"seconds": time.perf_counter() - start, "first": first, "tokens": tokens, "items": items, "batches": batches,
                            "rss_mib": _status_kib("self", "VmRSS") / 1024})
@@ -622,6 +630,7 @@ def main(argv=None) -> list[Result]:
         docs_opts = {"batch_size": BATCH, "max_len": SEQ_LEN, "shuffle": True, "shuffle_buffer": SHUFFLE_BUFFER, "seed": 0}
         packed_opts = {"batch_size": BATCH, "shuffle": True, "shuffle_buffer": SHUFFLE_BUFFER, "seed": 0}
         for name, mode, data, workers, opts, note in (
+            ("dataset docs, one document at a time", "docs", paths.docs, 0, {**docs_opts, "batch_size": None}, "wdsllm.dataset(batch_size=None): litdata's per-document layout of work"),
             ("loader docs, 0 workers", "docs", paths.docs, 0, docs_opts, ""),
             ("loader docs, 2 workers", "docs", paths.docs, 2, docs_opts, ""),
             ("loader packed, 0 workers", "packed", paths.packed, 0, packed_opts, ""),

@@ -122,6 +122,32 @@ class FixedBatcher:
             yield index, pending, None
 
 
+class ItemChunker:
+    """batch_size=None: items one at a time. Counts and positions are per item (a batch of one),
+    but items travel in chunks of the shuffled stream's blocks, never one Python object each."""
+
+    needs_lengths = False
+    rows = False
+
+    def count(self, n_items: int, lengths: np.ndarray | None = None) -> int:
+        return n_items
+
+    def start_position(self, item: int, lengths: np.ndarray | None = None, hint: dict | None = None) -> int:
+        return item
+
+    def dry_batches(self, lengths: np.ndarray, spec) -> Iterator[np.ndarray]:
+        for i in range(len(lengths)):
+            yield np.array([i])
+
+    def batches(self, shuffled, first_item: int, spec, lengths=None, hint=None) -> Iterator[tuple[int, Block, None]]:
+        """(index of the chunk's first item, chunk)."""
+        index = first_item
+        for _, block in shuffled:
+            if len(block):
+                yield index, block, None
+                index += len(block)
+
+
 # ----------------------------------------------------------------------------------------------
 # Length bucketing
 

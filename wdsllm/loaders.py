@@ -109,6 +109,9 @@ class Loader:
         self.catalog = open_catalog(source, retry=retry)
         self.rank, self.world_size = resolve_world(rank, world_size)
         self.cfg = resolve_config(Config(**options), self.catalog)
+        if self.cfg.unbatched:
+            raise ValueError("the loader yields batches: pass batch_size (or max_tokens with batching='bucket'); "
+                             "for one document at a time use wdsllm.dataset(..., batch_size=None)")
         self.num_workers = int(num_workers)
         self.prefetch_factor = prefetch_factor if self.num_workers > 0 else None
         self.persistent_workers = persistent_workers and self.num_workers > 0

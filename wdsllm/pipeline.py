@@ -17,11 +17,12 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
+import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import plan as planmod
-from .batching import Batch, BucketBatcher, ConcatBatcher, FixedBatcher, PackBatcher
+from .batching import Batch, BucketBatcher, ConcatBatcher, FixedBatcher, ItemChunker, PackBatcher
 from .catalog import Catalog, open_catalog
 from .collate import CollateOptions, collate_docs, collate_rows
 from .items import ReadOptions
@@ -65,10 +66,17 @@ class Config:
     boundaries: bool = False
     max_segments: int | None = None
 
+    @property
+    def unbatched(self) -> bool:
+        """batch_size=None with fixed batching: items one at a time, for your own batching stages."""
+        return self.batch_size is None and self.batching == "fixed"
+
     def check(self, catalog: Catalog) -> None:
         if self.batching == "bucket" and self.max_tokens is not None:
             if self.max_tokens < 1:
                 raise ValueError("max_tokens must be positive")
+        elif self.unbatched:
+            pass
         elif self.batch_size is None or self.batch_size < 1:
             raise ValueError("batch_size must be a positive integer")
         if self.batching in ("bucket", "pack", "concat") and catalog.mode != "docs":
@@ -131,6 +139,8 @@ def make_batcher(cfg: Config):
         return PackBatcher(cfg.window, cfg.seq_len, cfg.batch_size, cfg.drop_last)
     if cfg.batching == "concat":
         return ConcatBatcher(cfg.seq_len, cfg.batch_size, cfg.drop_last)
+    if cfg.unbatched:
+        return ItemChunker()
     return FixedBatcher(cfg.batch_size, cfg.drop_last)
 
 
@@ -397,6 +407,12 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
             if task.limit is not None and index >= task.limit:
                 break
             failed.update(stats.skipped_shards)
+            if cfg.unbatched:  # a chunk of single items: `index` counts items
+                if task.limit is not None and index + len(items) > task.limit:
+                    items = items.slice(0, task.limit - index)
+                yield emit(spec, index, items, hint)
+                index += len(items)
+                continue
             yield emit(spec, index, items, hint)
             index += 1
         failed.update(stats.skipped_shards)
@@ -479,6 +495,38 @@ def _resampled_slices(catalog: Catalog, spec: StreamSpec):
         drawn += 256
 
 
+def _items_one_by_one(batches: Iterator, rows: bool) -> Iterator[dict]:
+    """Third stage for batch_size=None: each document (or row) as its own sample.
+
+    A chunk's tokens are converted to int64 once and handed out as slices, so the cost per item
+    is a slice and a dict: composing your own batching stage stays cheap.
+    """
+    name = "row" if rows else "doc"
+    for batch in batches:
+        if isinstance(batch, EndOfWorker):
+            continue
+        items = batch.items
+        if not len(items):
+            continue
+        lo, hi = int(items.starts.min()), int((items.starts + items.lengths).max())
+        if hi - lo <= 2 * int(items.lengths.sum()):
+            # the chunk's items lie together in their buffer (a shuffle block is a permutation of
+            # consecutive items): convert that span once and slice it, no gather
+            tokens = torch.from_numpy(items.tokens[lo:hi].astype(np.int64))
+            firsts = items.starts - lo
+        else:
+            tokens = torch.from_numpy(items.gather_tokens().astype(np.int64))
+            firsts = np.cumsum(items.lengths) - items.lengths
+        bounds = zip(firsts.tolist(), (firsts + items.lengths).tolist())
+        epoch = batch.epoch
+        if items.pieces is None:
+            for (a, b), item in zip(bounds, items.ids.tolist()):
+                yield {"input_ids": tokens[a:b], name: item, "epoch": epoch}
+        else:
+            for (a, b), item, piece in zip(bounds, items.ids.tolist(), items.pieces.tolist()):
+                yield {"input_ids": tokens[a:b], name: item, "piece": piece, "epoch": epoch}
+
+
 def _collate(batches: Iterator, rows: bool, opts: CollateOptions) -> Iterator[dict]:
     """Third stage: compact batches to dicts of tensors."""
     fn = collate_rows if rows else collate_docs
@@ -518,7 +566,9 @@ def build_pipeline(
     stages = [source, wds.filters.pipelinefilter(_epoch_batches)(catalog, cfg, read, end_marker)]
     if bundle:
         stages.append(wds.filters.pipelinefilter(_bundle)(bundle, 1 << 20))
-    if collate:
+    if collate and cfg.unbatched:
+        stages.append(wds.filters.pipelinefilter(_items_one_by_one)(rows_out(cfg, catalog)))
+    elif collate:
         stages.append(wds.filters.pipelinefilter(_collate)(rows_out(cfg, catalog), collate_options(cfg, catalog)))
     pipe = WdsPipeline(*stages)
     pipe.source = source
