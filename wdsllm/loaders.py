@@ -27,13 +27,13 @@ from . import resume as resumemod
 from .batching import Batch
 from .catalog import open_catalog
 from .collate import collate_docs, collate_rows
-from .items import ReadOptions
 from .pipeline import (
     Config,
     EndOfWorker,
     batch_counts,
     build_pipeline,
     collate_options,
+    read_options,
     resolve_config,
     resolve_world,
     round_robin_share,
@@ -104,8 +104,6 @@ class Loader:
         workers_in_process: bool = False,
         **options,
     ):
-        from . import storage
-
         self.catalog = open_catalog(source, retry=retry)
         self.rank, self.world_size = resolve_world(rank, world_size)
         self.cfg = resolve_config(Config(**options), self.catalog)
@@ -119,8 +117,7 @@ class Loader:
         self.multiprocessing_context = multiprocessing_context
         #: run the workers' streams in this process, one after another (debugging and tests)
         self.workers_in_process = workers_in_process
-        cache = storage.ShardCache(cache_dir, cache_size) if cache_dir else None
-        self.read_options = ReadOptions(retry=retry, cache=cache, on_error=on_error)
+        self.read_options = read_options(retry, cache_dir, cache_size, on_error)
         self.pipeline = build_pipeline(
             self.catalog, self.cfg, self.rank, self.world_size, self.read_options,
             collate=False, end_marker=True,

@@ -611,8 +611,6 @@ def dataset(
     ``source`` is a dataset directory or URL holding index.json, the URL of an index.json, or
     shard URLs / brace patterns. See docs/loader.md for every option and guarantee.
     """
-    from . import storage
-
     catalog = open_catalog(source, retry=retry)
     r, w = resolve_world(rank, world_size)
     cfg = Config(
@@ -637,6 +635,15 @@ def dataset(
         max_segments=max_segments,
     )
     cfg = resolve_config(cfg, catalog)
-    cache = storage.ShardCache(cache_dir, cache_size) if cache_dir else None
-    read = ReadOptions(retry=retry, cache=cache, on_error=on_error)
+    read = read_options(retry, cache_dir, cache_size, on_error)
     return build_pipeline(catalog, cfg, r, w, read, collate=True, end_marker=False)
+
+
+def read_options(retry, cache_dir: str | None, cache_size: int, on_error: str) -> ReadOptions:
+    """How shards are read: retry policy, optional local cache, and what an unreadable shard does."""
+    from . import storage
+
+    if on_error not in ("raise", "skip"):
+        raise ValueError("on_error must be 'raise' or 'skip'")
+    cache = storage.ShardCache(cache_dir, cache_size) if cache_dir else None
+    return ReadOptions(retry=retry, cache=cache, on_error=on_error)
