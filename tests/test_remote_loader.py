@@ -131,7 +131,7 @@ SOURCES = {
 def test_every_kind_of_source_gives_the_local_documents_in_the_local_order(kind, synth, served, s3_synth, local_run):
     source = SOURCES[kind](synth[0], served[0], s3_synth)
     catalog = open_catalog(source)
-    assert catalog.has_index, f"{source}: the index beside the shards should be found"
+    assert catalog.index is not None, f"{source}: the index beside the shards should be found"
     assert documents(wdsllm.loader(source, **LOAD)) == local_run
     assert documents(wdsllm.dataset(source, **LOAD)) == local_run
 

@@ -38,6 +38,7 @@ class Catalog:
     shard_entries: list[fmt.ShardEntry] | None = None  # index entries of ``urls`` (same order)
     retry: storage.RetryPolicy | None = field(default=None, repr=False)  # for index and lengths reads
     _lengths: np.ndarray | None = field(default=None, repr=False)
+    _by_shard: list | None = field(default=None, repr=False)
 
     @property
     def mode(self) -> str:
@@ -54,9 +55,12 @@ class Catalog:
     def docs_per_shard(self) -> list[int] | None:
         return None if self.shard_entries is None else [e.documents for e in self.shard_entries]
 
-    @property
-    def has_index(self) -> bool:
-        return self.index is not None
+    def __getstate__(self) -> dict:
+        # Workers started by spawn get the catalog pickled: let them reload lengths.npy rather
+        # than receive (and keep a copy of) every document's length in the message.
+        state = dict(self.__dict__)
+        state["_lengths"] = state["_by_shard"] = None
+        return state
 
     def lengths(self) -> np.ndarray | None:
         """Per-document token counts for the catalog's shards, in catalog order (docs mode)."""
@@ -81,11 +85,14 @@ class Catalog:
         return all_lengths
 
     def lengths_by_shard(self) -> list[np.ndarray] | None:
-        lengths = self.lengths()
-        if lengths is None:
-            return None
-        counts = self.docs_per_shard
-        return np.split(lengths, np.cumsum(counts)[:-1]) if counts else []
+        """lengths() cut per shard (views, computed once: plans ask for it per slice)."""
+        if self._by_shard is None:
+            lengths = self.lengths()
+            if lengths is None:
+                return None
+            counts = self.docs_per_shard
+            self._by_shard = np.split(lengths, np.cumsum(counts)[:-1]) if counts else []
+        return self._by_shard
 
     def fingerprint(self) -> str:
         """Identifies the shards' content; a resume state from other data is refused."""

@@ -7,7 +7,6 @@ schema of ``index.json`` with its version.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import re
@@ -275,14 +274,6 @@ class Index:
         if self.mode == "packed":
             out["rows"] = self.rows
         return out
-
-    def fingerprint(self) -> str:
-        """Identifies the dataset's content (shard checksums and shaping), for resume checks."""
-        h = hashlib.sha256()
-        h.update(f"{self.mode}|{self.dtype}|{self.seq_len}|{self.tokenizer.sha256}".encode())
-        for s in self.shards:
-            h.update(f"|{s.name}:{s.sha256}".encode())
-        return h.hexdigest()[:16]
 
     # -- serialisation ------------------------------------------------------------------------
     def to_json(self) -> str:
