@@ -70,7 +70,6 @@ class FixedBatcher:
     """``batch_size`` consecutive items of the shuffled stream per batch."""
 
     needs_lengths = False
-    rows = False
 
     def __init__(self, batch_size: int, drop_last: bool = False):
         if batch_size < 1:
@@ -127,7 +126,6 @@ class ItemChunker:
     but items travel in chunks of the shuffled stream's blocks, never one Python object each."""
 
     needs_lengths = False
-    rows = False
 
     def count(self, n_items: int, lengths: np.ndarray | None = None) -> int:
         return n_items
@@ -170,7 +168,6 @@ class BucketBatcher:
     """
 
     needs_lengths = True
-    rows = False
 
     def __init__(self, window: int, batch_size: int | None = None, max_tokens: int | None = None,
                  pad_to_multiple_of: int | None = None, drop_last: bool = False):
@@ -393,7 +390,6 @@ class PackBatcher:
     """
 
     needs_lengths = True
-    rows = True
 
     def __init__(self, window: int, seq_len: int, batch_size: int, drop_last: bool = False):
         self.window = window
@@ -505,7 +501,6 @@ class ConcatBatcher:
     """Documents concatenated in stream order and cut into rows of ``seq_len`` (GPT-style)."""
 
     needs_lengths = True
-    rows = True
 
     def __init__(self, seq_len: int, batch_size: int, drop_last: bool = False):
         self.seq_len = seq_len

@@ -136,6 +136,7 @@ class Loader:
         self._yielded = 0  # batches handed out this epoch (finite) or since the stream began
         self._steps = 0  # batches handed out in the current steps_per_epoch loop
         self._pending_resume: dict | None = None
+        self._total_key, self._total = None, None  # cached batch count of the current epoch
         #: the equal-batches decision of the current epoch: dropped batches of this rank etc.
         self.limits = None
         self.dropped_batches = 0
@@ -174,13 +175,24 @@ class Loader:
             return self.cfg.steps_per_epoch
         if self.infinite:
             raise TypeError("an endless loader has no length; pass steps_per_epoch= to give it one")
-        limits = self.source.limits(self._epoch, self.workers)
-        if limits is not None:
-            return limits.per_rank
-        counts = batch_counts(self.catalog, self.cfg, self._epoch, self.world_size, self.workers, self.source.plans.get(self._epoch))
-        if counts is None:
+        total = self._epoch_total()
+        if total is None:
             raise TypeError("the number of batches is unknown without an index")
-        return int(counts[self.rank].sum())
+        return total
+
+    def _epoch_total(self) -> int | None:
+        """Batches this rank yields in the current epoch, from the index (None without one)."""
+        plan = self.source.plans.get(self._epoch)
+        key = (self._epoch, id(plan))
+        if self._total_key != key:
+            limits = self.source.limits(self._epoch, self.workers)
+            if limits is not None:
+                total = limits.per_rank
+            else:
+                counts = batch_counts(self.catalog, self.cfg, self._epoch, self.world_size, self.workers, plan)
+                total = None if counts is None else int(counts[self.rank].sum())
+            self._total_key, self._total = key, total
+        return self._total
 
     # -- iteration ------------------------------------------------------------------------------
     def _worker_batches(self) -> Iterator:
@@ -300,13 +312,6 @@ class Loader:
     def _settings(self) -> str:
         return resumemod.settings_fingerprint(self.cfg)
 
-    def _epoch_total(self) -> int | None:
-        """Batches this rank yields in the current epoch, when the index says."""
-        if self.limits is not None:
-            return self.limits.per_rank
-        counts = batch_counts(self.catalog, self.cfg, self._epoch, self.world_size, self.workers, self.source.plans.get(self._epoch))
-        return None if counts is None else int(counts[self.rank].sum())
-
     def state_dict(self) -> dict:
         """Where this rank's stream stands: small JSON-able data (see docs/loader.md)."""
         in_epoch = self._rr is not None or (self.infinite and self._stream is not None)
@@ -352,6 +357,7 @@ class Loader:
         if bool(state.get("infinite")) != self.infinite:
             raise resumemod.StateError("the state is from an endless loader and this one is finite, or the other way round")
         self.source._limits_cache = {}
+        self._total_key = None
         self._stream = None
         self._dataloader = None
         self._epoch = int(state["epoch"])

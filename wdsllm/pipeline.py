@@ -197,7 +197,7 @@ def slices_for(catalog: Catalog, cfg: Config, spec: StreamSpec, plan=None) -> li
     """The slices (rank, worker) reads in spec.epoch: the normal plan, or a remainder plan."""
     if plan is None:
         return epoch_slices(catalog, spec)
-    return plan.slices_for(catalog, cfg, PLAN_HELPERS, spec.rank, spec.world, spec.worker, spec.workers)
+    return plan.slices_for(catalog, cfg, spec.rank, spec.world, spec.worker, spec.workers)
 
 
 def worker_batch_count(catalog: Catalog, cfg: Config, spec: StreamSpec, plan=None) -> int | None:
@@ -279,7 +279,6 @@ class EpochTask:
     spec: StreamSpec
     first_batch: int = 0
     limit: int | None = None  # batches this worker may yield this epoch
-    infinite_epochs: bool = False
     plan: object = None  # a resume.RemainderPlan replacing the normal epoch plan
     hint: dict | None = None  # the batcher's own note of where first_batch starts (same layout)
 
@@ -354,7 +353,7 @@ class EpochSource(IterableDataset):
             spec = spec_for(cfg, epoch, self.rank, self.world, worker, workers)
             limits = self.limits(epoch, workers)
             limit = int(limits.per_worker[worker]) if limits is not None else None
-            yield EpochTask(spec=spec, first_batch=first_batch, limit=limit, infinite_epochs=infinite, plan=self.plans.get(epoch), hint=hint)
+            yield EpochTask(spec=spec, first_batch=first_batch, limit=limit, plan=self.plans.get(epoch), hint=hint)
             if not infinite:
                 break
             epoch += 1
@@ -448,20 +447,6 @@ def _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit, e
         if not made:
             raise RuntimeError(f"worker {spec.worker} of rank {spec.rank} has no readable shard left to fill its batches; "
                                "the ranks cannot keep equal batch counts")
-
-
-class _PlanHelpers:
-    """What resume.RemainderPlan needs from the stream and batching modules (no import cycle)."""
-
-    spec_for = staticmethod(lambda cfg, epoch, rank, world, worker, workers: spec_for(cfg, epoch, rank, world, worker, workers))
-    slices_for = staticmethod(lambda catalog, cfg, spec, plan: slices_for(catalog, cfg, spec, plan))
-    item_counts = staticmethod(slice_item_counts)
-    item_lengths = staticmethod(slice_item_lengths)
-    make_batcher = staticmethod(lambda cfg: make_batcher(cfg))
-    shuffle_lengths = staticmethod(shuffle_lengths)
-
-
-PLAN_HELPERS = _PlanHelpers()
 
 
 def _bundle(batches: Iterator, max_batches: int, max_tokens: int) -> Iterator[list]:

@@ -25,11 +25,10 @@ import numpy as np
 from . import plan as planmod
 from .catalog import Catalog
 from .plan import Slice
+from .stream import shuffle_lengths, slice_item_counts, slice_item_lengths
 
 STATE_VERSION = 1
 STATE_KIND = "wdsllm.loader"
-# Settings that do not change which batches come out, so a resume may change them.
-RUNTIME_ONLY: tuple[str, ...] = ()
 
 
 class StateError(ValueError):
@@ -37,7 +36,8 @@ class StateError(ValueError):
 
 
 def settings_fingerprint(cfg) -> str:
-    fields = {k: v for k, v in asdict(cfg).items() if k not in RUNTIME_ONLY and k != "equal_batches"}
+    # equal_batches only caps how many batches come out, not which: a resume may change it
+    fields = {k: v for k, v in asdict(cfg).items() if k != "equal_batches"}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -61,7 +61,7 @@ def inverse_shuffle(shuffled_positions: np.ndarray, n: int, spec) -> np.ndarray:
     return out
 
 
-def consumed_plan_positions(batcher, lengths_plan: np.ndarray, spec, batches: int, shuffle_lengths) -> np.ndarray:
+def consumed_plan_positions(batcher, lengths_plan: np.ndarray, spec, batches: int) -> np.ndarray:
     """Plan positions of the items in a worker's first ``batches`` batches (sorted, unique)."""
     if batches <= 0 or len(lengths_plan) == 0:
         return np.zeros(0, np.int64)
@@ -147,33 +147,36 @@ class RemainderPlan:
             return None
         return cls(d["epoch"], d["world"], d["workers"], d["consumed"], cls.from_json(d.get("base")))
 
-    def sequence(self, catalog: Catalog, cfg, helpers) -> tuple[list[Slice], list[int]]:
+    def sequence(self, catalog: Catalog, cfg) -> tuple[list[Slice], list[int]]:
         """Every remaining item, in a fixed order: old ranks, then old workers, plan order."""
+        from .pipeline import make_batcher, slices_for, spec_for  # pipeline dispatches back to plans
+
         cache = getattr(self, "_sequence", None)
         if cache is not None:
             return cache
         slices_out: list[Slice] = []
         for r in range(self.world):
             for w in range(self.workers):
-                spec = helpers.spec_for(cfg, self.epoch, r, self.world, w, self.workers)
-                slices = helpers.slices_for(catalog, cfg, spec, self.base)
-                counts = helpers.item_counts(catalog, slices, spec)
-                lengths = helpers.item_lengths(catalog, slices, spec)
+                spec = spec_for(cfg, self.epoch, r, self.world, w, self.workers)
+                slices = slices_for(catalog, cfg, spec, self.base)
+                counts = slice_item_counts(catalog, slices, spec)
+                lengths = slice_item_lengths(catalog, slices, spec)
                 if counts is None or lengths is None:
                     raise StateError("resuming with another world size or worker count needs the dataset's index (lengths.npy)")
-                gone = consumed_plan_positions(helpers.make_batcher(cfg), lengths, spec, self.consumed[r][w], helpers.shuffle_lengths)
+                gone = consumed_plan_positions(make_batcher(cfg), lengths, spec, self.consumed[r][w])
                 slices_out.extend(remaining_slices(slices, counts, gone))
-        spec0 = helpers.spec_for(cfg, self.epoch, 0, 1, 0, 1)
-        counts_out = helpers.item_counts(catalog, slices_out, spec0)
+        counts_out = slice_item_counts(catalog, slices_out, spec_for(cfg, self.epoch, 0, 1, 0, 1))
         self._sequence = (slices_out, counts_out)
         return self._sequence
 
-    def slices_for(self, catalog: Catalog, cfg, helpers, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
-        slices, counts = self.sequence(catalog, cfg, helpers)
+    def slices_for(self, catalog: Catalog, cfg, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
+        from .pipeline import spec_for
+
+        slices, counts = self.sequence(catalog, cfg)
         total = int(sum(counts))
         ra, rb = planmod.split_range(total, world, rank)
         wa, wb = planmod.split_range(rb - ra, workers, worker)
-        spec0 = helpers.spec_for(cfg, self.epoch, 0, 1, 0, 1)
+        spec0 = spec_for(cfg, self.epoch, 0, 1, 0, 1)
         split = spec0.max_len is not None and spec0.max_len_mode == "split" and catalog.mode == "docs"
         return cut_sequence(slices, counts, ra + wa, ra + wb, split)
 

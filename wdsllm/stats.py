@@ -7,7 +7,7 @@ so the figures are what training would get, without reading a token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -44,7 +44,7 @@ def stream_lengths(catalog: Catalog, *, max_len: int | None, max_len_mode: str =
     cfg = Config(seed=seed, shuffle_buffer=shuffle_buffer, max_len=max_len, max_len_mode=max_len_mode)
     spec = spec_for(cfg, 0, 0, 1, 0, 1)
     slices = epoch_slices(catalog, spec)
-    raw = slice_item_lengths(catalog, slices, spec.__class__(**{**spec.__dict__, "max_len": None}))
+    raw = slice_item_lengths(catalog, slices, replace(spec, max_len=None))
     if raw is None:
         raise ValueError("this dataset has no lengths.npy; stats need the index")
     lengths = slice_item_lengths(catalog, slices, spec)

@@ -45,10 +45,6 @@ class StreamSpec:
     max_len_mode: str = "split"  # or "truncate"
     resample: bool = False
 
-    @property
-    def consumer(self) -> int:
-        return self.rank * self.workers + self.worker
-
 
 def epoch_slices(catalog: Catalog, spec: StreamSpec) -> list[Slice]:
     return planmod.plan_epoch(

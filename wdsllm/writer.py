@@ -316,11 +316,6 @@ class ShardSink:
         if self._tmp_path and os.path.exists(self._tmp_path):
             os.remove(self._tmp_path)
 
-    @property
-    def current_shard_bytes(self) -> int:
-        return self._cur.get("bytes", 0) if self._tar is not None else 0
-
-
 def read_journal(output) -> list[dict]:
     """Journal records of finished shards, in order, stopping at the first gap."""
     numbers = sorted(
