@@ -374,11 +374,9 @@ def _rows_block(block: Block, rows: list[np.ndarray]) -> Block:
     row_len = np.add.reduceat(seg_len, np.concatenate([[0], np.cumsum(counts)[:-1]])) if len(counts) else counts
     out = Block(tokens, np.concatenate([[0], np.cumsum(row_len)[:-1]]).astype(np.int64), row_len.astype(np.int64),
                 np.zeros(len(rows), np.int64))
-    out.seg_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    seg_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     cum = np.cumsum(seg_len) - seg_len
-    out.seg_starts = (cum - np.repeat(cum[out.seg_ptr[:-1]], counts)).astype(np.int64)
-    out.seg_ids = inner.ids.copy()
-    return out
+    return out.set_segments(seg_ptr, (cum - np.repeat(cum[seg_ptr[:-1]], counts)).astype(np.int64), inner.ids.copy())
 
 
 class PackBatcher:
@@ -588,9 +586,7 @@ def _cut_rows(block: Block, seq_len: int, n_rows: int) -> tuple[Block, Block | N
     n = len(counts)
     row_len = np.minimum(seq_len, limit - np.arange(n) * seq_len)
     rows = Block(tokens[:limit], np.arange(n, dtype=np.int64) * seq_len, row_len.astype(np.int64), np.zeros(n, np.int64))
-    rows.seg_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    rows.seg_starts = (cuts - row_of * seq_len).astype(np.int64)
-    rows.seg_ids = block.ids[item_of]
+    rows.set_segments(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), (cuts - row_of * seq_len).astype(np.int64), block.ids[item_of])
     rest = None
     if limit < int(ends[-1]):
         i = int(np.searchsorted(ends, limit, side="right"))

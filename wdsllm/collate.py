@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .items import Block
+from .items import Block, row_view
 
 IGNORE_INDEX = -100
 _NP_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
@@ -136,15 +136,20 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
     seq_len = opts.seq_len
     n = len(items)
     lengths = items.lengths
-    tokens = items.gather_tokens()
     full = bool(n and lengths.min() == seq_len)
-    flat = _tokens_tensor(tokens, opts.dtype)
     if full:
-        input_ids = flat.view(n, seq_len)
+        # whole rows: gathered from the buffer and widened to int64 in one pass into pooled memory
+        out_ids = _pool.take(n * seq_len, _NP_DTYPES[opts.dtype]).reshape(n, seq_len)
+        if n > 1:
+            np.copyto(out_ids, row_view(items.tokens, seq_len)[items.starts], casting="unsafe")
+        else:
+            np.copyto(out_ids[0], items.tokens[int(items.starts[0]) : int(items.starts[0]) + seq_len], casting="unsafe")
+        input_ids = torch.from_numpy(out_ids)
         # Nothing to mask: labels are the same values, so they share input_ids' storage (as the
         # x/y views of one buffer in nanoGPT-style loaders). Boundary masking below copies first.
         labels = input_ids
     else:
+        flat = _tokens_tensor(items.gather_tokens(), opts.dtype)
         where = _flat_positions(lengths.astype(np.int64), seq_len)
         input_ids = _filled(n * seq_len, opts.pad_id, opts.dtype).index_copy_(0, where, flat).view(n, seq_len)
         labels = _filled(n * seq_len, IGNORE_INDEX, opts.dtype).index_copy_(0, where, flat).view(n, seq_len)
@@ -154,19 +159,23 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
         "lengths": torch.from_numpy(lengths.astype(np.int64)),
         "rows": torch.from_numpy(items.ids.astype(np.int64)),
     }
-    seg_counts = np.diff(items.seg_ptr)
+    seg_counts = items.seg_hi - items.seg_lo
     most = int(seg_counts.max()) if n else 1
     max_seg = opts.max_segments or most
     if most > max_seg:
         raise ValueError(f"a row holds {most} documents, more than max_segments={max_seg}; raise max_segments")
-    row_of_seg = np.repeat(np.arange(n), seg_counts)
-    slot = np.arange(len(row_of_seg)) - np.repeat(items.seg_ptr[:-1], seg_counts)
-    docs = np.full((n, most), -1, np.int64)  # metadata, not a model input: as wide as this batch needs
-    docs[row_of_seg, slot] = items.seg_ids
+    # docs[i, j]: the j-th segment's document of row i, -1 past the row's last (metadata, not a
+    # model input: as wide as this batch needs)
+    slot = np.arange(most)
+    table = items.seg_lo[:, None] + slot
+    present = slot < seg_counts[:, None]
+    docs = np.where(present, items.seg_ids[np.minimum(table, len(items.seg_ids) - 1)], -1) if n else np.zeros((0, most), np.int64)
     out["docs"] = torch.from_numpy(docs)
     if opts.boundaries:
-        out.update(_boundaries(items, row_of_seg, n, seq_len, max_seg, lengths))
-        starts = items.seg_starts
+        src = table[present]  # the batch's segments in row order
+        row_of_seg = np.repeat(np.arange(n), seg_counts)
+        starts = items.seg_starts[src]
+        out.update(_boundaries(starts, row_of_seg, n, seq_len, max_seg, lengths))
         doc_first = starts > 0  # a segment at a row's start continues or starts unseen context; label 0 is never used
         if labels is input_ids:
             labels = labels.clone()
@@ -175,13 +184,13 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
     return out
 
 
-def _boundaries(items: Block, row_of_seg, n: int, seq_len: int, max_seg: int, lengths) -> dict:
+def _boundaries(seg_starts: np.ndarray, row_of_seg, n: int, seq_len: int, max_seg: int, lengths) -> dict:
     """position_ids restarting at every segment, and flat cu_seqlens padded to a fixed length.
 
     Segments are the documents of each row, and the padding of a short tail row as one more
     segment, so that cu_seqlens covers every token and position_ids agree with it everywhere.
     """
-    flat_starts = row_of_seg * seq_len + items.seg_starts.astype(np.int64)
+    flat_starts = row_of_seg * seq_len + seg_starts.astype(np.int64)
     tails = np.nonzero(lengths < seq_len)[0]
     bounds = np.concatenate([flat_starts, tails * seq_len + lengths[tails], [n * seq_len]]).astype(np.int64)
     bounds = np.unique(bounds)

@@ -179,8 +179,9 @@ def encode_group(key: str, tokens: np.ndarray, *, lengths=None, starts=None, met
     return sample
 
 
-def decode_group(sample: dict[str, Any], where: str = "") -> Group:
-    """Decode a raw webdataset sample (member suffix -> bytes) and check its internal counts."""
+def decode_group(sample: dict[str, Any], where: str = "", meta: dict | None = None) -> Group:
+    """Decode a raw webdataset sample (member suffix -> bytes) and check its internal counts.
+    ``meta``: the json member already parsed (the reader parses it first, to skip groups)."""
     key = sample.get("__key__", "?")
     where = f"{where} sample {key}"
     if TOKENS not in sample:
@@ -188,15 +189,16 @@ def decode_group(sample: dict[str, Any], where: str = "") -> Group:
     tokens = npy_array(sample[TOKENS], f"{where}.{TOKENS}")
     lengths = npy_array(sample[LENGTHS], f"{where}.{LENGTHS}") if LENGTHS in sample else None
     starts = npy_array(sample[STARTS], f"{where}.{STARTS}") if STARTS in sample else None
-    try:
-        meta = json.loads(sample[META]) if META in sample else {}
-    except ValueError as exc:
-        raise FormatError(f"{where}.{META}: {exc}") from exc
+    if meta is None:
+        try:
+            meta = json.loads(sample[META]) if META in sample else {}
+        except ValueError as exc:
+            raise FormatError(f"{where}.{META}: {exc}") from exc
     if lengths is None and starts is None:
         raise FormatError(f"{where}: neither {LENGTHS} nor {STARTS}")
     if lengths is not None and int(lengths.sum(dtype=np.int64)) != len(tokens):
         raise FormatError(f"{where}: lengths sum to {int(lengths.sum())}, tokens has {len(tokens)}")
-    if starts is not None and len(starts) and (int(starts[-1]) >= len(tokens) or np.any(np.diff(starts.astype(np.int64)) <= 0)):
+    if starts is not None and len(starts) and (int(starts[-1]) >= len(tokens) or (starts[1:] <= starts[:-1]).any()):
         raise FormatError(f"{where}: document starts are not increasing offsets inside the tokens")
     return Group(key=key, tokens=tokens, lengths=lengths, starts=starts, meta=meta)
 

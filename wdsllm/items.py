@@ -37,17 +37,23 @@ def split_id(item_id: int) -> tuple[int, int]:
 
 @dataclass
 class Block:
-    """Items over one token buffer. Packed rows also carry their document segments."""
+    """Items over one token buffer. Packed rows also carry their document segments.
+
+    Segments live in a table (``seg_starts``: offset within the row, ``seg_ids``: document id)
+    that selections share and never permute: row ``i``'s segments are table entries
+    ``seg_lo[i]:seg_hi[i]``. Shuffling and batching rows then index five per-row arrays, never
+    the ragged segment lists (see ``segments`` for them in row order).
+    """
 
     tokens: np.ndarray
     starts: np.ndarray  # int64 offset of each item in ``tokens``
     lengths: np.ndarray  # int64
     ids: np.ndarray  # int64 item identities
     pieces: np.ndarray | None = None  # docs mode: piece number after a load-time split
-    # packed rows: segment j of item i is seg_starts[seg_ptr[i] + j] (offset within the row)
-    seg_ptr: np.ndarray | None = None
-    seg_starts: np.ndarray | None = None
-    seg_ids: np.ndarray | None = None
+    seg_lo: np.ndarray | None = None  # packed rows: first table entry of each row
+    seg_hi: np.ndarray | None = None  # packed rows: one past its last
+    seg_starts: np.ndarray | None = None  # the segment table: offset of the segment in its row
+    seg_ids: np.ndarray | None = None  # the segment table: document id
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -56,44 +62,68 @@ class Block:
     def n_tokens(self) -> int:
         return int(self.lengths.sum())
 
+    def set_segments(self, seg_ptr: np.ndarray, seg_starts: np.ndarray, seg_ids: np.ndarray) -> "Block":
+        """Segments given in row order: row i's are ``seg_ptr[i]:seg_ptr[i+1]``."""
+        self.seg_lo, self.seg_hi = seg_ptr[:-1], seg_ptr[1:]
+        self.seg_starts, self.seg_ids = seg_starts, seg_ids
+        return self
+
+    def segments(self) -> tuple[np.ndarray, np.ndarray]:
+        """(segments per row, table index of every segment in row order)."""
+        counts = self.seg_hi - self.seg_lo
+        ends = np.cumsum(counts)
+        total = int(ends[-1]) if len(ends) else 0
+        return counts, np.repeat(self.seg_lo - (ends - counts), counts) + np.arange(total)
+
     def take(self, idx: np.ndarray) -> "Block":
-        """Items ``idx`` (a permutation or a selection), sharing the token buffer."""
-        out = Block(self.tokens, self.starts[idx], self.lengths[idx], self.ids[idx], None if self.pieces is None else self.pieces[idx])
-        if self.seg_ptr is not None:
-            counts = np.diff(self.seg_ptr)[idx]
-            src = np.repeat(self.seg_ptr[:-1][idx] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(int(counts.sum()))
-            out.seg_ptr = np.concatenate([[0], np.cumsum(counts)])
-            out.seg_starts = self.seg_starts[src]
-            out.seg_ids = self.seg_ids[src]
-        return out
+        """Items ``idx`` (a permutation or a selection), sharing the token buffer and the segment table."""
+        return Block(self.tokens, self.starts[idx], self.lengths[idx], self.ids[idx],
+                     None if self.pieces is None else self.pieces[idx],
+                     None if self.seg_lo is None else self.seg_lo[idx],
+                     None if self.seg_hi is None else self.seg_hi[idx],
+                     self.seg_starts, self.seg_ids)
 
     def slice(self, a: int, b: int) -> "Block":
-        return self.take(np.arange(a, min(b, len(self))))
+        """Items ``a:b`` as views."""
+        return Block(self.tokens, self.starts[a:b], self.lengths[a:b], self.ids[a:b],
+                     None if self.pieces is None else self.pieces[a:b],
+                     None if self.seg_lo is None else self.seg_lo[a:b],
+                     None if self.seg_hi is None else self.seg_hi[a:b],
+                     self.seg_starts, self.seg_ids)
 
     def gather_tokens(self) -> np.ndarray:
         """The items' tokens concatenated in item order (a copy unless already contiguous)."""
         n = len(self)
         if n == 0:
             return self.tokens[:0]
-        first, total = int(self.starts[0]), int(self.lengths.sum())
-        ends = self.starts + self.lengths
-        if n == 1 or (np.all(self.starts[1:] == ends[:-1])):
-            return self.tokens[first : first + total]
         width = int(self.lengths[0])
-        if width and np.all(self.lengths == width):
+        if n > 1 and width and self.lengths.min() == width == self.lengths.max():
             # equal lengths (packed rows): copy whole rows from a strided view, no per-token index
-            windows = np.lib.stride_tricks.sliding_window_view(self.tokens, width)
-            return windows[self.starts].reshape(-1)
+            return row_view(self.tokens, width)[self.starts].reshape(-1)
+        first, total = int(self.starts[0]), int(self.lengths.sum())
+        if n == 1 or np.array_equal(self.starts[1:], (self.starts + self.lengths)[:-1]):
+            return self.tokens[first : first + total]
         if n <= 512:
             return np.concatenate([self.tokens[a : a + m] for a, m in zip(self.starts.tolist(), self.lengths.tolist())])
         idx = np.repeat(self.starts - (np.cumsum(self.lengths) - self.lengths), self.lengths) + np.arange(total)
         return self.tokens[idx]
 
     def compact(self) -> "Block":
-        """The same items over a fresh contiguous buffer (frees the source buffers)."""
+        """The same items over a fresh contiguous buffer and a segment table of their own
+        (frees the source buffers; what a worker sends)."""
         tokens = np.array(self.gather_tokens(), copy=True)
         starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64) if len(self) else self.starts
-        return replace(self, tokens=tokens, starts=starts)
+        out = replace(self, tokens=tokens, starts=starts)
+        if self.seg_lo is not None:
+            counts, src = self.segments()
+            out.set_segments(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), self.seg_starts[src], self.seg_ids[src])
+        return out
+
+
+def row_view(tokens: np.ndarray, width: int) -> np.ndarray:
+    """[len - width + 1, width] view of ``tokens`` whose row i starts at token i (no copy)."""
+    step = tokens.strides[0]
+    return np.lib.stride_tricks.as_strided(tokens, (max(0, len(tokens) - width + 1), width), (step, step), writeable=False)
 
 
 def concat_blocks(blocks: list[Block]) -> Block:
@@ -114,12 +144,32 @@ def concat_blocks(blocks: list[Block]) -> Block:
     if any(b.pieces is not None for b in blocks):
         pieces = np.concatenate([b.pieces if b.pieces is not None else np.zeros(len(b), np.int64) for b in blocks])
     out = Block(tokens, starts, lengths, ids, pieces)
-    if blocks[0].seg_ptr is not None:
-        counts = np.concatenate([np.diff(b.seg_ptr) for b in blocks])
-        out.seg_ptr = np.concatenate([[0], np.cumsum(counts)])
-        out.seg_starts = np.concatenate([b.seg_starts for b in blocks])
-        out.seg_ids = np.concatenate([b.seg_ids for b in blocks])
+    if blocks[0].seg_lo is not None:
+        out.seg_starts, out.seg_ids = _joint_table(blocks)
+        shift = 0
+        lo, hi = [], []
+        seen = {}
+        for b in blocks:
+            key = id(b.seg_starts)
+            if key not in seen:
+                seen[key] = shift
+                shift += len(b.seg_starts)
+            lo.append(b.seg_lo + seen[key])
+            hi.append(b.seg_hi + seen[key])
+        out.seg_lo, out.seg_hi = np.concatenate(lo), np.concatenate(hi)
     return out
+
+
+def _joint_table(blocks: list[Block]) -> tuple[np.ndarray, np.ndarray]:
+    """The segment tables of ``blocks``, each once, concatenated in first-seen order."""
+    tables, seen = [], set()
+    for b in blocks:
+        if id(b.seg_starts) not in seen:
+            seen.add(id(b.seg_starts))
+            tables.append(b)
+    if len(tables) == 1:
+        return tables[0].seg_starts, tables[0].seg_ids
+    return np.concatenate([b.seg_starts for b in tables]), np.concatenate([b.seg_ids for b in tables])
 
 
 def windows(blocks, size: int):
@@ -144,7 +194,7 @@ def empty_block(dtype, packed: bool = False) -> Block:
     z = np.zeros(0, np.int64)
     b = Block(np.zeros(0, dtype), z, z, z)
     if packed:
-        b.seg_ptr, b.seg_starts, b.seg_ids = np.zeros(1, np.int64), z, z
+        b.set_segments(np.zeros(1, np.int64), z, z)
     return b
 
 
@@ -171,35 +221,37 @@ def _group_block(group, shard: int, first: int, mode: str, seq_len: int | None, 
             np.cumsum(lengths[:-1], out=starts[1:])
         ids = make_id(shard, np.arange(first, first + len(lengths), dtype=np.int64))
         return Block(tokens, starts, lengths, ids)
-    # packed rows
+    # packed rows: every row starts a segment, either a document starting there or the
+    # continuation of the document before it (from an earlier group, or the previous shard).
+    # Document starts and continuations are both sorted: merged by position, without a sort.
     n_tok = len(tokens)
     n_rows = (n_tok + seq_len - 1) // seq_len
-    starts = np.arange(n_rows, dtype=np.int64) * seq_len
+    starts = np.arange(0, n_rows * seq_len, seq_len, dtype=np.int64)
     lengths = np.minimum(seq_len, n_tok - starts)
     ids = make_id(shard, np.arange(first, first + n_rows, dtype=np.int64))
     doc_starts = group.starts.astype(np.int64)
-    row_of_start = doc_starts // seq_len
-    # Every row starts a segment: either a document starting there, or a continuation.
-    row_begins = starts
-    has_start_at_begin = np.zeros(n_rows, bool)
-    at_begin = doc_starts[doc_starts % seq_len == 0] // seq_len
-    has_start_at_begin[at_begin] = True
-    cont_rows = np.nonzero(~has_start_at_begin)[0]
-    # document ordinal (within shard) of each start, and of each continuation (the last start before it)
-    start_ord = doc_base + np.arange(len(doc_starts), dtype=np.int64)
-    cont_ord = doc_base + np.searchsorted(doc_starts, row_begins[cont_rows], side="right") - 1
-    cont_ids = np.where(cont_ord >= 0, make_id(shard, np.maximum(cont_ord, 0)), prev_shard_doc)
-    seg_pos = np.concatenate([doc_starts, row_begins[cont_rows]])
-    seg_row = np.concatenate([row_of_start, cont_rows])
-    seg_id = np.concatenate([make_id(shard, start_ord), cont_ids]).astype(np.int64)
-    order = np.lexsort((seg_pos, seg_row))
-    seg_pos, seg_row, seg_id = seg_pos[order], seg_row[order], seg_id[order]
-    counts = np.bincount(seg_row, minlength=n_rows)
-    block = Block(tokens, starts, lengths, ids)
-    block.seg_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    block.seg_starts = seg_pos - seg_row * seq_len
-    block.seg_ids = seg_id
-    return block
+    n_docs = len(doc_starts)
+    before = np.searchsorted(doc_starts, starts)  # documents starting before each row
+    at_begin = np.zeros(n_rows, bool)
+    inside = before < n_docs
+    at_begin[inside] = doc_starts[before[inside]] == starts[inside]
+    continues = ~at_begin
+    cont_rows = np.flatnonzero(continues)
+    cont_at = before[cont_rows] + np.arange(len(cont_rows))  # places of the continuations among all segments
+    n_seg = n_docs + len(cont_rows)
+    is_doc = np.ones(n_seg, bool)
+    is_doc[cont_at] = False
+    seg_pos = np.empty(n_seg, np.int64)
+    seg_pos[is_doc] = doc_starts
+    seg_pos[cont_at] = starts[cont_rows]
+    ordinal = np.empty(n_seg, np.int64)  # document ordinal in the shard of each segment
+    ordinal[is_doc] = np.arange(doc_base, doc_base + n_docs)
+    ordinal[cont_at] = before[cont_rows] + (doc_base - 1)
+    seg_ids = np.where(ordinal >= 0, make_id(shard, ordinal), prev_shard_doc)
+    seg_ptr = np.empty(n_rows + 1, np.int64)
+    seg_ptr[:-1] = before + np.cumsum(continues) - continues
+    seg_ptr[-1] = n_seg
+    return Block(tokens, starts, lengths, ids).set_segments(seg_ptr, seg_pos - np.repeat(starts, np.diff(seg_ptr)), seg_ids)
 
 
 def open_kwargs(catalog: Catalog, shard: int, options: ReadOptions) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import numpy as np
@@ -155,7 +155,7 @@ def _apply_max_len(block: Block, spec: StreamSpec) -> tuple[Block, int]:
         return block, 0
     if spec.max_len_mode == "truncate":
         cut = int(np.maximum(block.lengths - m, 0).sum())
-        out = Block(block.tokens, block.starts, np.minimum(block.lengths, m), block.ids, block.pieces, block.seg_ptr, block.seg_starts, block.seg_ids)
+        out = replace(block, lengths=np.minimum(block.lengths, m))
         return out, cut
     counts = (block.lengths + m - 1) // m
     item = np.repeat(np.arange(len(block)), counts)
