@@ -117,7 +117,27 @@ def write_dataset(
             packed={"max_row_segments": seq_len, "short_rows": 1} if mode == "packed" else None,
         )
         (out / fmt.INDEX_NAME).write_text(index.to_json())
-    return {"expect": expect, "entries": entries}
+    info = {"expect": expect, "entries": entries}
+    if mode == "packed":
+        info["row_docs"] = _row_docs(docs_per_shard, seq_len, doc_starts, all_lengths)
+    return info
+
+
+def _row_docs(rows_per_shard: list[int], seq_len: int, doc_starts: np.ndarray, lengths: list[int]) -> dict[int, list[int]]:
+    """Ground truth of a packed dataset: row id -> ids of the documents its tokens belong to."""
+    shard_offsets = np.concatenate([[0], np.cumsum(rows_per_shard)]) * seq_len
+    doc_shard = np.searchsorted(shard_offsets, doc_starts, side="right") - 1
+    doc_ids = [(int(s) << 32) | int(np.sum(doc_shard[:i] == s)) for i, s in enumerate(doc_shard)]
+    doc_ends = doc_starts + np.asarray(lengths, np.int64)
+    out = {}
+    for s, n in enumerate(rows_per_shard):
+        for r in range(n):
+            a = int(shard_offsets[s]) + r * seq_len
+            b = min(a + seq_len, int(doc_ends[-1]))
+            if a >= b:
+                continue
+            out[(s << 32) | r] = [doc_ids[i] for i in np.flatnonzero((doc_starts < b) & (doc_ends > a))]
+    return out
 
 
 def all_ids(info: dict) -> set[int]:

@@ -635,6 +635,8 @@ def main(argv=None) -> list[Result]:
             ("loader docs, 2 workers", "docs", paths.docs, 2, docs_opts, ""),
             ("loader packed, 0 workers", "packed", paths.packed, 0, packed_opts, ""),
             ("loader packed, 2 workers", "packed", paths.packed, 2, packed_opts, ""),
+            ("loader packed, 0 workers, docs=False", "packed", paths.packed, 0, {**packed_opts, "docs": False}, "no per-row document lists"),
+            ("loader packed, 2 workers, docs=False", "packed", paths.packed, 2, {**packed_opts, "docs": False}, "no per-row document lists"),
             ("loader packed, 0 workers, buffer 1000", "packed", paths.packed, 0, {**packed_opts, "shuffle_buffer": 1000}, "RSS follows the buffer"),
         ):
             results.append(loader_result(name, mode, data, workers, opts, args, note))

@@ -34,7 +34,7 @@ from . import plan as planmod
 from .items import Block, concat_blocks, empty_block, windows
 
 
-@dataclass
+@dataclass(slots=True)
 class Batch:
     """A batch in compact form: the items with their tokens gathered contiguously.
 

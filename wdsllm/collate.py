@@ -27,8 +27,9 @@ class CollateOptions:
     pad_to_multiple_of: int | None = None
     boundaries: bool = False  # packed rows: position_ids, cu_seqlens, labels masked at doc starts
     seq_len: int | None = None  # packed rows: the fixed row length
-    max_segments: int | None = None  # packed rows: segments per row that cu_seqlens/docs are padded to
+    max_segments: int | None = None  # packed rows: segments per row that cu_seqlens is padded to
     dtype: torch.dtype = torch.long
+    docs: bool = True  # a `docs` tensor: the identity of every document (docs) or of a row's documents (rows)
 
 
 class BufferPool:
@@ -116,14 +117,16 @@ def collate_docs(items: Block, opts: CollateOptions) -> dict:
     input_ids = _filled(n * width, opts.pad_id, opts.dtype).index_copy_(0, where, flat)
     labels = _filled(n * width, IGNORE_INDEX, opts.dtype).index_copy_(0, where, flat)
     attention_mask = _filled(n * width, 0, opts.dtype).index_fill_(0, where, 1)
-    pieces = items.pieces if items.pieces is not None else np.zeros(n, np.int64)
-    return {
+    out = {
         "input_ids": input_ids.view(n, width),
         "attention_mask": attention_mask.view(n, width),
         "labels": labels.view(n, width),
         "lengths": torch.from_numpy(lengths.copy()),
-        "docs": torch.from_numpy(np.stack([items.ids, pieces], axis=1).astype(np.int64)),
     }
+    if opts.docs:
+        pieces = items.pieces if items.pieces is not None else np.zeros(n, np.int64)
+        out["docs"] = torch.from_numpy(np.stack([items.ids, pieces], axis=1).astype(np.int64))
+    return out
 
 
 def collate_rows(items: Block, opts: CollateOptions) -> dict:
@@ -159,20 +162,14 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
         "lengths": torch.from_numpy(lengths.astype(np.int64)),
         "rows": torch.from_numpy(items.ids.astype(np.int64)),
     }
-    seg_counts = items.seg_hi - items.seg_lo
-    most = int(seg_counts.max()) if n else 1
-    max_seg = opts.max_segments or most
-    if most > max_seg:
-        raise ValueError(f"a row holds {most} documents, more than max_segments={max_seg}; raise max_segments")
-    # docs[i, j]: the j-th segment's document of row i, -1 past the row's last (metadata, not a
-    # model input: as wide as this batch needs)
-    slot = np.arange(most)
-    table = items.seg_lo[:, None] + slot
-    present = slot < seg_counts[:, None]
-    docs = np.where(present, items.seg_ids[np.minimum(table, len(items.seg_ids) - 1)], -1) if n else np.zeros((0, most), np.int64)
-    out["docs"] = torch.from_numpy(docs)
+    if opts.docs:
+        out["docs"] = torch.from_numpy(row_docs(items))
     if opts.boundaries:
-        src = table[present]  # the batch's segments in row order
+        seg_counts, src = items.segments()  # the batch's segments in row order
+        most = int(seg_counts.max()) if n else 1
+        max_seg = opts.max_segments or most
+        if most > max_seg:
+            raise ValueError(f"a row holds {most} documents, more than max_segments={max_seg}; raise max_segments")
         row_of_seg = np.repeat(np.arange(n), seg_counts)
         starts = items.seg_starts[src]
         out.update(_boundaries(starts, row_of_seg, n, seq_len, max_seg, lengths))
@@ -182,6 +179,26 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
             out["labels"] = labels
         labels[row_of_seg[doc_first], torch.from_numpy(starts[doc_first].astype(np.int64))] = IGNORE_INDEX
     return out
+
+
+def row_docs(items: Block) -> np.ndarray:
+    """docs[i, j]: the j-th document of row i, -1 past the row's last (metadata, not a model
+    input: as wide as this batch needs)."""
+    n = len(items)
+    if items.doc_first is not None:
+        # rows of a packed dataset: the first document, then the ones after it in shard order
+        counts = items.doc_count
+        slot = np.arange(int(counts.max()) if n else 1)
+        docs = np.where(slot < counts[:, None], items.doc_next[:, None] + (slot - 1), -1)
+        docs[:, 0] = items.doc_first
+        return docs
+    counts = items.seg_hi - items.seg_lo
+    slot = np.arange(int(counts.max()) if n else 1)
+    table = items.seg_lo[:, None] + slot
+    np.minimum(table, len(items.seg_ids) - 1, out=table)
+    docs = items.seg_ids.take(table)
+    docs[slot >= counts[:, None]] = -1
+    return docs
 
 
 def _boundaries(seg_starts: np.ndarray, row_of_seg, n: int, seq_len: int, max_seg: int, lengths) -> dict:

@@ -37,12 +37,18 @@ def split_id(item_id: int) -> tuple[int, int]:
 
 @dataclass
 class Block:
-    """Items over one token buffer. Packed rows also carry their document segments.
+    """Items over one token buffer, with per-item arrays that selections index together.
 
-    Segments live in a table (``seg_starts``: offset within the row, ``seg_ids``: document id)
-    that selections share and never permute: row ``i``'s segments are table entries
-    ``seg_lo[i]:seg_hi[i]``. Shuffling and batching rows then index five per-row arrays, never
-    the ragged segment lists (see ``segments`` for them in row order).
+    Packed rows carry the documents they hold in one or both of two forms:
+
+    - ``doc_first``/``doc_count`` (rows of a packed dataset): the document holding the row's
+      first token and how many documents the row holds. Packing at pack time is sequential, so
+      they are that document and the ones after it in shard order (``doc_next`` is the second:
+      the shard's first document when the row continues one of the previous shard).
+    - a segment table (``seg_starts``: offset within the row, ``seg_ids``: document id), shared
+      by selections and never permuted: row ``i``'s segments are entries ``seg_lo[i]:seg_hi[i]``
+      (see ``segments`` for them in row order). Batchers that pack documents into rows make it,
+      and reading makes it where segment offsets are needed (``boundaries``).
     """
 
     tokens: np.ndarray
@@ -54,6 +60,12 @@ class Block:
     seg_hi: np.ndarray | None = None  # packed rows: one past its last
     seg_starts: np.ndarray | None = None  # the segment table: offset of the segment in its row
     seg_ids: np.ndarray | None = None  # the segment table: document id
+    doc_first: np.ndarray | None = None  # packed dataset rows: id of the document holding the first token
+    doc_next: np.ndarray | None = None  # packed dataset rows: id of the document after that one
+    doc_count: np.ndarray | None = None  # packed dataset rows: documents in the row
+
+    #: optional arrays with one entry per item (selected along with starts, lengths and ids)
+    PER_ITEM = ("pieces", "seg_lo", "seg_hi", "doc_first", "doc_next", "doc_count")
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -75,21 +87,21 @@ class Block:
         total = int(ends[-1]) if len(ends) else 0
         return counts, np.repeat(self.seg_lo - (ends - counts), counts) + np.arange(total)
 
+    def _select(self, sel) -> "Block":
+        out = Block(self.tokens, self.starts[sel], self.lengths[sel], self.ids[sel], seg_starts=self.seg_starts, seg_ids=self.seg_ids)
+        for name in self.PER_ITEM:
+            values = getattr(self, name)
+            if values is not None:
+                setattr(out, name, values[sel])
+        return out
+
     def take(self, idx: np.ndarray) -> "Block":
         """Items ``idx`` (a permutation or a selection), sharing the token buffer and the segment table."""
-        return Block(self.tokens, self.starts[idx], self.lengths[idx], self.ids[idx],
-                     None if self.pieces is None else self.pieces[idx],
-                     None if self.seg_lo is None else self.seg_lo[idx],
-                     None if self.seg_hi is None else self.seg_hi[idx],
-                     self.seg_starts, self.seg_ids)
+        return self._select(idx)
 
     def slice(self, a: int, b: int) -> "Block":
         """Items ``a:b`` as views."""
-        return Block(self.tokens, self.starts[a:b], self.lengths[a:b], self.ids[a:b],
-                     None if self.pieces is None else self.pieces[a:b],
-                     None if self.seg_lo is None else self.seg_lo[a:b],
-                     None if self.seg_hi is None else self.seg_hi[a:b],
-                     self.seg_starts, self.seg_ids)
+        return self._select(slice(a, b))
 
     def gather_tokens(self) -> np.ndarray:
         """The items' tokens concatenated in item order (a copy unless already contiguous)."""
@@ -121,9 +133,13 @@ class Block:
 
 
 def row_view(tokens: np.ndarray, width: int) -> np.ndarray:
-    """[len - width + 1, width] view of ``tokens`` whose row i starts at token i (no copy)."""
-    step = tokens.strides[0]
-    return np.lib.stride_tricks.as_strided(tokens, (max(0, len(tokens) - width + 1), width), (step, step), writeable=False)
+    """[len - width + 1, width] view of ``tokens`` whose row i starts at token i (no copy).
+
+    Built with the ndarray constructor: ``as_strided`` costs several microseconds a call, which
+    is a tenth of what gathering a batch of rows costs."""
+    base = tokens if tokens.flags.c_contiguous else np.ascontiguousarray(tokens)
+    step = base.itemsize
+    return np.ndarray((max(0, len(base) - width + 1), width), base.dtype, buffer=base, strides=(step, step))
 
 
 def concat_blocks(blocks: list[Block]) -> Block:
@@ -144,7 +160,11 @@ def concat_blocks(blocks: list[Block]) -> Block:
     if any(b.pieces is not None for b in blocks):
         pieces = np.concatenate([b.pieces if b.pieces is not None else np.zeros(len(b), np.int64) for b in blocks])
     out = Block(tokens, starts, lengths, ids, pieces)
-    if blocks[0].seg_lo is not None:
+    if all(b.doc_first is not None for b in blocks):
+        out.doc_first = np.concatenate([b.doc_first for b in blocks])
+        out.doc_next = np.concatenate([b.doc_next for b in blocks])
+        out.doc_count = np.concatenate([b.doc_count for b in blocks])
+    if all(b.seg_lo is not None for b in blocks):
         out.seg_starts, out.seg_ids = _joint_table(blocks)
         shift = 0
         lo, hi = [], []
@@ -208,9 +228,12 @@ class ReadOptions:
     cache: storage.ShardCache | None = None
     on_error: str = "raise"  # or "skip": a shard that cannot be read is logged, counted, skipped
     prefetch: bool = True
+    row_docs: bool = True  # packed rows: each row's first document and document count (docs)
+    segments: bool = True  # packed rows: the segment table with offsets within rows (boundaries)
 
 
-def _group_block(group, shard: int, first: int, mode: str, seq_len: int | None, doc_base: int, prev_shard_doc: int) -> Block:
+def _group_block(group, shard: int, first: int, mode: str, seq_len: int | None, doc_base: int, prev_shard_doc: int,
+                 row_docs: bool = True, segments: bool = True) -> Block:
     """Items of one decoded group. ``doc_base``: ordinal in the shard of the group's first
     document start; ``prev_shard_doc``: id of the previous shard's last document (or -1)."""
     tokens = group.tokens
@@ -221,21 +244,33 @@ def _group_block(group, shard: int, first: int, mode: str, seq_len: int | None, 
             np.cumsum(lengths[:-1], out=starts[1:])
         ids = make_id(shard, np.arange(first, first + len(lengths), dtype=np.int64))
         return Block(tokens, starts, lengths, ids)
-    # packed rows: every row starts a segment, either a document starting there or the
-    # continuation of the document before it (from an earlier group, or the previous shard).
-    # Document starts and continuations are both sorted: merged by position, without a sort.
+    # packed rows: every row starts with a document starting there or with the continuation of
+    # the one before it (from an earlier group, or from the previous shard)
     n_tok = len(tokens)
     n_rows = (n_tok + seq_len - 1) // seq_len
     starts = np.arange(0, n_rows * seq_len, seq_len, dtype=np.int64)
     lengths = np.minimum(seq_len, n_tok - starts)
-    ids = make_id(shard, np.arange(first, first + n_rows, dtype=np.int64))
+    block = Block(tokens, starts, lengths, make_id(shard, np.arange(first, first + n_rows, dtype=np.int64)))
+    if not (row_docs or segments):
+        return block
     doc_starts = group.starts.astype(np.int64)
-    n_docs = len(doc_starts)
     before = np.searchsorted(doc_starts, starts)  # documents starting before each row
-    at_begin = np.zeros(n_rows, bool)
-    inside = before < n_docs
-    at_begin[inside] = doc_starts[before[inside]] == starts[inside]
-    continues = ~at_begin
+    through = np.searchsorted(doc_starts, starts, side="right")  # ... or at its first token
+    if row_docs:
+        first_ord = doc_base - 1 + through  # ordinal in the shard of the document holding the first token
+        block.doc_first = np.where(first_ord >= 0, make_id(shard, first_ord), prev_shard_doc)
+        block.doc_next = make_id(shard, first_ord + 1)
+        block.doc_count = np.searchsorted(doc_starts, starts + lengths) - through + 1
+    if segments:
+        _set_group_segments(block, doc_starts, before, through == before, shard, doc_base, prev_shard_doc)
+    return block
+
+
+def _set_group_segments(block: Block, doc_starts, before, continues, shard: int, doc_base: int, prev_shard_doc: int) -> None:
+    """The segment table of a group's rows: document starts and row continuations, both sorted,
+    merged by position without a sort."""
+    starts = block.starts
+    n_docs = len(doc_starts)
     cont_rows = np.flatnonzero(continues)
     cont_at = before[cont_rows] + np.arange(len(cont_rows))  # places of the continuations among all segments
     n_seg = n_docs + len(cont_rows)
@@ -248,10 +283,10 @@ def _group_block(group, shard: int, first: int, mode: str, seq_len: int | None, 
     ordinal[is_doc] = np.arange(doc_base, doc_base + n_docs)
     ordinal[cont_at] = before[cont_rows] + (doc_base - 1)
     seg_ids = np.where(ordinal >= 0, make_id(shard, ordinal), prev_shard_doc)
-    seg_ptr = np.empty(n_rows + 1, np.int64)
+    seg_ptr = np.empty(len(starts) + 1, np.int64)
     seg_ptr[:-1] = before + np.cumsum(continues) - continues
     seg_ptr[-1] = n_seg
-    return Block(tokens, starts, lengths, ids).set_segments(seg_ptr, seg_pos - np.repeat(starts, np.diff(seg_ptr)), seg_ids)
+    block.set_segments(seg_ptr, seg_pos - np.repeat(starts, np.diff(seg_ptr)), seg_ids)
 
 
 def open_kwargs(catalog: Catalog, shard: int, options: ReadOptions) -> dict:
@@ -327,7 +362,7 @@ def read_slice(
             group = tario.decode_sample(raw, url)
             n = tario.group_items(raw.meta)
             g0 = state["ordinal"] - n
-            block = _group_block(group, sl.shard, g0, mode, seq_len, state["doc"], prev_shard_doc)
+            block = _group_block(group, sl.shard, g0, mode, seq_len, state["doc"], prev_shard_doc, options.row_docs, options.segments)
             if shard_tokens is not None:
                 block = _on_shard_buffer(block, shard_tokens)
             state["doc"] += state["pending_docs"]

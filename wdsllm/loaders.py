@@ -233,7 +233,8 @@ class Loader:
     def _hand_out(self, batch: Batch) -> dict:
         out = self._collate(batch.items, self.collate_options)
         out["epoch"] = batch.epoch
-        self._note_stats(batch.stats)
+        if batch.stats:
+            self._note_stats(batch.stats)
         self._positions[batch.worker] = (batch.epoch, batch.index + 1, batch.state.get("hint"))
         self._yielded += 1
         if self.pin_memory and torch.cuda.is_available():

@@ -65,6 +65,7 @@ class Config:
     pad_to_multiple_of: int | None = None
     boundaries: bool = False
     max_segments: int | None = None
+    docs: bool = True  # batches carry `docs` (packed rows: every row's documents); output only
 
     @property
     def unbatched(self) -> bool:
@@ -167,6 +168,7 @@ def collate_options(cfg: Config, catalog: Catalog) -> CollateOptions:
         boundaries=cfg.boundaries or cfg.batching == "pack",
         seq_len=seq_len,
         max_segments=max_seg,
+        docs=cfg.docs,
     )
 
 
@@ -375,10 +377,11 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
             epoch=spec.epoch,
             worker=spec.worker,
             state={"epoch": spec.epoch, "batches": index + 1, "hint": hint},
-            stats={"truncated_tokens": stats.truncated_tokens, "skipped_shards": stats.skipped_shards, "refilled": int(refill)},
         )
-        stats.truncated_tokens = 0
-        stats.skipped_shards = []
+        if stats.truncated_tokens or stats.skipped_shards or refill:  # most batches have nothing to report
+            batch.stats = {"truncated_tokens": stats.truncated_tokens, "skipped_shards": stats.skipped_shards, "refilled": int(refill)}
+            stats.truncated_tokens = 0
+            stats.skipped_shards = []
         return batch
 
     for task in tasks:
@@ -547,6 +550,8 @@ def build_pipeline(
     catalog: Catalog, cfg: Config, rank: int, world: int, read: ReadOptions, *, collate: bool, end_marker: bool, bundle: int = 0
 ) -> WdsPipeline:
     cfg.check(catalog)
+    # Packed shards: what each row holds is worked out only as far as the batches show it.
+    read = replace(read, row_docs=cfg.docs, segments=cfg.boundaries)
     source = EpochSource(catalog, cfg, rank, world)
     stages = [source, wds.filters.pipelinefilter(_epoch_batches)(catalog, cfg, read, end_marker)]
     if bundle:
@@ -584,6 +589,7 @@ def dataset(
     pad_to_multiple_of: int | None = None,
     boundaries: bool = False,
     max_segments: int | None = None,
+    docs: bool = True,
     rank: int | None = None,
     world_size: int | None = None,
     retry=None,
@@ -618,6 +624,7 @@ def dataset(
         pad_to_multiple_of=pad_to_multiple_of,
         boundaries=boundaries,
         max_segments=max_segments,
+        docs=docs,
     )
     cfg = resolve_config(cfg, catalog)
     read = read_options(retry, cache_dir, cache_size, on_error)

@@ -36,8 +36,9 @@ class StateError(ValueError):
 
 
 def settings_fingerprint(cfg) -> str:
-    # equal_batches only caps how many batches come out, not which: a resume may change it
-    fields = {k: v for k, v in asdict(cfg).items() if k != "equal_batches"}
+    # equal_batches only caps how many batches come out, not which, and docs only what a batch
+    # carries: a resume may change either
+    fields = {k: v for k, v in asdict(cfg).items() if k not in ("equal_batches", "docs")}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

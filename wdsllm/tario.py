@@ -126,7 +126,8 @@ class MapCache:
     A fresh mapping starts with no page-table entries, and every page of the shard is faulted in
     again on its first touch: re-reading a page-cached shard each epoch costs a fifth of what
     building packed batches from it costs. A mapping is reused only for the same file (device,
-    inode, size, mtime); a file replaced or rewritten gets a new one. At most ``shards`` mappings
+    inode, size, mtime): a replaced file gets a new one, and a file rewritten in place is seen
+    as it is now (a shared mapping shows the page cache, not a snapshot). At most ``shards`` mappings
     of at most ``max_bytes`` in all are kept, the least recently used dropped first. They are
     read-only views of the page cache, which the kernel can reclaim under memory pressure.
     """
