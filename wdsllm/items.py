@@ -120,10 +120,14 @@ class Block:
         idx = np.repeat(self.starts - (np.cumsum(self.lengths) - self.lengths), self.lengths) + np.arange(total)
         return self.tokens[idx]
 
-    def compact(self) -> "Block":
-        """The same items over a fresh contiguous buffer and a segment table of their own
-        (frees the source buffers; what a worker sends)."""
-        tokens = np.array(self.gather_tokens(), copy=True)
+    def compact(self, into: np.ndarray | None = None) -> "Block":
+        """The same items over a fresh contiguous buffer (``into``, ``n_tokens`` long, when given)
+        and a segment table of their own: frees the source buffers; what a worker sends."""
+        if into is None:
+            tokens = np.array(self.gather_tokens(), copy=True)
+        else:
+            tokens = into
+            np.copyto(tokens, self.gather_tokens())
         starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64) if len(self) else self.starts
         out = replace(self, tokens=tokens, starts=starts)
         if self.seg_lo is not None:

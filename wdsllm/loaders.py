@@ -39,6 +39,7 @@ from .pipeline import (
     round_robin_share,
     rows_out,
 )
+from .transport import RingHolder, TokenRing, received
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +119,12 @@ class Loader:
         #: run the workers' streams in this process, one after another (debugging and tests)
         self.workers_in_process = workers_in_process
         self.read_options = read_options(retry, cache_dir, cache_size, on_error)
+        self._ring = RingHolder()  # shared memory the workers send tokens through (transport.py)
         self.pipeline = build_pipeline(
             self.catalog, self.cfg, self.rank, self.world_size, self.read_options,
             collate=False, end_marker=True,
             bundle=BUNDLE_BATCHES if self.num_workers > 0 and not workers_in_process else 0,
+            ring=self._ring,
         )
         self.source = self.pipeline.source
         self.collate_options = collate_options(self.cfg, self.catalog)
@@ -201,6 +204,11 @@ class Loader:
             return iter(self.pipeline)
         if self.workers_in_process:
             return self._interleave([self.pipeline.worker_iter(w, self.num_workers) for w in range(self.num_workers)])
+        fresh_workers = self._dataloader is None or not self.persistent_workers
+        if fresh_workers:
+            # workers about to be forked get a ring of their own (an abandoned iterator's workers
+            # may still be writing into the old one)
+            self._ring.ring = TokenRing(self.num_workers, slots=(self.prefetch_factor or 2) + 2)
         if self._dataloader is None:
             self._dataloader = DataLoader(
                 self.pipeline,
@@ -211,7 +219,7 @@ class Loader:
                 persistent_workers=self.persistent_workers,
                 multiprocessing_context=self.multiprocessing_context,
             )
-        return (item for bundle in iter(self._dataloader) for item in bundle)
+        return (item for bundle in iter(self._dataloader) for item in received(bundle))
 
     @staticmethod
     def _interleave(streams: list) -> Iterator:

@@ -26,6 +26,7 @@ from .batching import Batch, BucketBatcher, ConcatBatcher, FixedBatcher, ItemChu
 from .catalog import Catalog, open_catalog
 from .collate import CollateOptions, collate_docs, collate_rows
 from .items import ReadOptions
+from .transport import RingHolder, send_bundles
 from .stream import (
     StreamSpec,
     StreamStats,
@@ -362,13 +363,17 @@ class EpochSource(IterableDataset):
             first_batch, hint = 0, None
 
 
-def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, read: ReadOptions, end_marker: bool) -> Iterator:
-    """Second stage: read, shuffle and batch each task's stream (runs inside a worker)."""
+def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, read: ReadOptions, end_marker: bool,
+                   shared: bool = False) -> Iterator:
+    """Second stage: read, shuffle and batch each task's stream (runs inside a worker).
+
+    A batch made in a DataLoader worker is sent to the main process, so it gets its own compact
+    token buffer: here, or with ``shared`` in ``transport.send_bundles``, which compacts into
+    shared memory."""
     batcher = make_batcher(cfg)
     last = None
     stats = StreamStats()
-    # In a DataLoader worker a batch is pickled: give it its own small token buffer first.
-    compact = get_worker_info() is not None
+    compact = get_worker_info() is not None and not shared
 
     def emit(spec: StreamSpec, index: int, items, hint, refill: bool = False) -> Batch:
         batch = Batch(
@@ -547,15 +552,17 @@ class WdsPipeline(wds.DataPipeline):
 
 
 def build_pipeline(
-    catalog: Catalog, cfg: Config, rank: int, world: int, read: ReadOptions, *, collate: bool, end_marker: bool, bundle: int = 0
+    catalog: Catalog, cfg: Config, rank: int, world: int, read: ReadOptions, *, collate: bool, end_marker: bool, bundle: int = 0,
+    ring: RingHolder | None = None,
 ) -> WdsPipeline:
     cfg.check(catalog)
     # Packed shards: what each row holds is worked out only as far as the batches show it.
     read = replace(read, row_docs=cfg.docs, segments=cfg.boundaries)
     source = EpochSource(catalog, cfg, rank, world)
-    stages = [source, wds.filters.pipelinefilter(_epoch_batches)(catalog, cfg, read, end_marker)]
+    stages = [source, wds.filters.pipelinefilter(_epoch_batches)(catalog, cfg, read, end_marker, shared=bool(bundle))]
     if bundle:
         stages.append(wds.filters.pipelinefilter(_bundle)(bundle, 1 << 20))
+        stages.append(wds.filters.pipelinefilter(send_bundles)(ring or RingHolder()))
     if collate and cfg.unbatched:
         stages.append(wds.filters.pipelinefilter(_items_one_by_one)(rows_out(cfg, catalog)))
     elif collate:
