@@ -247,13 +247,6 @@ class MemorySampler:
 # (a) our loader, one configuration per process
 
 
-def _batch_tokens_items(batch: dict, mode: str) -> tuple[int, int]:
-    if mode == "docs":
-        lengths = batch["lengths"]
-        return int(lengths.sum()), len(lengths)
-    return int(batch["lengths"].sum()), len(batch["lengths"])
-
-
 def run_loader(spec: dict) -> dict:
     """Runs in a child process: a warm-up pass, then ``repeat`` measured passes (best reported)."""
     import torch
@@ -277,6 +270,7 @@ def run_loader(spec: dict) -> dict:
             start = t0 if epoch == 0 else time.perf_counter()
             first = None
             tokens = items = batches = 0
+            kept_lengths = []  # summed after the pass: a torch op per batch would be timed as ours
             for batch in loader:
                 if first is None:
                     first = time.perf_counter() - start
@@ -284,11 +278,13 @@ def run_loader(spec: dict) -> dict:
                     tokens += len(batch["input_ids"])
                     items += 1
                 else:
-                    t, i = _batch_tokens_items(batch, spec["mode"])
-                    tokens += t
-                    items += i
+                    kept_lengths.append(batch["lengths"])
                 batches += 1
-            passes.append({"seconds": time.perf_counter() - start, "first": first, "tokens": tokens, "items": items, "batches": batches,
+            seconds = time.perf_counter() - start
+            if kept_lengths:
+                all_lengths = torch.cat(kept_lengths)
+                tokens, items = int(all_lengths.sum()), len(all_lengths)
+            passes.append({"seconds": seconds, "first": first, "tokens": tokens, "items": items, "batches": batches,
                            "rss_mib": _status_kib("self", "VmRSS") / 1024})
         del loader
     best = min(passes[1:], key=lambda p: p["seconds"])
@@ -401,39 +397,35 @@ def wds_pipeline(urls: list[str], split, collate, pad_id: int):
     )
 
 
-def time_batches(make_iter, count, repeat: int) -> tuple[float, float, int, int]:
-    """Best of ``repeat`` passes: (seconds, first-batch seconds, tokens, items)."""
+def time_batches(make_iter, repeat: int) -> tuple[float, float, int, int]:
+    """Best of ``repeat`` passes: (seconds, first-batch seconds, tokens, items). Tokens and items
+    are counted from the batches' ``lengths`` after each pass, as for the loader."""
     best = None
+    import torch
+
     for _ in range(repeat):
         t0 = time.perf_counter()
         first = None
-        tokens = items = 0
+        kept_lengths = []
         for batch in make_iter():
             if first is None:
                 first = time.perf_counter() - t0
-            t, i = count(batch)
-            tokens += t
-            items += i
+            kept_lengths.append(batch["lengths"])
         dt = time.perf_counter() - t0
+        lengths = torch.cat(kept_lengths)
         if best is None or dt < best[0]:
-            best = (dt, first, tokens, items)
+            best = (dt, first, int(lengths.sum()), len(lengths))
     return best
 
 
 def plain_wds_results(paths: Paths, pad_id: int, args) -> list[Result]:
-    def count_docs(b):
-        return int(b["lengths"].sum()), len(b["lengths"])
-
-    def count_rows(b):
-        return int(b["lengths"].sum()), len(b["input_ids"])
-
     out = []
-    for name, group, mode, urls, split, collate, count, note in (
-        ("plain wds, our docs shards", "b", "docs", shard_urls(paths.docs), split_groups_to_docs, pad_docs, count_docs, ""),
-        ("plain wds, our packed shards", "b", "packed", shard_urls(paths.packed), split_groups_to_rows, stack_rows, count_rows, ""),
-        ("plain wds, per-document shards", "b'", "docs", shard_urls(paths.perdoc), split_docs, pad_docs, count_docs, "naive layout"),
+    for name, group, mode, urls, split, collate, note in (
+        ("plain wds, our docs shards", "b", "docs", shard_urls(paths.docs), split_groups_to_docs, pad_docs, ""),
+        ("plain wds, our packed shards", "b", "packed", shard_urls(paths.packed), split_groups_to_rows, stack_rows, ""),
+        ("plain wds, per-document shards", "b'", "docs", shard_urls(paths.perdoc), split_docs, pad_docs, "naive layout"),
     ):
-        dt, first, tokens, items = time_batches(lambda: iter(wds_pipeline(urls, split, collate, pad_id)), count, args.baseline_repeat if group == "b" else 1)
+        dt, first, tokens, items = time_batches(lambda: iter(wds_pipeline(urls, split, collate, pad_id)), args.baseline_repeat if group == "b" else 1)
         out.append(Result(name, group, mode, tokens, items, dt, first_batch_s=first, note=note))
     return out
 

@@ -46,7 +46,7 @@ class Batch:
     index: int  # batch number within the worker's epoch
     epoch: int
     worker: int
-    state: dict = field(default_factory=dict)  # the worker's position after this batch
+    hint: dict | None = None  # the batcher's resume hint: where the worker's next batch starts
     stats: dict = field(default_factory=dict)
 
 

@@ -64,9 +64,6 @@ class Block:
     doc_next: np.ndarray | None = None  # packed dataset rows: id of the document after that one
     doc_count: np.ndarray | None = None  # packed dataset rows: documents in the row
 
-    #: optional arrays with one entry per item (selected along with starts, lengths and ids)
-    PER_ITEM = ("pieces", "seg_lo", "seg_hi", "doc_first", "doc_next", "doc_count")
-
     def __len__(self) -> int:
         return len(self.starts)
 
@@ -88,12 +85,17 @@ class Block:
         return counts, np.repeat(self.seg_lo - (ends - counts), counts) + np.arange(total)
 
     def _select(self, sel) -> "Block":
-        out = Block(self.tokens, self.starts[sel], self.lengths[sel], self.ids[sel], seg_starts=self.seg_starts, seg_ids=self.seg_ids)
-        for name in self.PER_ITEM:
-            values = getattr(self, name)
-            if values is not None:
-                setattr(out, name, values[sel])
-        return out
+        # every per-item array, spelled out (not a getattr loop: this runs for every batch)
+        return Block(
+            self.tokens, self.starts[sel], self.lengths[sel], self.ids[sel],
+            None if self.pieces is None else self.pieces[sel],
+            None if self.seg_lo is None else self.seg_lo[sel],
+            None if self.seg_hi is None else self.seg_hi[sel],
+            self.seg_starts, self.seg_ids,
+            None if self.doc_first is None else self.doc_first[sel],
+            None if self.doc_next is None else self.doc_next[sel],
+            None if self.doc_count is None else self.doc_count[sel],
+        )
 
     def take(self, idx: np.ndarray) -> "Block":
         """Items ``idx`` (a permutation or a selection), sharing the token buffer and the segment table."""

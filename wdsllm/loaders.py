@@ -243,7 +243,7 @@ class Loader:
         out["epoch"] = batch.epoch
         if batch.stats:
             self._note_stats(batch.stats)
-        self._positions[batch.worker] = (batch.epoch, batch.index + 1, batch.state.get("hint"))
+        self._positions[batch.worker] = (batch.epoch, batch.index + 1, batch.hint)
         self._yielded += 1
         if self.pin_memory and torch.cuda.is_available():
             out = {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}

@@ -381,7 +381,7 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
             index=index,
             epoch=spec.epoch,
             worker=spec.worker,
-            state={"epoch": spec.epoch, "batches": index + 1, "hint": hint},
+            hint=hint,
         )
         if stats.truncated_tokens or stats.skipped_shards or refill:  # most batches have nothing to report
             batch.stats = {"truncated_tokens": stats.truncated_tokens, "skipped_shards": stats.skipped_shards, "refilled": int(refill)}
