@@ -260,14 +260,14 @@ def _group_block(group, shard: int, first: int, mode: str, seq_len: int | None, 
     if not (row_docs or segments):
         return block
     doc_starts = group.starts.astype(np.int64)
-    before = np.searchsorted(doc_starts, starts)  # documents starting before each row
-    through = np.searchsorted(doc_starts, starts, side="right")  # ... or at its first token
+    through = np.searchsorted(doc_starts, starts, side="right")  # documents starting at or before each row
     if row_docs:
         first_ord = doc_base - 1 + through  # ordinal in the shard of the document holding the first token
         block.doc_first = np.where(first_ord >= 0, make_id(shard, first_ord), prev_shard_doc)
         block.doc_next = make_id(shard, first_ord + 1)
         block.doc_count = np.searchsorted(doc_starts, starts + lengths) - through + 1
     if segments:
+        before = np.searchsorted(doc_starts, starts)  # documents starting before each row
         _set_group_segments(block, doc_starts, before, through == before, shard, doc_base, prev_shard_doc)
     return block
 

@@ -457,20 +457,29 @@ def _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit, e
                                "the ranks cannot keep equal batch counts")
 
 
+#: tokens per DataLoader message at most (unless one batch holds more)
+BUNDLE_TOKENS = 1 << 20
+
+
 def _bundle(batches: Iterator, max_batches: int, max_tokens: int) -> Iterator[list]:
     """Lists of consecutive batches: one DataLoader message per list instead of per batch.
 
     DataLoader's per-message cost (queues, pickling threads, wake-ups) is several hundred
     microseconds; a bundle amortises it. The first bundle holds one batch so the first batch
-    arrives as soon as it is made.
+    arrives as soon as it is made. A bundle holds at most ``max_tokens`` tokens unless one batch
+    alone holds more (so that it fits a slot of the worker's token ring, transport.py).
     """
     bundle: list = []
     tokens = 0
     limit = 1
     for batch in batches:
+        size = batch.items.n_tokens if isinstance(batch, Batch) else 0
+        if bundle and tokens + size > max_tokens:
+            yield bundle
+            bundle, tokens, limit = [], 0, max_batches
         bundle.append(batch)
-        tokens += batch.items.n_tokens if isinstance(batch, Batch) else 0
-        if len(bundle) >= limit or tokens >= max_tokens:
+        tokens += size
+        if len(bundle) >= limit:
             yield bundle
             bundle, tokens, limit = [], 0, max_batches
     if bundle:
@@ -561,7 +570,7 @@ def build_pipeline(
     source = EpochSource(catalog, cfg, rank, world)
     stages = [source, wds.filters.pipelinefilter(_epoch_batches)(catalog, cfg, read, end_marker, shared=bool(bundle))]
     if bundle:
-        stages.append(wds.filters.pipelinefilter(_bundle)(bundle, 1 << 20))
+        stages.append(wds.filters.pipelinefilter(_bundle)(bundle, BUNDLE_TOKENS))
         stages.append(wds.filters.pipelinefilter(send_bundles)(ring or RingHolder()))
     if collate and cfg.unbatched:
         stages.append(wds.filters.pipelinefilter(_items_one_by_one)(rows_out(cfg, catalog)))

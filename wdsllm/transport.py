@@ -27,7 +27,7 @@ import numpy as np
 from .batching import Batch
 
 HEADER = 4096  # one int64 acknowledgement counter per worker
-SLOT_BYTES = 4 << 20  # a bundle holds at most ~1M tokens (pipeline._bundle), 4 bytes each at most
+SLOT_BYTES = 4 << 20  # a bundle holds at most 1M tokens (pipeline.BUNDLE_TOKENS) of at most 4 bytes
 
 #: rings of this process by key, so that an unpickled message finds its ring
 _RINGS: "weakref.WeakValueDictionary[str, TokenRing]" = weakref.WeakValueDictionary()
