@@ -162,7 +162,8 @@ def test_resume_of_nothing_is_a_fresh_pack(tmp_path):
 
 
 def test_shards_then_lengths_then_index_last_then_journal_gone(tmp_path, monkeypatch):
-    """The order of what becomes visible: a shard only whole, its record after it, index.json last."""
+    """The order of what becomes visible: a shard only whole, its record after it, lengths and
+    group starts, index.json last."""
     from wdsllm import storage
 
     events = []
@@ -182,7 +183,7 @@ def test_shards_then_lengths_then_index_last_then_journal_gone(tmp_path, monkeyp
     assert len(shards) > 3
     for number, shard in enumerate(shards):
         assert puts[puts.index(shard) + 1] == f".pack-shard-{number:06d}.rec"
-    assert puts[-2:] == ["lengths.npy", "index.json"]
+    assert puts[-3:] == ["lengths.npy", "groups.npy", "index.json"]
     deletes = [i for i, (method, _) in enumerate(events) if method == "delete"]
     assert deletes and min(deletes) > events.index(("put_bytes", "index.json"))
     assert events[-1] == ("delete", ".pack-start.json")

@@ -147,7 +147,7 @@ def test_pack_uploads_each_shard_as_it_completes_multipart_and_the_index_last(wi
     for number, shard in enumerate(shards):
         assert names[names.index(shard) + 1] == journal_record_name(number)
     writes = [n for kind, n in events if kind != "delete"]
-    assert writes[-2:] == ["lengths.npy", "index.json"]
+    assert writes[-3:] == ["lengths.npy", "groups.npy", "index.json"]
     assert all(kind == "delete" for kind, _ in events[names.index("index.json") + 1 :])
     # Multipart uploads have ETags of the form "md5-parts".
     bucket = s3_bucket[len("s3://") :]
@@ -158,7 +158,7 @@ def test_pack_uploads_each_shard_as_it_completes_multipart_and_the_index_last(wi
             assert "-" in head["ETag"], (shard, head["ETag"])
     found = objects(s3_server, url)
     assert check_index_never_points_at_missing_shards(found)
-    assert sorted(found) == sorted([*shards, "lengths.npy", "index.json"])
+    assert sorted(found) == sorted([*shards, "lengths.npy", "groups.npy", "index.json"])
 
 
 @pytest.mark.parametrize("point", ["before-shard-3", "after-shard-3", "before-lengths.npy", "before-index.json", "journal-cleanup"])

@@ -39,6 +39,7 @@ class Catalog:
     retry: storage.RetryPolicy | None = field(default=None, repr=False)  # for index and lengths reads
     _lengths: np.ndarray | None = field(default=None, repr=False)
     _by_shard: list | None = field(default=None, repr=False)
+    _groups: list | None = field(default=None, repr=False)  # per shard: its rows of groups.npy
 
     @property
     def mode(self) -> str:
@@ -60,6 +61,7 @@ class Catalog:
         # than receive (and keep a copy of) every document's length in the message.
         state = dict(self.__dict__)
         state["_lengths"] = state["_by_shard"] = None
+        state["_groups"] = None
         return state
 
     def lengths(self) -> np.ndarray | None:
@@ -93,6 +95,35 @@ class Catalog:
             counts = self.docs_per_shard
             self._by_shard = np.split(lengths, np.cumsum(counts)[:-1]) if counts else []
         return self._by_shard
+
+    def group_table(self, shard: int) -> np.ndarray | None:
+        """Where each group of shard ``shard`` starts: [groups, format.GROUP_COLUMNS] from
+        groups.npy (format 2), or None without one. The file is read once, whole, and checked
+        against its checksum in the index (it is 24 bytes a group: about 1% of lengths.npy),
+        because a reader seeks by it and a wrong entry would misnumber the items after it."""
+        if self._groups is None:
+            self._groups = self._read_group_tables()
+        return self._groups[shard] if self._groups else None
+
+    def _read_group_tables(self) -> list:
+        info = self.index.groups_file if self.index is not None else None
+        if not info or self.root is None or self.shard_entries is None:
+            return []
+        url = storage.join_url(self.root, fmt.check_shard_name(info["name"]))
+        data = storage.read_bytes(url, retry=self.retry)
+        if hashlib.sha256(data).hexdigest() != info.get("sha256"):
+            raise fmt.FormatError(f"{url} does not match its checksum in index.json")
+        flat = fmt.npy_array(data, url).astype(np.int64, copy=False)
+        samples = [e.samples for e in self.index.shards]
+        if len(flat) != fmt.GROUP_COLUMNS * sum(samples):
+            raise fmt.FormatError(f"{url}: lists {len(flat) // fmt.GROUP_COLUMNS} groups, index.json counts {sum(samples)}")
+        first = dict(zip((e.name for e in self.index.shards), np.concatenate([[0], np.cumsum(samples)]).tolist()))
+        tables = []
+        for entry in self.shard_entries:
+            rows = flat[fmt.GROUP_COLUMNS * first[entry.name] : fmt.GROUP_COLUMNS * (first[entry.name] + entry.samples)]
+            items = entry.rows if self.mode == "packed" else entry.documents
+            tables.append(fmt.check_group_table(rows, entry, items, url))
+        return tables
 
     def fingerprint(self) -> str:
         """Identifies the shards' content; a resume state from other data is refused."""

@@ -16,13 +16,20 @@ from typing import Any
 import numpy as np
 
 FORMAT_NAME = "wdsllm"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: Versions this code reads. Add a reader here, never drop one, when the version is bumped.
-READABLE_VERSIONS = (1,)
+#: 1: no groups.npy (a reader then finds groups by reading the shard from its start).
+READABLE_VERSIONS = (1, 2)
 
 INDEX_NAME = "index.json"
 #: Per-document token counts of a docs-mode dataset, in dataset order (uint32 .npy).
 LENGTHS_NAME = "lengths.npy"
+#: Where each group (tar sample) starts, per shard in shard order (int64 .npy, GROUP_COLUMNS per
+#: group); version 2 on. Lets a reader start a shard at any group with a ranged read.
+GROUPS_NAME = "groups.npy"
+#: (byte offset of the group's first member header in its shard, items of the shard before the
+#: group (documents, or rows in packed mode), documents of the shard before the group)
+GROUP_COLUMNS = 3
 SHARD_PATTERN = "{prefix}-{number:06d}.tar"
 SHARD_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+(?:[A-Za-z0-9_-]*[A-Za-z0-9_])?)-(?P<number>\d{6,})\.tar$")
 
@@ -72,8 +79,9 @@ def npy_bytes(array: np.ndarray) -> bytes:
 _header_cache: dict[bytes, tuple[np.dtype, int, int]] = {}
 
 
-def npy_array(data: bytes | memoryview, where: str = "") -> np.ndarray:
-    """Decode .npy bytes to a read-only 1-D array without copying the payload."""
+def npy_header(data: bytes | memoryview, where: str = "") -> tuple[np.dtype, int, int]:
+    """(dtype, count, byte offset of the payload) of a 1-D .npy from its first bytes (at least
+    the header: 128 bytes for what npy_bytes writes)."""
     view = memoryview(data)
     if len(view) < 10 or bytes(view[:6]) != b"\x93NUMPY":
         raise FormatError(f"{where}: not an .npy member")
@@ -96,7 +104,13 @@ def npy_array(data: bytes | memoryview, where: str = "") -> np.ndarray:
         cached = (dtype, shape[0], start)
         if len(_header_cache) < 1024:
             _header_cache[header] = cached
-    dtype, count, start = cached
+    return cached
+
+
+def npy_array(data: bytes | memoryview, where: str = "") -> np.ndarray:
+    """Decode .npy bytes to a read-only 1-D array without copying the payload."""
+    view = memoryview(data)
+    dtype, count, start = npy_header(view, where)
     if len(view) - start != count * dtype.itemsize:
         raise FormatError(f"{where}: .npy payload is {len(view) - start} bytes, header says {count * dtype.itemsize}")
     return np.frombuffer(view, dtype=dtype, count=count, offset=start)
@@ -204,6 +218,35 @@ def decode_group(sample: dict[str, Any], where: str = "", meta: dict | None = No
 
 
 # ----------------------------------------------------------------------------------------------
+# Group tables (groups.npy): where every group of every shard starts.
+
+
+def group_table_bytes(tables: list[np.ndarray]) -> bytes:
+    """groups.npy from per-shard [groups, GROUP_COLUMNS] int64 tables, in shard order."""
+    flat = np.concatenate([np.asarray(t, np.int64).reshape(-1) for t in tables]) if tables else np.zeros(0, np.int64)
+    return npy_bytes(flat)
+
+
+def check_group_table(table: np.ndarray, entry: "ShardEntry", items: int, where: str) -> np.ndarray:
+    """A shard's rows of groups.npy as [groups, GROUP_COLUMNS], checked against its index entry
+    (the table is untrusted data: a reader seeks by it)."""
+    table = np.asarray(table, np.int64).reshape(-1, GROUP_COLUMNS)
+    if len(table) != entry.samples:
+        raise FormatError(f"{where}: {len(table)} groups listed for {entry.name}, the index counts {entry.samples}")
+    if len(table):
+        offsets, before, docs = table[:, 0], table[:, 1], table[:, 2]
+        ok = (
+            offsets[0] == 0 and before[0] == 0 and docs[0] == 0
+            and bool(np.all(np.diff(offsets) > 0)) and bool(np.all(offsets % 512 == 0)) and int(offsets[-1]) < entry.bytes
+            and bool(np.all(np.diff(before) >= 0)) and int(before[-1]) <= items
+            and bool(np.all(np.diff(docs) >= 0)) and int(docs[-1]) <= entry.documents
+        )
+        if not ok:
+            raise FormatError(f"{where}: the groups listed for {entry.name} are not increasing offsets and counts inside the shard")
+    return table
+
+
+# ----------------------------------------------------------------------------------------------
 # The index.
 
 
@@ -243,6 +286,7 @@ class Index:
     skipped: dict[str, Any]
     lengths_file: dict[str, Any] | None = None
     packed: dict[str, Any] | None = None  # packed mode: {"max_row_segments": k, "short_rows": n}
+    groups_file: dict[str, Any] | None = None  # version 2: {"name": "groups.npy", "bytes": n, "sha256": "…"}
     version: int = FORMAT_VERSION
     format: str = FORMAT_NAME
     created_by: str = ""
@@ -290,6 +334,7 @@ class Index:
             "totals": self.totals(),
             "doc_lengths": self.doc_lengths,
             "lengths_file": self.lengths_file,
+            "groups_file": self.groups_file,
             "packed": self.packed,
             "options": self.options,
             "inputs": self.inputs,
@@ -324,6 +369,7 @@ class Index:
                 inputs=body.get("inputs", []),
                 skipped=body.get("skipped", {}),
                 lengths_file=body.get("lengths_file"),
+                groups_file=body.get("groups_file") if version >= 2 else None,
                 packed=body.get("packed"),
                 version=version,
                 format=body["format"],

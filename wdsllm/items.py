@@ -19,6 +19,7 @@ import numpy as np
 
 from . import storage, tario
 from .catalog import Catalog
+from .format import FormatError
 from .plan import Slice
 
 log = logging.getLogger(__name__)
@@ -295,12 +296,15 @@ def _set_group_segments(block: Block, doc_starts, before, continues, shard: int,
     block.set_segments(seg_ptr, seg_pos - np.repeat(starts, np.diff(seg_ptr)), seg_ids)
 
 
-def open_kwargs(catalog: Catalog, shard: int, options: ReadOptions) -> dict:
-    """How ``storage.open_stream`` opens shard ``shard``: with the index's size, and with its
-    sha256 where a cache will keep the bytes (a cache entry must match the index's checksum)."""
+def open_kwargs(catalog: Catalog, shard: int, options: ReadOptions, start: GroupStart | None = None) -> dict:
+    """How ``storage.open_stream`` opens shard ``shard``: with the index's size, with its sha256
+    where a cache will keep the bytes (a cache entry must match the index's checksum), and at a
+    group's offset for a ranged start."""
     entry = catalog.shard_entries[shard] if catalog.shard_entries else None
     cached = options.cache is not None and storage.is_remote(catalog.urls[shard])
     return dict(
+        offset=start.offset if start else 0,
+        length=start.length if start else None,
         retry=options.retry,
         cache=options.cache,
         allow_pipe=catalog.user_urls,
@@ -321,6 +325,39 @@ def _on_shard_buffer(block: Block, shard_tokens: np.ndarray) -> Block:
     return block
 
 
+@dataclass(frozen=True)
+class GroupStart:
+    """Where a read enters a shard: a group's byte offset and the counts before it."""
+
+    offset: int
+    items: int  # items of the shard before the group
+    documents: int  # documents of the shard before the group
+    group_items: int  # items the group holds (checked against its metadata)
+    length: int | None = None  # bytes to request: through the header of the group after the last one needed
+
+
+def ranged_start(catalog: Catalog, sl: Slice, skip: int, options: ReadOptions) -> GroupStart | None:
+    """Where a ranged read of a remote shard covers the slice (groups.npy, format 2): from the
+    group holding its first wanted item to the first member header of the group after its last.
+    A consumer whose share is a part of a shard then downloads only that part (and the groups it
+    shares with its neighbours), not the shard up to its share and a read-ahead past it."""
+    if options.cache is not None or not storage.is_remote(catalog.urls[sl.shard]) or sl.stride != 1:
+        return None
+    table = catalog.group_table(sl.shard)
+    if table is None or not len(table):
+        return None
+    first_wanted = sl.start + skip
+    g = max(0, int(np.searchsorted(table[:, 1], first_wanted, side="right")) - 1)
+    after = len(table) if sl.stop is None else int(np.searchsorted(table[:, 1], sl.stop, side="left"))
+    if g == 0 and after >= len(table):
+        return None  # the whole shard: a plain read
+    entry = catalog.shard_entries[sl.shard]
+    end_items = int(table[g + 1, 1]) if g + 1 < len(table) else (entry.rows if catalog.mode == "packed" else entry.documents)
+    # the reader sees a group end when the next member header names another key: include it
+    length = int(table[after, 0]) + tario.BLOCK - int(table[g, 0]) if after < len(table) else None
+    return GroupStart(int(table[g, 0]), int(table[g, 1]), int(table[g, 2]), end_items - int(table[g, 1]), length)
+
+
 def read_slice(
     catalog: Catalog,
     sl: Slice,
@@ -328,8 +365,11 @@ def read_slice(
     skip: int = 0,
     options: ReadOptions | None = None,
     stream=None,
+    start: GroupStart | None = None,
 ) -> Iterator[Block]:
-    """The items of one slice (after skipping ``skip`` of them), as blocks of one group each."""
+    """The items of one slice (after skipping ``skip`` of them), as blocks of one group each.
+
+    ``stream``: the shard already opened, at ``start`` when given (see ``ranged_start``)."""
     options = options or ReadOptions()
     url = catalog.urls[sl.shard]
     mode = catalog.mode
@@ -338,7 +378,10 @@ def read_slice(
         raise ValueError("packed shards need their index (seq_len)")
     first_wanted = sl.start + skip * sl.stride
     stop = sl.stop
-    state = {"ordinal": 0, "doc": 0}
+    own = stream is None
+    if own:
+        start = ranged_start(catalog, sl, skip, options)
+    state = {"ordinal": 0, "doc": 0} if start is None else {"ordinal": start.items, "doc": start.documents}
     prev_shard_doc = -1
     if mode == "packed" and catalog.shard_entries is not None and sl.shard > 0:
         # a row that continues a document from the previous shard belongs to its last document
@@ -354,9 +397,8 @@ def read_slice(
             state["doc"] += state["pending_docs"]
         return keep
 
-    own = stream is None
     if own:
-        stream = storage.open_stream(url, **open_kwargs(catalog, sl.shard, options))
+        stream = storage.open_stream(url, **open_kwargs(catalog, sl.shard, options, start))
     source = tario.mapped(stream) or stream
     shard_tokens = None
     if isinstance(source, tario.MappedReader) and catalog.index is not None:
@@ -364,9 +406,11 @@ def read_slice(
         if len(source.mm) % dtype.itemsize == 0:
             shard_tokens = np.frombuffer(source.mm, dtype=dtype)
     try:
-        for raw in tario.iter_samples(source, url, wanted=wanted):
+        for raw in tario.iter_samples(source, url, wanted=wanted, base_offset=start.offset if start else 0):
             group = tario.decode_sample(raw, url)
             n = tario.group_items(raw.meta)
+            if start is not None and raw.offset == start.offset and n != start.group_items:
+                raise FormatError(f"{url}: the group at byte {raw.offset} holds {n} items, {catalog.index.groups_file['name']} says {start.group_items}")
             g0 = state["ordinal"] - n
             block = _group_block(group, sl.shard, g0, mode, seq_len, state["doc"], prev_shard_doc, options.row_docs, options.segments)
             if shard_tokens is not None:

@@ -46,6 +46,7 @@ class Part:
     url: str
     index: fmt.Index
     lengths: np.ndarray
+    groups: np.ndarray | None = None  # groups.npy (format 2 on)
 
     @property
     def task(self) -> int | None:
@@ -96,15 +97,24 @@ def find_parts(sources: list[str], allow_partial: bool = False) -> list[Part]:
 def _load_part(url: str) -> Part:
     index_url = storage.join_url(url, fmt.INDEX_NAME)
     index = fmt.Index.from_json(storage.read_bytes(index_url), index_url)
-    info = index.lengths_file or {}
-    name = fmt.check_shard_name(info.get("name", fmt.LENGTHS_NAME), index_url)
+    lengths = _read_checked(url, index.lengths_file or {}, fmt.LENGTHS_NAME, index_url)
+    if len(lengths) != index.documents:
+        raise MergeError(f"{storage.join_url(url, fmt.LENGTHS_NAME)} has {len(lengths)} lengths, {index_url} counts {index.documents} documents")
+    groups = None
+    if index.groups_file:
+        groups = _read_checked(url, index.groups_file, fmt.GROUPS_NAME, index_url)
+        if len(groups) != fmt.GROUP_COLUMNS * sum(s.samples for s in index.shards):
+            raise MergeError(f"{storage.join_url(url, fmt.GROUPS_NAME)} does not list every group that {index_url} counts")
+    return Part(url=url, index=index, lengths=lengths, groups=groups)
+
+
+def _read_checked(url: str, info: dict, default_name: str, index_url: str) -> np.ndarray:
+    """A .npy file beside the index, checked against the checksum the index gives for it."""
+    name = fmt.check_shard_name(info.get("name", default_name), index_url)
     data = storage.read_bytes(storage.join_url(url, name))
     if info.get("sha256") and hashlib.sha256(data).hexdigest() != info["sha256"]:
         raise MergeError(f"{storage.join_url(url, name)} does not match its checksum in {index_url}")
-    lengths = fmt.npy_array(data, storage.join_url(url, name))
-    if len(lengths) != index.documents:
-        raise MergeError(f"{storage.join_url(url, name)} has {len(lengths)} lengths, {index_url} counts {index.documents} documents")
-    return Part(url=url, index=index, lengths=lengths)
+    return fmt.npy_array(data, storage.join_url(url, name))
 
 
 def check_compatible(parts: list[Part], allow_partial: bool = False) -> None:
@@ -227,7 +237,8 @@ def _transfer(move: Move, out: storage.Output, copy: bool) -> None:
         storage.Output(move.part.url).delete(move.entry.name)
 
 
-def merged_index(parts: list[Part], moves: list[Move], lengths: np.ndarray, lengths_bytes: bytes) -> fmt.Index:
+def merged_index(parts: list[Part], moves: list[Move], lengths: np.ndarray, lengths_bytes: bytes,
+                 groups_bytes: bytes | None = None) -> fmt.Index:
     first = parts[0].index
     options = {k: v for k, v in first.options.items() if k not in PER_TASK_OPTIONS}
     inputs = sorted((inp for p in parts for inp in p.index.inputs), key=lambda i: i["index"])
@@ -261,6 +272,8 @@ def merged_index(parts: list[Part], moves: list[Move], lengths: np.ndarray, leng
         },
         lengths_file={"name": fmt.LENGTHS_NAME, "bytes": len(lengths_bytes), "sha256": hashlib.sha256(lengths_bytes).hexdigest()},
         packed=packed,
+        groups_file=None if groups_bytes is None else
+        {"name": fmt.GROUPS_NAME, "bytes": len(groups_bytes), "sha256": hashlib.sha256(groups_bytes).hexdigest()},
         created_by=f"wdsllm {__version__}",
     )
 
@@ -287,8 +300,16 @@ def merge(
             if on_shard:
                 on_shard(i + 1, len(moves))
         lengths_bytes = fmt.npy_bytes(lengths)
-        index = merged_index(parts, moves, lengths, lengths_bytes)
+        # shards keep their order (parts in task order, each part's shards in order), so the
+        # parts' group tables concatenate; a part from before format 2 has none, and then neither
+        # has the merged dataset
+        groups_bytes = None
+        if parts and all(p.groups is not None for p in parts):
+            groups_bytes = fmt.npy_bytes(np.concatenate([p.groups for p in parts]).astype(np.int64))
+        index = merged_index(parts, moves, lengths, lengths_bytes, groups_bytes)
         out.put_bytes(fmt.LENGTHS_NAME, lengths_bytes)
+        if groups_bytes is not None:
+            out.put_bytes(fmt.GROUPS_NAME, groups_bytes)
         out.put_bytes(fmt.INDEX_NAME, index.to_json().encode())
         if not copy:
             _retire_parts(parts)
@@ -303,7 +324,10 @@ def _retire_parts(parts: list[Part]) -> None:
     """After a move the parts' indexes point at nothing: remove them (and empty local dirs)."""
     for part in parts:
         remains = storage.Output(part.url)
-        for name in (fmt.INDEX_NAME, (part.index.lengths_file or {}).get("name", fmt.LENGTHS_NAME)):
+        names = [fmt.INDEX_NAME, (part.index.lengths_file or {}).get("name", fmt.LENGTHS_NAME)]
+        if part.index.groups_file:
+            names.append(part.index.groups_file.get("name", fmt.GROUPS_NAME))
+        for name in names:
             remains.delete(name)
         local = _local_path(part.url)
         if local and os.path.isdir(local) and not os.listdir(local):

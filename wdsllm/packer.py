@@ -454,6 +454,11 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSi
     lengths = np.concatenate(lengths_parts) if lengths_parts else np.zeros(0, np.uint32)
     lengths_bytes = fmt.npy_bytes(lengths.astype(np.uint32))
     out.put_bytes(fmt.LENGTHS_NAME, lengths_bytes)
+    groups_file = None
+    if all("groups" in rec for rec in records):  # a journal from before format 2 has no group starts
+        groups_bytes = fmt.group_table_bytes([np.asarray(rec["groups"], np.int64) for rec in records])
+        out.put_bytes(fmt.GROUPS_NAME, groups_bytes)
+        groups_file = {"name": fmt.GROUPS_NAME, "bytes": len(groups_bytes), "sha256": hashlib.sha256(groups_bytes).hexdigest()}
     options = cfg.output_options()
     options["bos"] = use_bos
     options["eos"] = use_eos
@@ -484,6 +489,7 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSi
         },
         lengths_file={"name": fmt.LENGTHS_NAME, "bytes": len(lengths_bytes), "sha256": hashlib.sha256(lengths_bytes).hexdigest()},
         packed={"max_row_segments": sink.max_row_segments, "short_rows": sink.short_rows} if cfg.mode == "packed" else None,
+        groups_file=groups_file,
         created_by=f"wdsllm {__version__}",
     )
     out.put_bytes(fmt.INDEX_NAME, index.to_json().encode())

@@ -135,7 +135,7 @@ class RetryPolicy:
 
 DEFAULT_RETRY = RetryPolicy()
 
-_STAT_NAMES = ("requests", "retries", "resumed_bytes", "skipped_bytes", "cache_hits", "cache_misses")
+_STAT_NAMES = ("requests", "retries", "resumed_bytes", "received_bytes", "skipped_bytes", "cache_hits", "cache_misses")
 _stats: dict[str, int] = dict.fromkeys(_STAT_NAMES, 0)
 _stats_lock = threading.Lock()
 
@@ -150,8 +150,8 @@ def stats() -> dict[str, int]:
 
     ``requests``: requests sent (opens, resumes, HEADs); ``retries``: tries after a failure;
     ``resumed_bytes``: bytes that resumed retries did not read again (sum of the resume positions
-    past the stream's start); ``skipped_bytes``: bytes read and dropped because a server ignored
-    Range; ``cache_hits`` / ``cache_misses``: :class:`ShardCache` lookups.
+    past the stream's start); ``received_bytes``: body bytes received over HTTP and from S3;
+    ``skipped_bytes``: bytes read and dropped because a server ignored Range; ``cache_hits`` / ``cache_misses``: :class:`ShardCache` lookups.
     """
     with _stats_lock:
         return dict(_stats)
@@ -360,6 +360,7 @@ class _HttpBody:
         data = self.resp.read1(len(b))
         n = len(data)
         b[:n] = data
+        _count("received_bytes", n)
         return n
 
     def close(self) -> None:
@@ -597,6 +598,7 @@ class _S3Body:
         data = self.body.read(min(len(b), 64 * 1024))
         n = len(data)
         b[:n] = data
+        _count("received_bytes", n)
         return n
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from . import plan as planmod
 from . import storage
 from .catalog import Catalog
 from .format import FormatError
-from .items import Block, ReadOptions, open_kwargs, read_slice, windows
+from .items import Block, ReadOptions, open_kwargs, ranged_start, read_slice, windows
 from .plan import Slice
 
 log = logging.getLogger(__name__)
@@ -191,19 +191,20 @@ def plan_items(
     The next shard is opened (and, when remote, read ahead) while the current one is consumed.
     """
     options = options or ReadOptions()
-    work = _slice_work(catalog, slices, spec, start)
+    # each slice with where a ranged read can enter its shard (remote shards, groups.npy)
+    work = ((sl, skip, drop, ranged_start(catalog, sl, skip, options)) for sl, skip, drop in _slice_work(catalog, slices, spec, start))
     if options.prefetch:
         work, ahead = itertools.tee(work)
-        streams = storage.prefetch_iter((catalog.urls[sl.shard], open_kwargs(catalog, sl.shard, options)) for sl, _, _ in ahead)
+        streams = storage.prefetch_iter((catalog.urls[sl.shard], open_kwargs(catalog, sl.shard, options, at)) for sl, _, _, at in ahead)
     else:
         streams = None
     leftover = 0  # items still to drop when counts are unknown and a slice ran out first
-    for sl, skip_docs, drop in work:
+    for sl, skip_docs, drop, at in work:
         drop += leftover
         stream = next(streams) if streams is not None else None
         position = _items_of_docs(catalog, sl, spec, skip_docs) if sl.pick is not None else 0
         try:
-            for block in read_slice(catalog, sl, skip=skip_docs, options=options, stream=stream):
+            for block in read_slice(catalog, sl, skip=skip_docs, options=options, stream=stream, start=at if stream is not None else None):
                 if catalog.mode == "docs":
                     block, cut = _apply_max_len(block, spec)
                     if stats is not None:

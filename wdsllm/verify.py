@@ -37,6 +37,7 @@ class ShardCheck:
     rows: int = 0
     short_rows: int = 0
     keys: list[str] = field(default_factory=list)
+    groups: list[list[int]] = field(default_factory=list)  # what groups.npy should say (format.GROUP_COLUMNS)
     lengths: list[np.ndarray] = field(default_factory=list)  # docs mode: per-document lengths
     starts: list[np.ndarray] = field(default_factory=list)  # packed mode: document starts, shard offsets
 
@@ -125,6 +126,7 @@ def check_shard(root: str, entry: fmt.ShardEntry, index: fmt.Index) -> ShardChec
 def _check_sample(check: ShardCheck, raw: tario.RawSample, index: fmt.Index) -> None:
     where = f"{check.name} sample {raw.key} @{raw.offset}"
     group = tario.decode_sample(raw, check.name)
+    check.groups.append([raw.offset, check.rows if index.mode == "packed" else check.documents, check.documents])
     check.samples += 1
     check.keys.append(raw.key)
     if not KEY_RE.match(raw.key):
@@ -213,7 +215,7 @@ def verify(source: str, jobs: int = 1, on_shard: Callable[[int, int, ShardCheck]
             checks.append(check)
             if on_shard:
                 on_shard(len(checks), len(index.shards), check)
-    errors = _check_index(index, raw, checks) + _check_lengths(root, index, checks)
+    errors = _check_index(index, raw, checks) + _check_lengths(root, index, checks) + _check_groups(root, index, checks)
     return Report(root=root, index=index, shards=checks, errors=errors)
 
 
@@ -271,6 +273,32 @@ def _check_lengths(root: str, index: fmt.Index, checks: list[ShardCheck]) -> lis
     elif not np.array_equal(lengths, shard_lengths):
         first = int(np.argmax(lengths != shard_lengths))
         errors.append(f"{name}: document {first} is {lengths[first]} tokens there, {shard_lengths[first]} in the shards")
+    return errors
+
+
+def _check_groups(root: str, index: fmt.Index, checks: list[ShardCheck]) -> list[str]:
+    """groups.npy (format 2): its checksum, and that it says where every group starts."""
+    info = index.groups_file
+    if not info:
+        return []  # format 1, or a pack resumed from a format-1 journal: readers read shards from their start
+    name = info["name"]
+    try:
+        data = storage.read_bytes(storage.join_url(root, fmt.check_shard_name(name)))
+        table = fmt.npy_array(data, name)
+    except (storage.StorageError, fmt.FormatError) as exc:
+        return [f"{name}: missing or unreadable: {exc}"]
+    errors = []
+    if len(data) != info.get("bytes") or hashlib.sha256(data).hexdigest() != info.get("sha256"):
+        errors.append(f"{name}: size or sha256 differs from the index")
+    if any(c.errors for c in checks):
+        return errors
+    want = np.array([row for c in checks for row in c.groups], np.int64).reshape(-1)
+    if len(table) != len(want):
+        errors.append(f"{name}: lists {len(table) // fmt.GROUP_COLUMNS} groups, the shards hold {len(want) // fmt.GROUP_COLUMNS}")
+    elif not np.array_equal(table, want):
+        first = int(np.argmax(table != want)) // fmt.GROUP_COLUMNS
+        errors.append(f"{name}: group {first} (in dataset order) is listed as {table[fmt.GROUP_COLUMNS * first : fmt.GROUP_COLUMNS * (first + 1)].tolist()}, "
+                      f"the shards say {want[fmt.GROUP_COLUMNS * first : fmt.GROUP_COLUMNS * (first + 1)].tolist()}")
     return errors
 
 

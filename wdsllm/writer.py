@@ -1,8 +1,8 @@
 """Shard writing: groups to tar samples, shards finished atomically, a journal for --resume.
 
 A shard is written under a temporary name and handed to ``storage.Output.put_file`` only when
-complete. After each shard a journal record (the shard's index entry, its document lengths and
-where the input stands) is stored beside the shards; ``--resume`` continues from the last record.
+complete. After each shard a journal record (the shard's index entry, its document lengths, where
+its groups start and where the input stands) is stored beside the shards; ``--resume`` continues from the last record.
 The index is written last, after which the journal is removed.
 """
 
@@ -188,6 +188,7 @@ class ShardSink:
         self._tmp_path = ""
         self._cur: dict[str, int] = {}
         self._lengths: list[np.ndarray] = []
+        self._groups: list[list[int]] = []  # the shard's groups.npy rows (format.GROUP_COLUMNS)
         self._position: Position | None = None
         self.max_row_segments = 0  # packed mode: most documents (incl. a continuation) in one row
         self.short_rows = 0
@@ -210,6 +211,7 @@ class ShardSink:
             self.finish_shard()
         if self._tar is None:
             self._open()
+        self._groups.append([self._cur["bytes"], self._cur["items"], self._cur["documents"]])
         self._tar.write(sample)
         self.group_counter += 1
         self._cur["bytes"] += size
@@ -232,6 +234,7 @@ class ShardSink:
         self._tar = SampleTarWriter(self._file)
         self._cur = Counter(bytes=0, items=0, samples=0, documents=0, tokens=0, rows=0)
         self._lengths = []
+        self._groups = []
 
     def _note_rows(self, group: GroupData) -> None:
         seq_len = (len(group.tokens) + group.rows - 1) // group.rows if group.rows > 1 else len(group.tokens)
@@ -294,6 +297,7 @@ class ShardSink:
             "max_row_segments": self.max_row_segments,
             "short_rows": self.short_rows,
             "counters": self.pending.to_json(),
+            "groups": self._groups,
         }
         self.output.put_bytes(journal_record_name(self.number), encode_record(record, lengths))
         self.entries.append(entry)
