@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import wdsllm
-from synth import write_dataset
+from synth import all_ids, write_dataset
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -272,6 +272,19 @@ def test_real_workers_match_simulated_workers(tmp_path):
             if per_worker[w]:
                 expect.append(per_worker[w].pop(0))
     assert real == expect
+
+
+def test_a_plain_dataloader_over_the_dataset_keeps_the_guarantees(tmp_path):
+    """wdsllm.dataset under your own DataLoader with workers: batches are compacted in the
+    workers and pickled (no token ring), and each worker still yields exactly its own share."""
+    from torch.utils.data import DataLoader
+
+    info = write_dataset(tmp_path, [20, 13, 9, 17, 4])
+    pipe = wdsllm.dataset(str(tmp_path), batch_size=3, shuffle_buffer=5, seed=9)
+    real = [_ids(b) for b in DataLoader(pipe, batch_size=None, num_workers=2)]
+    per_worker = [[_ids(b) for b in pipe.worker_iter(w, 2)] for w in range(2)]
+    assert sorted(real) == sorted(b for w in per_worker for b in w)
+    assert sorted(i for b in real for i in b) == sorted(all_ids(info)), "every document exactly once"
 
 
 def test_no_pid_time_or_urandom(tmp_path, monkeypatch):
