@@ -129,7 +129,8 @@ class MapCache:
     inode, size, mtime): a replaced file gets a new one, and a file rewritten in place is seen
     as it is now (a shared mapping shows the page cache, not a snapshot). At most ``shards`` mappings
     of at most ``max_bytes`` in all are kept, the least recently used dropped first. They are
-    read-only views of the page cache, which the kernel can reclaim under memory pressure.
+    read-only views of the page cache, which the kernel can reclaim under memory pressure (the
+    space of a file deleted meanwhile is freed when its mapping is dropped).
     """
 
     def __init__(self, shards: int = 4, max_bytes: int = 2 << 30):
