@@ -43,18 +43,17 @@ def test_workers_send_the_batches_one_process_makes(packed, context):
 
 
 def test_bundles_larger_than_a_slot_are_pickled(packed, monkeypatch):
-    monkeypatch.setattr(transport, "SLOT_BYTES", 64)  # smaller than any bundle
     kw = dict(batch_size=3, seed=5)
     want = _flat(_epoch(wdsllm.loader(packed, num_workers=2, workers_in_process=True, **kw), 0))
     loader = wdsllm.loader(packed, num_workers=2, **kw)
     ring_sizes = []
     orig = transport.TokenRing.__init__
 
-    def spy(self, workers, slots, slot_bytes=transport.SLOT_BYTES):
-        orig(self, workers, slots, 64)
+    def small_slots(self, workers, slots, slot_bytes=transport.SLOT_BYTES):
+        orig(self, workers, slots, 64)  # 64 bytes: smaller than any bundle
         ring_sizes.append(self.slot_bytes)
 
-    monkeypatch.setattr(transport.TokenRing, "__init__", spy)
+    monkeypatch.setattr(transport.TokenRing, "__init__", small_slots)
     assert _flat(_epoch(loader, 0)) == want and ring_sizes == [64]
 
 

@@ -143,10 +143,7 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
     if full:
         # whole rows: gathered from the buffer and widened to int64 in one pass into pooled memory
         out_ids = _pool.take(n * seq_len, _NP_DTYPES[opts.dtype]).reshape(n, seq_len)
-        if n > 1:
-            np.copyto(out_ids, row_view(items.tokens, seq_len)[items.starts], casting="unsafe")
-        else:
-            np.copyto(out_ids[0], items.tokens[int(items.starts[0]) : int(items.starts[0]) + seq_len], casting="unsafe")
+        np.copyto(out_ids, row_view(items.tokens, seq_len)[items.starts], casting="unsafe")
         input_ids = torch.from_numpy(out_ids)
         # Nothing to mask: labels are the same values, so they share input_ids' storage (as the
         # x/y views of one buffer in nanoGPT-style loaders). Boundary masking below copies first.

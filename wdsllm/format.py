@@ -79,9 +79,8 @@ def npy_bytes(array: np.ndarray) -> bytes:
 _header_cache: dict[bytes, tuple[np.dtype, int, int]] = {}
 
 
-def npy_header(data: bytes | memoryview, where: str = "") -> tuple[np.dtype, int, int]:
-    """(dtype, count, byte offset of the payload) of a 1-D .npy from its first bytes (at least
-    the header: 128 bytes for what npy_bytes writes)."""
+def npy_array(data: bytes | memoryview, where: str = "") -> np.ndarray:
+    """Decode .npy bytes to a read-only 1-D array without copying the payload."""
     view = memoryview(data)
     if len(view) < 10 or bytes(view[:6]) != b"\x93NUMPY":
         raise FormatError(f"{where}: not an .npy member")
@@ -104,13 +103,7 @@ def npy_header(data: bytes | memoryview, where: str = "") -> tuple[np.dtype, int
         cached = (dtype, shape[0], start)
         if len(_header_cache) < 1024:
             _header_cache[header] = cached
-    return cached
-
-
-def npy_array(data: bytes | memoryview, where: str = "") -> np.ndarray:
-    """Decode .npy bytes to a read-only 1-D array without copying the payload."""
-    view = memoryview(data)
-    dtype, count, start = npy_header(view, where)
+    dtype, count, start = cached
     if len(view) - start != count * dtype.itemsize:
         raise FormatError(f"{where}: .npy payload is {len(view) - start} bytes, header says {count * dtype.itemsize}")
     return np.frombuffer(view, dtype=dtype, count=count, offset=start)

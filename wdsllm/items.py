@@ -172,31 +172,18 @@ def concat_blocks(blocks: list[Block]) -> Block:
         out.doc_next = np.concatenate([b.doc_next for b in blocks])
         out.doc_count = np.concatenate([b.doc_count for b in blocks])
     if all(b.seg_lo is not None for b in blocks):
-        out.seg_starts, out.seg_ids = _joint_table(blocks)
-        shift = 0
-        lo, hi = [], []
-        seen = {}
+        # the blocks' segment tables, each once (slices of one block share it), end to end
+        shift: dict[int, int] = {}
+        tables: list[Block] = []
         for b in blocks:
-            key = id(b.seg_starts)
-            if key not in seen:
-                seen[key] = shift
-                shift += len(b.seg_starts)
-            lo.append(b.seg_lo + seen[key])
-            hi.append(b.seg_hi + seen[key])
-        out.seg_lo, out.seg_hi = np.concatenate(lo), np.concatenate(hi)
+            if id(b.seg_starts) not in shift:
+                shift[id(b.seg_starts)] = sum(len(t.seg_starts) for t in tables)
+                tables.append(b)
+        out.seg_starts = tables[0].seg_starts if len(tables) == 1 else np.concatenate([t.seg_starts for t in tables])
+        out.seg_ids = tables[0].seg_ids if len(tables) == 1 else np.concatenate([t.seg_ids for t in tables])
+        out.seg_lo = np.concatenate([b.seg_lo + shift[id(b.seg_starts)] for b in blocks])
+        out.seg_hi = np.concatenate([b.seg_hi + shift[id(b.seg_starts)] for b in blocks])
     return out
-
-
-def _joint_table(blocks: list[Block]) -> tuple[np.ndarray, np.ndarray]:
-    """The segment tables of ``blocks``, each once, concatenated in first-seen order."""
-    tables, seen = [], set()
-    for b in blocks:
-        if id(b.seg_starts) not in seen:
-            seen.add(id(b.seg_starts))
-            tables.append(b)
-    if len(tables) == 1:
-        return tables[0].seg_starts, tables[0].seg_ids
-    return np.concatenate([b.seg_starts for b in tables]), np.concatenate([b.seg_ids for b in tables])
 
 
 def windows(blocks, size: int):
@@ -369,7 +356,8 @@ def read_slice(
 ) -> Iterator[Block]:
     """The items of one slice (after skipping ``skip`` of them), as blocks of one group each.
 
-    ``stream``: the shard already opened, at ``start`` when given (see ``ranged_start``)."""
+    ``start``: where to enter the shard (``ranged_start``); ``stream``: the shard already opened
+    there (else it is opened here)."""
     options = options or ReadOptions()
     url = catalog.urls[sl.shard]
     mode = catalog.mode
@@ -379,8 +367,6 @@ def read_slice(
     first_wanted = sl.start + skip * sl.stride
     stop = sl.stop
     own = stream is None
-    if own:
-        start = ranged_start(catalog, sl, skip, options)
     state = {"ordinal": 0, "doc": 0} if start is None else {"ordinal": start.items, "doc": start.documents}
     prev_shard_doc = -1
     if mode == "packed" and catalog.shard_entries is not None and sl.shard > 0:

@@ -305,7 +305,7 @@ def merge(
         # has the merged dataset
         groups_bytes = None
         if parts and all(p.groups is not None for p in parts):
-            groups_bytes = fmt.npy_bytes(np.concatenate([p.groups for p in parts]).astype(np.int64))
+            groups_bytes = fmt.group_table_bytes([p.groups for p in parts])
         index = merged_index(parts, moves, lengths, lengths_bytes, groups_bytes)
         out.put_bytes(fmt.LENGTHS_NAME, lengths_bytes)
         if groups_bytes is not None:

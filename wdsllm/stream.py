@@ -204,7 +204,7 @@ def plan_items(
         stream = next(streams) if streams is not None else None
         position = _items_of_docs(catalog, sl, spec, skip_docs) if sl.pick is not None else 0
         try:
-            for block in read_slice(catalog, sl, skip=skip_docs, options=options, stream=stream, start=at if stream is not None else None):
+            for block in read_slice(catalog, sl, skip=skip_docs, options=options, stream=stream, start=at):
                 if catalog.mode == "docs":
                     block, cut = _apply_max_len(block, spec)
                     if stats is not None:

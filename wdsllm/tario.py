@@ -155,10 +155,6 @@ class MapCache:
                 self.maps.popitem(last=False)  # unmapped once no array views it any more
         return mm
 
-    def clear(self) -> None:
-        with self.lock:
-            self.maps.clear()
-
 
 map_cache = MapCache()
 
