@@ -20,8 +20,8 @@ from typing import Callable
 import numpy as np
 
 from wdsllm import format as fmt
-from wdsllm import tario
-from wdsllm.packer import PackConfig, PackResult, pack
+from wdsllm.format import tar as tario
+from wdsllm.pack.job import PackConfig, PackResult, pack
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO.parent / "shared" / "data"

@@ -16,6 +16,7 @@ import numpy as np
 import webdataset as wds
 
 from wdsllm import format as fmt
+from wdsllm.format import tar as tario
 
 
 def doc_tokens(g: int, length: int) -> np.ndarray:
@@ -63,7 +64,7 @@ def write_dataset(
         path = out / name
         tokens_total = docs_total = samples = 0
         with open(path, "wb") as f:
-            tw = wds.TarWriter(f, user=fmt.TAR_USER, group=fmt.TAR_USER, mode=fmt.TAR_MODE, encoder=False, mtime=0)
+            tw = wds.TarWriter(f, user=tario.TAR_USER, group=tario.TAR_USER, mode=tario.TAR_MODE, encoder=False, mtime=0)
             if mode == "docs":
                 lengths = rng.integers(1, max_len + 1, n)
                 for gstart in range(0, n, group_docs):
@@ -113,7 +114,7 @@ def write_dataset(
             options={},
             inputs=[],
             skipped={},
-            lengths_file={"name": fmt.LENGTHS_NAME, "bytes": len(lengths_bytes), "sha256": hashlib.sha256(lengths_bytes).hexdigest()},
+            lengths_file=fmt.SideFile.of(fmt.LENGTHS_NAME, lengths_bytes),
             packed={"max_row_segments": seq_len, "short_rows": 1} if mode == "packed" else None,
         )
         (out / fmt.INDEX_NAME).write_text(index.to_json())

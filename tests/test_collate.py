@@ -8,8 +8,8 @@ import torch
 
 import wdsllm
 from synth import write_dataset
-from wdsllm.collate import IGNORE_INDEX, BufferPool
-from wdsllm.items import split_id
+from wdsllm.load.collate import IGNORE_INDEX, BufferPool
+from wdsllm.load.block import split_id
 
 
 def test_docs_batches_pad_and_mask(tmp_path):

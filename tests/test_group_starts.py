@@ -13,8 +13,8 @@ import pytest
 import wdsllm
 from pack_helpers import cached, pack_api, wiki_subset
 from wdsllm import format as fmt
-from wdsllm import tario
-from wdsllm.verify import verify
+from wdsllm.format import tar as tario
+from wdsllm.format.verify import verify
 
 SMALL = dict(sample_tokens=2000, shard_size=64 * 1024)
 
@@ -45,7 +45,7 @@ def test_pack_lists_where_every_group_starts(tmp_path, mode):
     opts = dict(mode="packed", seq_len=256) if mode == "packed" else {}
     index = pack_api([wiki_subset(600)], tmp_path / "out", **SMALL, **opts).index
     root = tmp_path / "out"
-    assert index.version == 2 and index.groups_file["name"] == fmt.GROUPS_NAME
+    assert index.version == 2 and index.groups_file.name == fmt.GROUPS_NAME
     assert len(index.shards) > 2 and all(e.samples > 2 for e in index.shards[:-1])
     table = fmt.npy_array((root / fmt.GROUPS_NAME).read_bytes())
     assert np.array_equal(table, _table_from_shards(root, index))

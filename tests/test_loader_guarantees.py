@@ -112,7 +112,7 @@ def test_plan_is_shared_and_split_by_rank_then_worker(sizes, world, workers, see
         layout = run_layout(tmp, world, workers, batch_size=4, seed=seed, shuffle_buffer=0, equal_batches=False)
         n = max(1, workers)
         sequence = [i for r in range(world) for w in range(n) for b in layout[(r, w)] for i in _ids(b)]
-        order = wdsllm.plan.shard_order(len(sizes), seed, 0)
+        order = wdsllm.load.plan.shard_order(len(sizes), seed, 0)
         expected = [(int(s) << 32) | j for s in order for j in range(sizes[s])]
         assert sequence == expected
 
@@ -142,7 +142,7 @@ def test_shuffle_buffer_is_seeded_per_worker(tmp_path):
     assert a == order(seed=1, shuffle_buffer=20)
     assert sorted(a) == sorted(set(a))
     plain = order(seed=1, shuffle_buffer=0)
-    shard_first = int(wdsllm.plan.shard_order(2, 1, 0)[0])
+    shard_first = int(wdsllm.load.plan.shard_order(2, 1, 0)[0])
     assert plain == [(s << 32) | j for s in (shard_first, 1 - shard_first) for j in range(40)], "a buffer of 0 follows the plan"
     assert order(seed=1, shuffle=False, shuffle_buffer=20) == sorted(plain), "shuffle=False reads in index order"
     assert a != plain

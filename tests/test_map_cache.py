@@ -9,7 +9,7 @@ import numpy as np
 
 import wdsllm
 from synth import write_dataset
-from wdsllm import tario
+from wdsllm.format import tar as tario
 
 
 def _rows(path) -> dict[int, list[int]]:

@@ -9,9 +9,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from pack_helpers import GPT2, cli, dataset_files, documents, jsonl, load_index, pack_api, wiki_subset
-from wdsllm.packer import PackError
-from wdsllm.sources import SourceError
-from wdsllm.tokenize import TokenizerError
+from wdsllm.pack.job import PackError
+from wdsllm.pack.sources import SourceError
+from wdsllm.errors import TokenizerError
 
 BAD_LINES = [
     (b"{not json", "invalid_json", "invalid JSON"),

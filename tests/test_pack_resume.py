@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pack_helpers import GPT2, REPO, cached, cli, dataset_files, load_index, pack_api, wiki_lines, wiki_subset
-from wdsllm.packer import PackError
+from wdsllm.pack.job import PackError
 
 LINES = 6000
 SMALL = ["--sample-tokens", "2048", "--shard-size", "32KiB", "--workers", "1"]

@@ -93,7 +93,7 @@ def test_wiki_index_describes_the_shards(wiki_gpt2):
         data = (wiki_gpt2 / entry.name).read_bytes()
         assert (entry.bytes, entry.sha256) == (len(data), hashlib.sha256(data).hexdigest())
     lengths_bytes = (wiki_gpt2 / fmt.LENGTHS_NAME).read_bytes()
-    assert index.lengths_file["sha256"] == hashlib.sha256(lengths_bytes).hexdigest()
+    assert index.lengths_file.sha256 == hashlib.sha256(lengths_bytes).hexdigest()
     lengths = fmt.npy_array(lengths_bytes)
     assert lengths.dtype == np.uint32
     assert lengths.tolist() == np.concatenate([g.lengths for g in gs]).tolist()
@@ -141,7 +141,7 @@ def test_writer_matches_webdataset_tarwriter_byte_for_byte(tmp_path):
 
     import webdataset as wds
 
-    from wdsllm.writer import SampleTarWriter
+    from wdsllm.format.tar import SampleTarWriter
 
     samples = [
         fmt.encode_group(fmt.group_key(3, i), np.arange(i * 7, dtype=np.uint16), lengths=[i * 7], meta={"documents": 1, "provenance": [[0, i + 1, 1]]})

@@ -10,11 +10,11 @@ import pytest
 
 from pack_helpers import GPT2, LLAMA, cached, cli, dataset_files, documents, groups, load_index, pack_api, provenance, wiki_lines
 from wdsllm import format as fmt
-from wdsllm import merge as merge_mod
-from wdsllm.merge import MergeError, merge
-from wdsllm.packer import assign_tasks, task_from_env
-from wdsllm.sources import expand_inputs
-from wdsllm.verify import verify
+from wdsllm.pack import merge as merge_mod
+from wdsllm.pack.merge import MergeError, merge
+from wdsllm.pack.job import assign_tasks, task_from_env
+from wdsllm.pack.sources import expand_inputs
+from wdsllm.format.verify import verify
 
 TASKS = 3
 OPTIONS = {"sample_tokens": 3000, "shard_size": 40 * 1024}

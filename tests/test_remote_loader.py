@@ -20,7 +20,7 @@ import pytest
 import wdsllm
 from synth import write_dataset
 from wdsllm import storage
-from wdsllm.catalog import open_catalog
+from wdsllm.load.catalog import open_catalog
 from wdsllm.storage import NotFoundError, RetryPolicy, StorageError
 
 SHARED_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"  # as in conftest.py
@@ -218,11 +218,11 @@ def shard_opens(source: str, workers: int) -> dict[int, int]:
     opened by both)."""
     from collections import Counter
 
-    from wdsllm.pipeline import Config, spec_for
-    from wdsllm.stream import epoch_slices
+    from wdsllm.load.config import Config
+    from wdsllm.load.stream import epoch_slices
 
     catalog, cfg = open_catalog(source), Config(**LOAD)
-    return Counter(sl.shard for w in range(workers) for sl in epoch_slices(catalog, spec_for(cfg, 0, 0, 1, w, workers)))
+    return Counter(sl.shard for w in range(workers) for sl in epoch_slices(catalog, cfg.spec(0, 0, 1, w, workers)))
 
 
 def test_a_shard_that_ignores_range_is_still_read_exactly(served, http_server, local_run):

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from wdsllm import storage
-from wdsllm.packer import PackConfig, pack
-from wdsllm.writer import JOURNAL_PREFIX, journal_record_name
+from wdsllm.pack.job import PackConfig, pack
+from wdsllm.pack.writer import JOURNAL_PREFIX, journal_record_name
 
 SHARED_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"  # as in conftest.py
 TOKENIZERS = SHARED_DATA / "tokenizers"
@@ -37,7 +37,7 @@ from wdsllm import storage
 from wdsllm.cli import main
 
 point, args = sys.argv[1], sys.argv[2:]
-Out = storage._S3Output
+Out = storage.s3.S3Output
 put_file, put_bytes, delete = Out.put_file, Out.put_bytes, Out.delete
 shards = [0]
 
@@ -118,9 +118,9 @@ def uninterrupted(wiki_input, s3_server) -> dict[str, bytes]:
 
 
 def test_pack_uploads_each_shard_as_it_completes_multipart_and_the_index_last(wiki_input, s3_server, s3_bucket, monkeypatch):
-    monkeypatch.setattr(storage, "MULTIPART_THRESHOLD", 32 * 1024)
+    monkeypatch.setattr(storage.s3, "MULTIPART_THRESHOLD", 32 * 1024)
     events: list[tuple[str, str]] = []
-    Out = storage._S3Output
+    Out = storage.s3.S3Output
     put_file, put_bytes, delete = Out.put_file, Out.put_bytes, Out.delete
 
     def spy_put_file(self, path, name):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import wdsllm
 from synth import write_dataset
-from wdsllm.resume import StateError
+from wdsllm.errors import StateError
 
 MODES = {
     "fixed": dict(batch_size=3),

@@ -23,7 +23,7 @@ import wdsllm
 from synth import write_dataset
 from wdsllm import format as fmt
 from wdsllm import storage
-from wdsllm.catalog import open_catalog
+from wdsllm.load.catalog import open_catalog
 
 LOAD = dict(batch_size=8, seed=1)
 
@@ -55,7 +55,10 @@ def opened(monkeypatch):
         urls.append(url)
         return real(url, **kwargs)
 
+    # the package's name (what readers call) and the module's (what read_bytes and prefetch call)
     monkeypatch.setattr(storage, "open_stream", spy)
+    monkeypatch.setattr(storage.resumable, "open_stream", spy)
+    monkeypatch.setattr(storage.prefetch, "open_stream", spy)
     return urls
 
 
@@ -133,9 +136,8 @@ def test_a_hostile_lengths_file_name_is_refused(dataset, tmp_path, opened):
     index = json.loads((directory / "index.json").read_text())
     index["lengths_file"]["name"] = "../../etc/passwd"
     (directory / "index.json").write_text(json.dumps(index))
-    catalog = open_catalog(str(directory))
     with pytest.raises(fmt.FormatError, match="refusing shard name '../../etc/passwd'"):
-        catalog.lengths()
+        open_catalog(str(directory))  # refused as the index is read, before any side file
     assert opened == [str(directory / "index.json")]
 
 
@@ -262,7 +264,7 @@ def test_a_file_named_like_a_pipe_is_read_as_a_file(how, dataset, tmp_path, monk
     monkeypatch.chdir(work)
     source = "*.tar" if how == "glob" else "."
     catalog = open_catalog(source)
-    assert [storage._scheme(u) for u in catalog.urls] == ["file"]
+    assert [storage.scheme_of(u) for u in catalog.urls] == ["file"]
     got = read_all(source)
     assert len(got) == 12
     assert not (work / "marker.tar").exists()

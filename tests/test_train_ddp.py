@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from wdsllm.packer import PackConfig, pack
+from wdsllm.pack.job import PackConfig, pack
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_ddp.py"

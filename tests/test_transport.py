@@ -10,7 +10,7 @@ import torch
 
 import wdsllm
 from synth import write_dataset
-from wdsllm import transport
+from wdsllm.load import transport
 
 
 def _flat(batches) -> list:
@@ -71,8 +71,8 @@ def test_abandoned_epochs_do_not_stall_the_next(packed, persistent):
 
 def test_ring_slots_are_reused_only_after_they_were_taken():
     ring = transport.TokenRing(workers=1, slots=2, slot_bytes=1 << 12)
-    from wdsllm.batching import Batch
-    from wdsllm.items import Block
+    from wdsllm.load.batching import Batch
+    from wdsllm.load.block import Block
 
     def bundle(value: int) -> list:
         tokens = np.full(8, value, np.uint16)

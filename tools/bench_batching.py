@@ -26,8 +26,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from wdsllm import stats  # noqa: E402
-from wdsllm.catalog import open_catalog  # noqa: E402
+from wdsllm.load import stats  # noqa: E402
+from wdsllm.load.catalog import open_catalog  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 MAX_LEN = 2048

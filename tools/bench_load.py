@@ -104,7 +104,7 @@ def _packed_ok(out: str, inputs: list[str], mode: str) -> bool:
 
 def prepare(work: str, quick: bool, log=print) -> Paths:
     """Pack (docs and packed), write the per-document layout and the flat token file, unless present."""
-    from wdsllm.packer import PackConfig, pack
+    from wdsllm.pack.job import PackConfig, pack
 
     inputs = WIKI[:1] if quick else WIKI
     if not inputs:

@@ -40,7 +40,7 @@ BATCH = 1000
 # process started by fork+exec keeps in ru_maxrss the size of the process it was forked from.
 PACK_SNIPPET = """
 import json, resource, sys, time
-from wdsllm.packer import PackConfig, pack
+from wdsllm.pack.job import PackConfig, pack
 cfg = PackConfig(**json.loads(sys.argv[1]))
 t = time.perf_counter()
 result = pack(cfg)

@@ -19,8 +19,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench_batching import MAX_LEN, ensure_docs_dataset, greedy_infinibatch  # noqa: E402
-from wdsllm import stats  # noqa: E402
-from wdsllm.catalog import open_catalog  # noqa: E402
+from wdsllm.load import stats  # noqa: E402
+from wdsllm.load.catalog import open_catalog  # noqa: E402
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ import time
 import click
 
 from . import __version__
+from .errors import ON_ERROR, TokenizerError, WdsllmError
 
 SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20, "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30}
 
@@ -114,7 +115,8 @@ def _fail(exc: Exception) -> None:
 @click.option("--sample-tokens", type=int, default=262144, show_default=True, help="Tokens per tar sample (a group of documents or rows).")
 @click.option("--prefix", default="shard", show_default=True, help="Shard name prefix: PREFIX-000000.tar.")
 @click.option("--workers", "-j", type=int, default=0, help="Tokenizer processes [default: all cores].")
-@click.option("--on-error", type=click.Choice(["stop", "skip"]), default="stop", show_default=True, help="Bad input: stop with an error, or skip, count and list it.")
+@click.option("--on-error", type=click.Choice([*ON_ERROR, "stop"]), default="raise", show_default=True,
+              help="Bad input: raise an error that names the file and line, or skip it (counted and listed). 'stop' is the old word for raise.")
 @click.option("--num-tasks", type=int, help="Split the inputs into this many disjoint tasks [default: SLURM array or torchrun size, else 1].")
 @click.option("--task-index", type=int, help="Which task this process packs [default: SLURM array id or torchrun rank].")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output.")
@@ -131,10 +133,7 @@ def pack(ctx, inputs, output, tokenizer, mode, seq_len, max_doc_tokens, split, t
       wdsllm pack book.txt --split paragraph -o out/ -t tok.json --mode packed --seq-len 2048
       cat x.jsonl | wdsllm pack - --input-format jsonl -o s3://bucket/ds/ -t tok.json
     """
-    from .packer import PackConfig, PackError, pack as run_pack, task_from_env
-    from .sources import SourceError
-    from .storage import StorageError
-    from .tokenize import TokenizerError
+    from .pack.job import PackConfig, pack as run_pack, task_from_env
 
     _setup_logging(ctx.obj["verbose"], quiet)
     if (num_tasks is None) != (task_index is None):
@@ -142,7 +141,7 @@ def pack(ctx, inputs, output, tokenizer, mode, seq_len, max_doc_tokens, split, t
     if num_tasks is None:
         try:
             num_tasks, task_index, source = task_from_env()
-        except PackError as exc:
+        except WdsllmError as exc:
             _fail(exc)
         if source and not quiet:
             click.echo(f"task {task_index} of {num_tasks} (from {source}); writes {output.rstrip('/')}/task-{task_index:05d}", err=True)
@@ -186,7 +185,7 @@ def pack(ctx, inputs, output, tokenizer, mode, seq_len, max_doc_tokens, split, t
 
     try:
         result = run_pack(cfg, on_progress=on_progress)
-    except (PackError, SourceError, TokenizerError, StorageError, OSError) as exc:
+    except (WdsllmError, OSError) as exc:
         _fail(exc)
     if not quiet:
         _pack_summary(result)
@@ -252,9 +251,7 @@ def merge(ctx, parts, output, copy, overwrite, allow_partial, quiet):
       wdsllm merge out/ -o out/                # in place: out/task-*/ become out/
       wdsllm merge out/task-0000{0,1} -o merged/ --copy
     """
-    from .format import FormatError
-    from .merge import MergeError, merge as run_merge
-    from .storage import StorageError
+    from .pack.merge import merge as run_merge
 
     _setup_logging(ctx.obj["verbose"], quiet)
     line = ProgressLine(quiet)
@@ -264,7 +261,7 @@ def merge(ctx, parts, output, copy, overwrite, allow_partial, quiet):
 
     try:
         index, used = run_merge(list(parts), output, copy=copy, overwrite=overwrite, allow_partial=allow_partial, on_shard=on_shard)
-    except (MergeError, StorageError, FormatError, OSError) as exc:
+    except (WdsllmError, OSError) as exc:
         _fail(exc)
     if not quiet:
         t = index.totals()
@@ -283,11 +280,11 @@ def merge(ctx, parts, output, copy, overwrite, allow_partial, quiet):
 @click.option("--json", "as_json", is_flag=True, help="Print index.json as it is.")
 def info(dataset, as_json):
     """Summarise a dataset's index (DATASET: a directory, URL, or index.json URL)."""
-    from .verify import load
+    from .format.verify import load
 
     try:
         root, index, raw = load(dataset)
-    except Exception as exc:  # noqa: BLE001 - storage, format and JSON errors all mean "no usable index"
+    except (WdsllmError, OSError, ValueError) as exc:  # storage, format and JSON errors: no usable index
         _fail(exc)
     if as_json:
         click.echo(json.dumps(raw, indent=1))
@@ -367,7 +364,7 @@ def verify(ctx, dataset, jobs, quiet):
 
     Exits non-zero when anything is wrong; each problem names the shard and the byte offset.
     """
-    from .verify import verify as run_verify
+    from .format.verify import verify as run_verify
 
     _setup_logging(ctx.obj["verbose"], quiet)
     line = ProgressLine(quiet)
@@ -383,7 +380,7 @@ def verify(ctx, dataset, jobs, quiet):
 
     try:
         report = run_verify(dataset, jobs=jobs, on_shard=on_shard)
-    except Exception as exc:  # noqa: BLE001 - an unreadable index is a failed verification
+    except (WdsllmError, OSError, ValueError) as exc:  # an unreadable index is a failed verification
         _fail(exc)
     for error in report.errors:
         click.echo(f"FAIL {error}")
@@ -411,13 +408,13 @@ def head(dataset, count, tokenizer, as_json, ids, skip_special_tokens):
     """Decode the first documents (or rows) back to text, with their key, index and provenance."""
     from itertools import islice
 
-    from .head import iter_items
-    from .tokenize import TokenizerError, load_tokenizer
-    from .verify import load
+    from .format.head import iter_items
+    from .format.verify import load
+    from .pack.tokenizer import load_tokenizer
 
     try:
         root, index, _ = load(dataset)
-    except Exception as exc:  # noqa: BLE001
+    except (WdsllmError, OSError, ValueError) as exc:
         _fail(exc)
     spec = tokenizer or index.tokenizer.source
     try:
@@ -430,7 +427,7 @@ def head(dataset, count, tokenizer, as_json, ids, skip_special_tokens):
         for item in islice(iter_items(root, index), max(0, count)):
             text = tok.tokenizer.decode(item.tokens.tolist(), skip_special_tokens=skip_special_tokens)
             click.echo(_head_json(item, text, ids) if as_json else _head_text(item, text, ids, index.mode))
-    except Exception as exc:  # noqa: BLE001 - a broken shard: say which (the message has the offset)
+    except (WdsllmError, OSError) as exc:  # a broken shard: say which (the message has the offset)
         _fail(exc)
 
 
@@ -477,8 +474,8 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
     shard plan and the shuffle buffer included); no shard is read. Longer documents are split at
     --seq-len, except in the "random, truncated" line, which shows what capping would cut.
     """
-    from . import stats as statsmod
-    from .catalog import open_catalog
+    from .load import stats as statsmod
+    from .load.catalog import open_catalog
 
     try:
         catalog = open_catalog(dataset)
@@ -488,9 +485,7 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
             raise click.ClickException(f"{dataset} is a packed dataset: its rows are fixed; stats compares batching modes of docs-mode data")
         costs = statsmod.all_modes(catalog, batch_size=batch_size, max_tokens=max_tokens, seq_len=seq_len, window=window,
                                    multiple=pad_to_multiple_of, seed=seed)
-    except click.ClickException:
-        raise
-    except Exception as exc:  # noqa: BLE001 - storage/format errors name the file
+    except (WdsllmError, OSError) as exc:  # storage/format errors name the file
         _fail(exc)
     hist = catalog.index.doc_lengths or {}
     if as_json:

@@ -11,7 +11,7 @@ fewer shards than consumers a shard's items are dealt out by stride.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -144,3 +144,12 @@ def resampled_shards(n_shards: int, *, seed: int, epoch: int, rank: int, worker:
         filled += take
         pos += take
     return out
+
+
+def resampled_slices(n_shards: int, seed: int, epoch: int, rank: int, worker: int) -> Iterator[Slice]:
+    """An endless with-replacement stream of whole shards for (rank, worker)."""
+    drawn = 0
+    while True:
+        for shard in resampled_shards(n_shards, seed=seed, epoch=epoch, rank=rank, worker=worker, start=drawn, count=256):
+            yield Slice(int(shard))
+        drawn += 256

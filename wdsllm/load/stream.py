@@ -20,11 +20,12 @@ from typing import Iterator
 import numpy as np
 
 from . import plan as planmod
-from . import storage
+from .. import storage
 from .catalog import Catalog
-from .format import FormatError
-from .items import Block, ReadOptions, open_kwargs, ranged_start, read_slice, windows
+from ..format import FormatError
+from .block import Block, windows
 from .plan import Slice
+from .read import ReadOptions, open_kwargs, ranged_start, read_slice
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,20 @@ class StreamSpec:
     max_len_mode: str = "split"  # or "truncate"
     resample: bool = False
 
+    def splits(self, mode: str) -> bool:
+        """Whether documents longer than max_len become several items (pieces) in this stream."""
+        return self.max_len is not None and self.max_len_mode == "split" and mode == "docs"
+
+
+def pieces_per_doc(lengths: np.ndarray, max_len: int) -> np.ndarray:
+    """Items each document becomes when split at ``max_len`` tokens."""
+    return (lengths + max_len - 1) // max_len
+
+
+def block_permutation(spec: StreamSpec, block: int, n: int) -> np.ndarray:
+    """The order of the ``n`` items of shuffle block ``block`` of (seed, epoch, rank, worker)."""
+    return planmod.rng(spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, block).permutation(n)
+
 
 def epoch_slices(catalog: Catalog, spec: StreamSpec) -> list[Slice]:
     return planmod.plan_epoch(
@@ -58,10 +73,6 @@ def epoch_slices(catalog: Catalog, spec: StreamSpec) -> list[Slice]:
         workers=spec.workers,
         shuffle=spec.shuffle,
     )
-
-
-def _splits(spec: StreamSpec, catalog: Catalog) -> bool:
-    return spec.max_len is not None and spec.max_len_mode == "split" and catalog.mode == "docs"
 
 
 def slice_item_lengths(catalog: Catalog, slices: list[Slice], spec: StreamSpec) -> np.ndarray | None:
@@ -96,7 +107,7 @@ def _max_len_lengths(lengths: np.ndarray, spec: StreamSpec) -> np.ndarray:
     if m is None:
         return lengths
     if spec.max_len_mode == "split":
-        counts = (lengths + m - 1) // m
+        counts = pieces_per_doc(lengths, m)
         reps = np.repeat(lengths, counts)
         piece = np.arange(len(reps)) - np.repeat(np.cumsum(counts) - counts, counts)
         return np.minimum(m, reps - piece * m)
@@ -111,8 +122,7 @@ def shuffle_lengths(lengths: np.ndarray, spec: StreamSpec) -> np.ndarray:
     out = np.empty_like(lengths)
     for k, a in enumerate(range(0, len(lengths), size)):
         block = lengths[a : a + size]
-        perm = planmod.rng(spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, k).permutation(len(block))
-        out[a : a + len(block)] = block[perm]
+        out[a : a + len(block)] = block[block_permutation(spec, k, len(block))]
     return out
 
 
@@ -125,25 +135,24 @@ def slice_item_counts(catalog: Catalog, slices: list[Slice], spec: StreamSpec) -
 def slice_item_count(catalog: Catalog, sl: Slice, spec: StreamSpec) -> int | None:
     if sl.pick is not None:
         return len(sl.pick)
-    if not _splits(spec, catalog):
+    if not spec.splits(catalog.mode):
         if sl.stop is None and sl.stride == 1 and sl.start == 0 and catalog.items_per_shard is not None:
             return catalog.items_per_shard[sl.shard]  # a whole shard (resampled streams)
         return sl.count
     by_shard = catalog.lengths_by_shard()
     if by_shard is None:
         return None
-    m = spec.max_len
-    return int(((by_shard[sl.shard][sl.start : sl.stop : sl.stride] + m - 1) // m).sum())
+    return int(pieces_per_doc(by_shard[sl.shard][sl.start : sl.stop : sl.stride], spec.max_len).sum())
 
 
 def _docs_before(catalog: Catalog, sl: Slice, spec: StreamSpec, item: int) -> tuple[int, int]:
     """(whole documents before in-slice item position ``item``, items those documents make)."""
     if item <= 0:
         return 0, 0
-    if not _splits(spec, catalog):
+    if not spec.splits(catalog.mode):
         return item, item
     lengths = catalog.lengths_by_shard()[sl.shard][sl.start : sl.stop : sl.stride]
-    pieces_through = np.cumsum((lengths + spec.max_len - 1) // spec.max_len)
+    pieces_through = np.cumsum(pieces_per_doc(lengths, spec.max_len))
     docs = int(np.searchsorted(pieces_through, item, side="right"))
     return docs, int(pieces_through[docs - 1]) if docs else 0
 
@@ -157,7 +166,7 @@ def _apply_max_len(block: Block, spec: StreamSpec) -> tuple[Block, int]:
         cut = int(np.maximum(block.lengths - m, 0).sum())
         out = replace(block, lengths=np.minimum(block.lengths, m))
         return out, cut
-    counts = (block.lengths + m - 1) // m
+    counts = pieces_per_doc(block.lengths, m)
     item = np.repeat(np.arange(len(block)), counts)
     piece = np.arange(len(item)) - np.repeat(np.cumsum(counts) - counts, counts)
     starts = block.starts[item] + piece * m
@@ -233,10 +242,10 @@ def _items_of_docs(catalog: Catalog, sl: Slice, spec: StreamSpec, docs: int) -> 
     """In-slice item position of the first item of document ``docs``."""
     if docs <= 0:
         return 0
-    if not _splits(spec, catalog):
+    if not spec.splits(catalog.mode):
         return docs
     lengths = catalog.lengths_by_shard()[sl.shard][sl.start : sl.stop : sl.stride][:docs]
-    return int(((lengths + spec.max_len - 1) // spec.max_len).sum())
+    return int(pieces_per_doc(lengths, spec.max_len).sum())
 
 
 def _slice_work(catalog: Catalog, slices, spec: StreamSpec, start: int) -> Iterator[tuple[Slice, int, int]]:
@@ -285,9 +294,23 @@ def shuffled_items(
     k = start // size
     skip = start - k * size
     for window in windows(blocks_from(k * size), size):
-        perm = planmod.rng(spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, k).permutation(len(window))
-        out = window.take(perm)
+        out = window.take(block_permutation(spec, k, len(window)))
         if skip < len(out):
             yield k * size + skip, out.slice(skip, len(out)) if skip else out
         skip = 0
         k += 1
+
+
+def inverse_shuffle(shuffled_positions: np.ndarray, n: int, spec: StreamSpec) -> np.ndarray:
+    """Plan positions of the given shuffled-stream positions of a stream of ``n`` items."""
+    size = spec.shuffle_buffer
+    if size <= 1 or len(shuffled_positions) == 0:
+        return shuffled_positions
+    out = np.empty_like(shuffled_positions)
+    blocks = shuffled_positions // size
+    for k in np.unique(blocks):
+        k = int(k)
+        perm = block_permutation(spec, k, min(size, n - k * size))
+        sel = blocks == k
+        out[sel] = k * size + perm[shuffled_positions[sel] - k * size]
+    return out

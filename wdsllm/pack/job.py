@@ -25,13 +25,14 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from . import __version__
-from . import format as fmt
-from . import storage
+from .. import __version__
+from .. import format as fmt
+from .. import storage
 from .shaping import DocGrouper, EncodedChunk, Position, RowPacker
 from .sources import SPLITS, STDIN, InputFile, expand_inputs, read_chunks
-from .tokenize import LoadedTokenizer, encode_chunk, init_worker, load_tokenizer
+from .tokenizer import LoadedTokenizer, encode_chunk, init_worker, load_tokenizer
 from .writer import JOURNAL_PREFIX, JOURNAL_START, Counters, ShardSink, read_journal
+from ..errors import PackError, normalize_on_error
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,6 @@ DEFAULT_SAMPLE_TOKENS = 256 * 1024
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 
-class PackError(RuntimeError):
-    """The pack cannot start or continue; the message says why and what to do."""
 
 
 @dataclass
@@ -65,7 +64,7 @@ class PackConfig:
     shard_samples: int | None = None
     sample_tokens: int = DEFAULT_SAMPLE_TOKENS
     prefix: str = "shard"
-    on_error: str = "stop"
+    on_error: str = "raise"  # bad input: "raise" a SourceError, or "skip" it (counted and listed)
     num_tasks: int = 1
     task_index: int = 0
     # how the job runs; none of these change the output
@@ -75,6 +74,9 @@ class PackConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
     RUNTIME_ONLY = ("workers", "overwrite", "resume", "chunk_bytes", "output")
+
+    def __post_init__(self) -> None:
+        self.on_error = normalize_on_error(self.on_error)
 
     def output_options(self) -> dict:
         """The options that determine the output bytes (stored in the index)."""
@@ -178,8 +180,6 @@ def _validate(cfg: PackConfig) -> None:
         raise PackError("--num-tasks must be at least 1")
     if not (0 <= cfg.task_index < cfg.num_tasks):
         raise PackError(f"--task-index {cfg.task_index} is outside 0..{cfg.num_tasks - 1}")
-    if cfg.on_error not in ("stop", "skip"):
-        raise PackError("--on-error must be stop or skip")
     if cfg.split not in SPLITS:
         raise PackError(f"--split must be one of {SPLITS}")
     if cfg.shard_size < 4096:
@@ -458,7 +458,7 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSi
     if all("groups" in rec for rec in records):  # a journal from before format 2 has no group starts
         groups_bytes = fmt.group_table_bytes([np.asarray(rec["groups"], np.int64) for rec in records])
         out.put_bytes(fmt.GROUPS_NAME, groups_bytes)
-        groups_file = {"name": fmt.GROUPS_NAME, "bytes": len(groups_bytes), "sha256": hashlib.sha256(groups_bytes).hexdigest()}
+        groups_file = fmt.SideFile.of(fmt.GROUPS_NAME, groups_bytes)
     options = cfg.output_options()
     options["bos"] = use_bos
     options["eos"] = use_eos
@@ -487,7 +487,7 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSi
             "records": totals.skip_records,
             "records_truncated": non_empty > len(totals.skip_records),
         },
-        lengths_file={"name": fmt.LENGTHS_NAME, "bytes": len(lengths_bytes), "sha256": hashlib.sha256(lengths_bytes).hexdigest()},
+        lengths_file=fmt.SideFile.of(fmt.LENGTHS_NAME, lengths_bytes),
         packed={"max_row_segments": sink.max_row_segments, "short_rows": sink.short_rows} if cfg.mode == "packed" else None,
         groups_file=groups_file,
         created_by=f"wdsllm {__version__}",

@@ -13,14 +13,13 @@ import io
 import json
 import logging
 import os
-import tarfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import numpy as np
 
-from . import format as fmt
+from .. import format as fmt
+from ..format.tar import SampleTarWriter, member_bytes, tar_file_bytes
 from .shaping import GroupData, Position
 
 log = logging.getLogger(__name__)
@@ -75,50 +74,6 @@ class _HashingFile(io.RawIOBase):
         if not self._f.closed:  # Output.put_file makes it durable before it renames it
             self._f.close()
         super().close()
-
-
-def _member_bytes(sample: dict[str, Any]) -> int:
-    """Bytes a sample adds to a tar: a 512-byte header per member plus padded payloads."""
-    total = 0
-    for k, v in sample.items():
-        if not k.startswith("__"):
-            total += 512 + (len(v) + 511) // 512 * 512
-    return total
-
-
-TAR_RECORD = 20 * 512  # tarfile pads a closed archive to whole records of this size
-
-
-def tar_file_bytes(member_bytes: int) -> int:
-    """The size of a closed tar holding ``member_bytes``: two zero end blocks, then record padding."""
-    return -(-(member_bytes + 1024) // TAR_RECORD) * TAR_RECORD
-
-
-class SampleTarWriter:
-    """Writes webdataset samples exactly as ``webdataset.TarWriter(encoder=False, mtime=0,
-    user=group="wdsllm", mode=0o444)`` does (members in sorted suffix order, same headers, same
-    bytes; a test holds the two equal), without importing webdataset: that imports torch, which
-    costs a packing process 1.7 s of CPU and 200 MiB of memory for nothing.
-    """
-
-    def __init__(self, fileobj):
-        self._tar = tarfile.open(fileobj=fileobj, mode="w|", format=tarfile.USTAR_FORMAT)
-
-    def write(self, sample: dict[str, Any]) -> None:
-        key = sample["__key__"]
-        for suffix in sorted(sample):
-            if suffix.startswith("_"):
-                continue
-            data = sample[suffix]
-            info = tarfile.TarInfo(f"{key}.{suffix}")
-            info.size = len(data)
-            info.mtime = fmt.TAR_MTIME
-            info.mode = fmt.TAR_MODE
-            info.uname = info.gname = fmt.TAR_USER
-            self._tar.addfile(info, io.BytesIO(data))
-
-    def close(self) -> None:
-        self._tar.close()
 
 
 @dataclass
@@ -202,7 +157,7 @@ class ShardSink:
             sample = fmt.encode_group(key, group.tokens, starts=group.starts, meta=meta)
         else:
             sample = fmt.encode_group(key, group.tokens, lengths=group.lengths, meta=meta)
-        size = _member_bytes(sample)
+        size = member_bytes(sample)
         items = group.rows if self.mode == "packed" else group.documents
         if self._tar is not None and (
             tar_file_bytes(self._cur["bytes"] + size) > self.shard_size

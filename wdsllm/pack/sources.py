@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Iterator
 
 import braceexpand
+from ..errors import SourceError
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,6 @@ _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 _BOM = b"\xef\xbb\xbf"
 
 
-class SourceError(ValueError):
-    """Bad input; the message names the file and the line."""
 
 
 @dataclass(frozen=True)

@@ -20,18 +20,61 @@ Batchers:
   (Ding et al. 2024, "Fewer Truncations Improve Language Modeling"); rows shuffled per window,
   ``batch_size`` rows per batch.
 - ``ConcatBatcher``: the documents concatenated and cut into rows of ``seq_len`` (GPT-style).
+
+A new batching mode is one class that keeps the :class:`Batcher` protocol and one
+:class:`BatchingMode` entry in :data:`MODES`; the loader asks the entry everything else (what the
+mode needs of the dataset, whether it makes rows, how documents reach it).
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 
+from ..errors import ConfigError
 from . import plan as planmod
-from .items import Block, concat_blocks, empty_block, windows
+from .block import Block, concat_blocks, empty_block, windows
+
+if TYPE_CHECKING:
+    from .stream import StreamSpec
+
+#: A resume hint: the batcher's own note of where a worker's next batch starts (small, JSON-able)
+Hint = dict
+
+
+class Batcher(Protocol):
+    """Turns a worker's shuffled item stream into batches; a pure function of lengths and the key.
+
+    ``count``, ``start_position`` and ``dry_batches`` work from the items' lengths alone (in
+    shuffled-stream order), so counts are known and positions found without reading a token;
+    ``batches`` does the same work on the items themselves, and must agree with them exactly.
+    """
+
+    #: whether count/start_position need the items' lengths (else the number of items suffices)
+    needs_lengths: bool
+
+    def count(self, n_items: int, lengths: np.ndarray | None) -> int:
+        """Batches the stream of ``n_items`` items (of these lengths) makes."""
+        ...
+
+    def start_position(self, batch: int, lengths: np.ndarray | None, hint: Hint | None = None) -> int:
+        """The shuffled-stream position to start reading at to produce batch ``batch``."""
+        ...
+
+    def dry_batches(self, lengths: np.ndarray, spec: StreamSpec) -> Iterator[np.ndarray]:
+        """The shuffled-stream positions of each batch's items, from lengths alone."""
+        ...
+
+    def batches(
+        self, shuffled: Iterable[tuple[int, Block]], first_batch: int, spec: StreamSpec,
+        lengths: np.ndarray | None = None, hint: Hint | None = None,
+    ) -> Iterator[tuple[int, Block, Hint | None]]:
+        """(batch number, items, hint for the batch after it) from batch ``first_batch`` on;
+        ``shuffled`` starts at ``start_position(first_batch, ...)``."""
+        ...
 
 
 @dataclass(slots=True)
@@ -73,7 +116,7 @@ class FixedBatcher:
 
     def __init__(self, batch_size: int, drop_last: bool = False):
         if batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
+            raise ConfigError("batch_size must be at least 1")
         self.batch_size = batch_size
         self.drop_last = drop_last
 
@@ -172,9 +215,9 @@ class BucketBatcher:
     def __init__(self, window: int, batch_size: int | None = None, max_tokens: int | None = None,
                  pad_to_multiple_of: int | None = None, drop_last: bool = False):
         if (batch_size is None) == (max_tokens is None):
-            raise ValueError("bucket batching takes batch_size= or max_tokens=, not both")
+            raise ConfigError("bucket batching takes batch_size= or max_tokens=, not both")
         if batch_size is not None and window < batch_size:
-            raise ValueError(f"window ({window}) must hold at least one batch ({batch_size})")
+            raise ConfigError(f"window ({window}) must hold at least one batch ({batch_size})")
         self.window = window
         self.batch_size = batch_size
         self.max_tokens = max_tokens
@@ -248,7 +291,7 @@ class BucketBatcher:
 
     def count(self, n_items: int, lengths: np.ndarray | None) -> int:
         if lengths is None:
-            raise ValueError("bucket batch counts need the documents' lengths (an index)")
+            raise ConfigError("bucket batch counts need the documents' lengths (an index)")
         if n_items == 0:
             return 0
         return sum(b for b, _ in self.simulate(lengths))
@@ -406,7 +449,7 @@ class PackBatcher:
 
     def count(self, n_items: int, lengths: np.ndarray | None) -> int:
         if lengths is None:
-            raise ValueError("pack batch counts need the documents' lengths (an index)")
+            raise ConfigError("pack batch counts need the documents' lengths (an index)")
         rows = sum(self.rows_per_window(lengths))
         b = self.batch_size
         return rows // b if self.drop_last else (rows + b - 1) // b
@@ -507,7 +550,7 @@ class ConcatBatcher:
 
     def count(self, n_items: int, lengths: np.ndarray | None) -> int:
         if lengths is None:
-            raise ValueError("concat batch counts need the documents' lengths (an index)")
+            raise ConfigError("concat batch counts need the documents' lengths (an index)")
         rows = (int(lengths.sum()) + self.seq_len - 1) // self.seq_len
         return rows // self.batch_size if self.drop_last else (rows + self.batch_size - 1) // self.batch_size
 
@@ -597,3 +640,50 @@ def _cut_rows(block: Block, seq_len: int, n_rows: int) -> tuple[Block, Block | N
             rest.starts[0] += used
             rest.lengths[0] -= used
     return rows, rest
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry
+
+
+@dataclass(frozen=True)
+class BatchingMode:
+    """What the loader needs to know of a batching mode besides its Batcher."""
+
+    name: str
+    make: Callable[[Any], Batcher]  # the Batcher for a load.config.Config
+    docs_only: bool = False  # works on documents: a packed dataset's rows are fixed
+    needs_seq_len: bool = False
+    uses_window: bool = False
+    rows: bool = False  # batches are rows of seq_len (documents in rows, with segments)
+    boundaries: bool = False  # rows mark their documents' boundaries by default
+    pieces_at_seq_len: bool = False  # documents longer than seq_len reach it as seq_len pieces
+
+
+def _fixed(cfg: Any) -> Batcher:
+    return ItemChunker() if cfg.batch_size is None else FixedBatcher(cfg.batch_size, cfg.drop_last)
+
+
+def _bucket(cfg: Any) -> Batcher:
+    return BucketBatcher(cfg.window, batch_size=None if cfg.max_tokens else cfg.batch_size, max_tokens=cfg.max_tokens,
+                         pad_to_multiple_of=cfg.pad_to_multiple_of, drop_last=cfg.drop_last)
+
+
+MODES: dict[str, BatchingMode] = {
+    m.name: m
+    for m in (
+        BatchingMode("fixed", _fixed),
+        BatchingMode("bucket", _bucket, docs_only=True, uses_window=True),
+        BatchingMode("pack", lambda cfg: PackBatcher(cfg.window, cfg.seq_len, cfg.batch_size, cfg.drop_last), docs_only=True,
+                     needs_seq_len=True, uses_window=True, rows=True, boundaries=True, pieces_at_seq_len=True),
+        BatchingMode("concat", lambda cfg: ConcatBatcher(cfg.seq_len, cfg.batch_size, cfg.drop_last), docs_only=True,
+                     needs_seq_len=True, rows=True),
+    )
+}
+
+
+def mode_of(name: str) -> BatchingMode:
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ConfigError(f"batching must be one of {tuple(MODES)}, not {name!r}") from None

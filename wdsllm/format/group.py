@@ -1,61 +1,32 @@
-"""The shard format: the contract between packing and loading (see docs/format.md).
-
-Both paths import this module and nothing else of each other. It knows member names, the token
-dtype rule, how a tar sample (a *group* of documents or rows) is encoded and decoded, and the
-schema of ``index.json`` with its version.
+"""One tar sample = one *group* of documents (or packed rows): its members, how they are encoded and
+decoded, the provenance runs in its JSON member, and the group tables (groups.npy) that say where
+every group of every shard starts. Pure numpy: no I/O.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import re
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-FORMAT_NAME = "wdsllm"
-FORMAT_VERSION = 2
-#: Versions this code reads. Add a reader here, never drop one, when the version is bumped.
-#: 1: no groups.npy (a reader then finds groups by reading the shard from its start).
-READABLE_VERSIONS = (1, 2)
+from ..errors import FormatError
 
-INDEX_NAME = "index.json"
-#: Per-document token counts of a docs-mode dataset, in dataset order (uint32 .npy).
-LENGTHS_NAME = "lengths.npy"
-#: Where each group (tar sample) starts, per shard in shard order (int64 .npy, GROUP_COLUMNS per
-#: group); version 2 on. Lets a reader start a shard at any group with a ranged read.
-GROUPS_NAME = "groups.npy"
-#: (byte offset of the group's first member header in its shard, items of the shard before the
-#: group (documents, or rows in packed mode), documents of the shard before the group)
+if TYPE_CHECKING:
+    from .index import ShardEntry
+
+#: Columns of groups.npy, per group: (byte offset of the group's first member header in its
+#: shard, items of the shard before the group (documents, or rows in packed mode), documents of
+#: the shard before the group)
 GROUP_COLUMNS = 3
-SHARD_PATTERN = "{prefix}-{number:06d}.tar"
-SHARD_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+(?:[A-Za-z0-9_-]*[A-Za-z0-9_])?)-(?P<number>\d{6,})\.tar$")
 
 # Member suffixes of one tar sample; the key is everything before the first dot.
 TOKENS = "tokens.npy"  # 1-D token ids: the group's documents (or rows) concatenated
 LENGTHS = "lengths.npy"  # docs mode: 1-D uint32 token count of each document in the group
 STARTS = "starts.npy"  # packed mode: 1-D uint32 offsets in TOKENS where a document starts
 META = "json"  # provenance runs and counts
-
-MODES = ("docs", "packed")
-TAR_MTIME = 0  # fixed so that identical input gives byte-identical shards
-TAR_USER = "wdsllm"
-TAR_MODE = 0o444
-
-
-class FormatError(ValueError):
-    """A shard, sample or index does not follow the format; the message says where."""
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 while every id fits (vocab <= 65,536), else uint32."""
-    return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
-
-
-def shard_name(prefix: str, number: int) -> str:
-    return SHARD_PATTERN.format(prefix=prefix, number=number)
 
 
 def group_key(task: int, group: int) -> str:
@@ -220,7 +191,7 @@ def group_table_bytes(tables: list[np.ndarray]) -> bytes:
     return npy_bytes(flat)
 
 
-def check_group_table(table: np.ndarray, entry: "ShardEntry", items: int, where: str) -> np.ndarray:
+def check_group_table(table: np.ndarray, entry: ShardEntry, items: int, where: str) -> np.ndarray:
     """A shard's rows of groups.npy as [groups, GROUP_COLUMNS], checked against its index entry
     (the table is untrusted data: a reader seeks by it)."""
     table = np.asarray(table, np.int64).reshape(-1, GROUP_COLUMNS)
@@ -237,182 +208,3 @@ def check_group_table(table: np.ndarray, entry: "ShardEntry", items: int, where:
         if not ok:
             raise FormatError(f"{where}: the groups listed for {entry.name} are not increasing offsets and counts inside the shard")
     return table
-
-
-# ----------------------------------------------------------------------------------------------
-# The index.
-
-
-@dataclass
-class TokenizerInfo:
-    source: str
-    sha256: str
-    vocab_size: int
-    bos_id: int | None
-    eos_id: int | None
-    pad_id: int | None = None
-
-
-@dataclass
-class ShardEntry:
-    name: str
-    samples: int  # tar samples (groups)
-    documents: int  # docs mode: documents (pieces count); packed: documents that start here
-    tokens: int
-    bytes: int
-    sha256: str
-    rows: int = 0  # packed mode: rows of seq_len (the last row of a shard may be short)
-
-
-@dataclass
-class Index:
-    """index.json: everything a loader needs to plan an epoch without opening a shard."""
-
-    mode: str
-    dtype: str
-    seq_len: int | None
-    tokenizer: TokenizerInfo
-    shards: list[ShardEntry]
-    doc_lengths: dict[str, Any]
-    options: dict[str, Any]
-    inputs: list[dict[str, Any]]
-    skipped: dict[str, Any]
-    lengths_file: dict[str, Any] | None = None
-    packed: dict[str, Any] | None = None  # packed mode: {"max_row_segments": k, "short_rows": n}
-    groups_file: dict[str, Any] | None = None  # version 2: {"name": "groups.npy", "bytes": n, "sha256": "…"}
-    version: int = FORMAT_VERSION
-    format: str = FORMAT_NAME
-    created_by: str = ""
-
-    # -- derived ------------------------------------------------------------------------------
-    @property
-    def documents(self) -> int:
-        return sum(s.documents for s in self.shards)
-
-    @property
-    def tokens(self) -> int:
-        return sum(s.tokens for s in self.shards)
-
-    @property
-    def rows(self) -> int:
-        return sum(s.rows for s in self.shards)
-
-    @property
-    def items_per_shard(self) -> list[int]:
-        """What the loader counts per shard: documents in docs mode, rows in packed mode."""
-        return [s.rows if self.mode == "packed" else s.documents for s in self.shards]
-
-    def totals(self) -> dict[str, int]:
-        out = {
-            "shards": len(self.shards),
-            "samples": sum(s.samples for s in self.shards),
-            "documents": self.documents,
-            "tokens": self.tokens,
-            "bytes": sum(s.bytes for s in self.shards),
-        }
-        if self.mode == "packed":
-            out["rows"] = self.rows
-        return out
-
-    # -- serialisation ------------------------------------------------------------------------
-    def to_json(self) -> str:
-        body = {
-            "format": self.format,
-            "version": self.version,
-            "created_by": self.created_by,
-            "mode": self.mode,
-            "dtype": self.dtype,
-            "seq_len": self.seq_len,
-            "tokenizer": asdict(self.tokenizer),
-            "totals": self.totals(),
-            "doc_lengths": self.doc_lengths,
-            "lengths_file": self.lengths_file,
-            "groups_file": self.groups_file,
-            "packed": self.packed,
-            "options": self.options,
-            "inputs": self.inputs,
-            "skipped": self.skipped,
-            "shards": [asdict(s) for s in self.shards],
-        }
-        return json.dumps(body, indent=1, sort_keys=False) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str | bytes, where: str = INDEX_NAME) -> "Index":
-        try:
-            body = json.loads(text)
-        except ValueError as exc:
-            raise FormatError(f"{where}: not JSON: {exc}") from exc
-        if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
-            raise FormatError(f"{where}: not a wdsllm index (format field is {body.get('format') if isinstance(body, dict) else None!r})")
-        version = body.get("version")
-        if version not in READABLE_VERSIONS:
-            raise FormatError(
-                f"{where}: format version {version} is not readable by this wdsllm (reads {list(READABLE_VERSIONS)}); upgrade wdsllm"
-            )
-        try:
-            shards = [ShardEntry(**s) for s in body["shards"]]
-            index = cls(
-                mode=body["mode"],
-                dtype=body["dtype"],
-                seq_len=body.get("seq_len"),
-                tokenizer=TokenizerInfo(**body["tokenizer"]),
-                shards=shards,
-                doc_lengths=body.get("doc_lengths", {}),
-                options=body.get("options", {}),
-                inputs=body.get("inputs", []),
-                skipped=body.get("skipped", {}),
-                lengths_file=body.get("lengths_file"),
-                groups_file=body.get("groups_file") if version >= 2 else None,
-                packed=body.get("packed"),
-                version=version,
-                format=body["format"],
-                created_by=body.get("created_by", ""),
-            )
-        except (KeyError, TypeError) as exc:
-            raise FormatError(f"{where}: malformed index: {exc!r}") from exc
-        if index.mode not in MODES:
-            raise FormatError(f"{where}: unknown mode {index.mode!r}")
-        if np.dtype(index.dtype) not in (np.dtype(np.uint16), np.dtype(np.uint32)):
-            raise FormatError(f"{where}: token dtype must be uint16 or uint32, not {index.dtype}")
-        for s in shards:
-            check_shard_name(s.name, where)
-        return index
-
-
-def check_shard_name(name: str, where: str = INDEX_NAME) -> str:
-    """An index is untrusted data: its shard names must be plain relative file names."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or "/" in name
-        or "\\" in name
-        or ":" in name
-        or name in (".", "..")
-        or name.startswith((".", "-", "|"))
-        or any(ord(c) < 32 for c in name)
-    ):
-        raise FormatError(f"{where}: refusing shard name {name!r}: shard names must be plain relative file names")
-    return name
-
-
-def length_histogram(lengths: np.ndarray) -> dict[str, Any]:
-    """Counts per power-of-two bucket [2^k, 2^(k+1)), plus summary statistics."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if len(lengths) == 0:
-        return {"edges": [], "counts": [], "count": 0}
-    top = int(lengths.max())
-    nb = max(1, int(top).bit_length())
-    edges = [0] + [1 << k for k in range(nb + 1)]
-    counts, _ = np.histogram(lengths, bins=edges)
-    qs = np.percentile(lengths, [50, 90, 99]).tolist()
-    return {
-        "edges": edges,
-        "counts": counts.tolist(),
-        "count": int(len(lengths)),
-        "min": int(lengths.min()),
-        "max": top,
-        "mean": round(float(lengths.mean()), 3),
-        "p50": qs[0],
-        "p90": qs[1],
-        "p99": qs[2],
-    }

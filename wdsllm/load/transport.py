@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ConfigError, WdsllmError
 from .batching import Batch
 
 HEADER = 4096  # one int64 acknowledgement counter per worker
-SLOT_BYTES = 4 << 20  # a bundle holds at most 1M tokens (pipeline.BUNDLE_TOKENS) of at most 4 bytes
+SLOT_BYTES = 4 << 20  # a bundle holds at most 1M tokens (dataset.BUNDLE_TOKENS) of at most 4 bytes
 
 #: rings of this process by key, so that an unpickled message finds its ring
 _RINGS: "weakref.WeakValueDictionary[str, TokenRing]" = weakref.WeakValueDictionary()
@@ -39,7 +40,7 @@ class TokenRing:
 
     def __init__(self, workers: int, slots: int, slot_bytes: int = SLOT_BYTES):
         if workers * 8 > HEADER:
-            raise ValueError(f"at most {HEADER // 8} workers")
+            raise ConfigError(f"at most {HEADER // 8} workers")
         self.key = f"{os.getpid()}-{next(_keys)}"
         self.workers, self.slots, self.slot_bytes = workers, slots, slot_bytes
         self.mm = mmap.mmap(-1, HEADER + workers * slots * slot_bytes)  # MAP_SHARED | MAP_ANONYMOUS
@@ -94,7 +95,7 @@ class TokenRing:
         delay = 1e-4
         while int(self.taken[worker]) <= seq - self.slots:
             if os.getppid() != self.owner:  # the main process is gone
-                raise RuntimeError("the loader's process exited")
+                raise WdsllmError("the loader's process exited")
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
 
@@ -128,7 +129,7 @@ class RingBundle:
         self.__dict__.update(state)
         ring = _RINGS.get(self.key)
         if ring is None:
-            raise RuntimeError(f"a worker's batches refer to token ring {self.key}, which this process does not hold")
+            raise WdsllmError(f"a worker's batches refer to token ring {self.key}, which this process does not hold")
         self.tokens = ring.take(self)
 
     def unpack(self) -> list:
@@ -147,7 +148,7 @@ class RingHolder:
 
 
 def send_bundles(bundles, holder: RingHolder):
-    """Stage after ``pipeline._bundle`` in DataLoader workers: bundles through the ring where
+    """Stage after ``dataset._bundle`` in DataLoader workers: bundles through the ring where
     possible, else as they are (then compacted, to be pickled)."""
     from torch.utils.data import get_worker_info
 

@@ -23,22 +23,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from ..errors import ConfigError, StateError
 from . import resume as resumemod
 from .batching import Batch
 from .catalog import open_catalog
-from .collate import collate_docs, collate_rows
-from .pipeline import (
-    Config,
-    EndOfWorker,
-    batch_counts,
-    build_pipeline,
-    collate_options,
-    read_options,
-    resolve_config,
-    resolve_world,
-    round_robin_share,
-    rows_out,
-)
+from .collate import CollateOptions, collate_docs, collate_rows
+from .config import Config, read_options, resolve_world
+from .counts import batch_counts, equalised, round_robin_share
+from .dataset import EndOfWorker, build_pipeline
 from .transport import RingHolder, TokenRing, received
 
 log = logging.getLogger(__name__)
@@ -107,9 +99,9 @@ class Loader:
     ):
         self.catalog = open_catalog(source, retry=retry)
         self.rank, self.world_size = resolve_world(rank, world_size)
-        self.cfg = resolve_config(Config(**options), self.catalog)
+        self.cfg = Config(**options).resolved(self.catalog)
         if self.cfg.unbatched:
-            raise ValueError("the loader yields batches: pass batch_size (or max_tokens with batching='bucket'); "
+            raise ConfigError("the loader yields batches: pass batch_size (or max_tokens with batching='bucket'); "
                              "for one document at a time use wdsllm.dataset(..., batch_size=None)")
         self.num_workers = int(num_workers)
         self.prefetch_factor = prefetch_factor if self.num_workers > 0 else None
@@ -127,8 +119,8 @@ class Loader:
             ring=self._ring,
         )
         self.source = self.pipeline.source
-        self.collate_options = collate_options(self.cfg, self.catalog)
-        self._collate = collate_rows if rows_out(self.cfg, self.catalog) else collate_docs
+        self.collate_options = CollateOptions.for_config(self.cfg, self.catalog)
+        self._collate = collate_rows if self.cfg.rows_out(self.catalog) else collate_docs
         self._epoch = 0
         self._auto_epoch = True  # until set_epoch is called, each completed pass advances the epoch
         self._completed: int | None = None  # the last epoch iterated to its end
@@ -171,7 +163,7 @@ class Loader:
 
     @property
     def infinite(self) -> bool:
-        return self.cfg.epochs is None or self.cfg.resample or self.cfg.steps_per_epoch is not None
+        return self.cfg.infinite
 
     def __len__(self) -> int:
         if self.cfg.steps_per_epoch is not None:
@@ -185,7 +177,7 @@ class Loader:
 
     def _epoch_total(self) -> int | None:
         """Batches this rank yields in the current epoch, from the index (None without one)."""
-        plan = self.source.plans.get(self._epoch)
+        plan = self.source.plan_for(self._epoch)
         key = (self._epoch, id(plan))
         if self._total_key != key:
             limits = self.source.limits(self._epoch, self.workers)
@@ -260,7 +252,7 @@ class Loader:
         if self._pending_resume is not None:
             st = self._pending_resume
             rr = RoundRobin(self.workers, st.get("turn", 0), st.get("active"))
-            self._positions = dict(self.source.resume)
+            self._positions = self.source.resume_positions
             self._yielded = st.get("yielded", 0)
             self._steps = st.get("steps", 0)
             self._pending_resume = None
@@ -282,7 +274,7 @@ class Loader:
                     self.rank, epoch, self.limits.per_rank, self.limits.dropped_batches,
                 )
         rr = self._begin()
-        resumed = bool(self.source.resume)
+        resumed = bool(self.source.resume_positions)
         try:
             for batch in rr.run(self._worker_batches(), lambda end: self._note_stats(end.stats)):
                 yield self._hand_out(batch)
@@ -313,7 +305,7 @@ class Loader:
     def _drop_resume(self) -> None:
         """Forget a restored position once it has been used (or abandoned): later epochs start
         fresh, and persistent workers, which hold a copy of it, are restarted once."""
-        self.source.resume = {}
+        self.source.resume_from({})
         self._pending_resume = None
         self._dataloader = None
 
@@ -330,11 +322,11 @@ class Loader:
             self._completed = self._epoch
         if self._pending_resume is not None:
             return dict(self._pending_resume["state"])
-        equal = self.cfg.equal_batches if self.cfg.equal_batches is not None else self.world_size > 1
+        equal = self.cfg.keeps_equal_batches(self.world_size)
         epoch = self._epoch
         if not in_epoch and self._completed is not None and self._completed == epoch:
             epoch += 1  # saved after a finished epoch: the next one is what a resume runs
-        plan = self.source.plans.get(epoch)
+        plan = self.source.plan_for(epoch)
         state = {
             "kind": resumemod.STATE_KIND,
             "version": resumemod.STATE_VERSION,
@@ -364,51 +356,45 @@ class Loader:
         """
         resumemod.check_state(state, dataset=self.catalog.fingerprint(), settings=self._settings())
         if bool(state.get("infinite")) != self.infinite:
-            raise resumemod.StateError("the state is from an endless loader and this one is finite, or the other way round")
-        self.source._limits_cache = {}
+            raise StateError("the state is from an endless loader and this one is finite, or the other way round")
         self._total_key = None
         self._stream = None
         self._dataloader = None
         self._epoch = int(state["epoch"])
         self._completed = None
         plan = resumemod.RemainderPlan.from_json(state.get("plan"))
-        if plan is not None:
-            self.source.plans = {plan.epoch: plan}
+        self.source.set_plan(plan.epoch if plan else None, plan)
         same_layout = state["world_size"] == self.world_size and state["num_workers"] == self.workers
         if not state["workers"]:
-            self.source.resume = {}
+            self.source.resume_from({})
             return  # saved between epochs: the next iteration starts epoch `epoch` afresh
         if same_layout:
             if state["rank"] != self.rank and not state["equal_batches"]:
-                raise resumemod.StateError(
+                raise StateError(
                     f"this state is rank {state['rank']}'s and ranks yielded different numbers of batches; load each rank's own state"
                 )
             positions = self._positions_from(state) if state["rank"] != self.rank else {int(w): tuple(p) for w, p in state["workers"].items()}
-            self.source.resume = {w: tuple(p) for w, p in positions.items()}
+            self.source.resume_from(positions)
             turn, active = state["turn"], state["active"]
             if state["rank"] != self.rank:
                 turn, active = self._turn_from(positions)
             self._pending_resume = {"turn": turn, "active": active, "yielded": state["yielded"], "steps": state["steps"], "state": state}
             return
         if self.infinite:
-            raise resumemod.StateError("resuming an endless stream with another world size or worker count is not supported")
+            raise StateError("resuming an endless stream with another world size or worker count is not supported")
         self._elastic(state, plan)
 
     # -- helpers for loading ----------------------------------------------------------------------
     def _worker_counts(self, epoch: int, world: int, workers: int, plan) -> np.ndarray:
         counts = batch_counts(self.catalog, self.cfg, epoch, world, workers, plan)
         if counts is None:
-            raise resumemod.StateError("this needs the dataset's index (lengths.npy) to recompute other ranks' positions")
-        equal = self.cfg.equal_batches if self.cfg.equal_batches is not None else world > 1
-        if equal:
-            per_rank = int(counts.sum(axis=1).min())
-            counts = np.stack([round_robin_share(c, per_rank) for c in counts])
-        return counts
+            raise StateError("this needs the dataset's index (lengths.npy) to recompute other ranks' positions")
+        return equalised(counts) if self.cfg.keeps_equal_batches(world) else counts
 
     def _positions_from(self, state: dict) -> dict[int, tuple[int, int]]:
         """This rank's per-worker positions, from another rank's state (equal batch counts)."""
         epoch, k = state["epoch"], state["yielded"]
-        counts = self._worker_counts(epoch, self.world_size, self.workers, self.source.plans.get(epoch))[self.rank]
+        counts = self._worker_counts(epoch, self.world_size, self.workers, self.source.plan_for(epoch))[self.rank]
         share = round_robin_share(counts, k)
         return {w: (epoch, int(share[w]), None) for w in range(self.workers)}
 
@@ -429,15 +415,15 @@ class Loader:
         epoch = state["epoch"]
         old_world, old_workers = state["world_size"], state["num_workers"]
         if old_world > 1 and not state["equal_batches"]:
-            raise resumemod.StateError("an elastic resume needs equal batch counts on the old ranks (equal_batches=True)")
+            raise StateError("an elastic resume needs equal batch counts on the old ranks (equal_batches=True)")
         counts = self._worker_counts(epoch, old_world, old_workers, plan)
         k = state["yielded"]
         consumed = [[int(x) for x in round_robin_share(counts[r], k)] for r in range(old_world)]
         if old_world == 1 and state["workers"]:
             consumed = [[int(state["workers"].get(str(w), [epoch, 0])[1]) for w in range(old_workers)]]
         remainder = resumemod.RemainderPlan(epoch, old_world, old_workers, consumed, base=plan)
-        self.source.plans = {epoch: remainder}
-        self.source.resume = {}
+        self.source.set_plan(epoch, remainder)
+        self.source.resume_from({})
         log.info("resuming epoch %d of a %d x %d layout as %d x %d: the epoch's remainder is re-planned", epoch, old_world, old_workers, self.world_size, self.workers)
 
 

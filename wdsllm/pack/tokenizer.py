@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from .format import TokenizerInfo, token_dtype
+from ..format import TokenizerInfo, token_dtype
 from .shaping import EncodedChunk
 from .sources import RawChunk, Skip, parse_chunk
+from ..errors import TokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,6 @@ BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|bos|>", "[CLS]", "<|endofte
 PAD_NAMES = ("<pad>", "<|padding|>", "[PAD]", "<|pad|>")
 
 
-class TokenizerError(ValueError):
-    """The tokenizer could not be loaded or lacks a token that was asked for."""
 
 
 @dataclass

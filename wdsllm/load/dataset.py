@@ -1,278 +1,45 @@
 """``wdsllm.dataset``: a webdataset.DataPipeline of epoch source -> worker batches -> collate.
 
-Everything a worker does in an epoch is decided by (seed, epoch, rank, worker) and the index, so
-the number of batches every (rank, worker) will produce is known before any shard is read. With
-``equal_batches`` each rank stops after the same count N, and because each worker knows how many
-of the rank's first N batches are its own (DataLoader takes them round-robin), the cap works
-inside the workers: a plain ``torch.utils.data.DataLoader`` over this pipeline also yields exactly
-N batches per rank, and no rank waits on another.
+The first stage (``EpochSource``) knows the rank, finds its DataLoader worker and says which
+epoch, where to resume and how many batches the worker may yield (``counts.epoch_limits``); the
+second reads, shuffles and batches that worker's stream; the third collates. A plain
+``torch.utils.data.DataLoader`` over this pipeline keeps every guarantee (see counts.py);
+``wdsllm.loader`` adds bundled transfer, the round-robin order and ``state_dict``.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import plan as planmod
-from .batching import Batch, BucketBatcher, ConcatBatcher, FixedBatcher, ItemChunker, PackBatcher
+from .. import storage
+from ..errors import WdsllmError
+from .batching import Batch
 from .catalog import Catalog, open_catalog
 from .collate import CollateOptions, collate_docs, collate_rows
-from .items import ReadOptions
+from .config import Config, read_options, resolve_world
+from .counts import EpochLimits, EpochPlan, epoch_limits, slices_for
+from .plan import resampled_slices
+from .read import ReadOptions
+from .stream import StreamSpec, StreamStats, plan_items, shuffle_lengths, shuffled_items, slice_item_lengths
 from .transport import RingHolder, send_bundles
-from .stream import (
-    StreamSpec,
-    StreamStats,
-    epoch_slices,
-    plan_items,
-    shuffle_lengths,
-    shuffled_items,
-    slice_item_counts,
-    slice_item_lengths,
-)
 
 log = logging.getLogger(__name__)
-
-BATCHINGS = ("fixed", "bucket", "pack", "concat")
-
-
-@dataclass(frozen=True)
-class Config:
-    """Loader settings that decide which batches come out (and so belong in a resume state)."""
-
-    batch_size: int | None = 32
-    seed: int = 0
-    shuffle: bool = True
-    shuffle_buffer: int | None = None  # items per shuffle block; None: 10,000 documents or ~4M tokens of rows
-    epochs: int | None = 1  # None: stream epoch after epoch forever
-    resample: bool = False
-    steps_per_epoch: int | None = None
-    equal_batches: bool | None = None  # default: True when world_size > 1
-    drop_last: bool = False
-    max_len: int | None = None
-    max_len_mode: str = "split"
-    batching: str = "fixed"
-    window: int = 10_000  # bucket/pack: items per window
-    max_tokens: int | None = None  # bucket: padded tokens per batch instead of batch_size
-    seq_len: int | None = None  # pack/concat: row length
-    pad_id: int | None = None
-    pad_to_multiple_of: int | None = None
-    boundaries: bool = False
-    max_segments: int | None = None
-    docs: bool = True  # batches carry `docs` (packed rows: every row's documents); output only
-
-    @property
-    def unbatched(self) -> bool:
-        """batch_size=None with fixed batching: items one at a time, for your own batching stages."""
-        return self.batch_size is None and self.batching == "fixed"
-
-    def check(self, catalog: Catalog) -> None:
-        if self.batching == "bucket" and self.max_tokens is not None:
-            if self.max_tokens < 1:
-                raise ValueError("max_tokens must be positive")
-        elif self.unbatched:
-            pass
-        elif self.batch_size is None or self.batch_size < 1:
-            raise ValueError("batch_size must be a positive integer")
-        if self.batching in ("bucket", "pack", "concat") and catalog.mode != "docs":
-            raise ValueError(f"batching={self.batching!r} works on docs-mode datasets; this one is packed (rows are fixed)")
-        if self.batching in ("pack", "concat") and not self.seq_len:
-            raise ValueError(f"batching={self.batching!r} needs seq_len=")
-        if self.batching in ("bucket", "pack") and self.window < 1:
-            raise ValueError("window must be positive")
-        if self.max_len_mode not in ("split", "truncate"):
-            raise ValueError("max_len_mode must be 'split' or 'truncate'")
-        if self.batching not in BATCHINGS:
-            raise ValueError(f"batching must be one of {BATCHINGS}")
-        if catalog.mode == "packed" and self.max_len is not None:
-            raise ValueError("max_len applies to docs-mode datasets; packed rows have the index's seq_len")
-        if self.resample and not catalog.urls:
-            raise ValueError("resample needs at least one shard")
-
-
-DEFAULT_DOC_BUFFER = 10_000
-DEFAULT_ROW_BUFFER_TOKENS = 1 << 22
-
-
-def resolve_config(cfg: Config, catalog: Catalog) -> Config:
-    """Fill in defaults that depend on the dataset (the shuffle buffer is counted in items, and a
-    packed row is thousands of tokens, so rows get a smaller count)."""
-    if cfg.shuffle_buffer is None:
-        if catalog.mode == "packed" and catalog.index is not None and catalog.index.seq_len:
-            buffer = max(64, DEFAULT_ROW_BUFFER_TOKENS // catalog.index.seq_len)
-        else:
-            buffer = DEFAULT_DOC_BUFFER
-        cfg = replace(cfg, shuffle_buffer=buffer)
-    return cfg
-
-
-def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """Explicit arguments, else the initialised torch.distributed group, else RANK/WORLD_SIZE, else (0, 1)."""
-    if rank is not None or world_size is not None:
-        if rank is None or world_size is None:
-            raise ValueError("pass rank= and world_size= together")
-        r, w = int(rank), int(world_size)
-    else:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            r, w = dist.get_rank(), dist.get_world_size()
-        elif "WORLD_SIZE" in os.environ:
-            r, w = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
-        else:
-            r, w = 0, 1
-    if not (0 <= r < w):
-        raise ValueError(f"rank {r} is outside world size {w}")
-    return r, w
-
-
-def make_batcher(cfg: Config):
-    if cfg.batching == "bucket":
-        return BucketBatcher(cfg.window, batch_size=None if cfg.max_tokens else cfg.batch_size, max_tokens=cfg.max_tokens,
-                             pad_to_multiple_of=cfg.pad_to_multiple_of, drop_last=cfg.drop_last)
-    if cfg.batching == "pack":
-        return PackBatcher(cfg.window, cfg.seq_len, cfg.batch_size, cfg.drop_last)
-    if cfg.batching == "concat":
-        return ConcatBatcher(cfg.seq_len, cfg.batch_size, cfg.drop_last)
-    if cfg.unbatched:
-        return ItemChunker()
-    return FixedBatcher(cfg.batch_size, cfg.drop_last)
-
-
-def rows_out(cfg: Config, catalog: Catalog) -> bool:
-    """Whether batches are rows of a fixed length (packed data, or pack/concat batching)."""
-    return catalog.mode == "packed" or cfg.batching in ("pack", "concat")
-
-
-def collate_options(cfg: Config, catalog: Catalog) -> CollateOptions:
-    tok = catalog.index.tokenizer if catalog.index else None
-    pad = cfg.pad_id
-    if pad is None:
-        pad = (tok.pad_id if tok and tok.pad_id is not None else (tok.eos_id if tok and tok.eos_id is not None else 0))
-    max_seg = cfg.max_segments
-    seq_len = cfg.seq_len if cfg.batching in ("pack", "concat") else (catalog.index.seq_len if catalog.index else None)
-    if max_seg is None:
-        if catalog.mode == "packed" and catalog.index is not None:
-            max_seg = (catalog.index.packed or {}).get("max_row_segments") or None
-        elif cfg.batching in ("pack", "concat"):
-            max_seg = seq_len  # every document has at least one token: a safe fixed bound
-    return CollateOptions(
-        pad_id=pad,
-        pad_to_multiple_of=cfg.pad_to_multiple_of,
-        boundaries=cfg.boundaries or cfg.batching == "pack",
-        seq_len=seq_len,
-        max_segments=max_seg,
-        docs=cfg.docs,
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# Counting
-
-
-def spec_for(cfg: Config, epoch: int, rank: int, world: int, worker: int, workers: int) -> StreamSpec:
-    max_len = cfg.max_len
-    if cfg.batching == "pack":  # longer documents become seq_len pieces, all kept
-        max_len = cfg.seq_len if max_len is None else min(max_len, cfg.seq_len)
-    return StreamSpec(
-        seed=cfg.seed,
-        epoch=epoch,
-        rank=rank,
-        world=world,
-        worker=worker,
-        workers=workers,
-        shuffle=cfg.shuffle,
-        shuffle_buffer=cfg.shuffle_buffer if cfg.shuffle else 0,
-        max_len=max_len,
-        max_len_mode="split" if cfg.batching == "pack" else cfg.max_len_mode,
-        resample=cfg.resample,
-    )
-
-
-def slices_for(catalog: Catalog, cfg: Config, spec: StreamSpec, plan=None) -> list:
-    """The slices (rank, worker) reads in spec.epoch: the normal plan, or a remainder plan."""
-    if plan is None:
-        return epoch_slices(catalog, spec)
-    return plan.slices_for(catalog, cfg, spec.rank, spec.world, spec.worker, spec.workers)
-
-
-def worker_batch_count(catalog: Catalog, cfg: Config, spec: StreamSpec, plan=None) -> int | None:
-    """Batches (rank, worker) yields in the epoch, from the index alone; None if unknown."""
-    slices = slices_for(catalog, cfg, spec, plan)
-    batcher = make_batcher(cfg)
-    counts = slice_item_counts(catalog, slices, spec)
-    if counts is None:
-        return None
-    lengths = None
-    if batcher.needs_lengths:
-        lengths = slice_item_lengths(catalog, slices, spec)
-        if lengths is None:
-            return None
-        lengths = shuffle_lengths(lengths, spec)
-    return batcher.count(int(sum(counts)), lengths)
-
-
-def batch_counts(catalog: Catalog, cfg: Config, epoch: int, world: int, workers: int, plan=None) -> np.ndarray | None:
-    """[world, workers] batch counts for a finite epoch, or None when the index cannot say."""
-    out = np.zeros((world, max(1, workers)), np.int64)
-    for r in range(world):
-        for w in range(max(1, workers)):
-            c = worker_batch_count(catalog, cfg, spec_for(cfg, epoch, r, world, w, max(1, workers)), plan)
-            if c is None:
-                return None
-            out[r, w] = c
-    return out
-
-
-def round_robin_share(counts: np.ndarray, total: int) -> np.ndarray:
-    """How many of the first ``total`` batches, taken round-robin over workers that still have
-    batches (DataLoader's order), come from each worker."""
-    counts = np.asarray(counts, np.int64)
-    if total >= counts.sum():
-        return counts.copy()
-    lo, hi = 0, int(counts.max())
-    while lo < hi:  # the most full rounds that fit
-        mid = (lo + hi + 1) // 2
-        if np.minimum(counts, mid).sum() <= total:
-            lo = mid
-        else:
-            hi = mid - 1
-    share = np.minimum(counts, lo)
-    rest = total - int(share.sum())
-    for w in np.nonzero(counts > lo)[0][:rest]:
-        share[w] += 1
-    return share
-
-
-@dataclass
-class EpochLimits:
-    """The equal-batches decision for one epoch."""
-
-    per_rank: int  # batches every rank yields
-    per_worker: np.ndarray  # [workers] of this rank's share
-    dropped_batches: int  # this rank's batches beyond per_rank
-    dropped_items: int | None = None
-
-
-def epoch_limits(catalog: Catalog, cfg: Config, epoch: int, rank: int, world: int, workers: int, plan=None) -> EpochLimits | None:
-    counts = batch_counts(catalog, cfg, epoch, world, workers, plan)
-    if counts is None:
-        return None
-    per_rank = int(counts.sum(axis=1).min())
-    mine = counts[rank]
-    share = round_robin_share(mine, per_rank)
-    return EpochLimits(per_rank=per_rank, per_worker=share, dropped_batches=int(mine.sum()) - per_rank)
 
 
 # ----------------------------------------------------------------------------------------------
 # Stages
+
+
+#: where a worker resumes: (epoch, batches it had yielded, the batcher's hint for the next one)
+WorkerPosition = tuple
 
 
 @dataclass
@@ -282,7 +49,7 @@ class EpochTask:
     spec: StreamSpec
     first_batch: int = 0
     limit: int | None = None  # batches this worker may yield this epoch
-    plan: object = None  # a resume.RemainderPlan replacing the normal epoch plan
+    plan: EpochPlan | None = None  # replaces the normal epoch plan (the remainder of an interrupted epoch)
     hint: dict | None = None  # the batcher's own note of where first_batch starts (same layout)
 
 
@@ -299,6 +66,8 @@ class EpochSource(IterableDataset):
     """First stage: knows the rank, finds its worker, reads the current epoch, emits EpochTasks.
 
     The epoch lives in shared memory so that ``set_epoch`` reaches persistent DataLoader workers.
+    What a resume changes (worker positions, an epoch's replacement plan) is set through methods,
+    and the batch limits that depend on them are recomputed when they change.
     """
 
     def __init__(self, catalog: Catalog, cfg: Config, rank: int, world: int):
@@ -308,10 +77,9 @@ class EpochSource(IterableDataset):
         self.rank = rank
         self.world = world
         self._epoch = mp.get_context().Value("q", 0, lock=False)
-        self.resume: dict[int, tuple] = {}  # worker -> (epoch, first batch, hint) for the next iteration
-        self.plans: dict = {}  # epoch -> resume.RemainderPlan (an elastic resume's remainder)
-        self.end_marker = False
-        self._limits_cache: dict = {}
+        self._resume: dict[int, WorkerPosition] = {}  # worker -> position for the next iteration
+        self._plans: dict[int, EpochPlan] = {}  # epoch -> the plan that replaces its normal one
+        self._limits: dict = {}  # (epoch, workers) -> EpochLimits | None, for the last key asked
 
     @property
     def epoch(self) -> int:
@@ -320,24 +88,38 @@ class EpochSource(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self._epoch.value = int(epoch)
 
-    def __getstate__(self):
+    @property
+    def resume_positions(self) -> dict[int, WorkerPosition]:
+        """Where each worker resumes on the next iteration (empty: from the epoch's start)."""
+        return dict(self._resume)
+
+    def resume_from(self, positions: dict[int, WorkerPosition]) -> None:
+        self._resume = {int(w): tuple(p) for w, p in positions.items()}
+
+    def plan_for(self, epoch: int) -> EpochPlan | None:
+        return self._plans.get(epoch)
+
+    def set_plan(self, epoch: int | None, plan: EpochPlan | None) -> None:
+        """Replace epoch ``epoch``'s plan (None: every epoch follows the normal plan)."""
+        self._plans = {} if plan is None else {epoch: plan}
+        self._limits = {}
+
+    def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_limits_cache"] = {}
+        state["_limits"] = {}  # recomputed where needed, not shipped to workers
         return state
 
     def limits(self, epoch: int, workers: int) -> EpochLimits | None:
+        """The equal-batches decision of ``epoch`` with ``workers`` workers per rank."""
         key = (epoch, workers)
-        if key not in self._limits_cache:
-            cfg = self.cfg
-            equal = cfg.equal_batches if cfg.equal_batches is not None else self.world > 1
-            finite = cfg.epochs is not None and not cfg.resample and cfg.steps_per_epoch is None
+        if key not in self._limits:
             limits = None
-            if finite and equal:
-                limits = epoch_limits(self.catalog, cfg, epoch, self.rank, self.world, workers, self.plans.get(epoch))
+            if self.cfg.keeps_equal_batches(self.world):
+                limits = epoch_limits(self.catalog, self.cfg, epoch, self.rank, self.world, workers, self.plan_for(epoch))
                 if limits is None:
                     log.warning("equal_batches needs an index with counts; ranks may yield different numbers of batches")
-            self._limits_cache = {key: limits}
-        return self._limits_cache[key]
+            self._limits = {key: limits}
+        return self._limits[key]
 
     def __iter__(self) -> Iterator[EpochTask]:
         info = get_worker_info()
@@ -349,15 +131,18 @@ class EpochSource(IterableDataset):
         cfg = self.cfg
         epoch = self.epoch
         first_batch, hint = 0, None
-        if worker in self.resume:
-            epoch, first_batch, hint = (tuple(self.resume[worker]) + (None,))[:3]
-        infinite = cfg.epochs is None or cfg.steps_per_epoch is not None
+        if worker in self._resume:
+            epoch, first_batch, hint = (tuple(self._resume[worker]) + (None,))[:3]
         while True:
-            spec = spec_for(cfg, epoch, self.rank, self.world, worker, workers)
             limits = self.limits(epoch, workers)
-            limit = int(limits.per_worker[worker]) if limits is not None else None
-            yield EpochTask(spec=spec, first_batch=first_batch, limit=limit, plan=self.plans.get(epoch), hint=hint)
-            if not infinite:
+            yield EpochTask(
+                spec=cfg.spec(epoch, self.rank, self.world, worker, workers),
+                first_batch=first_batch,
+                limit=int(limits.per_worker[worker]) if limits is not None else None,
+                plan=self.plan_for(epoch),
+                hint=hint,
+            )
+            if not cfg.infinite:
                 break
             epoch += 1
             first_batch, hint = 0, None
@@ -370,7 +155,7 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
     A batch made in a DataLoader worker is sent to the main process, so it gets its own compact
     token buffer: here, or with ``shared`` in ``transport.send_bundles``, which compacts into
     shared memory."""
-    batcher = make_batcher(cfg)
+    batcher = cfg.make_batcher()
     last = None
     stats = StreamStats()
     compact = get_worker_info() is not None and not shared
@@ -395,7 +180,7 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
         if task.limit is not None and task.first_batch >= task.limit:
             continue
         if spec.resample:
-            slices = _resampled_slices(catalog, spec)
+            slices = resampled_slices(len(catalog.urls), spec.seed, spec.epoch, spec.rank, spec.worker)
         else:
             slices = slices_for(catalog, cfg, spec, task.plan)
         lengths = None
@@ -453,8 +238,8 @@ def _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit, e
             yield emit(spec, index, items, None, refill=True)
             index += 1
         if not made:
-            raise RuntimeError(f"worker {spec.worker} of rank {spec.rank} has no readable shard left to fill its batches; "
-                               "the ranks cannot keep equal batch counts")
+            raise WdsllmError(f"worker {spec.worker} of rank {spec.rank} has no readable shard left to fill its batches; "
+                              "the ranks cannot keep equal batch counts")
 
 
 #: tokens per DataLoader message at most (unless one batch holds more)
@@ -484,17 +269,6 @@ def _bundle(batches: Iterator, max_batches: int, max_tokens: int) -> Iterator[li
             bundle, tokens, limit = [], 0, max_batches
     if bundle:
         yield bundle
-
-
-def _resampled_slices(catalog: Catalog, spec: StreamSpec):
-    """An endless with-replacement stream of whole shards for (rank, worker)."""
-    drawn = 0
-    while True:
-        for shard in planmod.resampled_shards(
-            len(catalog.urls), seed=spec.seed, epoch=spec.epoch, rank=spec.rank, worker=spec.worker, start=drawn, count=256
-        ):
-            yield planmod.Slice(int(shard))
-        drawn += 256
 
 
 def _items_one_by_one(batches: Iterator, rows: bool) -> Iterator[dict]:
@@ -573,9 +347,9 @@ def build_pipeline(
         stages.append(wds.filters.pipelinefilter(_bundle)(bundle, BUNDLE_TOKENS))
         stages.append(wds.filters.pipelinefilter(send_bundles)(ring or RingHolder()))
     if collate and cfg.unbatched:
-        stages.append(wds.filters.pipelinefilter(_items_one_by_one)(rows_out(cfg, catalog)))
+        stages.append(wds.filters.pipelinefilter(_items_one_by_one)(cfg.rows_out(catalog)))
     elif collate:
-        stages.append(wds.filters.pipelinefilter(_collate)(rows_out(cfg, catalog), collate_options(cfg, catalog)))
+        stages.append(wds.filters.pipelinefilter(_collate)(cfg.rows_out(catalog), CollateOptions.for_config(cfg, catalog)))
     pipe = WdsPipeline(*stages)
     pipe.source = source
     pipe.catalog = catalog
@@ -584,9 +358,9 @@ def build_pipeline(
 
 
 def dataset(
-    source,
+    source: Any,
     *,
-    batch_size: int = 32,
+    batch_size: int | None = 32,
     seed: int = 0,
     shuffle: bool = True,
     shuffle_buffer: int | None = None,
@@ -608,7 +382,7 @@ def dataset(
     docs: bool = True,
     rank: int | None = None,
     world_size: int | None = None,
-    retry=None,
+    retry: storage.RetryPolicy | None = None,
     cache_dir: str | None = None,
     cache_size: int = 64 << 30,
     on_error: str = "raise",
@@ -642,16 +416,5 @@ def dataset(
         max_segments=max_segments,
         docs=docs,
     )
-    cfg = resolve_config(cfg, catalog)
     read = read_options(retry, cache_dir, cache_size, on_error)
-    return build_pipeline(catalog, cfg, r, w, read, collate=True, end_marker=False)
-
-
-def read_options(retry, cache_dir: str | None, cache_size: int, on_error: str) -> ReadOptions:
-    """How shards are read: retry policy, optional local cache, and what an unreadable shard does."""
-    from . import storage
-
-    if on_error not in ("raise", "skip"):
-        raise ValueError("on_error must be 'raise' or 'skip'")
-    cache = storage.ShardCache(cache_dir, cache_size) if cache_dir else None
-    return ReadOptions(retry=retry, cache=cache, on_error=on_error)
+    return build_pipeline(catalog, cfg.resolved(catalog), r, w, read, collate=True, end_marker=False)

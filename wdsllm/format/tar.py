@@ -1,4 +1,5 @@
-"""Reading shards: a small USTAR reader that yields decoded groups with their byte offsets.
+"""Shards as tar files: a small USTAR reader that yields decoded groups with their byte offsets, and
+the writer that makes them.
 
 ``tarfile`` costs tens of microseconds per member and cannot skip a member without reading it
 from a stream; this reader parses the 512-byte headers itself, seeks over unwanted members when
@@ -18,14 +19,17 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
-from . import format as fmt
+import tarfile
+from typing import Any
+
+from ..errors import ShardError
+from . import group as fmt
 
 BLOCK = 512
 _ZERO_BLOCK = bytes(BLOCK)
-
-
-class ShardError(fmt.FormatError):
-    """A shard is truncated or malformed; the message names the shard and the byte offset."""
+TAR_MTIME = 0  # fixed so that identical input gives byte-identical shards
+TAR_USER = "wdsllm"
+TAR_MODE = 0o444
 
 
 @dataclass
@@ -273,3 +277,51 @@ def iter_groups(stream: BinaryIO, where: str, **kw) -> Iterator[tuple[int, fmt.G
 def group_items(meta: dict) -> int:
     """Items (documents, or rows in packed mode) a group holds, from its metadata alone."""
     return int(meta["rows"]) if "rows" in meta else int(meta["documents"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+
+def member_bytes(sample: dict[str, Any]) -> int:
+    """Bytes a sample adds to a tar: a 512-byte header per member plus padded payloads."""
+    total = 0
+    for k, v in sample.items():
+        if not k.startswith("__"):
+            total += 512 + (len(v) + 511) // 512 * 512
+    return total
+
+
+TAR_RECORD = 20 * 512  # tarfile pads a closed archive to whole records of this size
+
+
+def tar_file_bytes(member_bytes: int) -> int:
+    """The size of a closed tar holding ``member_bytes``: two zero end blocks, then record padding."""
+    return -(-(member_bytes + 1024) // TAR_RECORD) * TAR_RECORD
+
+
+class SampleTarWriter:
+    """Writes webdataset samples exactly as ``webdataset.TarWriter(encoder=False, mtime=0,
+    user=group="wdsllm", mode=0o444)`` does (members in sorted suffix order, same headers, same
+    bytes; a test holds the two equal), without importing webdataset: that imports torch, which
+    costs a packing process 1.7 s of CPU and 200 MiB of memory for nothing.
+    """
+
+    def __init__(self, fileobj):
+        self._tar = tarfile.open(fileobj=fileobj, mode="w|", format=tarfile.USTAR_FORMAT)
+
+    def write(self, sample: dict[str, Any]) -> None:
+        key = sample["__key__"]
+        for suffix in sorted(sample):
+            if suffix.startswith("_"):
+                continue
+            data = sample[suffix]
+            info = tarfile.TarInfo(f"{key}.{suffix}")
+            info.size = len(data)
+            info.mtime = TAR_MTIME
+            info.mode = TAR_MODE
+            info.uname = info.gname = TAR_USER
+            self._tar.addfile(info, io.BytesIO(data))
+
+    def close(self) -> None:
+        self._tar.close()

@@ -11,9 +11,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..errors import ConfigError
 from .batching import BucketBatcher, best_fit_decreasing, round_up
 from .catalog import Catalog
-from .pipeline import Config, spec_for
+from .config import Config
 from .stream import epoch_slices, shuffle_lengths, slice_item_lengths
 
 
@@ -42,11 +43,11 @@ class ModeCost:
 def stream_lengths(catalog: Catalog, *, max_len: int | None, max_len_mode: str = "split", shuffle_buffer: int = 10_000, seed: int = 0) -> tuple[np.ndarray, int]:
     """Lengths one consumer sees in epoch 0 (after splitting or truncating), and tokens truncated."""
     cfg = Config(seed=seed, shuffle_buffer=shuffle_buffer, max_len=max_len, max_len_mode=max_len_mode)
-    spec = spec_for(cfg, 0, 0, 1, 0, 1)
+    spec = cfg.spec(0, 0, 1, 0, 1)
     slices = epoch_slices(catalog, spec)
     raw = slice_item_lengths(catalog, slices, replace(spec, max_len=None))
     if raw is None:
-        raise ValueError("this dataset has no lengths.npy; stats need the index")
+        raise ConfigError("this dataset has no lengths.npy; stats need the index")
     lengths = slice_item_lengths(catalog, slices, spec)
     truncated = int(raw.sum() - lengths.sum()) if max_len_mode == "truncate" else 0
     return shuffle_lengths(lengths, spec), truncated

@@ -11,11 +11,17 @@ from __future__ import annotations
 import sys
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from .items import Block, row_view
+from ..errors import ConfigError
+from .block import Block, row_view
+
+if TYPE_CHECKING:
+    from .catalog import Catalog
+    from .config import Config
 
 IGNORE_INDEX = -100
 _NP_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
@@ -30,6 +36,30 @@ class CollateOptions:
     max_segments: int | None = None  # packed rows: segments per row that cu_seqlens is padded to
     dtype: torch.dtype = torch.long
     docs: bool = True  # a `docs` tensor: the identity of every document (docs) or of a row's documents (rows)
+
+    @classmethod
+    def for_config(cls, cfg: Config, catalog: Catalog) -> CollateOptions:
+        """What the loader settings and the dataset ask of collation."""
+        tok = catalog.index.tokenizer if catalog.index else None
+        pad = cfg.pad_id
+        if pad is None:
+            pad = tok.pad_id if tok and tok.pad_id is not None else (tok.eos_id if tok and tok.eos_id is not None else 0)
+        mode = cfg.mode
+        seq_len = cfg.seq_len if mode.rows else (catalog.index.seq_len if catalog.index else None)
+        max_seg = cfg.max_segments
+        if max_seg is None:
+            if catalog.mode == "packed" and catalog.index is not None:
+                max_seg = (catalog.index.packed or {}).get("max_row_segments") or None
+            elif mode.rows:
+                max_seg = seq_len  # every document has at least one token: a safe fixed bound
+        return cls(
+            pad_id=pad,
+            pad_to_multiple_of=cfg.pad_to_multiple_of,
+            boundaries=cfg.boundaries or mode.boundaries,
+            seq_len=seq_len,
+            max_segments=max_seg,
+            docs=cfg.docs,
+        )
 
 
 class BufferPool:
@@ -166,7 +196,7 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
         most = int(seg_counts.max()) if n else 1
         max_seg = opts.max_segments or most
         if most > max_seg:
-            raise ValueError(f"a row holds {most} documents, more than max_segments={max_seg}; raise max_segments")
+            raise ConfigError(f"a row holds {most} documents, more than max_segments={max_seg}; raise max_segments")
         row_of_seg = np.repeat(np.arange(n), seg_counts)
         starts = items.seg_starts[src]
         out.update(_boundaries(starts, row_of_seg, n, seq_len, max_seg, lengths))

@@ -10,7 +10,6 @@ already moved are recognised and skipped.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,10 +19,11 @@ from typing import Callable
 
 import numpy as np
 
-from . import __version__
-from . import format as fmt
-from . import storage
+from .. import __version__
+from .. import format as fmt
+from .. import storage
 from .writer import MAX_SKIP_RECORDS
+from ..errors import MergeError
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,6 @@ PER_TASK_OPTIONS = ("task_index",)
 NOT_COMPARED = PER_TASK_OPTIONS + ("tokenizer",)
 
 
-class MergeError(ValueError):
-    """The parts cannot be merged; the message names the part and what is wrong."""
 
 
 @dataclass
@@ -97,24 +95,19 @@ def find_parts(sources: list[str], allow_partial: bool = False) -> list[Part]:
 def _load_part(url: str) -> Part:
     index_url = storage.join_url(url, fmt.INDEX_NAME)
     index = fmt.Index.from_json(storage.read_bytes(index_url), index_url)
-    lengths = _read_checked(url, index.lengths_file or {}, fmt.LENGTHS_NAME, index_url)
+    if index.lengths_file is None:
+        raise MergeError(f"{index_url} names no {fmt.LENGTHS_NAME}: not the output of a pack")
+    lengths = fmt.read_side_file(url, index.lengths_file)
     if len(lengths) != index.documents:
         raise MergeError(f"{storage.join_url(url, fmt.LENGTHS_NAME)} has {len(lengths)} lengths, {index_url} counts {index.documents} documents")
     groups = None
     if index.groups_file:
-        groups = _read_checked(url, index.groups_file, fmt.GROUPS_NAME, index_url)
+        groups = fmt.read_side_file(url, index.groups_file)
         if len(groups) != fmt.GROUP_COLUMNS * sum(s.samples for s in index.shards):
             raise MergeError(f"{storage.join_url(url, fmt.GROUPS_NAME)} does not list every group that {index_url} counts")
     return Part(url=url, index=index, lengths=lengths, groups=groups)
 
 
-def _read_checked(url: str, info: dict, default_name: str, index_url: str) -> np.ndarray:
-    """A .npy file beside the index, checked against the checksum the index gives for it."""
-    name = fmt.check_shard_name(info.get("name", default_name), index_url)
-    data = storage.read_bytes(storage.join_url(url, name))
-    if info.get("sha256") and hashlib.sha256(data).hexdigest() != info["sha256"]:
-        raise MergeError(f"{storage.join_url(url, name)} does not match its checksum in {index_url}")
-    return fmt.npy_array(data, storage.join_url(url, name))
 
 
 def check_compatible(parts: list[Part], allow_partial: bool = False) -> None:
@@ -270,10 +263,9 @@ def merged_index(parts: list[Part], moves: list[Move], lengths: np.ndarray, leng
             "records": records[:MAX_SKIP_RECORDS],
             "records_truncated": bad > min(len(records), MAX_SKIP_RECORDS),
         },
-        lengths_file={"name": fmt.LENGTHS_NAME, "bytes": len(lengths_bytes), "sha256": hashlib.sha256(lengths_bytes).hexdigest()},
+        lengths_file=fmt.SideFile.of(fmt.LENGTHS_NAME, lengths_bytes),
         packed=packed,
-        groups_file=None if groups_bytes is None else
-        {"name": fmt.GROUPS_NAME, "bytes": len(groups_bytes), "sha256": hashlib.sha256(groups_bytes).hexdigest()},
+        groups_file=None if groups_bytes is None else fmt.SideFile.of(fmt.GROUPS_NAME, groups_bytes),
         created_by=f"wdsllm {__version__}",
     )
 
@@ -324,9 +316,7 @@ def _retire_parts(parts: list[Part]) -> None:
     """After a move the parts' indexes point at nothing: remove them (and empty local dirs)."""
     for part in parts:
         remains = storage.Output(part.url)
-        names = [fmt.INDEX_NAME, (part.index.lengths_file or {}).get("name", fmt.LENGTHS_NAME)]
-        if part.index.groups_file:
-            names.append(part.index.groups_file.get("name", fmt.GROUPS_NAME))
+        names = [fmt.INDEX_NAME] + [f.name for f in (part.index.lengths_file, part.index.groups_file) if f is not None]
         for name in names:
             remains.delete(name)
         local = _local_path(part.url)

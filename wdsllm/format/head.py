@@ -9,8 +9,9 @@ from typing import Iterator
 
 import numpy as np
 
-from . import format as fmt
-from . import storage, tario
+from .. import format as fmt
+from .. import storage
+from ..format import tar as tario
 
 
 @dataclass

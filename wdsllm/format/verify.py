@@ -17,8 +17,9 @@ from typing import Callable
 
 import numpy as np
 
-from . import format as fmt
-from . import storage, tario
+from .. import format as fmt
+from .. import storage
+from ..format import tar as tario
 
 KEY_RE = re.compile(r"^\d{4}-\d{9}$")
 MAX_ERRORS_PER_SHARD = 20
@@ -248,23 +249,34 @@ def _check_index(index: fmt.Index, raw: dict, checks: list[ShardCheck]) -> list[
     return errors
 
 
+def _read_side(root: str, ref: fmt.SideFile) -> tuple[np.ndarray | None, list[str]]:
+    """A side file's array (None if unreadable) and what is wrong with it; a checksum mismatch is
+    reported and the content still checked, so that the report says what differs."""
+    url = storage.join_url(root, ref.name)
+    try:
+        data = storage.read_bytes(url)
+    except storage.StorageError as exc:
+        return None, [f"{ref.name}: missing or unreadable: {exc}"]
+    errors = []
+    try:
+        ref.check(data, ref.name)
+    except fmt.FormatError:
+        errors.append(f"{ref.name}: size or sha256 differs from the index")
+    try:
+        return fmt.npy_array(data, ref.name), errors
+    except fmt.FormatError as exc:
+        return None, errors + [str(exc)]
+
+
 def _check_lengths(root: str, index: fmt.Index, checks: list[ShardCheck]) -> list[str]:
     """lengths.npy: its checksum, and that it holds the documents' lengths as the shards tell them."""
-    info = index.lengths_file
-    if not info:
+    if not index.lengths_file:
         return [f"{fmt.INDEX_NAME}: no lengths_file entry"]
-    name = info["name"]
-    try:
-        data = storage.read_bytes(storage.join_url(root, fmt.check_shard_name(name)))
-    except (storage.StorageError, fmt.FormatError) as exc:
-        return [f"{name}: missing or unreadable: {exc}"]
-    errors = []
-    if len(data) != info.get("bytes") or hashlib.sha256(data).hexdigest() != info.get("sha256"):
-        errors.append(f"{name}: size or sha256 differs from the index")
-    try:
-        lengths = fmt.npy_array(data, name).astype(np.int64)
-    except fmt.FormatError as exc:
-        return errors + [str(exc)]
+    name = index.lengths_file.name
+    lengths, errors = _read_side(root, index.lengths_file)
+    if lengths is None:
+        return errors
+    lengths = lengths.astype(np.int64)
     if any(c.errors for c in checks):
         return errors  # the shards' own errors say more than a mismatch would
     shard_lengths = _lengths_from_shards(index, checks)
@@ -278,19 +290,11 @@ def _check_lengths(root: str, index: fmt.Index, checks: list[ShardCheck]) -> lis
 
 def _check_groups(root: str, index: fmt.Index, checks: list[ShardCheck]) -> list[str]:
     """groups.npy (format 2): its checksum, and that it says where every group starts."""
-    info = index.groups_file
-    if not info:
+    if not index.groups_file:
         return []  # format 1, or a pack resumed from a format-1 journal: readers read shards from their start
-    name = info["name"]
-    try:
-        data = storage.read_bytes(storage.join_url(root, fmt.check_shard_name(name)))
-        table = fmt.npy_array(data, name)
-    except (storage.StorageError, fmt.FormatError) as exc:
-        return [f"{name}: missing or unreadable: {exc}"]
-    errors = []
-    if len(data) != info.get("bytes") or hashlib.sha256(data).hexdigest() != info.get("sha256"):
-        errors.append(f"{name}: size or sha256 differs from the index")
-    if any(c.errors for c in checks):
+    name = index.groups_file.name
+    table, errors = _read_side(root, index.groups_file)
+    if table is None or any(c.errors for c in checks):
         return errors
     want = np.array([row for c in checks for row in c.groups], np.int64).reshape(-1)
     if len(table) != len(want):

@@ -21,8 +21,8 @@ from urllib.parse import quote
 
 import numpy as np
 
-from . import format as fmt
-from . import storage
+from .. import format as fmt
+from .. import storage
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +71,10 @@ class Catalog:
         if self.index is None or not self.index.lengths_file or self.root is None:
             return None
         info = self.index.lengths_file
-        data = storage.read_bytes(storage.join_url(self.root, fmt.check_shard_name(info["name"])), retry=self.retry)
-        if hashlib.sha256(data).hexdigest() != info["sha256"]:
-            raise fmt.FormatError(f"{self.root}: {info['name']} does not match the checksum in index.json")
-        all_lengths = fmt.npy_array(data, info["name"]).astype(np.int64)
+        all_lengths = fmt.read_side_file(self.root, info, retry=self.retry).astype(np.int64)
         counts = [e.documents for e in self.index.shards]
         if int(sum(counts)) != len(all_lengths):
-            raise fmt.FormatError(f"{self.root}: {info['name']} has {len(all_lengths)} entries, the index counts {sum(counts)} documents")
+            raise fmt.FormatError(f"{self.root}: {info.name} has {len(all_lengths)} entries, the index counts {sum(counts)} documents")
         if self.shard_entries is not None and len(self.shard_entries) != len(self.index.shards):
             offsets = np.concatenate([[0], np.cumsum(counts)])
             position = {e.name: i for i, e in enumerate(self.index.shards)}
@@ -109,11 +106,8 @@ class Catalog:
         info = self.index.groups_file if self.index is not None else None
         if not info or self.root is None or self.shard_entries is None:
             return []
-        url = storage.join_url(self.root, fmt.check_shard_name(info["name"]))
-        data = storage.read_bytes(url, retry=self.retry)
-        if hashlib.sha256(data).hexdigest() != info.get("sha256"):
-            raise fmt.FormatError(f"{url} does not match its checksum in index.json")
-        flat = fmt.npy_array(data, url).astype(np.int64, copy=False)
+        url = storage.join_url(self.root, info.name)
+        flat = fmt.read_side_file(self.root, info, retry=self.retry).astype(np.int64, copy=False)
         samples = [e.samples for e in self.index.shards]
         if len(flat) != fmt.GROUP_COLUMNS * sum(samples):
             raise fmt.FormatError(f"{url}: lists {len(flat) // fmt.GROUP_COLUMNS} groups, index.json counts {sum(samples)}")
@@ -155,14 +149,14 @@ def _looks_like_shards(source: str) -> bool:
 def _listed_path(path: str) -> str:
     """A path found on disk (a glob match, a directory entry) as a URL that is that path: a file
     named ``pipe:rm -rf x.tar`` or ``s3:`` must never read as a command or another scheme."""
-    return path if storage._scheme(path) == "file" else os.path.join(".", path)
+    return path if storage.scheme_of(path) == "file" else os.path.join(".", path)
 
 
 def _local_dir(url: str) -> str | None:
     """The local path of a plain path or ``file://`` URL; None for other schemes."""
-    if storage._scheme(url) != "file":
+    if storage.scheme_of(url) != "file":
         return None
-    return storage._local_path(url) if url.startswith("file://") else url
+    return storage.local_path(url) if url.startswith("file://") else url
 
 
 def _expand(patterns: list[str]) -> list[str]:

@@ -22,20 +22,20 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import StateError
 from . import plan as planmod
+from .batching import Batcher
 from .catalog import Catalog
+from .config import Config
+from .counts import slices_for
 from .plan import Slice
-from .stream import shuffle_lengths, slice_item_counts, slice_item_lengths
+from .stream import StreamSpec, inverse_shuffle, shuffle_lengths, slice_item_counts, slice_item_lengths
 
 STATE_VERSION = 1
 STATE_KIND = "wdsllm.loader"
 
 
-class StateError(ValueError):
-    """A saved state does not fit this loader; the message says what differs."""
-
-
-def settings_fingerprint(cfg) -> str:
+def settings_fingerprint(cfg: Config) -> str:
     # equal_batches only caps how many batches come out, not which, and docs only what a batch
     # carries: a resume may change either
     fields = {k: v for k, v in asdict(cfg).items() if k not in ("equal_batches", "docs")}
@@ -46,23 +46,7 @@ def settings_fingerprint(cfg) -> str:
 # Consumed items of one worker
 
 
-def inverse_shuffle(shuffled_positions: np.ndarray, n: int, spec) -> np.ndarray:
-    """Plan positions of the given shuffled-stream positions (see stream.shuffled_items)."""
-    size = spec.shuffle_buffer
-    if size <= 1 or len(shuffled_positions) == 0:
-        return shuffled_positions
-    out = np.empty_like(shuffled_positions)
-    blocks = shuffled_positions // size
-    for k in np.unique(blocks):
-        k = int(k)
-        block_n = min(size, n - k * size)
-        perm = planmod.rng(spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, k).permutation(block_n)
-        sel = blocks == k
-        out[sel] = k * size + perm[shuffled_positions[sel] - k * size]
-    return out
-
-
-def consumed_plan_positions(batcher, lengths_plan: np.ndarray, spec, batches: int) -> np.ndarray:
+def consumed_plan_positions(batcher: Batcher, lengths_plan: np.ndarray, spec: StreamSpec, batches: int) -> np.ndarray:
     """Plan positions of the items in a worker's first ``batches`` batches (sorted, unique)."""
     if batches <= 0 or len(lengths_plan) == 0:
         return np.zeros(0, np.int64)
@@ -131,7 +115,7 @@ class RemainderPlan:
     world: int
     workers: int
     consumed: list[list[int]]
-    base: "RemainderPlan | None" = None
+    base: RemainderPlan | None = None
 
     def to_json(self) -> dict:
         return {
@@ -143,42 +127,37 @@ class RemainderPlan:
         }
 
     @classmethod
-    def from_json(cls, d: dict | None) -> "RemainderPlan | None":
+    def from_json(cls, d: dict | None) -> RemainderPlan | None:
         if d is None:
             return None
         return cls(d["epoch"], d["world"], d["workers"], d["consumed"], cls.from_json(d.get("base")))
 
-    def sequence(self, catalog: Catalog, cfg) -> tuple[list[Slice], list[int]]:
+    def sequence(self, catalog: Catalog, cfg: Config) -> tuple[list[Slice], list[int]]:
         """Every remaining item, in a fixed order: old ranks, then old workers, plan order."""
-        from .pipeline import make_batcher, slices_for, spec_for  # pipeline dispatches back to plans
-
         cache = getattr(self, "_sequence", None)
         if cache is not None:
             return cache
         slices_out: list[Slice] = []
         for r in range(self.world):
             for w in range(self.workers):
-                spec = spec_for(cfg, self.epoch, r, self.world, w, self.workers)
+                spec = cfg.spec(self.epoch, r, self.world, w, self.workers)
                 slices = slices_for(catalog, cfg, spec, self.base)
                 counts = slice_item_counts(catalog, slices, spec)
                 lengths = slice_item_lengths(catalog, slices, spec)
                 if counts is None or lengths is None:
                     raise StateError("resuming with another world size or worker count needs the dataset's index (lengths.npy)")
-                gone = consumed_plan_positions(make_batcher(cfg), lengths, spec, self.consumed[r][w])
+                gone = consumed_plan_positions(cfg.make_batcher(), lengths, spec, self.consumed[r][w])
                 slices_out.extend(remaining_slices(slices, counts, gone))
-        counts_out = slice_item_counts(catalog, slices_out, spec_for(cfg, self.epoch, 0, 1, 0, 1))
+        counts_out = slice_item_counts(catalog, slices_out, cfg.spec(self.epoch, 0, 1, 0, 1))
         self._sequence = (slices_out, counts_out)
         return self._sequence
 
-    def slices_for(self, catalog: Catalog, cfg, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
-        from .pipeline import spec_for
-
+    def slices_for(self, catalog: Catalog, cfg: Config, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
         slices, counts = self.sequence(catalog, cfg)
         total = int(sum(counts))
         ra, rb = planmod.split_range(total, world, rank)
         wa, wb = planmod.split_range(rb - ra, workers, worker)
-        spec0 = spec_for(cfg, self.epoch, 0, 1, 0, 1)
-        split = spec0.max_len is not None and spec0.max_len_mode == "split" and catalog.mode == "docs"
+        split = cfg.spec(self.epoch, 0, 1, 0, 1).splits(catalog.mode)
         return cut_sequence(slices, counts, ra + wa, ra + wb, split)
 
 

@@ -1,0 +1,87 @@
+"""Every error wdsllm raises on purpose, under one root: ``except wdsllm.WdsllmError`` catches them all.
+
+Each class also keeps the builtin base it had before the root existed (``ValueError``,
+``OSError``, ``RuntimeError``), so code that caught those still does. Messages name the file,
+shard, sample, byte or line where the problem is, and what to do about it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+#: What to do with bad input or an unreadable shard, in pack and in the loader alike.
+ON_ERROR = ("raise", "skip")
+_OLD_ON_ERROR = {"stop": "raise"}
+
+
+class WdsllmError(Exception):
+    """The root of wdsllm's errors."""
+
+
+class ConfigError(WdsllmError, ValueError):
+    """An option or combination of options that cannot work; the message names the option."""
+
+
+class FormatError(WdsllmError, ValueError):
+    """A shard, sample, index or side file does not follow the format; the message says where."""
+
+
+class ShardError(FormatError):
+    """A shard is truncated or malformed; the message names the shard and the byte offset."""
+
+
+class StorageError(WdsllmError, OSError):
+    """A permanent storage failure. The message always names the URL and the reason.
+
+    ``url`` and ``reason`` are also attributes, so callers can re-word the message. The class
+    pickles (DataLoader workers send exceptions to the main process).
+    """
+
+    def __init__(self, message: str, url: str | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.reason = reason if reason is not None else message
+
+
+class TransientError(StorageError):
+    """A failure worth retrying (connection reset, timeout, 5xx, throttling, early end).
+
+    It is raised internally and never escapes the retry loop: when the attempts are used up the
+    caller gets a plain :class:`StorageError`.
+    """
+
+
+class NotFoundError(StorageError):
+    """A permanent failure because the object does not exist (HTTP 404/410, S3 NoSuchKey or
+    NoSuchBucket, a missing local file). Callers that probe for optional objects (an index beside
+    shards) catch this one and let every other failure through."""
+
+
+class StateError(WdsllmError, ValueError):
+    """A saved loader state does not fit this loader; the message says what differs."""
+
+
+class PackError(WdsllmError, RuntimeError):
+    """The pack cannot start or continue; the message says why and what to do."""
+
+
+class SourceError(WdsllmError, ValueError):
+    """Bad input (undecodable bytes, malformed JSON, a missing text field); names file and line."""
+
+
+class TokenizerError(WdsllmError, ValueError):
+    """The tokenizer could not be loaded or lacks a token that was asked for."""
+
+
+class MergeError(WdsllmError, ValueError):
+    """The parts given to ``wdsllm merge`` cannot form one dataset; the message says which and why."""
+
+
+def normalize_on_error(value: str) -> str:
+    """``on_error`` as one of :data:`ON_ERROR`; the old word "stop" is accepted with a warning."""
+    if value in _OLD_ON_ERROR:
+        warnings.warn(f"on_error={value!r} is deprecated; use {_OLD_ON_ERROR[value]!r}", DeprecationWarning, stacklevel=3)
+        return _OLD_ON_ERROR[value]
+    if value not in ON_ERROR:
+        raise ConfigError(f"on_error must be one of {ON_ERROR}, not {value!r}")
+    return value

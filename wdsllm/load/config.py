@@ -1,0 +1,155 @@
+"""Loader settings: what decides which batches come out, checked once and asked in one place.
+
+``Config`` holds the options that decide the batches (and so belong in a resume state); the
+questions every stage asks of them (is the stream endless, are batch counts made equal, what does
+a worker's stream look like) are answered here and nowhere else. No torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from .. import storage
+from ..errors import ConfigError, normalize_on_error
+from .batching import Batcher, BatchingMode, mode_of
+from .catalog import Catalog
+from .read import ReadOptions
+from .stream import StreamSpec
+
+DEFAULT_DOC_BUFFER = 10_000
+DEFAULT_ROW_BUFFER_TOKENS = 1 << 22
+
+
+@dataclass(frozen=True)
+class Config:
+    """Loader settings that decide which batches come out (and so belong in a resume state)."""
+
+    batch_size: int | None = 32
+    seed: int = 0
+    shuffle: bool = True
+    shuffle_buffer: int | None = None  # items per shuffle block; None: 10,000 documents or ~4M tokens of rows
+    epochs: int | None = 1  # None: stream epoch after epoch forever
+    resample: bool = False
+    steps_per_epoch: int | None = None
+    equal_batches: bool | None = None  # default: True when world_size > 1
+    drop_last: bool = False
+    max_len: int | None = None
+    max_len_mode: str = "split"
+    batching: str = "fixed"
+    window: int = 10_000  # bucket/pack: items per window
+    max_tokens: int | None = None  # bucket: padded tokens per batch instead of batch_size
+    seq_len: int | None = None  # pack/concat: row length
+    pad_id: int | None = None
+    pad_to_multiple_of: int | None = None
+    boundaries: bool = False
+    max_segments: int | None = None
+    docs: bool = True  # batches carry `docs` (packed rows: every row's documents); output only
+
+    @property
+    def mode(self) -> BatchingMode:
+        return mode_of(self.batching)
+
+    @property
+    def unbatched(self) -> bool:
+        """batch_size=None with fixed batching: items one at a time, for your own batching stages."""
+        return self.batch_size is None and self.batching == "fixed"
+
+    @property
+    def infinite(self) -> bool:
+        """Whether the stream never ends: endless epochs, resampling, or a fixed steps_per_epoch
+        (whose loop continues into the next epoch's data)."""
+        return self.epochs is None or self.resample or self.steps_per_epoch is not None
+
+    def keeps_equal_batches(self, world: int) -> bool:
+        """Whether ranks stop at the same batch count: the option, or its default (with more than
+        one rank), for a finite stream; an endless one has no count to make equal."""
+        equal = self.equal_batches if self.equal_batches is not None else world > 1
+        return equal and not self.infinite
+
+    def rows_out(self, catalog: Catalog) -> bool:
+        """Whether batches are rows of a fixed length (packed data, or a mode that makes rows)."""
+        return catalog.mode == "packed" or self.mode.rows
+
+    def make_batcher(self) -> Batcher:
+        return self.mode.make(self)
+
+    def check(self, catalog: Catalog) -> None:
+        mode = self.mode
+        if self.batching == "bucket" and self.max_tokens is not None:
+            if self.max_tokens < 1:
+                raise ConfigError("max_tokens must be positive")
+        elif self.unbatched:
+            pass
+        elif self.batch_size is None or self.batch_size < 1:
+            raise ConfigError("batch_size must be a positive integer")
+        if mode.docs_only and catalog.mode != "docs":
+            raise ConfigError(f"batching={self.batching!r} works on docs-mode datasets; this one is packed (rows are fixed)")
+        if mode.needs_seq_len and not self.seq_len:
+            raise ConfigError(f"batching={self.batching!r} needs seq_len=")
+        if mode.uses_window and self.window < 1:
+            raise ConfigError("window must be positive")
+        if self.max_len_mode not in ("split", "truncate"):
+            raise ConfigError("max_len_mode must be 'split' or 'truncate'")
+        if catalog.mode == "packed" and self.max_len is not None:
+            raise ConfigError("max_len applies to docs-mode datasets; packed rows have the index's seq_len")
+        if self.resample and not catalog.urls:
+            raise ConfigError("resample needs at least one shard")
+
+    def resolved(self, catalog: Catalog) -> Config:
+        """Defaults that depend on the dataset filled in (the shuffle buffer is counted in items,
+        and a packed row is thousands of tokens, so rows get a smaller count)."""
+        if self.shuffle_buffer is not None:
+            return self
+        if catalog.mode == "packed" and catalog.index is not None and catalog.index.seq_len:
+            buffer = max(64, DEFAULT_ROW_BUFFER_TOKENS // catalog.index.seq_len)
+        else:
+            buffer = DEFAULT_DOC_BUFFER
+        return replace(self, shuffle_buffer=buffer)
+
+    def spec(self, epoch: int, rank: int, world: int, worker: int, workers: int) -> StreamSpec:
+        """What decides the stream of (rank, worker) in ``epoch``."""
+        max_len, max_len_mode = self.max_len, self.max_len_mode
+        if self.mode.pieces_at_seq_len:  # longer documents become seq_len pieces, all kept
+            max_len = self.seq_len if max_len is None else min(max_len, self.seq_len)
+            max_len_mode = "split"
+        return StreamSpec(
+            seed=self.seed,
+            epoch=epoch,
+            rank=rank,
+            world=world,
+            worker=worker,
+            workers=workers,
+            shuffle=self.shuffle,
+            shuffle_buffer=self.shuffle_buffer if self.shuffle else 0,
+            max_len=max_len,
+            max_len_mode=max_len_mode,
+            resample=self.resample,
+        )
+
+
+def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Explicit arguments, else the initialised torch.distributed group, else RANK/WORLD_SIZE, else (0, 1)."""
+    if rank is not None or world_size is not None:
+        if rank is None or world_size is None:
+            raise ConfigError("pass rank= and world_size= together")
+        r, w = int(rank), int(world_size)
+    else:
+        import sys
+
+        dist = sys.modules.get("torch.distributed")  # initialised only if torch was imported
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            r, w = dist.get_rank(), dist.get_world_size()
+        elif "WORLD_SIZE" in os.environ:
+            r, w = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+        else:
+            r, w = 0, 1
+    if not (0 <= r < w):
+        raise ConfigError(f"rank {r} is outside world size {w}")
+    return r, w
+
+
+def read_options(retry: storage.RetryPolicy | None, cache_dir: str | None, cache_size: int, on_error: str) -> ReadOptions:
+    """How shards are read: retry policy, optional local cache, and what an unreadable shard does."""
+    cache = storage.ShardCache(cache_dir, cache_size) if cache_dir else None
+    return ReadOptions(retry=retry, cache=cache, on_error=normalize_on_error(on_error))

@@ -1,0 +1,55 @@
+"""Storage: reading and writing datasets on local disks, http(s), s3 and ``pipe:``.
+
+Every store is one backend module behind one table (:mod:`.backends`); above them,
+:mod:`.resumable` turns faults into either exactly an object's bytes or a named error,
+:mod:`.cache` keeps verified local copies, :mod:`.prefetch` overlaps the next shard's latency,
+and :mod:`.output` writes datasets atomically. This package moves bytes; it never decodes them.
+
+Process-global state (connection pools, clients, counters) lives in the module that owns it, and
+each such module drops it in a forked child (``os.register_at_fork``).
+"""
+
+from __future__ import annotations
+
+from ..errors import NotFoundError, StorageError, TransientError
+from . import http as _http  # noqa: F401 - registers http(s)://
+from . import local as _local  # noqa: F401 - registers local paths, file:// and pipe:
+from . import s3 as _s3  # noqa: F401 - registers s3://
+from .backends import CHUNK_SIZE, backend_for, is_remote
+from .cache import ShardCache
+from .counters import reset_stats, stats
+from .output import Output
+from .prefetch import ReadAhead, prefetch_iter
+from .resumable import STREAM_BUFFER, exists, open_stream, read_bytes
+from .retry import DEFAULT_RETRY, RetryPolicy
+from .s3 import MULTIPART_THRESHOLD, s3_endpoint
+from .urls import check_name, dirname_url, expand_urls, join_url, local_path, scheme_of
+
+__all__ = [
+    "CHUNK_SIZE",
+    "DEFAULT_RETRY",
+    "MULTIPART_THRESHOLD",
+    "STREAM_BUFFER",
+    "NotFoundError",
+    "Output",
+    "ReadAhead",
+    "RetryPolicy",
+    "ShardCache",
+    "StorageError",
+    "TransientError",
+    "backend_for",
+    "check_name",
+    "dirname_url",
+    "exists",
+    "expand_urls",
+    "is_remote",
+    "join_url",
+    "local_path",
+    "open_stream",
+    "prefetch_iter",
+    "read_bytes",
+    "reset_stats",
+    "s3_endpoint",
+    "scheme_of",
+    "stats",
+]

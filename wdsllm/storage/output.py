@@ -1,0 +1,63 @@
+"""Writing a dataset: the atomicity contract every store's output keeps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backends import backend_for
+from .urls import join_url
+
+class Output:
+    """A dataset directory being written: a local directory or ``s3://bucket/prefix/``.
+
+    The packer relies on the atomicity contract: a name appears only when its content is complete
+    (local: temp file, fsync, rename; s3: an object becomes visible only when its upload
+    completes), so putting ``index.json`` last means an interrupted job never leaves an index that
+    points at missing shards. ``Output(url)`` returns the subclass for the URL's scheme.
+    """
+
+    url: str
+
+    def __new__(cls, url: str, **kwargs: Any) -> Output:
+        if cls is Output:
+            cls = backend_for(url).output_class(url)
+        return super().__new__(cls)
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        self.url = url
+
+    def __enter__(self) -> Output:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def url_of(self, name: str) -> str:
+        return join_url(self.url, name)
+
+    def is_empty(self) -> bool:
+        raise NotImplementedError
+
+    def list_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def put_file(self, local_path: str, name: str) -> None:
+        raise NotImplementedError
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def get_bytes(self, name: str) -> bytes | None:
+        raise NotImplementedError
+
+    def delete(self, name: str) -> None:
+        raise NotImplementedError
+
+    def local_staging_dir(self) -> str:
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release local resources (the staging directory of remote outputs)."""

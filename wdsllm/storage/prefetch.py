@@ -1,0 +1,189 @@
+"""Read-ahead and prefetch: the next shard's latency overlaps the current shard's consumption."""
+
+from __future__ import annotations
+
+import collections
+import io
+import logging
+import queue
+import threading
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Union
+
+from .backends import CHUNK_SIZE, is_remote
+from .resumable import STREAM_BUFFER, open_stream
+
+log = logging.getLogger(__name__)
+
+
+_EOF = object()
+
+
+class ReadAhead(io.RawIOBase):
+    """A stream read ahead by a background thread into a bounded queue of chunks.
+
+    ``opener()`` runs in the thread, so opening (and a cache download) overlaps with whatever the
+    consumer does meanwhile. At most ``max_chunks`` chunks of ``chunk_size`` bytes wait in memory.
+    Errors, opening errors included, are raised by the consumer's next read. Closing stops the
+    thread at its next chunk boundary and closes the source.
+    """
+
+    def __init__(
+        self, opener: Callable[[], BinaryIO], *, name: str = "", chunk_size: int = CHUNK_SIZE, max_chunks: int = 4
+    ) -> None:
+        super().__init__()
+        self.name = name
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, max_chunks))
+        self._stop = threading.Event()
+        self._chunk: memoryview = memoryview(b"")
+        self._eof = False
+        self._error: BaseException | None = None
+        self._pos = 0
+        # The thread gets the queue and the event, not self: a consumer that drops the stream
+        # without closing it lets it be collected, and __del__ -> close() stops the thread.
+        self._thread = threading.Thread(
+            target=ReadAhead._run,
+            args=(opener, chunk_size, self._queue, self._stop),
+            name=f"readahead {name}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    @staticmethod
+    def _put(q: queue.Queue, stop: threading.Event, item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    @staticmethod
+    def _run(opener: Callable[[], BinaryIO], chunk_size: int, q: queue.Queue, stop: threading.Event) -> None:
+        try:
+            src = opener()
+        except BaseException as exc:  # handed to the consumer, who decides
+            ReadAhead._put(q, stop, exc)
+            return
+        # readinto1 hands over what each read got: bytes that arrived before an error reach the
+        # consumer ahead of the error (read(n) would drop them with it, and with on_error="skip"
+        # that is documents lost that were already downloaded).
+        fill = getattr(src, "readinto1", None) or src.readinto
+        try:
+            while not stop.is_set():
+                buf = bytearray(chunk_size)
+                view = memoryview(buf)
+                got, error = 0, None
+                try:
+                    while got < chunk_size:
+                        n = fill(view[got:])
+                        if not n:
+                            break
+                        got += n
+                except BaseException as exc:
+                    error = exc
+                if got and not ReadAhead._put(q, stop, view[:got]):
+                    return
+                if error is not None:
+                    ReadAhead._put(q, stop, error)
+                    return
+                if got < chunk_size:
+                    ReadAhead._put(q, stop, _EOF)
+                    return
+        finally:
+            try:
+                src.close()
+            except Exception:  # the consumer already has every byte, or the error that matters
+                log.debug("error while closing a read-ahead source", exc_info=True)
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b) -> int:
+        if self.closed:
+            raise ValueError(f"{self.name}: read from a closed stream")
+        if not len(self._chunk):
+            if self._error is not None:
+                raise self._error  # again: reading on after an error must not look like an end
+            if self._eof:
+                return 0
+            item = self._queue.get()
+            if item is _EOF:
+                self._eof = True
+                return 0
+            if isinstance(item, BaseException):
+                self._error = item
+                raise item
+            self._chunk = memoryview(item)
+        view = memoryview(b).cast("B")
+        n = min(len(view), len(self._chunk))
+        view[:n] = self._chunk[:n]
+        self._chunk = self._chunk[n:]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._stop.set()
+            while True:  # unblock a thread waiting to put
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            self._chunk = memoryview(b"")
+        super().close()
+
+
+StreamSpec = Union[str, "tuple[str, dict[str, Any]]"]
+
+
+def prefetch_iter(
+    urls_and_kwargs: Iterable[StreamSpec], depth: int = 1, *, chunk_size: int = CHUNK_SIZE, max_chunks: int = 4
+) -> Iterator[BinaryIO]:
+    """Streams of the given objects in order, each remote one started ``depth`` shards early.
+
+    Items are URLs or ``(url, open_stream keyword arguments)``. Remote objects are read through
+    :class:`ReadAhead`, so while the consumer reads one shard the next ``depth`` are being opened
+    (downloaded into the cache, when one is given) and read ahead by at most
+    ``max_chunks * chunk_size`` bytes each. Local files and pipes open at once and need no thread.
+    A yielded stream belongs to the consumer until it asks for the next one; then it is closed.
+    Stopping the iteration early closes every stream it started.
+    """
+
+    def start(item: StreamSpec) -> BinaryIO:
+        url, kwargs = (item, {}) if isinstance(item, str) else item
+        if not is_remote(url) or depth <= 0:
+            return open_stream(url, **kwargs)
+        ahead = ReadAhead(
+            lambda: open_stream(url, **kwargs), name=url, chunk_size=chunk_size, max_chunks=max_chunks
+        )
+        return io.BufferedReader(ahead, buffer_size=STREAM_BUFFER)
+
+    items = iter(urls_and_kwargs)
+    pending: collections.deque[BinaryIO] = collections.deque()
+    current: BinaryIO | None = None
+
+    def fill(n: int) -> None:
+        while len(pending) < n:
+            item = next(items, _EOF)
+            if item is _EOF:
+                return
+            pending.append(start(item))
+
+    try:
+        while True:
+            fill(max(depth, 0) + 1)  # the one to yield now, and `depth` started behind it
+            if not pending:
+                return
+            current = pending.popleft()
+            yield current
+            current.close()
+            current = None
+    finally:
+        if current is not None:
+            current.close()
+        for stream in pending:
+            stream.close()
