@@ -39,22 +39,28 @@ def main() -> None:
     tokens = docs = batches = 0
     for batch in loader:
         if batches < args.batches:
-            print(f"  batch {batches}: input_ids {tuple(batch['input_ids'].shape)}, "
-                  f"real tokens {int(batch['attention_mask'].sum())}, first doc id {int(batch['docs'][0, 0])}")
+            print(
+                f"  batch {batches}: input_ids {tuple(batch['input_ids'].shape)}, "
+                f"real tokens {int(batch['attention_mask'].sum())}, first doc id {int(batch['docs'][0, 0])}"
+            )
         batches += 1
         tokens += int(batch["lengths"].sum())
         docs += len(batch["lengths"])
     dt = time.perf_counter() - t0
-    print(f"  one epoch: {batches} batches, {docs:,} documents, {tokens:,} tokens in {dt:.2f} s "
-          f"({tokens / dt / 1e6:.1f}M tokens/s)")
+    print(
+        f"  one epoch: {batches} batches, {docs:,} documents, {tokens:,} tokens in {dt:.2f} s "
+        f"({tokens / dt / 1e6:.1f}M tokens/s)"
+    )
 
     print("\nstreaming packed rows (batch 8 x 1024, document boundaries):")
     loader = wdsllm.loader(packed_dir, batch_size=8, boundaries=True, seed=0)
     for i, batch in enumerate(loader):
         if i >= args.batches:
             break
-        print(f"  batch {i}: input_ids {tuple(batch['input_ids'].shape)}, documents in row 0: "
-              f"{int((batch['docs'][0] >= 0).sum())}, max_seqlen {batch['max_seqlen']}")
+        print(
+            f"  batch {i}: input_ids {tuple(batch['input_ids'].shape)}, documents in row 0: "
+            f"{int((batch['docs'][0] >= 0).sum())}, max_seqlen {batch['max_seqlen']}"
+        )
     print(f"\nshards and index in {args.out}; inspect with: wdsllm info {docs_dir}")
 
 

@@ -34,8 +34,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import wdsllm  # noqa: E402
-from tiny_gpt import GPTConfig, TinyGPT, lm_loss  # noqa: E402
+from tiny_gpt import GPTConfig, TinyGPT, lm_loss
+
+import wdsllm
 
 CHECKPOINT_VERSION = 1
 
@@ -49,12 +50,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--out", default=None, help="directory for rank{r}.json and checkpoint.pt")
-    ap.add_argument("--boundaries", action="store_true", help="position ids restart per document; attention stays within documents")
+    ap.add_argument(
+        "--boundaries", action="store_true", help="position ids restart per document; attention stays within documents"
+    )
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K steps (and at the end); needs --out or --checkpoint")
+    ap.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="save a checkpoint every K steps (and at the end); needs --out or --checkpoint",
+    )
     ap.add_argument("--checkpoint", default=None, help="checkpoint path [default: OUT/checkpoint.pt]")
     ap.add_argument("--resume", default=None, metavar="PATH", help="continue from this checkpoint")
     args = ap.parse_args(argv)
@@ -144,7 +152,9 @@ def build_loader(args: argparse.Namespace):
     )
     index = loader.catalog.index
     if index is None or index.mode != "packed" or not index.seq_len:
-        raise SystemExit(f"{args.data}: needs a packed-mode dataset with an index.json (wdsllm pack --mode packed --seq-len N)")
+        raise SystemExit(
+            f"{args.data}: needs a packed-mode dataset with an index.json (wdsllm pack --mode packed --seq-len N)"
+        )
     return loader
 
 
@@ -152,7 +162,9 @@ def build_model(args: argparse.Namespace, index) -> TinyGPT:
     tok = index.tokenizer
     specials = [i for i in (tok.bos_id, tok.eos_id, tok.pad_id) if i is not None]
     vocab = max([tok.vocab_size, *(i + 1 for i in specials)])
-    cfg = GPTConfig(vocab_size=vocab, max_len=index.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
+    cfg = GPTConfig(
+        vocab_size=vocab, max_len=index.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads
+    )
     return TinyGPT(cfg)
 
 
@@ -180,7 +192,7 @@ def train(args: argparse.Namespace) -> dict:
         loader.set_epoch(epoch)  # a restored loader continues its epoch from the saved batch
         yielded = 0
         for batch in loader:
-            yielded += 1
+            yielded += 1  # noqa: SIM113 - the count is read after the loop
             ddp.train()
             position_ids = batch["position_ids"] if args.boundaries else None
             logits = ddp(batch["input_ids"], position_ids)
@@ -214,7 +226,9 @@ def train(args: argparse.Namespace) -> dict:
                 break
         else:
             if yielded == 0 and len(loader) == 0:
-                raise SystemExit(f"rank {rank}: epoch {epoch} yields no batches; the dataset is smaller than one batch per rank")
+                raise SystemExit(
+                    f"rank {rank}: epoch {epoch} yields no batches; the dataset is smaller than one batch per rank"
+                )
             epoch += 1
 
     report = {

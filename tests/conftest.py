@@ -16,7 +16,7 @@ WIKI = sorted((CORPORA / "wiki").glob("wiki-*.jsonl.gz"))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from remote_fixtures import *  # noqa: E402,F401,F403 - fixtures for real HTTP and S3 servers on 127.0.0.1
+from remote_fixtures import *  # noqa: E402, F403 - fixtures for real HTTP and S3 servers on 127.0.0.1
 
 # Keep tokenizer threads from oversubscribing the 2-core CI machine inside test processes.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

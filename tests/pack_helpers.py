@@ -14,8 +14,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -79,7 +79,9 @@ def pack_api(inputs, output, tokenizer=GPT2, **options) -> PackResult:
     return pack(cfg)
 
 
-def cli(*args, stdin: bytes | None = None, env: dict | None = None, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+def cli(
+    *args, stdin: bytes | None = None, env: dict | None = None, check: bool = True, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """Run `wdsllm ARGS` in a subprocess; text output."""
     full_env = dict(os.environ)
     full_env.update(env or {})

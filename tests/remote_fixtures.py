@@ -37,10 +37,11 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import pytest
@@ -155,13 +156,13 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive
     server: _Server
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet test output
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self._serve(send_body=True)
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._serve(send_body=False)
 
     def _simple(self, rec: RecordedRequest, status: int, headers: dict[str, str] | None = None) -> None:
@@ -324,7 +325,8 @@ class HttpServer:
     def log(self, pattern: str = "*", method: str | None = "GET") -> list[RecordedRequest]:
         with self._lock:
             return [
-                r for r in self.requests
+                r
+                for r in self.requests
                 if fnmatch.fnmatchcase(r.path, pattern) and (method is None or r.method == method)
             ]
 

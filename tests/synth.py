@@ -55,8 +55,12 @@ def write_dataset(
         lengths[-1] -= sum(lengths) - stream_len
         if lengths and lengths[-1] <= 0:
             lengths.pop()
-        stream = np.concatenate([doc_tokens(i, n) for i, n in enumerate(lengths)]) if lengths else np.zeros(0, np.uint16)
-        doc_starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if lengths else np.zeros(0, np.int64)
+        stream = (
+            np.concatenate([doc_tokens(i, n) for i, n in enumerate(lengths)]) if lengths else np.zeros(0, np.uint16)
+        )
+        doc_starts = (
+            np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if lengths else np.zeros(0, np.int64)
+        )
         all_lengths = lengths
     offset = 0
     for s, n in enumerate(docs_per_shard):
@@ -64,14 +68,16 @@ def write_dataset(
         path = out / name
         tokens_total = docs_total = samples = 0
         with open(path, "wb") as f:
-            tw = wds.TarWriter(f, user=tario.TAR_USER, group=tario.TAR_USER, mode=tario.TAR_MODE, encoder=False, mtime=0)
+            tw = wds.TarWriter(
+                f, user=tario.TAR_USER, group=tario.TAR_USER, mode=tario.TAR_MODE, encoder=False, mtime=0
+            )
             if mode == "docs":
                 lengths = rng.integers(1, max_len + 1, n)
                 for gstart in range(0, n, group_docs):
                     ls = lengths[gstart : gstart + group_docs]
-                    toks = np.concatenate([doc_tokens(g + i, int(l)) for i, l in enumerate(ls)])
-                    for i, l in enumerate(ls):
-                        expect[(s << 32) | (gstart + i)] = doc_tokens(g + i, int(l))
+                    toks = np.concatenate([doc_tokens(g + i, int(n_tok)) for i, n_tok in enumerate(ls)])
+                    for i, n_tok in enumerate(ls):
+                        expect[(s << 32) | (gstart + i)] = doc_tokens(g + i, int(n_tok))
                     g += len(ls)
                     meta = {"documents": len(ls), "provenance": [[0, gstart + 1, len(ls)]]}
                     tw.write(fmt.encode_group(fmt.group_key(0, samples + 1000 * s), toks, lengths=ls, meta=meta))
@@ -87,9 +93,15 @@ def write_dataset(
                     a, b = offset + r0 * seq_len, min(offset + r1 * seq_len, len(stream))
                     toks = stream[a:b]
                     for r in range(r0, r1):
-                        expect[(s << 32) | r] = stream[offset + r * seq_len : min(offset + (r + 1) * seq_len, len(stream))]
+                        expect[(s << 32) | r] = stream[
+                            offset + r * seq_len : min(offset + (r + 1) * seq_len, len(stream))
+                        ]
                     starts = doc_starts[(doc_starts >= a) & (doc_starts < b)] - a
-                    meta = {"documents": int(len(starts)), "rows": r1 - r0, "provenance": [[0, 1, int(len(starts))]] if len(starts) else []}
+                    meta = {
+                        "documents": len(starts),
+                        "rows": r1 - r0,
+                        "provenance": [[0, 1, len(starts)]] if len(starts) else [],
+                    }
                     tw.write(fmt.encode_group(fmt.group_key(0, samples + 1000 * s), toks, starts=starts, meta=meta))
                     samples += 1
                     tokens_total += len(toks)
@@ -98,8 +110,15 @@ def write_dataset(
             tw.close()
         data = path.read_bytes()
         entries.append(
-            fmt.ShardEntry(name=name, samples=samples, documents=docs_total, tokens=tokens_total, bytes=len(data),
-                           sha256=hashlib.sha256(data).hexdigest(), rows=rows)
+            fmt.ShardEntry(
+                name=name,
+                samples=samples,
+                documents=docs_total,
+                tokens=tokens_total,
+                bytes=len(data),
+                sha256=hashlib.sha256(data).hexdigest(),
+                rows=rows,
+            )
         )
     lengths_bytes = fmt.npy_bytes(np.asarray(all_lengths, dtype=np.uint32))
     if write_index:
@@ -108,7 +127,9 @@ def write_dataset(
             mode=mode,
             dtype="uint16",
             seq_len=seq_len if mode == "packed" else None,
-            tokenizer=fmt.TokenizerInfo(source="synthetic", sha256="0" * 64, vocab_size=60000, bos_id=None, eos_id=59999, pad_id=None),
+            tokenizer=fmt.TokenizerInfo(
+                source="synthetic", sha256="0" * 64, vocab_size=60000, bos_id=None, eos_id=59999, pad_id=None
+            ),
             shards=entries,
             doc_lengths=fmt.length_histogram(np.asarray(all_lengths)),
             options={},
@@ -124,7 +145,9 @@ def write_dataset(
     return info
 
 
-def _row_docs(rows_per_shard: list[int], seq_len: int, doc_starts: np.ndarray, lengths: list[int]) -> dict[int, list[int]]:
+def _row_docs(
+    rows_per_shard: list[int], seq_len: int, doc_starts: np.ndarray, lengths: list[int]
+) -> dict[int, list[int]]:
     """Ground truth of a packed dataset: row id -> ids of the documents its tokens belong to."""
     shard_offsets = np.concatenate([[0], np.cumsum(rows_per_shard)]) * seq_len
     doc_shard = np.searchsorted(shard_offsets, doc_starts, side="right") - 1

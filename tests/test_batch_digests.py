@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import wdsllm
 from pack_helpers import SHAKESPEARE, cached, pack_api
 from synth import write_dataset
+
+import wdsllm
 
 DIGESTS = Path(__file__).parent / "data" / "batch_digests.json"
 UPDATE = os.environ.get("WDSLLM_UPDATE_DIGESTS") == "1"
@@ -168,8 +168,14 @@ def _scenarios() -> dict[str, callable]:
         pipe = wdsllm.dataset(d, batch_size=4, seed=5, batching="pack", seq_len=32, window=9, rank=1, world_size=2)
         return [batch_digest(b) for w in range(2) for b in pipe.worker_iter(w, 2)]
 
-    out.update(endless=endless, resampled=resampled, real_workers=real_workers, real_workers_packed=real_workers_packed,
-               one_by_one=one_by_one, dataset_workers=dataset_workers)
+    out.update(
+        endless=endless,
+        resampled=resampled,
+        real_workers=real_workers,
+        real_workers_packed=real_workers_packed,
+        one_by_one=one_by_one,
+        dataset_workers=dataset_workers,
+    )
     return out
 
 

@@ -8,9 +8,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from pack_helpers import GPT2, REPO, cached, cli, documents, load_index, pack_api, provenance, wiki_lines, wiki_subset
 from tokenizers import Tokenizer
 
-from pack_helpers import GPT2, REPO, cached, cli, documents, load_index, pack_api, provenance, wiki_lines, wiki_subset
 from wdsllm import format as fmt
 
 LINES = 1500
@@ -22,14 +22,36 @@ def docs_pack() -> Path:
     def build(d: Path) -> Path:
         relative = Path("..") / "shared" / "data" / "tokenizers" / "gpt2.json"
         assert (REPO / relative).exists()
-        cli("pack", wiki_subset(LINES), "-o", d / "out", "-t", relative, "-j", "1", "-q", "--sample-tokens", "4096", "--shard-size", "64KiB")
+        cli(
+            "pack",
+            wiki_subset(LINES),
+            "-o",
+            d / "out",
+            "-t",
+            relative,
+            "-j",
+            "1",
+            "-q",
+            "--sample-tokens",
+            "4096",
+            "--shard-size",
+            "64KiB",
+        )
         return d / "out"
 
     return cached("tools-docs", build)
 
 
 def packed_pack() -> Path:
-    return cached("tools-packed", lambda d: (pack_api([wiki_subset(LINES)], d / "out", mode="packed", seq_len=64, sample_tokens=2000, shard_size=64 * 1024), d / "out")[1])
+    return cached(
+        "tools-packed",
+        lambda d: (
+            pack_api(
+                [wiki_subset(LINES)], d / "out", mode="packed", seq_len=64, sample_tokens=2000, shard_size=64 * 1024
+            ),
+            d / "out",
+        )[1],
+    )
 
 
 def broken_copy(tmp_path: Path) -> Path:
@@ -76,7 +98,9 @@ def test_verify_accepts_a_sound_dataset_in_both_modes():
     for path in (docs_pack(), packed_pack()):
         index = load_index(path)
         result = cli("verify", path, "-j", "2")
-        assert result.stdout.strip().endswith(f"OK: {len(index.shards)} shards, {index.documents:,} documents, {index.tokens:,} tokens verified")
+        assert result.stdout.strip().endswith(
+            f"OK: {len(index.shards)} shards, {index.documents:,} documents, {index.tokens:,} tokens verified"
+        )
         assert "verify [" in result.stderr  # the progress line
 
 
@@ -100,7 +124,9 @@ def test_verify_finds_a_truncated_shard(tmp_path):
     entry = load_index(ds).shards[2]
     data = (ds / entry.name).read_bytes()
     (ds / entry.name).write_bytes(data[: len(data) // 2])
-    verify_fails(ds, f"FAIL {entry.name}: truncated at byte", f"is {len(data) // 2} bytes, the index says {entry.bytes}")
+    verify_fails(
+        ds, f"FAIL {entry.name}: truncated at byte", f"is {len(data) // 2} bytes, the index says {entry.bytes}"
+    )
 
 
 def test_verify_finds_a_missing_shard(tmp_path):
@@ -170,7 +196,14 @@ def test_head_needs_a_tokenizer_it_can_find(tmp_path):
     import subprocess
     import sys
 
-    run = lambda *args: subprocess.run([sys.executable, "-m", "wdsllm.cli", "head", "ds", "-n", "1", *args], cwd=tmp_path, capture_output=True, text=True)  # noqa: E731
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "wdsllm.cli", "head", "ds", "-n", "1", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+
     failed = run()
     assert failed.returncode == 1 and "pass --tokenizer" in failed.stderr
     ok = run("--tokenizer", str(GPT2))
@@ -180,12 +213,20 @@ def test_head_needs_a_tokenizer_it_can_find(tmp_path):
 
 
 def test_head_shows_packed_rows_with_their_documents():
-    records = [json.loads(line) for line in cli("head", packed_pack(), "-n", "40", "--json", "--ids").stdout.splitlines()]
+    records = [
+        json.loads(line) for line in cli("head", packed_pack(), "-n", "40", "--json", "--ids").stdout.splitlines()
+    ]
     tok = Tokenizer.from_file(str(GPT2))
     assert all(len(r["ids"]) == 64 for r in records)
     stream = [t for r in records for t in r["ids"]]
     assert stream == [t for d in documents_of_docs_pack() for t in d][: len(stream)]
-    assert records[0]["segments"][0] == {"input": str(wiki_subset(LINES)), "line": 1, "piece": 0, "offset": 0, "continues": False}
+    assert records[0]["segments"][0] == {
+        "input": str(wiki_subset(LINES)),
+        "line": 1,
+        "piece": 0,
+        "offset": 0,
+        "continues": False,
+    }
     continued = next(r for r in records if r["segments"][0]["continues"])
     assert continued["segments"][0]["offset"] == 0
     assert records[0]["text"] == tok.decode(records[0]["ids"], skip_special_tokens=False)
@@ -209,8 +250,20 @@ def test_tools_refuse_a_missing_dataset(tmp_path, command):
 
 
 def test_stats_prints_the_histogram_and_every_mode(tmp_path):
-    out = cli("stats", docs_pack(), "--batch-size", "8", "--max-tokens", "2048", "--seq-len", "256", "--window", "500",
-              "--plot", tmp_path / "hist.png").stdout
+    out = cli(
+        "stats",
+        docs_pack(),
+        "--batch-size",
+        "8",
+        "--max-tokens",
+        "2048",
+        "--seq-len",
+        "256",
+        "--window",
+        "500",
+        "--plot",
+        tmp_path / "hist.png",
+    ).stdout
     assert "lengths" in out and "tokens per document" in out
     for mode in ("random", "random, truncated", "bucket", "pack", "concat"):
         assert f"\n{mode} " in out
@@ -223,7 +276,11 @@ def test_stats_simulation_matches_what_the_loader_yields():
     import wdsllm
 
     data = docs_pack()
-    report = json.loads(cli("stats", data, "--batch-size", "8", "--max-tokens", "2048", "--seq-len", "256", "--window", "500", "--json").stdout)
+    report = json.loads(
+        cli(
+            "stats", data, "--batch-size", "8", "--max-tokens", "2048", "--seq-len", "256", "--window", "500", "--json"
+        ).stdout
+    )
     modes = {(m["mode"], m["settings"].split(",")[0]): m for m in report["modes"]}
     loaders = {
         ("random", "batch 8"): dict(batch_size=8, max_len=256),

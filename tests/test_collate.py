@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from synth import write_dataset
 
 import wdsllm
-from synth import write_dataset
-from wdsllm.load.collate import IGNORE_INDEX, BufferPool
 from wdsllm.load.block import split_id
+from wdsllm.load.collate import IGNORE_INDEX, BufferPool
 
 
 def test_docs_batches_pad_and_mask(tmp_path):
@@ -40,7 +40,7 @@ def test_packed_rows_with_boundaries(tmp_path):
         pos = b["position_ids"].reshape(-1).tolist()
         starts = [c for c in cu if c < n * 16]
         # position ids restart at every boundary that cu_seqlens lists, and count up in between
-        for a, z in zip(starts, starts[1:] + [n * 16]):
+        for a, z in zip(starts, [*starts[1:], n * 16]):
             assert pos[a:z] == list(range(z - a))
         for r in range(n):
             k = int(b["lengths"][r])

@@ -10,7 +10,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from synth import write_dataset
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -23,8 +22,19 @@ def free_port() -> int:
 
 
 def torchrun(script: str, nproc: int, *args: str, timeout: float = 240) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(SCRIPTS / script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(SCRIPTS / script),
+        *args,
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -61,8 +71,20 @@ def test_torchrun_exactly_once_without_equal_batches(tmp_path):
     info = write_dataset(data, [5, 40, 3], max_len=20)
     out = tmp_path / "out"
     out.mkdir()
-    torchrun("ddp_epoch.py", 2, "--data", str(data), "--out", str(out), "--workers", "2", "--equal-batches", "0",
-             "--epochs", "1")
+    torchrun(
+        "ddp_epoch.py",
+        2,
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--workers",
+        "2",
+        "--equal-batches",
+        "0",
+        "--epochs",
+        "1",
+    )
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     seen = Counter(i for rep in reports for i in rep["epochs"][0]["ids"])
     assert set(seen) == set(info["expect"]) and max(seen.values()) == 1
@@ -73,8 +95,19 @@ def _steps(out, world: int) -> list[list[dict]]:
 
 
 def torchrun_may_fail(script: str, nproc: int, *args: str, timeout: float = 240) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(SCRIPTS / script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(SCRIPTS / script),
+        *args,
+    ]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout).returncode
     except subprocess.TimeoutExpired:
@@ -92,9 +125,15 @@ def test_torchrun_killed_and_resumed_equals_uninterrupted(tmp_path, batching):
     for d in (full, crash, resumed):
         d.mkdir()
     torchrun("ddp_resume.py", 2, "--data", str(data), "--out", str(full), "--batching", batching)
-    assert torchrun_may_fail("ddp_resume.py", 2, "--data", str(data), "--out", str(crash), "--kill-at", "5",
-                             "--batching", batching) != 0
-    torchrun("ddp_resume.py", 2, "--data", str(data), "--out", str(resumed), "--resume", str(crash), "--batching", batching)
+    assert (
+        torchrun_may_fail(
+            "ddp_resume.py", 2, "--data", str(data), "--out", str(crash), "--kill-at", "5", "--batching", batching
+        )
+        != 0
+    )
+    torchrun(
+        "ddp_resume.py", 2, "--data", str(data), "--out", str(resumed), "--resume", str(crash), "--batching", batching
+    )
     for r in range(2):
         before = json.loads((crash / f"rank{r}.json").read_text())
         after = json.loads((resumed / f"rank{r}.json").read_text())
@@ -112,10 +151,37 @@ def test_torchrun_elastic_three_ranks_to_two(tmp_path):
     crash, resumed = tmp_path / "crash", tmp_path / "resumed"
     crash.mkdir()
     resumed.mkdir()
-    assert torchrun_may_fail("ddp_resume.py", 3, "--data", str(data), "--out", str(crash), "--kill-at", "3",
-                             "--workers", "2", "--epochs", "1") != 0
-    torchrun("ddp_resume.py", 2, "--data", str(data), "--out", str(resumed), "--resume", str(crash), "--workers", "3",
-             "--epochs", "1")
+    assert (
+        torchrun_may_fail(
+            "ddp_resume.py",
+            3,
+            "--data",
+            str(data),
+            "--out",
+            str(crash),
+            "--kill-at",
+            "3",
+            "--workers",
+            "2",
+            "--epochs",
+            "1",
+        )
+        != 0
+    )
+    torchrun(
+        "ddp_resume.py",
+        2,
+        "--data",
+        str(data),
+        "--out",
+        str(resumed),
+        "--resume",
+        str(crash),
+        "--workers",
+        "3",
+        "--epochs",
+        "1",
+    )
     before = [i for r in range(3) for s in json.loads((crash / f"rank{r}.json").read_text()) for i in s["ids"]]
     after = [i for r in range(2) for s in json.loads((resumed / f"rank{r}.json").read_text()) for i in s["ids"]]
     seen = Counter(before + after)

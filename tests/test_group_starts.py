@@ -9,9 +9,9 @@ import shutil
 
 import numpy as np
 import pytest
+from pack_helpers import cached, pack_api, wiki_subset
 
 import wdsllm
-from pack_helpers import cached, pack_api, wiki_subset
 from wdsllm import format as fmt
 from wdsllm.format import tar as tario
 from wdsllm.format.verify import verify
@@ -76,8 +76,11 @@ def _rows_and_ranges(http_server, root, world: int):
     for rank in range(world):
         http_server.reset()
         http_server.root = root.parent
-        rows = [r for b in wdsllm.loader(url, batch_size=4, seed=3, rank=rank, world_size=world, equal_batches=False)
-                for r in b["rows"].tolist()]
+        rows = [
+            r
+            for b in wdsllm.loader(url, batch_size=4, seed=3, rank=rank, world_size=world, equal_batches=False)
+            for r in b["rows"].tolist()
+        ]
         out.append((rows, http_server.ranges("*.tar")))
     return out, storage.stats()["received_bytes"] - received
 
@@ -94,7 +97,7 @@ def test_a_consumer_whose_share_starts_late_reads_only_its_share(tmp_path, http_
     assert starts, "some rank enters a shard after its first group"
     table = fmt.npy_array((root / fmt.GROUPS_NAME).read_bytes()).reshape(-1, fmt.GROUP_COLUMNS)
     offsets = {int(o) for o in table[:, 0]}
-    assert all(int(r[len("bytes="):].split("-")[0]) in offsets for r in starts), "ranged reads start at group starts"
+    assert all(int(r[len("bytes=") :].split("-")[0]) in offsets for r in starts), "ranged reads start at group starts"
 
     # The same dataset as format 1 (no groups.npy): the same rows per rank, each shard read from 0.
     old = tmp_path / "v1"
@@ -110,7 +113,9 @@ def test_a_consumer_whose_share_starts_late_reads_only_its_share(tmp_path, http_
     dataset_bytes = sum(e.bytes for e in index.shards) + (root / "index.json").stat().st_size
     # (here about 1.4x against 1.1x: the ranks' shares meet inside 2 of the shards)
     assert received_v1 > 1.25 * dataset_bytes, "format 1: later ranks download what comes before their share"
-    assert received < 1.15 * dataset_bytes + (root / fmt.GROUPS_NAME).stat().st_size, "format 2: each rank about its share"
+    assert received < 1.15 * dataset_bytes + (root / fmt.GROUPS_NAME).stat().st_size, (
+        "format 2: each rank about its share"
+    )
 
 
 def test_a_group_table_that_disagrees_with_the_shard_is_an_error(tmp_path, http_server):

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from synth import all_ids, write_dataset
 
 import wdsllm
-from synth import all_ids, write_dataset
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -59,17 +59,33 @@ def check_contents(batches: list[dict], expect: dict) -> None:
 def _source(root: Path, with_index: bool):
     if with_index:
         return str(root)
-    return str(root) + "/shard-{000000..%06d}.tar" % (len(list(root.glob("*.tar"))) - 1)
+    return str(root) + f"/shard-{{000000..{len(list(root.glob('*.tar'))) - 1:06d}}}.tar"
 
 
 @SETTINGS
-@given(sizes=shard_sizes, world=worlds, workers=workers_, buffer=buffers, seed=st.integers(0, 2**31), epoch=st.integers(0, 5),
-       with_index=st.booleans(), batch=st.integers(1, 8))
+@given(
+    sizes=shard_sizes,
+    world=worlds,
+    workers=workers_,
+    buffer=buffers,
+    seed=st.integers(0, 2**31),
+    epoch=st.integers(0, 5),
+    with_index=st.booleans(),
+    batch=st.integers(1, 8),
+)
 def test_every_document_once_per_epoch(sizes, world, workers, buffer, seed, epoch, with_index, batch):
     with tempfile.TemporaryDirectory() as tmp:
         info = write_dataset(tmp, sizes, seed=seed % 1000, write_index=with_index)
-        layout = run_layout(_source(Path(tmp), with_index), world, workers, epoch, batch_size=batch, seed=seed,
-                            shuffle_buffer=buffer, equal_batches=False)
+        layout = run_layout(
+            _source(Path(tmp), with_index),
+            world,
+            workers,
+            epoch,
+            batch_size=batch,
+            seed=seed,
+            shuffle_buffer=buffer,
+            equal_batches=False,
+        )
         pipe_epoch = {k: v for k, v in layout.items()}
         seen = Counter(i for batches in pipe_epoch.values() for b in batches for i in _ids(b))
         assert set(seen) == set(info["expect"]), "some documents were not yielded"
@@ -84,8 +100,13 @@ def test_every_document_once_per_epoch(sizes, world, workers, buffer, seed, epoc
 
 
 @SETTINGS
-@given(rows=st.lists(st.integers(min_value=0, max_value=12), min_size=1, max_size=9), world=worlds, workers=workers_,
-       buffer=buffers, seed=st.integers(0, 1000))
+@given(
+    rows=st.lists(st.integers(min_value=0, max_value=12), min_size=1, max_size=9),
+    world=worlds,
+    workers=workers_,
+    buffer=buffers,
+    seed=st.integers(0, 1000),
+)
 def test_every_row_once_per_epoch_packed(rows, world, workers, buffer, seed):
     if sum(rows) == 0:
         rows[0] = 1
@@ -99,7 +120,7 @@ def test_every_row_once_per_epoch_packed(rows, world, workers, buffer, seed):
                 for i, row in enumerate(_ids(b)):
                     want = info["expect"][row].astype(np.int64)
                     assert np.array_equal(b["input_ids"][i, : len(want)].numpy(), want)
-                    assert bool((b["labels"][i, len(want):] == -100).all())
+                    assert bool((b["labels"][i, len(want) :] == -100).all())
 
 
 @SETTINGS
@@ -143,7 +164,9 @@ def test_shuffle_buffer_is_seeded_per_worker(tmp_path):
     assert sorted(a) == sorted(set(a))
     plain = order(seed=1, shuffle_buffer=0)
     shard_first = int(wdsllm.load.plan.shard_order(2, 1, 0)[0])
-    assert plain == [(s << 32) | j for s in (shard_first, 1 - shard_first) for j in range(40)], "a buffer of 0 follows the plan"
+    assert plain == [(s << 32) | j for s in (shard_first, 1 - shard_first) for j in range(40)], (
+        "a buffer of 0 follows the plan"
+    )
     assert order(seed=1, shuffle=False, shuffle_buffer=20) == sorted(plain), "shuffle=False reads in index order"
     assert a != plain
     # Within each buffer of 20 the items are a permutation of that buffer's items.
@@ -167,7 +190,9 @@ def test_equal_batches_per_rank(sizes, world, workers, batch, seed):
         full_per_rank = [sum(len(full[(r, w)]) for w in range(max(1, workers))) for r in range(world)]
         dropped = 0
         for r in range(world):
-            loader = wdsllm.loader(tmp, batch_size=batch, seed=seed, shuffle_buffer=7, rank=r, world_size=world, num_workers=workers)
+            loader = wdsllm.loader(
+                tmp, batch_size=batch, seed=seed, shuffle_buffer=7, rank=r, world_size=world, num_workers=workers
+            )
             assert len(loader) == per_rank[r]
             loader.limits = loader.source.limits(0, max(1, workers))
             assert loader.limits.dropped_batches == full_per_rank[r] - per_rank[r]
@@ -333,7 +358,7 @@ def segments(batch: dict, expect: dict) -> list[tuple[int, np.ndarray]]:
         if starts is None:
             out.append((tuple(docs), row))
             continue
-        bounds = starts + [n]
+        bounds = [*starts, n]
         assert len(docs) == len(starts)
         for d, a, b in zip(docs, bounds[:-1], bounds[1:]):
             out.append((d, row[a:b]))
@@ -341,15 +366,24 @@ def segments(batch: dict, expect: dict) -> list[tuple[int, np.ndarray]]:
 
 
 @SETTINGS
-@given(sizes=shard_sizes, world=worlds, workers=workers_, buffer=buffers, seed=st.integers(0, 1000),
-       mode=st.sampled_from(sorted(MODES)), epoch=st.integers(0, 3))
+@given(
+    sizes=shard_sizes,
+    world=worlds,
+    workers=workers_,
+    buffer=buffers,
+    seed=st.integers(0, 1000),
+    mode=st.sampled_from(sorted(MODES)),
+    epoch=st.integers(0, 3),
+)
 def test_every_document_once_in_every_batching_mode(sizes, world, workers, buffer, seed, mode, epoch):
     with tempfile.TemporaryDirectory() as tmp:
         info = write_dataset(tmp, sizes, seed=seed, max_len=40)
         options = dict(MODES[mode])
         if mode == "concat":
             options["boundaries"] = True
-        layout = run_layout(tmp, world, workers, epoch, seed=seed, shuffle_buffer=buffer, equal_batches=False, **options)
+        layout = run_layout(
+            tmp, world, workers, epoch, seed=seed, shuffle_buffer=buffer, equal_batches=False, **options
+        )
         got: dict[int, list[np.ndarray]] = {}
         for batches in layout.values():
             for b in batches:
@@ -369,12 +403,24 @@ def test_every_document_once_in_every_batching_mode(sizes, world, workers, buffe
                 if len(want) <= 24:
                     assert len(parts) == 1 and np.array_equal(parts[0], want), "a document at or under seq_len was cut"
                 else:
-                    offsets = sorted(int(np.nonzero([np.array_equal(want[k:k + len(p)], p) for k in range(0, len(want), 24)])[0][0]) * 24 for p in parts)
+                    offsets = sorted(
+                        int(
+                            np.nonzero([np.array_equal(want[k : k + len(p)], p) for k in range(0, len(want), 24)])[0][0]
+                        )
+                        * 24
+                        for p in parts
+                    )
                     assert offsets == list(range(0, len(want), 24))
 
 
 @SETTINGS
-@given(sizes=shard_sizes, world=st.integers(2, 4), workers=workers_, seed=st.integers(0, 1000), mode=st.sampled_from(sorted(MODES)))
+@given(
+    sizes=shard_sizes,
+    world=st.integers(2, 4),
+    workers=workers_,
+    seed=st.integers(0, 1000),
+    mode=st.sampled_from(sorted(MODES)),
+)
 def test_equal_batches_in_every_batching_mode(sizes, world, workers, seed, mode):
     with tempfile.TemporaryDirectory() as tmp:
         write_dataset(tmp, sizes, seed=seed, max_len=40)
@@ -382,12 +428,21 @@ def test_equal_batches_in_every_batching_mode(sizes, world, workers, seed, mode)
         per_rank = [sum(len(layout[(r, w)]) for w in range(max(1, workers))) for r in range(world)]
         assert len(set(per_rank)) == 1, per_rank
         for r in range(world):
-            assert len(wdsllm.loader(tmp, rank=r, world_size=world, num_workers=workers, seed=seed, shuffle_buffer=5, **MODES[mode])) == per_rank[r]
+            assert (
+                len(
+                    wdsllm.loader(
+                        tmp, rank=r, world_size=world, num_workers=workers, seed=seed, shuffle_buffer=5, **MODES[mode]
+                    )
+                )
+                == per_rank[r]
+            )
 
 
 def test_bucket_batches_are_sorted_windows_and_respect_the_budget(tmp_path):
     write_dataset(tmp_path, [200, 150], max_len=300, seed=4)
-    pipe = wdsllm.dataset(str(tmp_path), batching="bucket", max_tokens=1200, window=100, batch_size=None, pad_to_multiple_of=8)
+    pipe = wdsllm.dataset(
+        str(tmp_path), batching="bucket", max_tokens=1200, window=100, batch_size=None, pad_to_multiple_of=8
+    )
     batches = list(pipe.worker_iter(0, 1))
     for b in batches:
         assert b["input_ids"].numel() <= 1200 or b["input_ids"].shape[0] == 1
@@ -417,7 +472,9 @@ def test_rank_and_world_size_come_from_arguments_then_environment(tmp_path, monk
 
 
 @SETTINGS
-@given(sizes=shard_sizes, world=worlds, workers=workers_, buffer=buffers, seed=st.integers(0, 1000), equal=st.booleans())
+@given(
+    sizes=shard_sizes, world=worlds, workers=workers_, buffer=buffers, seed=st.integers(0, 1000), equal=st.booleans()
+)
 def test_documents_one_at_a_time(sizes, world, workers, buffer, seed, equal):
     """batch_size=None yields single documents (for your own batching stages) with the same
     guarantees: exactly once across ranks x workers, and equal counts per rank when asked."""

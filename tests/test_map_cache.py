@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from synth import write_dataset
 
 import wdsllm
-from synth import write_dataset
 from wdsllm.format import tar as tario
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 
 import pytest
-
 from pack_helpers import SHAKESPEARE, cached, dataset_files, pack_api, session_dir, wiki_lines, wiki_subset
 
 SMALL = {"sample_tokens": 4096, "shard_size": 64 * 1024}
@@ -16,7 +15,14 @@ def bad_lines_corpus() -> str:
 
     def build(d):
         path = d / "mixed.jsonl.gz"
-        bad = [b"{not json", b'{"title": "no text"}', b'{"text": 7}', b'{"text": "caf\xe9 latin-1"}', b"", b'{"text": "   "}']
+        bad = [
+            b"{not json",
+            b'{"title": "no text"}',
+            b'{"text": 7}',
+            b'{"text": "caf\xe9 latin-1"}',
+            b"",
+            b'{"text": "   "}',
+        ]
         with gzip.open(path, "wb") as f:
             for i, line in enumerate(wiki_lines(1500, file_number=1)):
                 f.write(line.encode() + b"\n")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from pack_helpers import GPT2, cli, dataset_files, documents, jsonl, load_index, pack_api, wiki_subset
 from tokenizers import Tokenizer
 
-from pack_helpers import GPT2, cli, dataset_files, documents, jsonl, load_index, pack_api, wiki_subset
+from wdsllm.errors import TokenizerError
 from wdsllm.pack.job import PackError
 from wdsllm.pack.sources import SourceError
-from wdsllm.errors import TokenizerError
 
 BAD_LINES = [
     (b"{not json", "invalid_json", "invalid JSON"),
@@ -56,7 +56,9 @@ def test_on_error_skip_counts_and_lists_every_bad_line(tmp_path):
     assert index.skipped["counts"] == {"decode_error": 1, "empty": 2, "invalid_json": 1, "missing_field": 3}
     assert index.skipped["total"] == 7 and index.skipped["records_truncated"] is False
     records = index.skipped["records"]
-    assert [(r["file"], r["line"], r["reason"]) for r in records] == [(str(path), n, reason) for n, (_, reason, _) in enumerate(BAD_LINES, 2)]
+    assert [(r["file"], r["line"], r["reason"]) for r in records] == [
+        (str(path), n, reason) for n, (_, reason, _) in enumerate(BAD_LINES, 2)
+    ]
     assert all(r["detail"] for r in records)
     assert index.inputs[0]["documents"] == 2 and index.inputs[0]["skipped"] == 7
     assert len(documents(tmp_path / "out")) == 2

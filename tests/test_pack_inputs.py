@@ -10,9 +10,9 @@ import lzma
 
 import pytest
 import zstandard
+from pack_helpers import GPT2, cli, documents, load_index, pack_api, provenance, wiki_lines
 from tokenizers import Tokenizer
 
-from pack_helpers import GPT2, cli, documents, load_index, pack_api, provenance, wiki_lines
 from wdsllm.pack.sources import SourceError, expand_inputs
 
 EOS = 50256
@@ -20,7 +20,7 @@ _tok = Tokenizer.from_file(str(GPT2))
 
 
 def encoded(*texts: str) -> list[list[int]]:
-    return [e.ids + [EOS] for e in _tok.encode_batch(list(texts), add_special_tokens=False)]
+    return [[*e.ids, EOS] for e in _tok.encode_batch(list(texts), add_special_tokens=False)]
 
 
 def docs_of(out) -> list[list[int]]:
@@ -81,7 +81,10 @@ def test_directories_globs_and_braces_expand_in_sorted_order(tmp_path):
     kinds = {i.path.rsplit("/", 1)[1]: (i.kind, i.compression) for i in expand_inputs([str(root)])}
     assert kinds["c.txt.gz"] == ("txt", "gz") and kinds["d.jsonl.zst"] == ("jsonl", "zst")
     # Named twice: read once, where first named.
-    assert [i.path for i in expand_inputs([str(root / "b.jsonl"), str(root / "*.jsonl")])] == [str(root / "b.jsonl"), str(root / "a.jsonl")]
+    assert [i.path for i in expand_inputs([str(root / "b.jsonl"), str(root / "*.jsonl")])] == [
+        str(root / "b.jsonl"),
+        str(root / "a.jsonl"),
+    ]
 
 
 def test_input_errors_name_the_pattern(tmp_path):
@@ -104,7 +107,10 @@ def test_directory_input_packs_every_file(tmp_path):
     (root / "sub" / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "gamma"}\n'))
     pack_api([root], tmp_path / "out")
     assert docs_of(tmp_path / "out") == encoded("alpha", "beta", "gamma")
-    assert [i["path"] for i in load_index(tmp_path / "out").inputs] == [str(root / "a.txt"), str(root / "sub" / "b.jsonl.gz")]
+    assert [i["path"] for i in load_index(tmp_path / "out").inputs] == [
+        str(root / "a.txt"),
+        str(root / "sub" / "b.jsonl.gz"),
+    ]
 
 
 def test_stdin_needs_and_uses_input_format(tmp_path):

@@ -3,6 +3,7 @@ uninterrupted pack, byte for byte; while it runs, every visible shard is complet
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import signal
@@ -12,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from pack_helpers import GPT2, REPO, cached, cli, dataset_files, load_index, pack_api, wiki_lines, wiki_subset
+
 from wdsllm.pack.job import PackError
 
 LINES = 6000
@@ -57,7 +58,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def kill_midway(args: list, out: Path, expected: dict[str, bytes], min_shards: int = 4, whole_group: bool = True) -> None:
+def kill_midway(
+    args: list, out: Path, expected: dict[str, bytes], min_shards: int = 4, whole_group: bool = True
+) -> None:
     """Start `wdsllm pack`, SIGKILL it once some shards are out; check the shards seen meanwhile."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "wdsllm.cli", "pack", *map(str, args), "-o", str(out), "-q"],
@@ -73,10 +76,8 @@ def kill_midway(args: list, out: Path, expected: dict[str, bytes], min_shards: i
             assert time.monotonic() < deadline, "no shards appeared"
             shards = sorted(out.glob("*.tar")) if out.exists() else []
             for shard in shards:  # a visible .tar is always complete: it was renamed into place
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     assert shard.read_bytes() == expected[shard.name], f"{shard.name} is visible but incomplete"
-                except FileNotFoundError:
-                    pass
             if len(shards) >= min_shards:
                 break
             time.sleep(0.01)

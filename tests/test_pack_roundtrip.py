@@ -9,8 +9,6 @@ import tarfile
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
-
 from pack_helpers import (
     GPT2,
     LLAMA,
@@ -26,6 +24,8 @@ from pack_helpers import (
     wiki_lines,
     wiki_subset,
 )
+from tokenizers import Tokenizer
+
 from wdsllm import format as fmt
 
 WIKI_LINES = 2000
@@ -60,18 +60,22 @@ def shakespeare_paragraphs() -> list[tuple[int, str]]:
 
 @pytest.fixture(scope="module")
 def wiki_gpt2():
-    return cached("rt-wiki-gpt2", lambda d: (pack_api([wiki_subset(WIKI_LINES)], d / "out", sample_tokens=20000), d / "out")[1])
+    return cached(
+        "rt-wiki-gpt2", lambda d: (pack_api([wiki_subset(WIKI_LINES)], d / "out", sample_tokens=20000), d / "out")[1]
+    )
 
 
 @pytest.fixture(scope="module")
 def shakespeare_llama():
-    return cached("rt-shakespeare-llama", lambda d: (pack_api([SHAKESPEARE], d / "out", LLAMA, split="paragraph"), d / "out")[1])
+    return cached(
+        "rt-shakespeare-llama", lambda d: (pack_api([SHAKESPEARE], d / "out", LLAMA, split="paragraph"), d / "out")[1]
+    )
 
 
 def test_wiki_gpt2_ids_equal_direct_encode_plus_eos(wiki_gpt2):
     reference = wiki_texts()
     tok = Tokenizer.from_file(str(GPT2))
-    expected = [e.ids + [GPT2_EOS] for e in tok.encode_batch([t for _, t in reference], add_special_tokens=False)]
+    expected = [[*e.ids, GPT2_EOS] for e in tok.encode_batch([t for _, t in reference], add_special_tokens=False)]
     got = documents(wiki_gpt2)
     assert len(got) == len(expected)
     for i, (g, e) in enumerate(zip(got, expected)):
@@ -99,8 +103,15 @@ def test_wiki_index_describes_the_shards(wiki_gpt2):
     assert lengths.tolist() == np.concatenate([g.lengths for g in gs]).tolist()
     hist = index.doc_lengths
     assert hist["count"] == index.documents == sum(hist["counts"]) and hist["max"] == int(lengths.max())
-    assert index.inputs == [{"index": 0, "path": str(wiki_subset(WIKI_LINES)), "bytes": wiki_subset(WIKI_LINES).stat().st_size,
-                             "documents": index.documents, "skipped": WIKI_LINES - index.documents}]
+    assert index.inputs == [
+        {
+            "index": 0,
+            "path": str(wiki_subset(WIKI_LINES)),
+            "bytes": wiki_subset(WIKI_LINES).stat().st_size,
+            "documents": index.documents,
+            "skipped": WIKI_LINES - index.documents,
+        }
+    ]
     # Keys are task-qualified group counters; the shard prefix and numbering are contiguous.
     assert [g.key for g in gs] == [fmt.group_key(0, i) for i in range(len(gs))]
     assert [e.name for e in index.shards] == [fmt.shard_name("shard", i) for i in range(len(index.shards))]
@@ -127,7 +138,11 @@ def test_plain_webdataset_and_tarfile_read_the_shards(wiki_gpt2):
         assert s["json"]["documents"] == len(g.lengths)
     with tarfile.open(urls[0]) as tf:
         members = tf.getmembers()
-        assert [m.name for m in members[:3]] == [f"{gs[0].key}.json", f"{gs[0].key}.lengths.npy", f"{gs[0].key}.tokens.npy"]
+        assert [m.name for m in members[:3]] == [
+            f"{gs[0].key}.json",
+            f"{gs[0].key}.lengths.npy",
+            f"{gs[0].key}.tokens.npy",
+        ]
         for m in members:
             assert m.isreg() and m.mode == 0o444 and m.mtime == 0 and (m.uid, m.gid) == (0, 0)
             assert (m.uname, m.gname) == ("wdsllm", "wdsllm")
@@ -144,7 +159,12 @@ def test_writer_matches_webdataset_tarwriter_byte_for_byte(tmp_path):
     from wdsllm.format.tar import SampleTarWriter
 
     samples = [
-        fmt.encode_group(fmt.group_key(3, i), np.arange(i * 7, dtype=np.uint16), lengths=[i * 7], meta={"documents": 1, "provenance": [[0, i + 1, 1]]})
+        fmt.encode_group(
+            fmt.group_key(3, i),
+            np.arange(i * 7, dtype=np.uint16),
+            lengths=[i * 7],
+            meta={"documents": 1, "provenance": [[0, i + 1, 1]]},
+        )
         for i in range(1, 5)
     ]
     ours, theirs = io.BytesIO(), io.BytesIO()
@@ -167,7 +187,7 @@ def test_llama_bos_once_by_default_and_eos_last(shakespeare_llama):
     got = documents(shakespeare_llama)
     assert len(got) == len(reference)
     for g, body in zip(got, bodies):
-        assert g.tolist() == [1] + body + [2]
+        assert g.tolist() == [1, *body, 2]
     assert sum(int((g == 1).sum()) for g in got) == len(got)  # exactly one BOS per document
     index = load_index(shakespeare_llama)
     assert index.options["bos"] is True and (index.tokenizer.bos_id, index.tokenizer.eos_id) == (1, 2)
@@ -239,7 +259,9 @@ def test_packed_rows_concatenate_to_the_documents(tmp_path, wiki_gpt2):
     assert index.documents == len(docs)
     # max_row_segments: the most document pieces any row holds.
     row_of_start = np.array(starts) // seq_len
-    segments = np.bincount(row_of_start, minlength=index.rows) + (np.isin(np.arange(index.rows), row_of_start[np.array(starts) % seq_len == 0]) == 0)
+    segments = np.bincount(row_of_start, minlength=index.rows) + (
+        np.isin(np.arange(index.rows), row_of_start[np.array(starts) % seq_len == 0]) == 0
+    )
     assert index.packed["max_row_segments"] == int(segments.max())
 
 

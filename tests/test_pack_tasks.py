@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from pack_helpers import (
+    GPT2,
+    LLAMA,
+    cached,
+    cli,
+    dataset_files,
+    documents,
+    groups,
+    load_index,
+    pack_api,
+    provenance,
+    wiki_lines,
+)
 
-from pack_helpers import GPT2, LLAMA, cached, cli, dataset_files, documents, groups, load_index, pack_api, provenance, wiki_lines
 from wdsllm import format as fmt
-from wdsllm.pack import merge as merge_mod
-from wdsllm.pack.merge import MergeError, merge
-from wdsllm.pack.job import assign_tasks, task_from_env
-from wdsllm.pack.sources import expand_inputs
 from wdsllm.format.verify import verify
+from wdsllm.pack import merge as merge_mod
+from wdsllm.pack.job import assign_tasks, task_from_env
+from wdsllm.pack.merge import MergeError, merge
+from wdsllm.pack.sources import expand_inputs
 
 TASKS = 3
 OPTIONS = {"sample_tokens": 3000, "shard_size": 40 * 1024}
@@ -27,7 +40,7 @@ def corpus() -> list[Path]:
         lines = wiki_lines(1400)
         cuts = [0, 100, 450, 500, 800, 1150, 1200, 1400]
         paths = []
-        for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        for i, (a, b) in enumerate(itertools.pairwise(cuts)):
             path = d / f"part-{i}.jsonl"
             path.write_text("\n".join(lines[a:b]) + "\n")
             paths.append(path)
@@ -94,7 +107,12 @@ def test_assignment_is_balanced_deterministic_and_in_input_order():
 
 def test_task_defaults_come_from_slurm_arrays_and_torchrun():
     assert task_from_env({}) == (1, 0, None)
-    slurm = {"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "5", "SLURM_ARRAY_TASK_STEP": "1"}
+    slurm = {
+        "SLURM_ARRAY_TASK_ID": "7",
+        "SLURM_ARRAY_TASK_COUNT": "4",
+        "SLURM_ARRAY_TASK_MIN": "5",
+        "SLURM_ARRAY_TASK_STEP": "1",
+    }
     assert task_from_env(slurm)[:2] == (4, 2)
     assert task_from_env({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "4"})[:2] == (4, 3)
     assert task_from_env({"RANK": "1", "WORLD_SIZE": "2"})[:2] == (2, 1)
@@ -113,14 +131,29 @@ def test_command_line_takes_the_task_from_the_environment(tmp_path):
     cli("pack", *files, "-o", tmp_path / "out", "-t", GPT2, "-j", "1", "-q", env=slurm)
     assert (tmp_path / "out" / "task-00000" / "index.json").exists()
     # Explicit options win over the environment.
-    cli("pack", *files, "-o", tmp_path / "one", "-t", GPT2, "-j", "1", "-q", "--num-tasks", "1", "--task-index", "0", env=env)
+    cli(
+        "pack",
+        *files,
+        "-o",
+        tmp_path / "one",
+        "-t",
+        GPT2,
+        "-j",
+        "1",
+        "-q",
+        "--num-tasks",
+        "1",
+        "--task-index",
+        "0",
+        env=env,
+    )
     assert (tmp_path / "one" / "index.json").exists()
 
 
 def test_merge_moves_tasks_into_one_dataset(tmp_path):
     parent = fresh_parts(tmp_path)
     parts_before = {t: load_index(parent / f"task-{t:05d}") for t in range(TASKS)}
-    index, used = merge([str(parent)], str(tmp_path / "merged"))
+    index, _used = merge([str(parent)], str(tmp_path / "merged"))
     out = tmp_path / "merged"
     shard_count = sum(len(p.shards) for p in parts_before.values())
     assert [e.name for e in index.shards] == [fmt.shard_name("shard", i) for i in range(shard_count)]
@@ -164,10 +197,19 @@ def test_merge_refuses_what_is_not_one_pack(tmp_path):
     other = tmp_path / "other"
     pack_api(corpus(), other, num_tasks=TASKS, task_index=1, sample_tokens=5000, shard_size=OPTIONS["shard_size"])
     with pytest.raises(MergeError, match="option sample_tokens differs"):
-        merge([str(parent / "task-00000"), str(other / "task-00001"), str(parent / "task-00002")], str(tmp_path / "m3"), copy=True)
+        merge(
+            [str(parent / "task-00000"), str(other / "task-00001"), str(parent / "task-00002")],
+            str(tmp_path / "m3"),
+            copy=True,
+        )
     pack_api(corpus(), tmp_path / "llama", tokenizer=LLAMA, num_tasks=TASKS, task_index=1, **OPTIONS)
     with pytest.raises(MergeError, match="tokenizer"):
-        merge([str(parent / "task-00000"), str(tmp_path / "llama" / "task-00001")], str(tmp_path / "m4"), copy=True, allow_partial=True)
+        merge(
+            [str(parent / "task-00000"), str(tmp_path / "llama" / "task-00001")],
+            str(tmp_path / "m4"),
+            copy=True,
+            allow_partial=True,
+        )
     (parent / "task-00001" / "index.json").unlink()
     with pytest.raises(MergeError, match="task-00001 has no index.json"):
         merge([str(parent)], str(tmp_path / "m5"), copy=True)
@@ -219,5 +261,8 @@ def test_single_task_packs_with_empty_task(tmp_path):
     assert load_index(tmp_path / "out" / "task-00002").shards == []
     index, _ = merge([str(tmp_path / "out")], str(tmp_path / "merged"))
     assert index.documents == sum(1 for _ in documents(tmp_path / "merged")) > 0
-    assert np.array_equal(fmt.npy_array((tmp_path / "merged" / "lengths.npy").read_bytes()), [len(d) for d in documents(tmp_path / "merged")])
+    assert np.array_equal(
+        fmt.npy_array((tmp_path / "merged" / "lengths.npy").read_bytes()),
+        [len(d) for d in documents(tmp_path / "merged")],
+    )
     assert verify(str(tmp_path / "merged")).ok

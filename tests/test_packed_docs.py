@@ -9,9 +9,9 @@ group or shard.
 from __future__ import annotations
 
 import torch
+from synth import write_dataset
 
 import wdsllm
-from synth import write_dataset
 
 
 def _docs_by_row(loader) -> dict[int, list[int]]:
@@ -20,7 +20,9 @@ def _docs_by_row(loader) -> dict[int, list[int]]:
         for r, row in enumerate(b["rows"].tolist()):
             assert row not in seen
             seen[row] = [d for d in b["docs"][r].tolist() if d >= 0]
-            assert b["docs"][r].tolist()[len(seen[row]):] == [-1] * (b["docs"].shape[1] - len(seen[row])), "-1 only after the last"
+            assert b["docs"][r].tolist()[len(seen[row]) :] == [-1] * (b["docs"].shape[1] - len(seen[row])), (
+                "-1 only after the last"
+            )
     return seen
 
 
@@ -28,10 +30,16 @@ def test_row_documents_match_the_data(tmp_path):
     # documents up to 40 tokens in rows of 16: they span rows, groups (2 rows each) and shards
     info = write_dataset(tmp_path, [7, 5, 4], mode="packed", seq_len=16, max_len=40, rows_per_group=2)
     truth = info["row_docs"]
-    assert any(len(d) > 2 for d in truth.values()) and any(d[0] >> 32 != row >> 32 for row, d in truth.items()), \
+    assert any(len(d) > 2 for d in truth.values()) and any(d[0] >> 32 != row >> 32 for row, d in truth.items()), (
         "the data must hold rows of several documents and a document continuing across a shard boundary"
-    for kw in (dict(), dict(boundaries=True, max_segments=16), dict(shuffle=False), dict(num_workers=2),
-               dict(rank=1, world_size=2, num_workers=3)):
+    )
+    for kw in (
+        dict(),
+        dict(boundaries=True, max_segments=16),
+        dict(shuffle=False),
+        dict(num_workers=2),
+        dict(rank=1, world_size=2, num_workers=3),
+    ):
         got = _docs_by_row(wdsllm.loader(str(tmp_path), batch_size=3, seed=1, **kw))
         want = truth if "rank" not in kw else {row: truth[row] for row in got}
         assert got == want, kw

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from synth import write_dataset
 
 import wdsllm
-from synth import write_dataset
 from wdsllm import storage
 from wdsllm.load.catalog import open_catalog
 from wdsllm.storage import NotFoundError, RetryPolicy, StorageError
@@ -91,7 +91,17 @@ def wiki_input(tmp_path_factory) -> Path:
     return path
 
 
-PACK_OPTIONS = ["-t", str(TOKENIZERS / "gpt2.json"), "--shard-size", "200K", "--sample-tokens", "8192", "--workers", "1", "-q"]
+PACK_OPTIONS = [
+    "-t",
+    str(TOKENIZERS / "gpt2.json"),
+    "--shard-size",
+    "200K",
+    "--sample-tokens",
+    "8192",
+    "--workers",
+    "1",
+    "-q",
+]
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +153,12 @@ def test_pipe_source_typed_by_the_user_reads_every_document(synth):
 
 
 def test_list_of_urls_across_schemes(synth, served, s3_synth):
-    urls = [f"{served[0]}/{NAMES[0]}", f"{s3_synth}/{NAMES[1]}", f"file://{synth[0]}/{NAMES[2]}", str(synth[0] / NAMES[3])]
+    urls = [
+        f"{served[0]}/{NAMES[0]}",
+        f"{s3_synth}/{NAMES[1]}",
+        f"file://{synth[0]}/{NAMES[2]}",
+        str(synth[0] / NAMES[3]),
+    ]
     got = documents(wdsllm.dataset(urls, **LOAD))
     # Without one root there is no index; ids use the shards' positions in the list, as here.
     assert sorted((i, t) for i, _, t in got) == sorted((i, t) for i, t in synth[1].items() if i >> 32 < 4)
@@ -370,8 +385,9 @@ def test_pack_to_s3_then_stream_exactly_once_over_ranks_and_workers(wiki_input, 
     assert len(expected) == index["totals"]["documents"] == 3000
     got = []
     for rank in range(2):
-        loader = wdsllm.loader(remote, rank=rank, world_size=2, num_workers=2, batch_size=16, seed=5,
-                               equal_batches=False, retry=FAST)
+        loader = wdsllm.loader(
+            remote, rank=rank, world_size=2, num_workers=2, batch_size=16, seed=5, equal_batches=False, retry=FAST
+        )
         got += documents(loader)
     ids = [i for i, _, _ in got]
     assert len(ids) == len(set(ids)) == len(expected), "every document exactly once over 2 ranks x 2 workers"

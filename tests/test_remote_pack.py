@@ -26,7 +26,17 @@ TOKENIZERS = SHARED_DATA / "tokenizers"
 WIKI = sorted((SHARED_DATA / "corpora" / "wiki").glob("wiki-*.jsonl.gz"))
 
 # 3000 Wikipedia documents in shards of 64 KiB: about 20 shards, packed in about two seconds.
-PACK_ARGS = ["-t", str(TOKENIZERS / "gpt2.json"), "--shard-size", "64K", "--sample-tokens", "4096", "--workers", "1", "-q"]
+PACK_ARGS = [
+    "-t",
+    str(TOKENIZERS / "gpt2.json"),
+    "--shard-size",
+    "64K",
+    "--sample-tokens",
+    "4096",
+    "--workers",
+    "1",
+    "-q",
+]
 # Shards above 32 KiB go up as multipart uploads (one part each: S3 parts are at least 5 MiB).
 MULTIPART_ENV = {"WDSLLM_S3_MULTIPART_THRESHOLD": str(32 * 1024)}
 
@@ -77,8 +87,13 @@ def wiki_input(tmp_path_factory) -> Path:
 
 def run_pack(*args: str, env: dict | None = None, driver: str | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", KILLING_PACK, driver] if driver else [sys.executable, "-m", "wdsllm.cli"]
-    return subprocess.run([*cmd, "pack", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **MULTIPART_ENV, **(env or {})})
+    return subprocess.run(
+        [*cmd, "pack", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **MULTIPART_ENV, **(env or {})},
+    )
 
 
 def objects(s3_server, url: str) -> dict[str, bytes]:
@@ -117,7 +132,9 @@ def uninterrupted(wiki_input, s3_server) -> dict[str, bytes]:
     return found
 
 
-def test_pack_uploads_each_shard_as_it_completes_multipart_and_the_index_last(wiki_input, s3_server, s3_bucket, monkeypatch):
+def test_pack_uploads_each_shard_as_it_completes_multipart_and_the_index_last(
+    wiki_input, s3_server, s3_bucket, monkeypatch
+):
     monkeypatch.setattr(storage.s3, "MULTIPART_THRESHOLD", 32 * 1024)
     events: list[tuple[str, str]] = []
     Out = storage.s3.S3Output
@@ -132,12 +149,20 @@ def test_pack_uploads_each_shard_as_it_completes_multipart_and_the_index_last(wi
         put_file(self, path, name)
 
     monkeypatch.setattr(Out, "put_file", spy_put_file)
-    monkeypatch.setattr(Out, "put_bytes", lambda self, name, data: (events.append(("bytes", name)), put_bytes(self, name, data))[1])
+    monkeypatch.setattr(
+        Out, "put_bytes", lambda self, name, data: (events.append(("bytes", name)), put_bytes(self, name, data))[1]
+    )
     monkeypatch.setattr(Out, "delete", lambda self, name: (events.append(("delete", name)), delete(self, name))[1])
 
     url = f"{s3_bucket}/ds/"
-    cfg = PackConfig(inputs=[str(wiki_input)], output=url, tokenizer=str(TOKENIZERS / "gpt2.json"),
-                     shard_size=64 * 1024, sample_tokens=4096, workers=1)
+    cfg = PackConfig(
+        inputs=[str(wiki_input)],
+        output=url,
+        tokenizer=str(TOKENIZERS / "gpt2.json"),
+        shard_size=64 * 1024,
+        sample_tokens=4096,
+        workers=1,
+    )
     result = pack(cfg)
     names = [n for _, n in events]
     shards = [n for kind, n in events if kind == "file"]
@@ -161,8 +186,12 @@ def test_pack_uploads_each_shard_as_it_completes_multipart_and_the_index_last(wi
     assert sorted(found) == sorted([*shards, "lengths.npy", "groups.npy", "index.json"])
 
 
-@pytest.mark.parametrize("point", ["before-shard-3", "after-shard-3", "before-lengths.npy", "before-index.json", "journal-cleanup"])
-def test_pack_killed_at_any_point_then_resumed_equals_an_uninterrupted_pack(point, wiki_input, s3_server, s3_bucket, uninterrupted):
+@pytest.mark.parametrize(
+    "point", ["before-shard-3", "after-shard-3", "before-lengths.npy", "before-index.json", "journal-cleanup"]
+)
+def test_pack_killed_at_any_point_then_resumed_equals_an_uninterrupted_pack(
+    point, wiki_input, s3_server, s3_bucket, uninterrupted
+):
     url = f"{s3_bucket}/ds/"
     killed = run_pack(str(wiki_input), "-o", url, *PACK_ARGS, driver=point)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
@@ -181,8 +210,12 @@ def test_pack_killed_from_outside_mid_run_then_resumed(wiki_input, s3_server, s3
     url = f"{s3_bucket}/ds/"
     bucket, prefix = s3_bucket[len("s3://") :], "ds/"
     client = s3_server.client()
-    proc = subprocess.Popen([sys.executable, "-m", "wdsllm.cli", "pack", str(wiki_input), "-o", url, *PACK_ARGS],
-                            env={**os.environ, **MULTIPART_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wdsllm.cli", "pack", str(wiki_input), "-o", url, *PACK_ARGS],
+        env={**os.environ, **MULTIPART_ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and proc.poll() is None:

@@ -12,9 +12,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from synth import write_dataset
 
 import wdsllm
-from synth import write_dataset
 from wdsllm.errors import StateError
 
 MODES = {
@@ -41,8 +41,9 @@ def same(a: dict, b: dict) -> bool:
 
 
 def make(tmp, rank, world, workers, **kw):
-    return wdsllm.loader(tmp, rank=rank, world_size=world, num_workers=workers, workers_in_process=True, seed=11,
-                         shuffle_buffer=5, **kw)
+    return wdsllm.loader(
+        tmp, rank=rank, world_size=world, num_workers=workers, workers_in_process=True, seed=11, shuffle_buffer=5, **kw
+    )
 
 
 def run_epochs(loader, epochs=(0, 1)) -> list[dict]:
@@ -54,15 +55,22 @@ def run_epochs(loader, epochs=(0, 1)) -> list[dict]:
 
 
 @SETTINGS
-@given(sizes=st.lists(st.integers(1, 25), min_size=1, max_size=6), world=st.integers(1, 3), workers=st.integers(0, 3),
-       mode=st.sampled_from(sorted(MODES)), cut=st.floats(0, 1), rank=st.integers(0, 2), via_json=st.booleans())
+@given(
+    sizes=st.lists(st.integers(1, 25), min_size=1, max_size=6),
+    world=st.integers(1, 3),
+    workers=st.integers(0, 3),
+    mode=st.sampled_from(sorted(MODES)),
+    cut=st.floats(0, 1),
+    rank=st.integers(0, 2),
+    via_json=st.booleans(),
+)
 def test_resume_equals_uninterrupted(sizes, world, workers, mode, cut, rank, via_json):
     rank = rank % world
     with tempfile.TemporaryDirectory() as tmp:
         write_dataset(tmp, sizes, seed=len(sizes), max_len=30)
         full = run_epochs(make(tmp, rank, world, workers, **MODES[mode]))
         epoch0 = len(make(tmp, rank, world, workers, **MODES[mode]))
-        k = int(round(cut * len(full)))
+        k = round(cut * len(full))
         first = make(tmp, rank, world, workers, **MODES[mode])
         got = []
         for e in (0, 1):
@@ -92,7 +100,9 @@ def test_resume_equals_uninterrupted(sizes, world, workers, mode, cut, rank, via
 
 def test_state_is_small_json(tmp_path):
     write_dataset(tmp_path, [40, 30, 25])
-    loader = wdsllm.loader(str(tmp_path), batch_size=4, num_workers=2, workers_in_process=True, batching="bucket", window=16)
+    loader = wdsllm.loader(
+        str(tmp_path), batch_size=4, num_workers=2, workers_in_process=True, batching="bucket", window=16
+    )
     it = iter(loader)
     for _ in range(5):
         next(it)
@@ -188,9 +198,13 @@ def _expected_items(info: dict, mode: str) -> Counter:
 
 
 @SETTINGS
-@given(sizes=st.lists(st.integers(1, 30), min_size=1, max_size=7), old=st.tuples(st.integers(1, 3), st.integers(0, 3)),
-       new=st.tuples(st.integers(1, 3), st.integers(0, 3)), mode=st.sampled_from(["fixed", "split", "bucket", "budget", "pack"]),
-       cut=st.floats(0, 1))
+@given(
+    sizes=st.lists(st.integers(1, 30), min_size=1, max_size=7),
+    old=st.tuples(st.integers(1, 3), st.integers(0, 3)),
+    new=st.tuples(st.integers(1, 3), st.integers(0, 3)),
+    mode=st.sampled_from(["fixed", "split", "bucket", "budget", "pack"]),
+    cut=st.floats(0, 1),
+)
 def test_elastic_resume_yields_each_unconsumed_document_once(sizes, old, new, mode, cut):
     """W1 x N1 -> W2 x N2 mid-epoch: the consumed documents plus the resumed run's are the
     dataset, each document (or piece) exactly once. (The new layout runs with equal_batches off

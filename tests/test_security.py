@@ -18,9 +18,9 @@ from urllib.parse import unquote
 import numpy as np
 import pytest
 import webdataset as wds
+from synth import write_dataset
 
 import wdsllm
-from synth import write_dataset
 from wdsllm import format as fmt
 from wdsllm import storage
 from wdsllm.load.catalog import open_catalog
@@ -182,8 +182,12 @@ def test_a_hostile_index_beside_user_typed_shards_is_ignored(dataset, tmp_path, 
 def write_shard(path: Path, extra: dict[str, bytes] | None = None, tokens_npy: bytes | None = None) -> None:
     """One-group docs-mode shard, with extra members or a replaced tokens.npy."""
     tokens = np.arange(10, dtype=np.uint16)
-    sample = fmt.encode_group(fmt.group_key(0, 0), tokens, lengths=np.array([4, 6], np.uint32),
-                              meta={"documents": 2, "provenance": [[0, 1, 2]]})
+    sample = fmt.encode_group(
+        fmt.group_key(0, 0),
+        tokens,
+        lengths=np.array([4, 6], np.uint32),
+        meta={"documents": 2, "provenance": [[0, 1, 2]]},
+    )
     sample.update(extra or {})
     if tokens_npy is not None:
         sample[fmt.TOKENS] = tokens_npy

@@ -534,8 +534,7 @@ def test_cache_concurrent_processes_download_once(served, http_server, tmp_path)
     ctx = multiprocessing.get_context("spawn")
     go, results = ctx.Event(), ctx.Queue()
     procs = [
-        ctx.Process(target=_cache_worker, args=(str(tmp_path / "cache"), url, sha(data), go, results))
-        for _ in range(2)
+        ctx.Process(target=_cache_worker, args=(str(tmp_path / "cache"), url, sha(data), go, results)) for _ in range(2)
     ]
     for p in procs:
         p.start()
@@ -613,7 +612,7 @@ def test_prefetch_iterates_shards_in_order(served, http_server, tmp_path):
     ]
     got = []
     for stream in prefetch_iter(items, depth=2, chunk_size=8192, max_chunks=2):
-        got.append(b"".join(iter(lambda: stream.read(3000), b"")))
+        got.append(b"".join(iter(lambda s=stream: s.read(3000), b"")))
     assert got == shards
     local = tmp_path / "local.bin"
     local.write_bytes(b"local")

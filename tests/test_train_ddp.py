@@ -7,6 +7,7 @@ behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -51,10 +52,8 @@ def kill_tree(proc: subprocess.Popen) -> str:
     """Kill torchrun, its ranks and their workers; return what they printed."""
     victims = descendants(proc.pid)
     for pid in [proc.pid, *victims]:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     try:
         output, _ = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
@@ -65,9 +64,25 @@ def kill_tree(proc: subprocess.Popen) -> str:
 def torchrun(data: Path, out: Path, *args: str, nproc: int = 2) -> list[dict]:
     """Run the example under torchrun; return the rank reports in rank order."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        str(SCRIPT), "--data", str(data), "--batch-size", str(BATCH), "--workers", "1", "--out", str(out), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(SCRIPT),
+        "--data",
+        str(data),
+        "--batch-size",
+        str(BATCH),
+        "--workers",
+        "1",
+        "--out",
+        str(out),
+        *args,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -86,7 +101,17 @@ def torchrun(data: Path, out: Path, *args: str, nproc: int = 2) -> list[dict]:
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory, shakespeare, gpt2_json) -> Path:
     out = tmp_path_factory.mktemp("shakespeare-packed")
-    pack(PackConfig(inputs=[str(shakespeare)], output=str(out), tokenizer=str(gpt2_json), mode="packed", seq_len=128, workers=1, overwrite=True))
+    pack(
+        PackConfig(
+            inputs=[str(shakespeare)],
+            output=str(out),
+            tokenizer=str(gpt2_json),
+            mode="packed",
+            seq_len=128,
+            workers=1,
+            overwrite=True,
+        )
+    )
     return out
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from synth import write_dataset
 
 import wdsllm
-from synth import write_dataset
 from wdsllm.load import transport
 
 

@@ -36,14 +36,27 @@ MAX_LEN = 2048
 def ensure_docs_dataset(work: Path) -> Path:
     out = work / "wiki-docs"
     if not (out / "index.json").exists():
-        cmd = [sys.executable, "-m", "wdsllm.cli", "pack", str(DATA / "corpora/wiki/wiki-*.jsonl.gz"), "-o", str(out),
-               "-t", str(DATA / "tokenizers/gpt2.json"), "--overwrite", "-q"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "wdsllm.cli",
+            "pack",
+            str(DATA / "corpora/wiki/wiki-*.jsonl.gz"),
+            "-o",
+            str(out),
+            "-t",
+            str(DATA / "tokenizers/gpt2.json"),
+            "--overwrite",
+            "-q",
+        ]
         print("$", " ".join(cmd[2:]), flush=True)
         subprocess.run(cmd, check=True)
     return out
 
 
-def greedy_infinibatch(lengths: np.ndarray, window: int, *, batch_size: int | None = None, budget: int | None = None) -> stats.ModeCost:
+def greedy_infinibatch(
+    lengths: np.ndarray, window: int, *, batch_size: int | None = None, budget: int | None = None
+) -> stats.ModeCost:
     """infinibatch BucketedReadaheadBatchIterator's rule, on lengths."""
     batches = padded = 0
     for a in range(0, len(lengths), window):
@@ -74,13 +87,16 @@ for epoch in range(2):
         batches += 1
         tokens += int(b["lengths"].sum())
     dt = time.perf_counter() - t
-print(json.dumps({"tokens_per_s": tokens / dt, "batches": batches, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"tokens_per_s": tokens / dt, "batches": batches, "rss_mib": rss_mib}))
 """
 
 
 def load(data: Path, **kw) -> dict:
     """Throughput of a second pass and peak RSS, in a fresh process per configuration."""
-    out = subprocess.run([sys.executable, "-c", LOAD_SNIPPET, str(data), json.dumps(kw)], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_SNIPPET, str(data), json.dumps(kw)], check=True, capture_output=True, text=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -93,8 +109,10 @@ def main() -> None:
     data = Path(args.data) if args.data else ensure_docs_dataset(Path(args.work))
     catalog = open_catalog(str(data))
     lengths, _ = stats.stream_lengths(catalog, max_len=MAX_LEN)
-    print(f"{len(lengths):,} documents (pieces of at most {MAX_LEN}), {int(lengths.sum()):,} tokens; "
-          f"median {int(np.median(lengths))}, mean {lengths.mean():.0f}\n")
+    print(
+        f"{len(lengths):,} documents (pieces of at most {MAX_LEN}), {int(lengths.sum()):,} tokens; "
+        f"median {int(np.median(lengths))}, mean {lengths.mean():.0f}\n"
+    )
 
     print("| mode | settings | batches | padding | truncation |")
     print("|---|---|---|---|---|")
@@ -103,17 +121,24 @@ def main() -> None:
     for settings in (dict(batch_size=32, window=320), dict(budget=65536, window=10_000)):
         window = settings["window"]
         base = greedy_infinibatch(lengths, window, batch_size=settings.get("batch_size"), budget=settings.get("budget"))
-        ours = stats.bucket_batches(lengths, window, batch_size=settings.get("batch_size"), max_tokens=settings.get("budget"))
+        ours = stats.bucket_batches(
+            lengths, window, batch_size=settings.get("batch_size"), max_tokens=settings.get("budget")
+        )
         print(row(base))
         print(row(ours))
         verdict = "no worse" if ours.padding_pct <= base.padding_pct and ours.batches <= base.batches else "WORSE"
-        print(f"|  | ours vs greedy: padding {ours.padding_pct - base.padding_pct:+.2f} points, batches {ours.batches - base.batches:+d} ({verdict}) | | | |")
+        print(
+            f"|  | ours vs greedy: padding {ours.padding_pct - base.padding_pct:+.2f} points, batches "
+            f"{ours.batches - base.batches:+d} ({verdict}) | | | |"
+        )
     pack = stats.pack_rows(lengths, MAX_LEN, 10_000)
     print(row(pack))
     print(row(stats.concat_rows(lengths, MAX_LEN)))
     capped, cut = stats.stream_lengths(catalog, max_len=MAX_LEN, max_len_mode="truncate")
-    print(f"\npack: {pack.padding_pct:.3f}% padding, no document at or under {MAX_LEN} cut, nothing dropped; "
-          f"capping at {MAX_LEN} instead would truncate {100 * cut / (cut + int(capped.sum())):.1f}% of the tokens")
+    print(
+        f"\npack: {pack.padding_pct:.3f}% padding, no document at or under {MAX_LEN} cut, nothing dropped; "
+        f"capping at {MAX_LEN} instead would truncate {100 * cut / (cut + int(capped.sum())):.1f}% of the tokens"
+    )
 
     print("\nwindow growth (padding; peak RSS of a loader streaming an epoch with that window):")
     print("| window | bucket, batch 32 | bucket, budget 65,536 | pack 2048 | loader RSS (budget) |")
@@ -122,8 +147,14 @@ def main() -> None:
         b32 = stats.bucket_batches(lengths, window, batch_size=32)
         bud = stats.bucket_batches(lengths, window, max_tokens=65536)
         pk = stats.pack_rows(lengths, MAX_LEN, window)
-        rss = "" if args.skip_load else f"{load(data, batching='bucket', max_tokens=65536, batch_size=None, window=window, max_len=MAX_LEN)['rss_mib']:.0f} MiB"
-        print(f"| {window:,} | {b32.padding_pct:.2f}% | {bud.padding_pct:.2f}% ({bud.batches} batches) | {pk.padding_pct:.3f}% | {rss} |")
+        rss = ""
+        if not args.skip_load:
+            run = load(data, batching="bucket", max_tokens=65536, batch_size=None, window=window, max_len=MAX_LEN)
+            rss = f"{run['rss_mib']:.0f} MiB"
+        print(
+            f"| {window:,} | {b32.padding_pct:.2f}% | {bud.padding_pct:.2f}% ({bud.batches} batches) | "
+            f"{pk.padding_pct:.3f}% | {rss} |"
+        )
 
     if args.skip_load:
         return
@@ -132,7 +163,10 @@ def main() -> None:
     print(f"| plain docs mode, batch 32 | {plain['tokens_per_s'] / 1e6:.1f}M | 1.00x |")
     for name, kw in (
         ("bucket, batch 32, window 320", dict(batching="bucket", batch_size=32, window=320, max_len=MAX_LEN)),
-        ("bucket, budget 65,536, window 10,000", dict(batching="bucket", max_tokens=65536, batch_size=None, window=10_000, max_len=MAX_LEN)),
+        (
+            "bucket, budget 65,536, window 10,000",
+            dict(batching="bucket", max_tokens=65536, batch_size=None, window=10_000, max_len=MAX_LEN),
+        ),
         ("pack 2048, batch 8, window 10,000", dict(batching="pack", seq_len=MAX_LEN, batch_size=8, window=10_000)),
         ("concat 2048, batch 8", dict(batching="concat", seq_len=MAX_LEN, batch_size=8)),
     ):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import glob
 import io
 import json
@@ -99,7 +100,11 @@ def _packed_ok(out: str, inputs: list[str], mode: str) -> bool:
     if not index.exists():
         return False
     opts = json.loads(index.read_text()).get("options", {})
-    return opts.get("inputs") == inputs and opts.get("mode") == mode and opts.get("seq_len") == (SEQ_LEN if mode == "packed" else None)
+    return (
+        opts.get("inputs") == inputs
+        and opts.get("mode") == mode
+        and opts.get("seq_len") == (SEQ_LEN if mode == "packed" else None)
+    )
 
 
 def prepare(work: str, quick: bool, log=print) -> Paths:
@@ -122,7 +127,16 @@ def prepare(work: str, quick: bool, log=print) -> Paths:
         if not _packed_ok(out, inputs, mode):
             log(f"packing {len(inputs)} wiki file(s) into {out} ({mode} mode)")
             t = time.perf_counter()
-            pack(PackConfig(inputs=inputs, output=out, tokenizer=TOKENIZER, mode=mode, seq_len=SEQ_LEN if mode == "packed" else None, overwrite=True))
+            pack(
+                PackConfig(
+                    inputs=inputs,
+                    output=out,
+                    tokenizer=TOKENIZER,
+                    mode=mode,
+                    seq_len=SEQ_LEN if mode == "packed" else None,
+                    overwrite=True,
+                )
+            )
             log(f"  {time.perf_counter() - t:.1f} s")
     stamp = json.loads(Path(paths.docs, "index.json").read_text())["shards"]
     stamp_path = os.path.join(work, f"{tag}-derived.json")
@@ -139,7 +153,7 @@ def _docs_groups(docs_dir: str):
         with tarfile.open(url) as tf:
             current = {}
             for m in tf:
-                key, _, suffix = m.name.partition(".")
+                _key, _, suffix = m.name.partition(".")
                 if suffix in ("tokens.npy", "lengths.npy"):
                     current[suffix] = np.load(io.BytesIO(tf.extractfile(m).read()))
                 if len(current) == 2:
@@ -155,7 +169,12 @@ def _write_derived(paths: Paths) -> None:
         os.remove(old)
     all_lengths = []
     n = 0
-    with open(paths.flat + ".tmp", "wb") as flat, wds.ShardWriter(os.path.join(paths.perdoc, "perdoc-%06d.tar"), maxsize=128 * MiB, maxcount=10**9, verbose=0) as sink:
+    with (
+        open(paths.flat + ".tmp", "wb") as flat,
+        wds.ShardWriter(
+            os.path.join(paths.perdoc, "perdoc-%06d.tar"), maxsize=128 * MiB, maxcount=10**9, verbose=0
+        ) as sink,
+    ):
         for tokens, lengths in _docs_groups(paths.docs):
             flat.write(tokens.tobytes())
             all_lengths.append(lengths)
@@ -207,10 +226,8 @@ def _pss_kib(pid: int | str) -> int:
 def _children(pid: int) -> list[int]:
     out = []
     for task in glob.glob(f"/proc/{pid}/task/*/children"):
-        try:
+        with contextlib.suppress(OSError):
             out.extend(int(x) for x in Path(task).read_text().split())
-        except OSError:
-            pass
     return out
 
 
@@ -234,7 +251,7 @@ class MemorySampler:
             self.peak_kib = max(self.peak_kib, total)
             self._stop.wait(self.interval)
 
-    def __enter__(self) -> "MemorySampler":
+    def __enter__(self) -> MemorySampler:
         self._thread.start()
         return self
 
@@ -263,7 +280,9 @@ def run_loader(spec: dict) -> dict:
         if one_by_one:
             loader = wdsllm.dataset(spec["data"], **options)
         else:
-            loader = wdsllm.loader(spec["data"], num_workers=spec["workers"], persistent_workers=spec["workers"] > 0, **options)
+            loader = wdsllm.loader(
+                spec["data"], num_workers=spec["workers"], persistent_workers=spec["workers"] > 0, **options
+            )
         passes = []
         for epoch in range(1 + spec["repeat"]):
             loader.set_epoch(epoch)
@@ -284,8 +303,16 @@ def run_loader(spec: dict) -> dict:
             if kept_lengths:
                 all_lengths = torch.cat(kept_lengths)
                 tokens, items = int(all_lengths.sum()), len(all_lengths)
-            passes.append({"seconds": seconds, "first": first, "tokens": tokens, "items": items, "batches": batches,
-                           "rss_mib": _status_kib("self", "VmRSS") / 1024})
+            passes.append(
+                {
+                    "seconds": seconds,
+                    "first": first,
+                    "tokens": tokens,
+                    "items": items,
+                    "batches": batches,
+                    "rss_mib": _status_kib("self", "VmRSS") / 1024,
+                }
+            )
         del loader
     best = min(passes[1:], key=lambda p: p["seconds"])
     return {
@@ -303,7 +330,14 @@ def run_loader(spec: dict) -> dict:
 
 
 def loader_result(name: str, mode: str, data: str, workers: int, options: dict, args, note: str = "") -> Result:
-    spec = {"data": data, "mode": mode, "workers": workers, "options": options, "repeat": args.repeat, "torch_threads": args.torch_threads}
+    spec = {
+        "data": data,
+        "mode": mode,
+        "workers": workers,
+        "options": options,
+        "repeat": args.repeat,
+        "torch_threads": args.torch_threads,
+    }
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
         capture_output=True,
@@ -423,9 +457,20 @@ def plain_wds_results(paths: Paths, pad_id: int, args) -> list[Result]:
     for name, group, mode, urls, split, collate, note in (
         ("plain wds, our docs shards", "b", "docs", shard_urls(paths.docs), split_groups_to_docs, pad_docs, ""),
         ("plain wds, our packed shards", "b", "packed", shard_urls(paths.packed), split_groups_to_rows, stack_rows, ""),
-        ("plain wds, per-document shards", "b'", "docs", shard_urls(paths.perdoc), split_docs, pad_docs, "naive layout"),
+        (
+            "plain wds, per-document shards",
+            "b'",
+            "docs",
+            shard_urls(paths.perdoc),
+            split_docs,
+            pad_docs,
+            "naive layout",
+        ),
     ):
-        dt, first, tokens, items = time_batches(lambda: iter(wds_pipeline(urls, split, collate, pad_id)), args.baseline_repeat if group == "b" else 1)
+        dt, first, tokens, items = time_batches(
+            lambda urls=urls, split=split, collate=collate: iter(wds_pipeline(urls, split, collate, pad_id)),
+            args.baseline_repeat if group == "b" else 1,
+        )
         out.append(Result(name, group, mode, tokens, items, dt, first_batch_s=first, note=note))
     return out
 
@@ -493,7 +538,7 @@ def memmap_results(paths: Paths, pad_id: int, args) -> list[Result]:
                 chunk = rows2d[i : i + BATCH]
             ids = torch.from_numpy(chunk.astype(np.int64))
             if all_tensors:  # what a packed batch of ours holds: labels too
-                batch = (ids, ids.clone())
+                (ids, ids.clone())
             tokens += ids.numel()
         return tokens, n_rows
 
@@ -529,14 +574,19 @@ def memmap_results(paths: Paths, pad_id: int, args) -> list[Result]:
             labels[dst] = values
             mask = np.zeros(n * width, np.int64)
             mask[dst] = 1
-            batch = [torch.from_numpy(x.reshape(n, width)) for x in (ids, labels, mask)]
+            [torch.from_numpy(x.reshape(n, width)) for x in (ids, labels, mask)]
             tokens += total
         return tokens, len(p_len)
 
     for name, mode, fn, note in (
         ("memmap rows, sequential", "packed", lambda: rows_pass(False), "[64, 2048] int64 per batch"),
         ("memmap rows, shuffled", "packed", lambda: rows_pass(True), "[64, 2048] int64 per batch; the packed ceiling"),
-        ("memmap rows, shuffled, 2 tensors", "packed", lambda: rows_pass(True, True), "input_ids, labels [64, 2048] int64"),
+        (
+            "memmap rows, shuffled, 2 tensors",
+            "packed",
+            lambda: rows_pass(True, True),
+            "input_ids, labels [64, 2048] int64",
+        ),
         ("memmap, one document at a time", "docs", docs_pass, "int64 tensor per document; the docs ceiling"),
         ("memmap docs, padded batches", "docs", padded_pass, "input_ids, labels, attention_mask [64, L]"),
     ):
@@ -564,32 +614,55 @@ def _fmt_rate(x: float) -> str:
 
 def table(results: list[Result]) -> str:
     by_name = {r.config: r for r in results}
-    head = "| config | tokens/s | docs/s or rows/s | vs (d) | vs (b) | first batch cold / warm | peak RSS main (base) / PSS all, MiB |"
+    head = (
+        "| config | tokens/s | docs/s or rows/s | vs (d) | vs (b) | first batch cold / warm | peak RSS main "
+        "(base) / PSS all, MiB |"
+    )
     lines = [head, "|" + "---|" * 7]
     for r in results:
         d = by_name.get(CEILING[r.mode])
         b = by_name.get(PLAIN[r.mode])
-        unit = "rows" if r.mode == "packed" and r.group in ("a", "b", "d") else ("samples" if r.group == "c" else "docs")
-        first = "" if r.first_batch_s is None else (
-            f"{r.first_batch_cold_s * 1e3:.0f} / {r.first_batch_s * 1e3:.0f} ms" if r.first_batch_cold_s is not None else f"{r.first_batch_s * 1e3:.0f} ms"
+        unit = (
+            "rows" if r.mode == "packed" and r.group in ("a", "b", "d") else ("samples" if r.group == "c" else "docs")
+        )
+        first = (
+            ""
+            if r.first_batch_s is None
+            else (
+                f"{r.first_batch_cold_s * 1e3:.0f} / {r.first_batch_s * 1e3:.0f} ms"
+                if r.first_batch_cold_s is not None
+                else f"{r.first_batch_s * 1e3:.0f} ms"
+            )
         )
         mem = "" if r.rss_main_mib is None else f"{r.rss_main_mib:.0f} ({r.rss_base_mib:.0f}) / {r.pss_total_mib:.0f}"
         lines.append(
             f"| ({r.group}) {r.config} | {_fmt_rate(r.tokens_per_s)} | {_fmt_rate(r.items_per_s)} {unit} | "
             f"{r.tokens_per_s / d.tokens_per_s:.2f}x | {r.tokens_per_s / b.tokens_per_s:.2f}x | {first} | {mem} |"
             if d and b
-            else f"| ({r.group}) {r.config} | {_fmt_rate(r.tokens_per_s)} | {_fmt_rate(r.items_per_s)} {unit} | | | {first} | {mem} |"
+            else f"| ({r.group}) {r.config} | {_fmt_rate(r.tokens_per_s)} | {_fmt_rate(r.items_per_s)} {unit} | | | "
+            f"{first} | {mem} |"
         )
     return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default=str(REPO / "bench-out"), help="where packed data and derived files live [default: bench-out/]")
+    ap.add_argument(
+        "--work", default=str(REPO / "bench-out"), help="where packed data and derived files live [default: bench-out/]"
+    )
     ap.add_argument("--quick", action="store_true", help="one wiki file instead of eight (a smoke run)")
-    ap.add_argument("--repeat", type=int, default=5, help="measured loader passes after the warm-up pass (best is reported)")
-    ap.add_argument("--baseline-repeat", type=int, default=5, help="passes of each fast single-process baseline (best is reported)")
-    ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads in the measuring processes (0: torch's default)")
+    ap.add_argument(
+        "--repeat", type=int, default=5, help="measured loader passes after the warm-up pass (best is reported)"
+    )
+    ap.add_argument(
+        "--baseline-repeat", type=int, default=5, help="passes of each fast single-process baseline (best is reported)"
+    )
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads in the measuring processes (0: torch's default)",
+    )
     ap.add_argument("--skip", default="", help="comma-separated groups to leave out: a,b,c,d")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -613,23 +686,60 @@ def main(argv=None) -> list[Result]:
     tok = index["tokenizer"]
     pad_id = tok["pad_id"] if tok["pad_id"] is not None else (tok["eos_id"] if tok["eos_id"] is not None else 0)
     skip = set(filter(None, args.skip.split(",")))
-    print(f"dataset: {index['totals']['documents']:,} documents, {index['totals']['tokens']:,} tokens, "
-          f"{index['totals']['shards']} shard(s) per mode; batch {BATCH}, seq_len/max_len {SEQ_LEN}", flush=True)
+    print(
+        f"dataset: {index['totals']['documents']:,} documents, {index['totals']['tokens']:,} tokens, "
+        f"{index['totals']['shards']} shard(s) per mode; batch {BATCH}, seq_len/max_len {SEQ_LEN}",
+        flush=True,
+    )
 
     results: list[Result] = []
     t_bench = time.perf_counter()
     if "a" not in skip:
-        docs_opts = {"batch_size": BATCH, "max_len": SEQ_LEN, "shuffle": True, "shuffle_buffer": SHUFFLE_BUFFER, "seed": 0}
+        docs_opts = {
+            "batch_size": BATCH,
+            "max_len": SEQ_LEN,
+            "shuffle": True,
+            "shuffle_buffer": SHUFFLE_BUFFER,
+            "seed": 0,
+        }
         packed_opts = {"batch_size": BATCH, "shuffle": True, "shuffle_buffer": SHUFFLE_BUFFER, "seed": 0}
         for name, mode, data, workers, opts, note in (
-            ("dataset docs, one document at a time", "docs", paths.docs, 0, {**docs_opts, "batch_size": None}, "wdsllm.dataset(batch_size=None): litdata's per-document layout of work"),
+            (
+                "dataset docs, one document at a time",
+                "docs",
+                paths.docs,
+                0,
+                {**docs_opts, "batch_size": None},
+                "wdsllm.dataset(batch_size=None): litdata's per-document layout of work",
+            ),
             ("loader docs, 0 workers", "docs", paths.docs, 0, docs_opts, ""),
             ("loader docs, 2 workers", "docs", paths.docs, 2, docs_opts, ""),
             ("loader packed, 0 workers", "packed", paths.packed, 0, packed_opts, ""),
             ("loader packed, 2 workers", "packed", paths.packed, 2, packed_opts, ""),
-            ("loader packed, 0 workers, docs=False", "packed", paths.packed, 0, {**packed_opts, "docs": False}, "no per-row document lists"),
-            ("loader packed, 2 workers, docs=False", "packed", paths.packed, 2, {**packed_opts, "docs": False}, "no per-row document lists"),
-            ("loader packed, 0 workers, buffer 1000", "packed", paths.packed, 0, {**packed_opts, "shuffle_buffer": 1000}, "RSS follows the buffer"),
+            (
+                "loader packed, 0 workers, docs=False",
+                "packed",
+                paths.packed,
+                0,
+                {**packed_opts, "docs": False},
+                "no per-row document lists",
+            ),
+            (
+                "loader packed, 2 workers, docs=False",
+                "packed",
+                paths.packed,
+                2,
+                {**packed_opts, "docs": False},
+                "no per-row document lists",
+            ),
+            (
+                "loader packed, 0 workers, buffer 1000",
+                "packed",
+                paths.packed,
+                0,
+                {**packed_opts, "shuffle_buffer": 1000},
+                "RSS follows the buffer",
+            ),
         ):
             results.append(loader_result(name, mode, data, workers, opts, args, note))
             print(f"  {name}: {_fmt_rate(results[-1].tokens_per_s)} tokens/s", flush=True)
@@ -647,10 +757,15 @@ def main(argv=None) -> list[Result]:
     for r in results:
         if "rss_by_pass" in r.extra:
             print(f"RSS of '{r.config}' after each pass, MiB: {r.extra['rss_by_pass']}")
-    print(f"\nmeasured in {time.perf_counter() - t_bench:.0f} s ({time.perf_counter() - t_start:.0f} s with preparation); "
-          f"torch threads {args.torch_threads}; load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"\nmeasured in {time.perf_counter() - t_bench:.0f} s ({time.perf_counter() - t_start:.0f} s with "
+        "preparation); "
+        f"torch threads {args.torch_threads}; load average {os.getloadavg()[0]:.2f}"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps([{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in results], indent=1))
+        Path(args.json).write_text(
+            json.dumps([{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in results], indent=1)
+        )
     return results
 
 

@@ -99,11 +99,19 @@ def _tree_rss_kib(pid: int) -> dict[int, int]:
 
 def run_pack(files: list[Path], tokenizer: Path, out: Path, workers: int) -> dict:
     """One pack in a fresh process; adds the peak summed RSS of its process tree, sampled."""
-    cfg = {"inputs": [str(f) for f in files], "output": str(out), "tokenizer": str(tokenizer), "workers": workers, "overwrite": True}
+    cfg = {
+        "inputs": [str(f) for f in files],
+        "output": str(out),
+        "tokenizer": str(tokenizer),
+        "workers": workers,
+        "overwrite": True,
+    }
     env = dict(os.environ)
     env.pop("TOKENIZERS_PARALLELISM", None)
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", PACK_SNIPPET, json.dumps(cfg)], stdout=subprocess.PIPE, env=env, cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PACK_SNIPPET, json.dumps(cfg)], stdout=subprocess.PIPE, env=env, cwd=REPO
+    )
     peak = {"tree": 0, "worker": 0}
 
     def sample() -> None:
@@ -133,7 +141,9 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=0, help="use only the first N files (0: all)")
     ap.add_argument("--tokenizer", type=Path, default=DATA / "tokenizers" / "gpt2.json")
     ap.add_argument("--workers", type=int, default=0, help="pack --workers (0: all cores)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating raw/pack rounds; the best time of each is reported")
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="alternating raw/pack rounds; the best time of each is reported"
+    )
     ap.add_argument("--out", type=Path, help="pack output directory (default: a temporary one, removed)")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = ap.parse_args()
@@ -157,10 +167,21 @@ def main() -> None:
             raw_s, raw_cpu, raw_tokens = time_encode(tokenizer, docs, "encode_batch")
             fast_s, fast_cpu, _ = time_encode(tokenizer, docs, "encode_batch_fast")
             packed = run_pack(files, args.tokenizer, out, args.workers)
-            rounds.append({"raw_seconds": raw_s, "raw_cpu": raw_cpu, "fast_seconds": fast_s, "fast_cpu": fast_cpu, "raw_tokens": raw_tokens, **packed})
+            rounds.append(
+                {
+                    "raw_seconds": raw_s,
+                    "raw_cpu": raw_cpu,
+                    "fast_seconds": fast_s,
+                    "fast_cpu": fast_cpu,
+                    "raw_tokens": raw_tokens,
+                    **packed,
+                }
+            )
             print(
-                f"round {r + 1}: encode_batch {raw_tokens / raw_s:,.0f} tok/s, encode_batch_fast {raw_tokens / fast_s:,.0f} tok/s, "
-                f"pack {raw_tokens / packed['process_seconds']:,.0f} text tok/s -> ratio {raw_s / packed['process_seconds']:.3f} "
+                f"round {r + 1}: encode_batch {raw_tokens / raw_s:,.0f} tok/s, encode_batch_fast "
+                f"{raw_tokens / fast_s:,.0f} tok/s, "
+                f"pack {raw_tokens / packed['process_seconds']:,.0f} text tok/s -> ratio "
+                f"{raw_s / packed['process_seconds']:.3f} "
                 f"(load average {os.getloadavg()[0]:.2f})",
                 file=sys.stderr,
             )
@@ -201,19 +222,34 @@ def main() -> None:
     if args.json:
         print(json.dumps(figures, indent=1))
         return
-    print(f"corpus: {figures['files']} files, {figures['documents']:,} documents, {figures['text_tokens']:,} text tokens ({figures['stored_tokens']:,} stored with EOS)")
-    print(f"best of {figures['rounds']} rounds:")
-    print(f"  pack:              {figures['pack_tokens_per_s']:>12,} tokens/s  ({figures['pack_seconds']} s end to end, {figures['shards']} shards)")
-    print(f"  encode_batch:      {figures['encode_batch_tokens_per_s']:>12,} tokens/s  (raw, in memory, batches of {BATCH})")
-    print(f"  encode_batch_fast: {figures['encode_batch_fast_tokens_per_s']:>12,} tokens/s  (reference)")
-    print(f"ratio pack/encode_batch: {figures['ratio_pack_to_encode_batch']:.3f}  (each round: {figures['ratios_each_round']}; pack/encode_batch_fast {figures['ratio_pack_to_encode_batch_fast']:.3f})")
     print(
-        f"CPU seconds per million tokens: pack {figures['cpu_s_per_mtok_pack']}, encode_batch {figures['cpu_s_per_mtok_encode_batch']}, "
-        f"encode_batch_fast {figures['cpu_s_per_mtok_encode_batch_fast']}  (packing process {figures['cpu_seconds_main']} s, workers {figures['cpu_seconds_workers']} s)"
+        f"corpus: {figures['files']} files, {figures['documents']:,} documents, {figures['text_tokens']:,} text "
+        f"tokens ({figures['stored_tokens']:,} stored with EOS)"
+    )
+    print(f"best of {figures['rounds']} rounds:")
+    print(
+        f"  pack:              {figures['pack_tokens_per_s']:>12,} tokens/s  ({figures['pack_seconds']} s end to "
+        f"end, {figures['shards']} shards)"
+    )
+    print(
+        f"  encode_batch:      {figures['encode_batch_tokens_per_s']:>12,} tokens/s  (raw, in memory, batches of "
+        f"{BATCH})"
+    )
+    print(f"  encode_batch_fast: {figures['encode_batch_fast_tokens_per_s']:>12,} tokens/s  (reference)")
+    print(
+        f"ratio pack/encode_batch: {figures['ratio_pack_to_encode_batch']:.3f}  (each round: "
+        f"{figures['ratios_each_round']}; pack/encode_batch_fast {figures['ratio_pack_to_encode_batch_fast']:.3f})"
+    )
+    print(
+        f"CPU seconds per million tokens: pack {figures['cpu_s_per_mtok_pack']}, encode_batch "
+        f"{figures['cpu_s_per_mtok_encode_batch']}, "
+        f"encode_batch_fast {figures['cpu_s_per_mtok_encode_batch_fast']}  (packing process "
+        f"{figures['cpu_seconds_main']} s, workers {figures['cpu_seconds_workers']} s)"
     )
     print(f"bytes per token: {figures['bytes_per_token']:.4f}")
     print(
-        f"peak RSS: packing process {figures['peak_rss_main_mib']} MiB (VmHWM), largest worker {figures['peak_rss_worker_mib']} MiB (sampled), "
+        f"peak RSS: packing process {figures['peak_rss_main_mib']} MiB (VmHWM), largest worker "
+        f"{figures['peak_rss_worker_mib']} MiB (sampled), "
         f"whole process tree {figures['peak_rss_tree_mib']} MiB (sampled sum), on {figures['cpus']} cores"
     )
 

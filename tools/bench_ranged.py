@@ -26,8 +26,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-import wdsllm  # noqa: E402
 from bench_remote import DATA, start_server  # noqa: E402
+
+import wdsllm  # noqa: E402
 from wdsllm import format as fmt  # noqa: E402
 from wdsllm import storage  # noqa: E402
 
@@ -36,8 +37,23 @@ def ensure_datasets(work: Path) -> tuple[Path, Path]:
     v2, v1 = work / "wiki-packed-v2", work / "wiki-packed-v1"
     index = v2 / fmt.INDEX_NAME
     if not index.exists() or json.loads(index.read_text()).get("version", 1) < 2:
-        cmd = [sys.executable, "-m", "wdsllm.cli", "pack", str(DATA / "corpora/wiki/wiki-*.jsonl.gz"), "-o", str(v2),
-               "-t", str(DATA / "tokenizers/gpt2.json"), "--mode", "packed", "--seq-len", "2048", "--overwrite", "-q"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "wdsllm.cli",
+            "pack",
+            str(DATA / "corpora/wiki/wiki-*.jsonl.gz"),
+            "-o",
+            str(v2),
+            "-t",
+            str(DATA / "tokenizers/gpt2.json"),
+            "--mode",
+            "packed",
+            "--seq-len",
+            "2048",
+            "--overwrite",
+            "-q",
+        ]
         print("$", " ".join(cmd[2:]), flush=True)
         subprocess.run(cmd, check=True)
     shutil.rmtree(v1, ignore_errors=True)
@@ -78,8 +94,11 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for world in (int(w) for w in args.worlds.split(",")):
             for name, path in (("1 (no groups.npy)", v1), ("2 (groups.npy)", v2)):
-                received, seconds, rows = epoch_of_every_rank(f"{base}/{path.name}/", world)
-                print(f"| {world} | {name} | {received / 1e6:,.1f} MB | {received / shard_bytes:.2f} | {seconds:.2f} s |", flush=True)
+                received, seconds, _rows = epoch_of_every_rank(f"{base}/{path.name}/", world)
+                print(
+                    f"| {world} | {name} | {received / 1e6:,.1f} MB | {received / shard_bytes:.2f} | {seconds:.2f} s |",
+                    flush=True,
+                )
     finally:
         server.stdin.close()
         server.wait(timeout=10)

@@ -42,8 +42,11 @@ MODES = {
     "docs": dict(dirname="wiki-docs", pack=[], load=dict(batch_size=32)),
     "packed": dict(dirname="wiki-packed", pack=["--mode", "packed", "--seq-len", "2048"], load=dict(batch_size=8)),
     # the same rows in 7 shards of 4 MiB: the next shard is prefetched while one is consumed
-    "packed-4MiB": dict(dirname="wiki-packed-4mib", pack=["--mode", "packed", "--seq-len", "2048", "--shard-size", "4MiB"],
-                        load=dict(batch_size=8)),
+    "packed-4MiB": dict(
+        dirname="wiki-packed-4mib",
+        pack=["--mode", "packed", "--seq-len", "2048", "--shard-size", "4MiB"],
+        load=dict(batch_size=8),
+    ),
 }
 
 
@@ -51,8 +54,20 @@ def ensure_dataset(work: Path, mode: str) -> Path:
     spec = MODES[mode]
     out = work / spec["dirname"]
     if not (out / "index.json").exists():
-        cmd = [sys.executable, "-m", "wdsllm.cli", "pack", str(DATA / "corpora/wiki/wiki-*.jsonl.gz"), "-o", str(out),
-               "-t", str(DATA / "tokenizers/gpt2.json"), *spec["pack"], "--overwrite", "-q"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "wdsllm.cli",
+            "pack",
+            str(DATA / "corpora/wiki/wiki-*.jsonl.gz"),
+            "-o",
+            str(out),
+            "-t",
+            str(DATA / "tokenizers/gpt2.json"),
+            *spec["pack"],
+            "--overwrite",
+            "-q",
+        ]
         print("$", " ".join(cmd[2:]), flush=True)
         subprocess.run(cmd, check=True)
     return out
@@ -91,8 +106,16 @@ def start_servers(work: Path, dirnames: list[str]):
 
     http, http_url = start_server("http", work)
     s3, endpoint = start_server("s3")
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_ENDPOINT_URL": endpoint, "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull})
+    os.environ.update(
+        {
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        }
+    )
     client = boto3.session.Session().client("s3", endpoint_url=endpoint)
     bucket = "wdsllm-bench"
     client.create_bucket(Bucket=bucket)
@@ -144,8 +167,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--workers", default="0,2")
-    ap.add_argument("--torch-threads", type=int, default=1,
-                    help="torch intra-op threads in this process (0: torch's default; see docs/benchmarks.md, load)")
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads in this process (0: torch's default; see docs/benchmarks.md, load)",
+    )
     args = ap.parse_args()
     if args.torch_threads:
         import torch
@@ -176,12 +203,20 @@ def main() -> None:
                     rate = max(r["tokens_per_s"] for r in runs[kind])
                     first = statistics.median(r["first_batch_s"] for r in runs[kind])
                     rows.append((mode, workers, kind, rate, first, rate / local))
-                    print(f"{mode} workers={workers} {kind}: {rate / 1e6:.2f}M tokens/s, first batch {first * 1000:.0f} ms, "
-                          f"{rate / local:.2f}x local", flush=True)
+                    print(
+                        f"{mode} workers={workers} {kind}: {rate / 1e6:.2f}M tokens/s, first batch "
+                        f"{first * 1000:.0f} ms, "
+                        f"{rate / local:.2f}x local",
+                        flush=True,
+                    )
         raw = []
         name = MODES[modes[0]]["dirname"]
         shard = f"{name}/shard-000000.tar"
-        for kind, url in (("local", str(work / shard)), ("http", f"{http_url}/{shard}"), ("s3", f"s3://{bucket}/{shard}")):
+        for kind, url in (
+            ("local", str(work / shard)),
+            ("http", f"{http_url}/{shard}"),
+            ("s3", f"s3://{bucket}/{shard}"),
+        ):
             for prefetch in (False, True):
                 raw.append((kind, prefetch, max(raw_read(url, prefetch) for _ in range(args.repeats))))
     finally:
@@ -193,14 +228,19 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for mode, workers, kind, rate, first, ratio in rows:
         print(f"| {mode} | {workers} | {kind} | {rate / 1e6:.2f}M | {first * 1000:.0f} ms | {ratio:.2f} |")
-    print(f"\nreading {shard} ({(work / shard).stat().st_size / 1e6:.0f} MB) through wdsllm.storage, best of {args.repeats}:")
+    print(
+        f"\nreading {shard} ({(work / shard).stat().st_size / 1e6:.0f} MB) through wdsllm.storage, best of "
+        f"{args.repeats}:"
+    )
     print("| source | open_stream | prefetch_iter (read-ahead thread) |")
     print("|---|---|---|")
     for kind in ("local", "http", "s3"):
         plain, ahead = (r for k, p, r in sorted(raw, key=lambda x: x[1]) if k == kind)
         print(f"| {kind} | {plain:,.0f} MB/s | {ahead:,.0f} MB/s |")
-    print(f"\n{os.cpu_count()} CPUs, load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the runs; "
-          f"bench_remote took {time.perf_counter() - t_start:.0f} s")
+    print(
+        f"\n{os.cpu_count()} CPUs, load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after the runs; "
+        f"bench_remote took {time.perf_counter() - t_start:.0f} s"
+    )
 
 
 if __name__ == "__main__":

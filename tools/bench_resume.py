@@ -24,8 +24,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-import wdsllm  # noqa: E402
 from bench_batching import ensure_docs_dataset  # noqa: E402
+
+import wdsllm  # noqa: E402
 
 MODES = {
     "fixed, batch 64": dict(batch_size=64, max_len=2048),
@@ -58,7 +59,7 @@ def main() -> None:
     for name, kw in MODES.items():
         for workers in (0, 2):
 
-            def make():
+            def make(workers=workers, kw=kw):
                 return wdsllm.loader(data, num_workers=workers, seed=0, **kw)
 
             loader = make()
@@ -78,7 +79,10 @@ def main() -> None:
             tail = [next(it) for _ in range(3)]
             del it
             equal = all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(tail, tail_expected))
-            print(f"| {name} | {workers} | {total} | {fresh * 1000:.0f} ms | {resumed * 1000:.0f} ms | {resumed / fresh:.2f}x | {equal} |")
+            print(
+                f"| {name} | {workers} | {total} | {fresh * 1000:.0f} ms | {resumed * 1000:.0f} ms | "
+                f"{resumed / fresh:.2f}x | {equal} |"
+            )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Draw docs/img/batching.png: padding against window size for each batching mode.
 
-    python tools/plot_batching.py [--data DIR]   (needs the plot extra: pip install wdsllm[plot])
+python tools/plot_batching.py [--data DIR]   (needs the plot extra: pip install wdsllm[plot])
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 from bench_batching import MAX_LEN, ensure_docs_dataset, greedy_infinibatch  # noqa: E402
+
 from wdsllm.load import stats  # noqa: E402
 from wdsllm.load.catalog import open_catalog  # noqa: E402
 
@@ -34,7 +34,9 @@ def main() -> None:
     series = {
         "bucket, batch 32": [stats.bucket_batches(lengths, w, batch_size=32).padding_pct for w in windows],
         "bucket, budget 65,536": [stats.bucket_batches(lengths, w, max_tokens=65536).padding_pct for w in windows],
-        "infinibatch greedy, budget 65,536": [greedy_infinibatch(lengths, w, budget=65536).padding_pct for w in windows],
+        "infinibatch greedy, budget 65,536": [
+            greedy_infinibatch(lengths, w, budget=65536).padding_pct for w in windows
+        ],
         "pack into 2048-token rows": [stats.pack_rows(lengths, MAX_LEN, w).padding_pct for w in windows],
     }
     random = stats.random_batches(lengths, 32).padding_pct

@@ -12,7 +12,19 @@ import click
 from . import __version__
 from .errors import ON_ERROR, TokenizerError, WdsllmError
 
-SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1000, "KIB": 1 << 10, "M": 1 << 20, "MB": 10**6, "MIB": 1 << 20, "G": 1 << 30, "GB": 10**9, "GIB": 1 << 30}
+SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1000,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 10**6,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 10**9,
+    "GIB": 1 << 30,
+}
 
 
 def parse_size(text: str) -> int:
@@ -99,32 +111,103 @@ def _fail(exc: Exception) -> None:
 @main.command()
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, help="Output directory, or s3://bucket/prefix/.")
-@click.option("--tokenizer", "-t", required=True, help="A tokenizer.json path, or a Hugging Face name (needs the Hub or its cache).")
-@click.option("--mode", type=click.Choice(["docs", "packed"]), default="docs", show_default=True, help="One document per sample, or fixed rows.")
+@click.option(
+    "--tokenizer",
+    "-t",
+    required=True,
+    help="A tokenizer.json path, or a Hugging Face name (needs the Hub or its cache).",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["docs", "packed"]),
+    default="docs",
+    show_default=True,
+    help="One document per sample, or fixed rows.",
+)
 @click.option("--seq-len", type=int, help="Row length for --mode packed.")
 @click.option("--max-doc-tokens", type=int, help="Split longer documents into pieces (docs mode). Never truncates.")
-@click.option("--split", type=click.Choice(["line", "paragraph", "file"]), default="line", show_default=True, help="How .txt inputs become documents.")
-@click.option("--text-field", default="text", show_default=True, help="JSON field with the text; dots reach nested keys (meta.body).")
-@click.option("--input-format", type=click.Choice(["txt", "jsonl"]), help="Treat every input as this type (needed for stdin).")
-@click.option("--bos/--no-bos", default=None, help="Prepend BOS. Default: as the tokenizer's post-processor does (Llama yes, GPT-2 no).")
+@click.option(
+    "--split",
+    type=click.Choice(["line", "paragraph", "file"]),
+    default="line",
+    show_default=True,
+    help="How .txt inputs become documents.",
+)
+@click.option(
+    "--text-field",
+    default="text",
+    show_default=True,
+    help="JSON field with the text; dots reach nested keys (meta.body).",
+)
+@click.option(
+    "--input-format", type=click.Choice(["txt", "jsonl"]), help="Treat every input as this type (needed for stdin)."
+)
+@click.option(
+    "--bos/--no-bos",
+    default=None,
+    help="Prepend BOS. Default: as the tokenizer's post-processor does (Llama yes, GPT-2 no).",
+)
 @click.option("--eos/--no-eos", default=True, show_default=True, help="Append EOS to every document.")
 @click.option("--bos-token", help="BOS token text, when the tokenizer does not name one.")
 @click.option("--eos-token", help="EOS token text, when the tokenizer does not name one.")
 @click.option("--shard-size", type=SizeType(), default="128MiB", show_default=True, help="Largest shard in bytes.")
 @click.option("--shard-samples", type=int, help="Most documents (docs mode) or rows (packed) per shard.")
-@click.option("--sample-tokens", type=int, default=262144, show_default=True, help="Tokens per tar sample (a group of documents or rows).")
+@click.option(
+    "--sample-tokens",
+    type=int,
+    default=262144,
+    show_default=True,
+    help="Tokens per tar sample (a group of documents or rows).",
+)
 @click.option("--prefix", default="shard", show_default=True, help="Shard name prefix: PREFIX-000000.tar.")
 @click.option("--workers", "-j", type=int, default=0, help="Tokenizer processes [default: all cores].")
-@click.option("--on-error", type=click.Choice([*ON_ERROR, "stop"]), default="raise", show_default=True,
-              help="Bad input: raise an error that names the file and line, or skip it (counted and listed). 'stop' is the old word for raise.")
-@click.option("--num-tasks", type=int, help="Split the inputs into this many disjoint tasks [default: SLURM array or torchrun size, else 1].")
-@click.option("--task-index", type=int, help="Which task this process packs [default: SLURM array id or torchrun rank].")
+@click.option(
+    "--on-error",
+    type=click.Choice([*ON_ERROR, "stop"]),
+    default="raise",
+    show_default=True,
+    help="Bad input: raise an error that names the file and line, or skip it (counted and listed). 'stop' is the old "
+    "word for raise.",
+)
+@click.option(
+    "--num-tasks",
+    type=int,
+    help="Split the inputs into this many disjoint tasks [default: SLURM array or torchrun size, else 1].",
+)
+@click.option(
+    "--task-index", type=int, help="Which task this process packs [default: SLURM array id or torchrun rank]."
+)
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output.")
 @click.option("--resume", is_flag=True, help="Finish an interrupted pack into the same output.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress line and no summary.")
 @click.pass_context
-def pack(ctx, inputs, output, tokenizer, mode, seq_len, max_doc_tokens, split, text_field, input_format, bos, eos, bos_token,
-         eos_token, shard_size, shard_samples, sample_tokens, prefix, workers, on_error, num_tasks, task_index, overwrite, resume, quiet):
+def pack(
+    ctx,
+    inputs,
+    output,
+    tokenizer,
+    mode,
+    seq_len,
+    max_doc_tokens,
+    split,
+    text_field,
+    input_format,
+    bos,
+    eos,
+    bos_token,
+    eos_token,
+    shard_size,
+    shard_samples,
+    sample_tokens,
+    prefix,
+    workers,
+    on_error,
+    num_tasks,
+    task_index,
+    overwrite,
+    resume,
+    quiet,
+):
     """Tokenize INPUT... (files, directories, globs, {a,b} patterns, or - for stdin) into shards.
 
     \b
@@ -133,9 +216,13 @@ def pack(ctx, inputs, output, tokenizer, mode, seq_len, max_doc_tokens, split, t
       wdsllm pack book.txt --split paragraph -o out/ -t tok.json --mode packed --seq-len 2048
       cat x.jsonl | wdsllm pack - --input-format jsonl -o s3://bucket/ds/ -t tok.json
     """
-    from .pack.job import PackConfig, pack as run_pack, task_from_env
+    from .pack.job import PackConfig, task_from_env
+    from .pack.job import pack as run_pack
 
     _setup_logging(ctx.obj["verbose"], quiet)
+    if on_error == "stop":
+        click.echo("warning: --on-error stop is deprecated; it is now called --on-error raise", err=True)
+        on_error = "raise"
     if (num_tasks is None) != (task_index is None):
         raise click.UsageError("--num-tasks and --task-index go together")
     if num_tasks is None:
@@ -144,7 +231,10 @@ def pack(ctx, inputs, output, tokenizer, mode, seq_len, max_doc_tokens, split, t
         except WdsllmError as exc:
             _fail(exc)
         if source and not quiet:
-            click.echo(f"task {task_index} of {num_tasks} (from {source}); writes {output.rstrip('/')}/task-{task_index:05d}", err=True)
+            click.echo(
+                f"task {task_index} of {num_tasks} (from {source}); writes {output.rstrip('/')}/task-{task_index:05d}",
+                err=True,
+            )
     cfg = PackConfig(
         inputs=list(inputs),
         output=output,
@@ -204,10 +294,15 @@ def _pack_summary(result) -> None:
     idx = result.index
     t = idx.totals()
     p = result.progress
-    click.echo(f"packed {t['documents']:,} documents, {t['tokens']:,} tokens into {_plural(t['shards'], 'shard')} ({human_bytes(t['bytes'])}) at {result.output}")
     click.echo(
-        f"  {p.tokens / max(p.elapsed, 1e-9):,.0f} tokens/s over {p.elapsed:.1f} s; {t['bytes'] / max(t['tokens'], 1):.3f} bytes/token; "
-        f"dtype {idx.dtype}; mode {idx.mode}" + (f" seq_len {idx.seq_len}, {t.get('rows', 0):,} rows" if idx.seq_len else "")
+        f"packed {t['documents']:,} documents, {t['tokens']:,} tokens into {_plural(t['shards'], 'shard')} "
+        f"({human_bytes(t['bytes'])}) at {result.output}"
+    )
+    click.echo(
+        f"  {p.tokens / max(p.elapsed, 1e-9):,.0f} tokens/s over {p.elapsed:.1f} s; "
+        f"{t['bytes'] / max(t['tokens'], 1):.3f} bytes/token; "
+        f"dtype {idx.dtype}; mode {idx.mode}"
+        + (f" seq_len {idx.seq_len}, {t.get('rows', 0):,} rows" if idx.seq_len else "")
     )
     if result.resumed_shards:
         click.echo(f"  resumed after {_plural(result.resumed_shards, 'finished shard')}")
@@ -223,7 +318,11 @@ def _print_skipped(skipped: dict, limit: int = 10) -> None:
         click.echo(f"    {rec['file']}:{rec['line']}: {rec['reason']} {rec['detail']}".rstrip())
     more = sum(v for k, v in skipped["counts"].items() if k != "empty") - min(limit, len(skipped["records"]))
     if more > 0:
-        click.echo(f"    ... {more:,} more listed in index.json" if len(skipped["records"]) > limit else f"    ... {more:,} more (not listed)")
+        click.echo(
+            f"    ... {more:,} more listed in index.json"
+            if len(skipped["records"]) > limit
+            else f"    ... {more:,} more (not listed)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,7 +331,12 @@ def _print_skipped(skipped: dict, limit: int = 10) -> None:
 
 @main.command()
 @click.argument("parts", nargs=-1, required=True)
-@click.option("-o", "--output", required=True, help="The merged dataset: a directory or s3://bucket/prefix/ (may be the parts' parent).")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    help="The merged dataset: a directory or s3://bucket/prefix/ (may be the parts' parent).",
+)
 @click.option("--copy", is_flag=True, help="Copy the shards and keep the parts (default: move them).")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output.")
 @click.option("--allow-partial", is_flag=True, help="Merge even if some tasks of the pack are missing or unfinished.")
@@ -260,7 +364,9 @@ def merge(ctx, parts, output, copy, overwrite, allow_partial, quiet):
         line.show(f"merge {_bar(done / total)} {done}/{total} shards", final=done == total)
 
     try:
-        index, used = run_merge(list(parts), output, copy=copy, overwrite=overwrite, allow_partial=allow_partial, on_shard=on_shard)
+        index, used = run_merge(
+            list(parts), output, copy=copy, overwrite=overwrite, allow_partial=allow_partial, on_shard=on_shard
+        )
     except (WdsllmError, OSError) as exc:
         _fail(exc)
     if not quiet:
@@ -302,22 +408,31 @@ def info_lines(root: str, index) -> list[str]:
         f"dataset    {root}  (format {index.format} v{index.version}, {index.created_by or 'unknown writer'})",
         f"mode       {index.mode}, dtype {index.dtype}" + (f", seq_len {index.seq_len}" if index.seq_len else ""),
         f"tokenizer  {tok.source}",
-        f"           sha256 {tok.sha256[:16]}…, vocab {tok.vocab_size:,}, bos {_opt(tok.bos_id)}, eos {_opt(tok.eos_id)}, pad {_opt(tok.pad_id)}",
+        f"           sha256 {tok.sha256[:16]}…, vocab {tok.vocab_size:,}, bos {_opt(tok.bos_id)}, eos "
+        f"{_opt(tok.eos_id)}, pad {_opt(tok.pad_id)}",
         f"           added: bos {'yes' if opts.get('bos') else 'no'}, eos {'yes' if opts.get('eos') else 'no'}",
-        f"totals     {t['documents']:,} documents, {t['tokens']:,} tokens, {t['samples']:,} samples" + (f", {t['rows']:,} rows" if "rows" in t else ""),
+        f"totals     {t['documents']:,} documents, {t['tokens']:,} tokens, {t['samples']:,} samples"
+        + (f", {t['rows']:,} rows" if "rows" in t else ""),
     ]
     sizes = [s.bytes for s in index.shards]
     if sizes:
         out.append(
-            f"shards     {len(sizes):,}, {human_bytes(sum(sizes))} ({human_bytes(min(sizes))} to {human_bytes(max(sizes))}), "
+            f"shards     {len(sizes):,}, {human_bytes(sum(sizes))} ({human_bytes(min(sizes))} to "
+            f"{human_bytes(max(sizes))}), "
             f"{sum(sizes) / max(1, t['tokens']):.3f} bytes/token"
         )
     else:
         out.append("shards     none")
     if index.packed:
-        out.append(f"packed     {index.packed.get('short_rows', 0):,} short rows, at most {index.packed.get('max_row_segments', 0)} documents per row")
+        out.append(
+            f"packed     {index.packed.get('short_rows', 0):,} short rows, at most "
+            f"{index.packed.get('max_row_segments', 0)} documents per row"
+        )
     inputs = index.inputs
-    out.append(f"inputs     {_plural(len(inputs), 'file')}, {human_bytes(sum(i.get('bytes', 0) for i in inputs))}" + (f": {inputs[0]['path']}" if len(inputs) == 1 else ""))
+    out.append(
+        f"inputs     {_plural(len(inputs), 'file')}, {human_bytes(sum(i.get('bytes', 0) for i in inputs))}"
+        + (f": {inputs[0]['path']}" if len(inputs) == 1 else "")
+    )
     skipped = index.skipped or {}
     counts = ", ".join(f"{k} {v:,}" for k, v in skipped.get("counts", {}).items())
     out.append(f"skipped    {skipped.get('total', 0):,}" + (f" ({counts})" if counts else ""))
@@ -376,7 +491,11 @@ def verify(ctx, dataset, jobs, quiet):
         for error in check.errors:
             line.clear()
             click.echo(f"FAIL {error if error.startswith(check.name) else f'{check.name}: {error}'}")
-        line.show(f"verify {_bar(done / total)} {done}/{total} shards, {human(seen['documents'])} documents, {human(seen['tokens'])} tokens", final=done == total)
+        line.show(
+            f"verify {_bar(done / total)} {done}/{total} shards, {human(seen['documents'])} documents, "
+            f"{human(seen['tokens'])} tokens",
+            final=done == total,
+        )
 
     try:
         report = run_verify(dataset, jobs=jobs, on_shard=on_shard)
@@ -386,7 +505,9 @@ def verify(ctx, dataset, jobs, quiet):
         click.echo(f"FAIL {error}")
     t = report.index.totals()
     if report.ok:
-        click.echo(f"OK: {_plural(t['shards'], 'shard')}, {t['documents']:,} documents, {t['tokens']:,} tokens verified")
+        click.echo(
+            f"OK: {_plural(t['shards'], 'shard')}, {t['documents']:,} documents, {t['tokens']:,} tokens verified"
+        )
         return
     bad = sum(1 for s in report.shards if s.errors)
     click.echo(f"FAILED: {len(report.failures)} problems; {bad} of {_plural(t['shards'], 'shard')} bad", err=True)
@@ -399,7 +520,9 @@ def verify(ctx, dataset, jobs, quiet):
 
 @main.command()
 @click.argument("dataset")
-@click.option("-n", "count", type=int, default=5, show_default=True, help="How many documents (docs mode) or rows (packed).")
+@click.option(
+    "-n", "count", type=int, default=5, show_default=True, help="How many documents (docs mode) or rows (packed)."
+)
 @click.option("--tokenizer", "-t", help="Tokenizer to decode with [default: the index's tokenizer source].")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--ids", is_flag=True, help="Also show the token ids.")
@@ -432,8 +555,16 @@ def head(dataset, count, tokenizer, as_json, ids, skip_special_tokens):
 
 
 def _head_json(item, text: str, ids: bool) -> str:
-    record = {"shard": item.shard, "key": item.key, "index": item.index, "input": item.input, "line": item.line,
-              "piece": item.piece, "tokens": len(item.tokens), "text": text}
+    record = {
+        "shard": item.shard,
+        "key": item.key,
+        "index": item.index,
+        "input": item.input,
+        "line": item.line,
+        "piece": item.piece,
+        "tokens": len(item.tokens),
+        "text": text,
+    }
     if item.segments:
         record["segments"] = item.segments
     if ids:
@@ -444,7 +575,10 @@ def _head_json(item, text: str, ids: bool) -> str:
 def _head_text(item, text: str, ids: bool, mode: str) -> str:
     what = "row" if mode == "packed" else "#"
     where = f"{item.input}:{item.line}" + (f" piece {item.piece}" if item.piece else "")
-    head = f"==> {item.key} {what}{'' if what == '#' else ' '}{item.index}  {where}  ({item.shard}, {len(item.tokens):,} tokens)"
+    head = (
+        f"==> {item.key} {what}{'' if what == '#' else ' '}{item.index}  {where}  ({item.shard}, "
+        f"{len(item.tokens):,} tokens)"
+    )
     if item.segments:
         head += "\n    documents: " + ", ".join(
             f"{s['input']}:{s['line']}{' (continued)' if s['continues'] else ''} @{s['offset']}" for s in item.segments
@@ -460,12 +594,28 @@ def _head_text(item, text: str, ids: bool, mode: str) -> str:
 @main.command()
 @click.argument("dataset")
 @click.option("--batch-size", type=int, default=32, show_default=True, help="Documents per batch (random and bucket).")
-@click.option("--max-tokens", type=int, default=65536, show_default=True, help="Padded tokens per batch (bucket with a token budget).")
-@click.option("--seq-len", type=int, default=2048, show_default=True, help="Row length (pack, concat) and the length cap of the other modes.")
+@click.option(
+    "--max-tokens",
+    type=int,
+    default=65536,
+    show_default=True,
+    help="Padded tokens per batch (bucket with a token budget).",
+)
+@click.option(
+    "--seq-len",
+    type=int,
+    default=2048,
+    show_default=True,
+    help="Row length (pack, concat) and the length cap of the other modes.",
+)
 @click.option("--window", type=int, default=10_000, show_default=True, help="Documents per bucket/pack window.")
 @click.option("--pad-to-multiple-of", type=int, help="Round padded lengths up.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--plot", type=click.Path(dir_okay=False), help="Also draw the length histogram to this PNG (needs matplotlib: pip install wdsllm[plot]).")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    help="Also draw the length histogram to this PNG (needs matplotlib: pip install wdsllm[plot]).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, seed, plot, as_json):
     """Length histogram, and the padding and truncation each batching mode would give.
@@ -482,24 +632,53 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
         if catalog.index is None:
             raise click.ClickException(f"{dataset}: stats need a dataset with index.json and lengths.npy")
         if catalog.mode != "docs":
-            raise click.ClickException(f"{dataset} is a packed dataset: its rows are fixed; stats compares batching modes of docs-mode data")
-        costs = statsmod.all_modes(catalog, batch_size=batch_size, max_tokens=max_tokens, seq_len=seq_len, window=window,
-                                   multiple=pad_to_multiple_of, seed=seed)
+            raise click.ClickException(
+                f"{dataset} is a packed dataset: its rows are fixed; stats compares batching modes of docs-mode data"
+            )
+        costs = statsmod.all_modes(
+            catalog,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            seq_len=seq_len,
+            window=window,
+            multiple=pad_to_multiple_of,
+            seed=seed,
+        )
     except (WdsllmError, OSError) as exc:  # storage/format errors name the file
         _fail(exc)
     hist = catalog.index.doc_lengths or {}
     if as_json:
-        click.echo(json.dumps({"doc_lengths": hist, "modes": [
-            {"mode": c.mode, "settings": c.settings, "batches": c.batches, "tokens": c.tokens, "padded": c.padded,
-             "padding_pct": round(c.padding_pct, 4), "truncated": c.truncated, "truncation_pct": round(c.truncation_pct, 4),
-             "small_batches": c.small_batches} for c in costs]}, indent=1))
+        click.echo(
+            json.dumps(
+                {
+                    "doc_lengths": hist,
+                    "modes": [
+                        {
+                            "mode": c.mode,
+                            "settings": c.settings,
+                            "batches": c.batches,
+                            "tokens": c.tokens,
+                            "padded": c.padded,
+                            "padding_pct": round(c.padding_pct, 4),
+                            "truncated": c.truncated,
+                            "truncation_pct": round(c.truncation_pct, 4),
+                            "small_batches": c.small_batches,
+                        }
+                        for c in costs
+                    ],
+                },
+                indent=1,
+            )
+        )
     else:
         for text in histogram_lines(hist):
             click.echo(text)
         click.echo("")
         click.echo(f"{'mode':<20} {'settings':<30} {'batches':>9} {'padding':>9} {'truncated':>10}")
         for c in costs:
-            click.echo(f"{c.mode:<20} {c.settings:<30} {c.batches:>9,} {c.padding_pct:>8.2f}% {c.truncation_pct:>9.2f}%")
+            click.echo(
+                f"{c.mode:<20} {c.settings:<30} {c.batches:>9,} {c.padding_pct:>8.2f}% {c.truncation_pct:>9.2f}%"
+            )
     if plot:
         _plot_histogram(hist, plot, dataset)
         if not as_json:

@@ -80,7 +80,9 @@ class MergeError(WdsllmError, ValueError):
 def normalize_on_error(value: str) -> str:
     """``on_error`` as one of :data:`ON_ERROR`; the old word "stop" is accepted with a warning."""
     if value in _OLD_ON_ERROR:
-        warnings.warn(f"on_error={value!r} is deprecated; use {_OLD_ON_ERROR[value]!r}", DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            f"on_error={value!r} is deprecated; use {_OLD_ON_ERROR[value]!r}", DeprecationWarning, stacklevel=3
+        )
         return _OLD_ON_ERROR[value]
     if value not in ON_ERROR:
         raise ConfigError(f"on_error must be one of {ON_ERROR}, not {value!r}")

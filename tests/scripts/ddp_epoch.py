@@ -25,8 +25,14 @@ def main() -> None:
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    loader = wdsllm.loader(args.data, batch_size=args.batch_size, num_workers=args.workers, seed=3, shuffle_buffer=16,
-                           equal_batches=bool(args.equal_batches))
+    loader = wdsllm.loader(
+        args.data,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        seed=3,
+        shuffle_buffer=16,
+        equal_batches=bool(args.equal_batches),
+    )
     report = {"rank": rank, "world": world, "epochs": []}
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)

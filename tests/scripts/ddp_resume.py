@@ -30,8 +30,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     extra = dict(batching="bucket", window=16) if args.batching == "bucket" else {}
-    loader = wdsllm.loader(args.data, batch_size=4, num_workers=args.workers, seed=7, shuffle_buffer=12,
-                           persistent_workers=True, **extra)
+    loader = wdsllm.loader(
+        args.data, batch_size=4, num_workers=args.workers, seed=7, shuffle_buffer=12, persistent_workers=True, **extra
+    )
     start_epoch = 0
     if args.resume:
         with open(os.path.join(args.resume, "state-rank0.json")) as f:

@@ -65,8 +65,10 @@ def npy_array(data: bytes | memoryview, where: str = "") -> np.ndarray:
         try:
             stream = io.BytesIO(header)
             version = np.lib.format.read_magic(stream)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            shape, fortran, dtype = read_header(stream)
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
+            shape, _fortran, dtype = read_header(stream)
         except Exception as exc:  # numpy raises several types for a bad header
             raise FormatError(f"{where}: bad .npy header: {exc}") from exc
         if len(shape) != 1 or dtype.hasobject:
@@ -200,11 +202,19 @@ def check_group_table(table: np.ndarray, entry: ShardEntry, items: int, where: s
     if len(table):
         offsets, before, docs = table[:, 0], table[:, 1], table[:, 2]
         ok = (
-            offsets[0] == 0 and before[0] == 0 and docs[0] == 0
-            and bool(np.all(np.diff(offsets) > 0)) and bool(np.all(offsets % 512 == 0)) and int(offsets[-1]) < entry.bytes
-            and bool(np.all(np.diff(before) >= 0)) and int(before[-1]) <= items
-            and bool(np.all(np.diff(docs) >= 0)) and int(docs[-1]) <= entry.documents
+            offsets[0] == 0
+            and before[0] == 0
+            and docs[0] == 0
+            and bool(np.all(np.diff(offsets) > 0))
+            and bool(np.all(offsets % 512 == 0))
+            and int(offsets[-1]) < entry.bytes
+            and bool(np.all(np.diff(before) >= 0))
+            and int(before[-1]) <= items
+            and bool(np.all(np.diff(docs) >= 0))
+            and int(docs[-1]) <= entry.documents
         )
         if not ok:
-            raise FormatError(f"{where}: the groups listed for {entry.name} are not increasing offsets and counts inside the shard")
+            raise FormatError(
+                f"{where}: the groups listed for {entry.name} are not increasing offsets and counts inside the shard"
+            )
     return table

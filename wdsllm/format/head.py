@@ -4,8 +4,8 @@ identity (key and index within the sample) and provenance (input file and line),
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 
@@ -36,7 +36,10 @@ def iter_items(root: str, index: fmt.Index) -> Iterator[Item]:
         with storage.open_stream(storage.join_url(root, entry.name)) as stream:
             for _, group in tario.iter_groups(stream, entry.name):
                 files, lines, pieces = fmt.expand_provenance(group.meta.get("provenance", []))
-                origins = [{"input": paths.get(int(f), f"#{int(f)}"), "line": int(ln), "piece": int(p)} for f, ln, p in zip(files, lines, pieces)]
+                origins = [
+                    {"input": paths.get(int(f), f"#{int(f)}"), "line": int(ln), "piece": int(p)}
+                    for f, ln, p in zip(files, lines, pieces)
+                ]
                 if index.mode == "docs":
                     yield from _documents(entry.name, group, origins)
                 else:
@@ -58,12 +61,13 @@ def _rows(shard: str, group: fmt.Group, origins: list[dict], seq_len: int, carry
         lo, hi = r * seq_len, min((r + 1) * seq_len, len(group.tokens))
         inside = [k for k in np.flatnonzero((starts >= lo) & (starts < hi))]
         segments = []
-        if not inside or starts[inside[0]] > lo:  # the row opens inside an earlier document
-            if carry is not None:
-                segments.append({**carry, "offset": 0, "continues": True})
+        if (not inside or starts[inside[0]] > lo) and carry is not None:  # the row opens inside an earlier document
+            segments.append({**carry, "offset": 0, "continues": True})
         for k in inside:
             segments.append({**origins[k], "offset": int(starts[k] - lo), "continues": False})
         first = segments[0] if segments else {"input": None, "line": None, "piece": 0}
-        yield Item(shard, group.key, r, group.tokens[lo:hi], first["input"], first["line"], first.get("piece", 0), segments)
+        yield Item(
+            shard, group.key, r, group.tokens[lo:hi], first["input"], first["line"], first.get("piece", 0), segments
+        )
         if segments:
             carry = {k: v for k, v in segments[-1].items() if k not in ("offset", "continues")}

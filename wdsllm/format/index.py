@@ -86,7 +86,6 @@ def read_side_file(root: str, ref: SideFile, *, retry: Any = None) -> np.ndarray
     return npy_array(ref.check(storage.read_bytes(url, retry=retry), url), url)
 
 
-
 @dataclass
 class TokenizerInfo:
     source: str
@@ -181,17 +180,21 @@ class Index:
         return json.dumps(body, indent=1, sort_keys=False) + "\n"
 
     @classmethod
-    def from_json(cls, text: str | bytes, where: str = INDEX_NAME) -> "Index":
+    def from_json(cls, text: str | bytes, where: str = INDEX_NAME) -> Index:
         try:
             body = json.loads(text)
         except ValueError as exc:
             raise FormatError(f"{where}: not JSON: {exc}") from exc
         if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
-            raise FormatError(f"{where}: not a wdsllm index (format field is {body.get('format') if isinstance(body, dict) else None!r})")
+            raise FormatError(
+                f"{where}: not a wdsllm index (format field is "
+                f"{body.get('format') if isinstance(body, dict) else None!r})"
+            )
         version = body.get("version")
         if version not in READABLE_VERSIONS:
             raise FormatError(
-                f"{where}: format version {version} is not readable by this wdsllm (reads {list(READABLE_VERSIONS)}); upgrade wdsllm"
+                f"{where}: format version {version} is not readable by this wdsllm (reads "
+                f"{list(READABLE_VERSIONS)}); upgrade wdsllm"
             )
         try:
             shards = [ShardEntry(**s) for s in body["shards"]]
@@ -252,7 +255,7 @@ def length_histogram(lengths: np.ndarray) -> dict[str, Any]:
     return {
         "edges": edges,
         "counts": counts.tolist(),
-        "count": int(len(lengths)),
+        "count": len(lengths),
         "min": int(lengths.min()),
         "max": top,
         "mean": round(float(lengths.mean()), 3),

@@ -14,13 +14,12 @@ import json
 import mmap
 import os
 import stat
+import tarfile
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
-
-import tarfile
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import ShardError
 from . import group as fmt
@@ -63,7 +62,9 @@ def _read_exact(stream: BinaryIO, n: int, where: str, offset: int) -> bytes:
         while got < n:
             more = stream.read(n - got)
             if not more:
-                raise ShardError(f"{where}: truncated at byte {offset + got} (wanted {n} bytes of a member at {offset})")
+                raise ShardError(
+                    f"{where}: truncated at byte {offset + got} (wanted {n} bytes of a member at {offset})"
+                )
             parts.append(more)
             got += len(more)
         data = b"".join(parts)
@@ -175,7 +176,9 @@ def mapped(stream) -> MappedReader | None:
         return None
 
 
-def iter_members(stream: BinaryIO, where: str, base_offset: int = 0, verify_checksums: bool = False) -> Iterator[tuple[str, int, int]]:
+def iter_members(
+    stream: BinaryIO, where: str, base_offset: int = 0, verify_checksums: bool = False
+) -> Iterator[tuple[str, int, int]]:
     """(name, header offset, size) of each regular file; the caller reads or skips its data.
 
     The caller must consume exactly ``size`` bytes (read or :func:`skip_data`) before resuming.
@@ -308,7 +311,7 @@ class SampleTarWriter:
     """
 
     def __init__(self, fileobj):
-        self._tar = tarfile.open(fileobj=fileobj, mode="w|", format=tarfile.USTAR_FORMAT)
+        self._tar = tarfile.open(fileobj=fileobj, mode="w|", format=tarfile.USTAR_FORMAT)  # noqa: SIM115 - closed by close()
 
     def write(self, sample: dict[str, Any]) -> None:
         key = sample["__key__"]

@@ -8,12 +8,13 @@ there is one, the byte offset.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -60,7 +61,9 @@ class Report:
 
     @property
     def failures(self) -> list[str]:
-        return self.errors + [f"{s.name}: {e}" if not e.startswith(s.name) else e for s in self.shards for e in s.errors]
+        return self.errors + [
+            f"{s.name}: {e}" if not e.startswith(s.name) else e for s in self.shards for e in s.errors
+        ]
 
 
 class _HashingReader:
@@ -115,10 +118,8 @@ def check_shard(root: str, entry: fmt.ShardEntry, index: fmt.Index) -> ShardChec
             reader.drain()
         except (fmt.FormatError, storage.StorageError, OSError) as exc:
             check.fail(str(exc))
-            try:
+            with contextlib.suppress(storage.StorageError, OSError):
                 reader.drain()
-            except (storage.StorageError, OSError):
-                pass
     check.bytes = reader.size
     _compare_entry(check, entry, reader.sha.hexdigest(), counts=complete)
     return check
@@ -137,7 +138,10 @@ def _check_sample(check: ShardCheck, raw: tario.RawSample, index: fmt.Index) -> 
     if len(group.tokens) and int(group.tokens.max()) >= index.tokenizer.vocab_size:
         i = int(np.argmax(group.tokens >= index.tokenizer.vocab_size))
         at = _token_offset(raw, i, group.tokens.dtype.itemsize)
-        check.fail(f"{check.name}: token id {int(group.tokens[i])} >= vocab size {index.tokenizer.vocab_size} at byte {at} (sample {raw.key})")
+        check.fail(
+            f"{check.name}: token id {int(group.tokens[i])} >= vocab size {index.tokenizer.vocab_size} at byte {at} "
+            f"(sample {raw.key})"
+        )
     docs = group.documents
     if group.meta.get("documents") != docs:
         check.fail(f"{where}: metadata says {group.meta.get('documents')} documents, the sample holds {docs}")
@@ -228,7 +232,9 @@ def _check_index(index: fmt.Index, raw: dict, checks: list[ShardCheck]) -> list[
             errors.append(f"{fmt.INDEX_NAME}: totals.{key} is {value}, the shard entries add up to {totals.get(key)}")
     hist = index.doc_lengths or {}
     if hist.get("count", 0) != index.documents or sum(hist.get("counts", [])) != index.documents:
-        errors.append(f"{fmt.INDEX_NAME}: the length histogram counts {hist.get('count')} documents, the shards {index.documents}")
+        errors.append(
+            f"{fmt.INDEX_NAME}: the length histogram counts {hist.get('count')} documents, the shards {index.documents}"
+        )
     from_inputs = sum(i.get("documents", 0) for i in index.inputs)
     if from_inputs != index.documents:
         errors.append(f"{fmt.INDEX_NAME}: inputs account for {from_inputs} documents, the shards {index.documents}")
@@ -238,7 +244,10 @@ def _check_index(index: fmt.Index, raw: dict, checks: list[ShardCheck]) -> list[
     if index.mode == "packed":
         short = sum(c.short_rows for c in checks)
         if (index.packed or {}).get("short_rows") != short:
-            errors.append(f"{fmt.INDEX_NAME}: packed.short_rows is {(index.packed or {}).get('short_rows')}, the shards hold {short}")
+            errors.append(
+                f"{fmt.INDEX_NAME}: packed.short_rows is {(index.packed or {}).get('short_rows')}, the shards hold "
+                f"{short}"
+            )
     seen: dict[str, str] = {}
     for c in checks:
         for key in c.keys:
@@ -265,7 +274,7 @@ def _read_side(root: str, ref: fmt.SideFile) -> tuple[np.ndarray | None, list[st
     try:
         return fmt.npy_array(data, ref.name), errors
     except fmt.FormatError as exc:
-        return None, errors + [str(exc)]
+        return None, [*errors, str(exc)]
 
 
 def _check_lengths(root: str, index: fmt.Index, checks: list[ShardCheck]) -> list[str]:
@@ -284,7 +293,9 @@ def _check_lengths(root: str, index: fmt.Index, checks: list[ShardCheck]) -> lis
         errors.append(f"{name}: holds {len(lengths)} lengths, the shards hold {len(shard_lengths)} documents")
     elif not np.array_equal(lengths, shard_lengths):
         first = int(np.argmax(lengths != shard_lengths))
-        errors.append(f"{name}: document {first} is {lengths[first]} tokens there, {shard_lengths[first]} in the shards")
+        errors.append(
+            f"{name}: document {first} is {lengths[first]} tokens there, {shard_lengths[first]} in the shards"
+        )
     return errors
 
 
@@ -298,11 +309,16 @@ def _check_groups(root: str, index: fmt.Index, checks: list[ShardCheck]) -> list
         return errors
     want = np.array([row for c in checks for row in c.groups], np.int64).reshape(-1)
     if len(table) != len(want):
-        errors.append(f"{name}: lists {len(table) // fmt.GROUP_COLUMNS} groups, the shards hold {len(want) // fmt.GROUP_COLUMNS}")
+        errors.append(
+            f"{name}: lists {len(table) // fmt.GROUP_COLUMNS} groups, the shards hold {len(want) // fmt.GROUP_COLUMNS}"
+        )
     elif not np.array_equal(table, want):
         first = int(np.argmax(table != want)) // fmt.GROUP_COLUMNS
-        errors.append(f"{name}: group {first} (in dataset order) is listed as {table[fmt.GROUP_COLUMNS * first : fmt.GROUP_COLUMNS * (first + 1)].tolist()}, "
-                      f"the shards say {want[fmt.GROUP_COLUMNS * first : fmt.GROUP_COLUMNS * (first + 1)].tolist()}")
+        errors.append(
+            f"{name}: group {first} (in dataset order) is listed as "
+            f"{table[fmt.GROUP_COLUMNS * first : fmt.GROUP_COLUMNS * (first + 1)].tolist()}, "
+            f"the shards say {want[fmt.GROUP_COLUMNS * first : fmt.GROUP_COLUMNS * (first + 1)].tolist()}"
+        )
     return errors
 
 

@@ -29,8 +29,9 @@ mode needs of the dataset, whether it makes rows, how documents reach it).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -69,8 +70,12 @@ class Batcher(Protocol):
         ...
 
     def batches(
-        self, shuffled: Iterable[tuple[int, Block]], first_batch: int, spec: StreamSpec,
-        lengths: np.ndarray | None = None, hint: Hint | None = None,
+        self,
+        shuffled: Iterable[tuple[int, Block]],
+        first_batch: int,
+        spec: StreamSpec,
+        lengths: np.ndarray | None = None,
+        hint: Hint | None = None,
     ) -> Iterator[tuple[int, Block, Hint | None]]:
         """(batch number, items, hint for the batch after it) from batch ``first_batch`` on;
         ``shuffled`` starts at ``start_position(first_batch, ...)``."""
@@ -135,7 +140,9 @@ class FixedBatcher:
                 return
             yield np.arange(a, min(n, a + b))
 
-    def batches(self, shuffled, first_batch: int, spec, lengths=None, hint=None) -> Iterator[tuple[int, Block, dict | None]]:
+    def batches(
+        self, shuffled, first_batch: int, spec, lengths=None, hint=None
+    ) -> Iterator[tuple[int, Block, dict | None]]:
         """(batch number, items, resume hint) from batch ``first_batch``; ``shuffled`` starts at
         its position. The hint says where the next batch starts, so a resume needs no replanning
         (fixed batches need none)."""
@@ -212,8 +219,14 @@ class BucketBatcher:
 
     needs_lengths = True
 
-    def __init__(self, window: int, batch_size: int | None = None, max_tokens: int | None = None,
-                 pad_to_multiple_of: int | None = None, drop_last: bool = False):
+    def __init__(
+        self,
+        window: int,
+        batch_size: int | None = None,
+        max_tokens: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        drop_last: bool = False,
+    ):
         if (batch_size is None) == (max_tokens is None):
             raise ConfigError("bucket batching takes batch_size= or max_tokens=, not both")
         if batch_size is not None and window < batch_size:
@@ -286,7 +299,9 @@ class BucketBatcher:
             new = lengths[i * k : (i + 1) * k]
             plan = self.plan_window(carry, new, final=i == n_windows - 1)
             out.append((len(plan.batches), plan.carry_out))
-            carry = np.sort(new, kind="stable")[len(new) - plan.carry_out :] if plan.carry_out else np.zeros(0, np.int64)
+            carry = (
+                np.sort(new, kind="stable")[len(new) - plan.carry_out :] if plan.carry_out else np.zeros(0, np.int64)
+            )
         return out
 
     def count(self, n_items: int, lengths: np.ndarray | None) -> int:
@@ -338,7 +353,9 @@ class BucketBatcher:
     def batches(self, shuffled, first_batch: int, spec, lengths=None, hint=None) -> Iterator[tuple[int, Block, dict]]:
         k = self.window
         known = lengths is not None or hint is not None
-        start_window, done, carry_in = self._resume_point(first_batch, lengths, hint) if first_batch and known else (0, 0, 0)
+        start_window, done, carry_in = (
+            self._resume_point(first_batch, lengths, hint) if first_batch and known else (0, 0, 0)
+        )
         windows = _windows(shuffled, k)
         carry: Block | None = None
         i = start_window
@@ -415,8 +432,12 @@ def _rows_block(block: Block, rows: list[np.ndarray]) -> Block:
     tokens = inner.gather_tokens()
     seg_len = inner.lengths
     row_len = np.add.reduceat(seg_len, np.concatenate([[0], np.cumsum(counts)[:-1]])) if len(counts) else counts
-    out = Block(tokens, np.concatenate([[0], np.cumsum(row_len)[:-1]]).astype(np.int64), row_len.astype(np.int64),
-                np.zeros(len(rows), np.int64))
+    out = Block(
+        tokens,
+        np.concatenate([[0], np.cumsum(row_len)[:-1]]).astype(np.int64),
+        row_len.astype(np.int64),
+        np.zeros(len(rows), np.int64),
+    )
     seg_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     cum = np.cumsum(seg_len) - seg_len
     return out.set_segments(seg_ptr, (cum - np.repeat(cum[seg_ptr[:-1]], counts)).astype(np.int64), inner.ids.copy())
@@ -469,12 +490,18 @@ class PackBatcher:
 
     def _window_bins(self, lengths: np.ndarray, spec, i: int) -> list[np.ndarray]:
         bins = best_fit_decreasing(lengths, self.seq_len)
-        order = planmod.rng(spec.seed, planmod.STREAM_PACK, spec.epoch, spec.rank, spec.worker, i).permutation(len(bins))
+        order = planmod.rng(spec.seed, planmod.STREAM_PACK, spec.epoch, spec.rank, spec.worker, i).permutation(
+            len(bins)
+        )
         return [np.asarray(bins[j], np.int64) for j in order]
 
     def dry_batches(self, lengths: np.ndarray, spec) -> Iterator[np.ndarray]:
         k = self.window
-        rows = [a + r for i, a in enumerate(range(0, len(lengths), k)) for r in self._window_bins(lengths[a : a + k], spec, i)]
+        rows = [
+            a + r
+            for i, a in enumerate(range(0, len(lengths), k))
+            for r in self._window_bins(lengths[a : a + k], spec, i)
+        ]
         b = self.batch_size
         for a in range(0, len(rows), b):
             if self.drop_last and a + b > len(rows):
@@ -497,11 +524,15 @@ class PackBatcher:
                     break
                 done += rows
             skip_rows -= done
-        rows_stream = ((start_window + i, self.window_rows(w, spec, start_window + i)) for i, w in enumerate(_windows(shuffled, k)))
+        rows_stream = (
+            (start_window + i, self.window_rows(w, spec, start_window + i)) for i, w in enumerate(_windows(shuffled, k))
+        )
         yield from _row_batches(rows_stream, self.batch_size, first_batch, skip_rows, self.drop_last)
 
 
-def _row_batches(rows_stream, b: int, first_batch: int, skip_rows: int, drop_last: bool) -> Iterator[tuple[int, Block, dict]]:
+def _row_batches(
+    rows_stream, b: int, first_batch: int, skip_rows: int, drop_last: bool
+) -> Iterator[tuple[int, Block, dict]]:
     """Batches of ``b`` rows over a stream of (window, rows); rows run across windows. The hint
     after a batch is (window, rows of it already used) of the next row."""
     index = first_batch
@@ -628,8 +659,14 @@ def _cut_rows(block: Block, seq_len: int, n_rows: int) -> tuple[Block, Block | N
     counts = np.bincount(row_of, minlength=(limit + seq_len - 1) // seq_len)
     n = len(counts)
     row_len = np.minimum(seq_len, limit - np.arange(n) * seq_len)
-    rows = Block(tokens[:limit], np.arange(n, dtype=np.int64) * seq_len, row_len.astype(np.int64), np.zeros(n, np.int64))
-    rows.set_segments(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), (cuts - row_of * seq_len).astype(np.int64), block.ids[item_of])
+    rows = Block(
+        tokens[:limit], np.arange(n, dtype=np.int64) * seq_len, row_len.astype(np.int64), np.zeros(n, np.int64)
+    )
+    rows.set_segments(
+        np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+        (cuts - row_of * seq_len).astype(np.int64),
+        block.ids[item_of],
+    )
     rest = None
     if limit < int(ends[-1]):
         i = int(np.searchsorted(ends, limit, side="right"))
@@ -665,8 +702,13 @@ def _fixed(cfg: Any) -> Batcher:
 
 
 def _bucket(cfg: Any) -> Batcher:
-    return BucketBatcher(cfg.window, batch_size=None if cfg.max_tokens else cfg.batch_size, max_tokens=cfg.max_tokens,
-                         pad_to_multiple_of=cfg.pad_to_multiple_of, drop_last=cfg.drop_last)
+    return BucketBatcher(
+        cfg.window,
+        batch_size=None if cfg.max_tokens else cfg.batch_size,
+        max_tokens=cfg.max_tokens,
+        pad_to_multiple_of=cfg.pad_to_multiple_of,
+        drop_last=cfg.drop_last,
+    )
 
 
 MODES: dict[str, BatchingMode] = {
@@ -674,10 +716,23 @@ MODES: dict[str, BatchingMode] = {
     for m in (
         BatchingMode("fixed", _fixed),
         BatchingMode("bucket", _bucket, docs_only=True, uses_window=True),
-        BatchingMode("pack", lambda cfg: PackBatcher(cfg.window, cfg.seq_len, cfg.batch_size, cfg.drop_last), docs_only=True,
-                     needs_seq_len=True, uses_window=True, rows=True, boundaries=True, pieces_at_seq_len=True),
-        BatchingMode("concat", lambda cfg: ConcatBatcher(cfg.seq_len, cfg.batch_size, cfg.drop_last), docs_only=True,
-                     needs_seq_len=True, rows=True),
+        BatchingMode(
+            "pack",
+            lambda cfg: PackBatcher(cfg.window, cfg.seq_len, cfg.batch_size, cfg.drop_last),
+            docs_only=True,
+            needs_seq_len=True,
+            uses_window=True,
+            rows=True,
+            boundaries=True,
+            pieces_at_seq_len=True,
+        ),
+        BatchingMode(
+            "concat",
+            lambda cfg: ConcatBatcher(cfg.seq_len, cfg.batch_size, cfg.drop_last),
+            docs_only=True,
+            needs_seq_len=True,
+            rows=True,
+        ),
     )
 }
 

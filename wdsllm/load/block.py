@@ -11,8 +11,8 @@ its id and gets a piece number.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -64,7 +64,7 @@ class Block:
     def n_tokens(self) -> int:
         return int(self.lengths.sum())
 
-    def set_segments(self, seg_ptr: np.ndarray, seg_starts: np.ndarray, seg_ids: np.ndarray) -> "Block":
+    def set_segments(self, seg_ptr: np.ndarray, seg_starts: np.ndarray, seg_ids: np.ndarray) -> Block:
         """Segments given in row order: row i's are ``seg_ptr[i]:seg_ptr[i+1]``."""
         self.seg_lo, self.seg_hi = seg_ptr[:-1], seg_ptr[1:]
         self.seg_starts, self.seg_ids = seg_starts, seg_ids
@@ -77,24 +77,28 @@ class Block:
         total = int(ends[-1]) if len(ends) else 0
         return counts, np.repeat(self.seg_lo - (ends - counts), counts) + np.arange(total)
 
-    def _select(self, sel) -> "Block":
+    def _select(self, sel) -> Block:
         # every per-item array, spelled out (not a getattr loop: this runs for every batch)
         return Block(
-            self.tokens, self.starts[sel], self.lengths[sel], self.ids[sel],
+            self.tokens,
+            self.starts[sel],
+            self.lengths[sel],
+            self.ids[sel],
             None if self.pieces is None else self.pieces[sel],
             None if self.seg_lo is None else self.seg_lo[sel],
             None if self.seg_hi is None else self.seg_hi[sel],
-            self.seg_starts, self.seg_ids,
+            self.seg_starts,
+            self.seg_ids,
             None if self.doc_first is None else self.doc_first[sel],
             None if self.doc_next is None else self.doc_next[sel],
             None if self.doc_count is None else self.doc_count[sel],
         )
 
-    def take(self, idx: np.ndarray) -> "Block":
+    def take(self, idx: np.ndarray) -> Block:
         """Items ``idx`` (a permutation or a selection), sharing the token buffer and the segment table."""
         return self._select(idx)
 
-    def slice(self, a: int, b: int) -> "Block":
+    def slice(self, a: int, b: int) -> Block:
         """Items ``a:b`` as views."""
         return self._select(slice(a, b))
 
@@ -115,7 +119,7 @@ class Block:
         idx = np.repeat(self.starts - (np.cumsum(self.lengths) - self.lengths), self.lengths) + np.arange(total)
         return self.tokens[idx]
 
-    def compact(self, into: np.ndarray | None = None) -> "Block":
+    def compact(self, into: np.ndarray | None = None) -> Block:
         """The same items over a fresh contiguous buffer (``into``, ``n_tokens`` long, when given)
         and a segment table of their own: frees the source buffers; what a worker sends."""
         if into is None:
@@ -127,7 +131,9 @@ class Block:
         out = replace(self, tokens=tokens, starts=starts)
         if self.seg_lo is not None:
             counts, src = self.segments()
-            out.set_segments(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), self.seg_starts[src], self.seg_ids[src])
+            out.set_segments(
+                np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), self.seg_starts[src], self.seg_ids[src]
+            )
         return out
 
 

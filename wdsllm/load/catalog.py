@@ -74,7 +74,9 @@ class Catalog:
         all_lengths = fmt.read_side_file(self.root, info, retry=self.retry).astype(np.int64)
         counts = [e.documents for e in self.index.shards]
         if int(sum(counts)) != len(all_lengths):
-            raise fmt.FormatError(f"{self.root}: {info.name} has {len(all_lengths)} entries, the index counts {sum(counts)} documents")
+            raise fmt.FormatError(
+                f"{self.root}: {info.name} has {len(all_lengths)} entries, the index counts {sum(counts)} documents"
+            )
         if self.shard_entries is not None and len(self.shard_entries) != len(self.index.shards):
             offsets = np.concatenate([[0], np.cumsum(counts)])
             position = {e.name: i for i, e in enumerate(self.index.shards)}
@@ -110,7 +112,9 @@ class Catalog:
         flat = fmt.read_side_file(self.root, info, retry=self.retry).astype(np.int64, copy=False)
         samples = [e.samples for e in self.index.shards]
         if len(flat) != fmt.GROUP_COLUMNS * sum(samples):
-            raise fmt.FormatError(f"{url}: lists {len(flat) // fmt.GROUP_COLUMNS} groups, index.json counts {sum(samples)}")
+            raise fmt.FormatError(
+                f"{url}: lists {len(flat) // fmt.GROUP_COLUMNS} groups, index.json counts {sum(samples)}"
+            )
         first = dict(zip((e.name for e in self.index.shards), np.concatenate([[0], np.cumsum(samples)]).tolist()))
         tables = []
         for entry in self.shard_entries:
@@ -143,7 +147,12 @@ def _read_index(root: str, retry: storage.RetryPolicy | None = None) -> tuple[fm
 
 
 def _looks_like_shards(source: str) -> bool:
-    return source.endswith((".tar", ".tgz", ".tar.gz")) or "{" in source or source.startswith("pipe:") or glob.has_magic(source)
+    return (
+        source.endswith((".tar", ".tgz", ".tar.gz"))
+        or "{" in source
+        or source.startswith("pipe:")
+        or glob.has_magic(source)
+    )
 
 
 def _listed_path(path: str) -> str:
@@ -189,7 +198,9 @@ def open_catalog(source, *, index_for_shards: bool = True, retry: storage.RetryP
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     if isinstance(source, (list, tuple)):
-        return _from_shards(_expand([os.fspath(s) if isinstance(s, os.PathLike) else str(s) for s in source]), index_for_shards, retry)
+        return _from_shards(
+            _expand([os.fspath(s) if isinstance(s, os.PathLike) else str(s) for s in source]), index_for_shards, retry
+        )
     source = str(source)
     if source.endswith(fmt.INDEX_NAME) and not source.startswith("pipe:"):
         return _from_root(storage.dirname_url(source), retry)
@@ -207,16 +218,24 @@ def _from_root(root: str, retry: storage.RetryPolicy | None = None) -> Catalog:
             if not os.path.isdir(local):
                 raise storage.NotFoundError(f"{root}: no such directory", url=root, reason="no such directory")
             names = sorted(
-                e.name for e in os.scandir(local) if e.name.endswith(".tar") and not e.name.startswith(".") and e.is_file()
+                e.name
+                for e in os.scandir(local)
+                if e.name.endswith(".tar") and not e.name.startswith(".") and e.is_file()
             )
             if names:
-                log.warning("%s has no index.json: reading %d shards without one (equal batches and exact counts are not available)", root, len(names))
+                log.warning(
+                    "%s has no index.json: reading %d shards without one (equal batches and exact counts are not "
+                    "available)",
+                    root,
+                    len(names),
+                )
                 urls = [storage.join_url(root, n) for n in names]
                 return Catalog(urls=[_listed_path(u) for u in urls], user_urls=False, root=root, retry=retry)
         raise storage.NotFoundError(
             f"{index_url}: {missing}: {root} is not a dataset root (it holds no {fmt.INDEX_NAME}); pass shard "
             f"URLs or patterns (such as {root.rstrip('/')}/shard-{{000000..000009}}.tar) instead",
-            url=index_url, reason=missing,
+            url=index_url,
+            reason=missing,
         )
     urls = [storage.join_url(root, e.name) for e in index.shards]
     return Catalog(urls=urls, index=index, root=root, shard_entries=list(index.shards), retry=retry)
@@ -242,7 +261,9 @@ def _from_shards(urls: list[str], index_for_shards: bool, retry: storage.RetryPo
     by_name = {e.name: e for e in index.shards}
     names = [u.rstrip("/").rsplit("/", 1)[-1] for u in urls]
     if not all(n in by_name for n in names):
-        log.warning("%s does not list every given shard; reading them without an index", storage.join_url(root, fmt.INDEX_NAME))
+        log.warning(
+            "%s does not list every given shard; reading them without an index", storage.join_url(root, fmt.INDEX_NAME)
+        )
         return catalog
     catalog.index = index
     catalog.root = root

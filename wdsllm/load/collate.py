@@ -43,7 +43,9 @@ class CollateOptions:
         tok = catalog.index.tokenizer if catalog.index else None
         pad = cfg.pad_id
         if pad is None:
-            pad = tok.pad_id if tok and tok.pad_id is not None else (tok.eos_id if tok and tok.eos_id is not None else 0)
+            pad = (
+                tok.pad_id if tok and tok.pad_id is not None else (tok.eos_id if tok and tok.eos_id is not None else 0)
+            )
         mode = cfg.mode
         seq_len = cfg.seq_len if mode.rows else (catalog.index.seq_len if catalog.index else None)
         max_seg = cfg.max_segments

@@ -84,7 +84,9 @@ class Config:
         elif self.batch_size is None or self.batch_size < 1:
             raise ConfigError("batch_size must be a positive integer")
         if mode.docs_only and catalog.mode != "docs":
-            raise ConfigError(f"batching={self.batching!r} works on docs-mode datasets; this one is packed (rows are fixed)")
+            raise ConfigError(
+                f"batching={self.batching!r} works on docs-mode datasets; this one is packed (rows are fixed)"
+            )
         if mode.needs_seq_len and not self.seq_len:
             raise ConfigError(f"batching={self.batching!r} needs seq_len=")
         if mode.uses_window and self.window < 1:
@@ -149,7 +151,9 @@ def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return r, w
 
 
-def read_options(retry: storage.RetryPolicy | None, cache_dir: str | None, cache_size: int, on_error: str) -> ReadOptions:
+def read_options(
+    retry: storage.RetryPolicy | None, cache_dir: str | None, cache_size: int, on_error: str
+) -> ReadOptions:
     """How shards are read: retry policy, optional local cache, and what an unreadable shard does."""
     cache = storage.ShardCache(cache_dir, cache_size) if cache_dir else None
     return ReadOptions(retry=retry, cache=cache, on_error=normalize_on_error(on_error))

@@ -24,7 +24,9 @@ from .stream import StreamSpec, epoch_slices, shuffle_lengths, slice_item_counts
 class EpochPlan(Protocol):
     """A plan that replaces an epoch's normal one (the remainder of an interrupted epoch)."""
 
-    def slices_for(self, catalog: Catalog, cfg: Config, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
+    def slices_for(
+        self, catalog: Catalog, cfg: Config, rank: int, world: int, worker: int, workers: int
+    ) -> list[Slice]:
         """The slices (rank, worker) reads, in reading order."""
         ...
 
@@ -52,8 +54,9 @@ def worker_batch_count(catalog: Catalog, cfg: Config, spec: StreamSpec, plan: Ep
     return batcher.count(int(sum(counts)), lengths)
 
 
-def batch_counts(catalog: Catalog, cfg: Config, epoch: int, world: int, workers: int,
-                 plan: EpochPlan | None = None) -> np.ndarray | None:
+def batch_counts(
+    catalog: Catalog, cfg: Config, epoch: int, world: int, workers: int, plan: EpochPlan | None = None
+) -> np.ndarray | None:
     """[world, workers] batch counts for a finite epoch, or None when the index cannot say."""
     workers = max(1, workers)
     out = np.zeros((world, workers), np.int64)
@@ -101,8 +104,9 @@ class EpochLimits:
     dropped_batches: int  # this rank's batches beyond per_rank
 
 
-def epoch_limits(catalog: Catalog, cfg: Config, epoch: int, rank: int, world: int, workers: int,
-                 plan: EpochPlan | None = None) -> EpochLimits | None:
+def epoch_limits(
+    catalog: Catalog, cfg: Config, epoch: int, rank: int, world: int, workers: int, plan: EpochPlan | None = None
+) -> EpochLimits | None:
     """Where this rank's workers stop so that every rank yields the same count; None when the
     index cannot count the batches."""
     counts = batch_counts(catalog, cfg, epoch, world, workers, plan)
@@ -110,4 +114,6 @@ def epoch_limits(catalog: Catalog, cfg: Config, epoch: int, rank: int, world: in
         return None
     mine = counts[rank]
     per_rank = int(counts.sum(axis=1).min())
-    return EpochLimits(per_rank=per_rank, per_worker=round_robin_share(mine, per_rank), dropped_batches=int(mine.sum()) - per_rank)
+    return EpochLimits(
+        per_rank=per_rank, per_worker=round_robin_share(mine, per_rank), dropped_batches=int(mine.sum()) - per_rank
+    )

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -115,9 +116,13 @@ class EpochSource(IterableDataset):
         if key not in self._limits:
             limits = None
             if self.cfg.keeps_equal_batches(self.world):
-                limits = epoch_limits(self.catalog, self.cfg, epoch, self.rank, self.world, workers, self.plan_for(epoch))
+                limits = epoch_limits(
+                    self.catalog, self.cfg, epoch, self.rank, self.world, workers, self.plan_for(epoch)
+                )
                 if limits is None:
-                    log.warning("equal_batches needs an index with counts; ranks may yield different numbers of batches")
+                    log.warning(
+                        "equal_batches needs an index with counts; ranks may yield different numbers of batches"
+                    )
             self._limits = {key: limits}
         return self._limits[key]
 
@@ -132,7 +137,7 @@ class EpochSource(IterableDataset):
         epoch = self.epoch
         first_batch, hint = 0, None
         if worker in self._resume:
-            epoch, first_batch, hint = (tuple(self._resume[worker]) + (None,))[:3]
+            epoch, first_batch, hint = ((*tuple(self._resume[worker]), None))[:3]
         while True:
             limits = self.limits(epoch, workers)
             yield EpochTask(
@@ -148,8 +153,9 @@ class EpochSource(IterableDataset):
             first_batch, hint = 0, None
 
 
-def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, read: ReadOptions, end_marker: bool,
-                   shared: bool = False) -> Iterator:
+def _epoch_batches(
+    tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, read: ReadOptions, end_marker: bool, shared: bool = False
+) -> Iterator:
     """Second stage: read, shuffle and batch each task's stream (runs inside a worker).
 
     A batch made in a DataLoader worker is sent to the main process, so it gets its own compact
@@ -169,7 +175,11 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
             hint=hint,
         )
         if stats.truncated_tokens or stats.skipped_shards or refill:  # most batches have nothing to report
-            batch.stats = {"truncated_tokens": stats.truncated_tokens, "skipped_shards": stats.skipped_shards, "refilled": int(refill)}
+            batch.stats = {
+                "truncated_tokens": stats.truncated_tokens,
+                "skipped_shards": stats.skipped_shards,
+                "refilled": int(refill),
+            }
             stats.truncated_tokens = 0
             stats.skipped_shards = []
         return batch
@@ -195,7 +205,9 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
             return plan_items(catalog, slices, spec, start=position, options=read, stats=stats)
 
         index = task.first_batch
-        for index, items, hint in batcher.batches(shuffled_items(blocks_from, spec, start=start), task.first_batch, spec, lengths, task.hint):
+        for index, items, hint in batcher.batches(
+            shuffled_items(blocks_from, spec, start=start), task.first_batch, spec, lengths, task.hint
+        ):
             if task.limit is not None and index >= task.limit:
                 break
             failed.update(stats.skipped_shards)
@@ -211,8 +223,11 @@ def _epoch_batches(tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, re
         if task.limit is not None and index < task.limit and failed:
             yield from _refill(catalog, batcher, slices, spec, read, stats, failed, index, task.limit, emit)
     if end_marker and last is not None:
-        yield EndOfWorker(worker=last.worker, epoch=last.epoch,
-                          stats={"truncated_tokens": stats.truncated_tokens, "skipped_shards": stats.skipped_shards})
+        yield EndOfWorker(
+            worker=last.worker,
+            epoch=last.epoch,
+            stats={"truncated_tokens": stats.truncated_tokens, "skipped_shards": stats.skipped_shards},
+        )
 
 
 def _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit, emit):
@@ -223,8 +238,12 @@ def _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit, e
     the other ranks waiting in a collective.
     """
     readable = [sl for sl in slices if catalog.urls[sl.shard] not in failed]
-    log.warning("worker %d lost %d shard(s); repeating its other documents for %d batch(es) to keep batch counts equal",
-                spec.worker, len(failed), limit - index)
+    log.warning(
+        "worker %d lost %d shard(s); repeating its other documents for %d batch(es) to keep batch counts equal",
+        spec.worker,
+        len(failed),
+        limit - index,
+    )
     while index < limit:
         made = False
 
@@ -238,8 +257,10 @@ def _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit, e
             yield emit(spec, index, items, None, refill=True)
             index += 1
         if not made:
-            raise WdsllmError(f"worker {spec.worker} of rank {spec.rank} has no readable shard left to fill its batches; "
-                              "the ranks cannot keep equal batch counts")
+            raise WdsllmError(
+                f"worker {spec.worker} of rank {spec.rank} has no readable shard left to fill its batches; "
+                "the ranks cannot keep equal batch counts"
+            )
 
 
 #: tokens per DataLoader message at most (unless one batch holds more)
@@ -335,7 +356,15 @@ class WdsPipeline(wds.DataPipeline):
 
 
 def build_pipeline(
-    catalog: Catalog, cfg: Config, rank: int, world: int, read: ReadOptions, *, collate: bool, end_marker: bool, bundle: int = 0,
+    catalog: Catalog,
+    cfg: Config,
+    rank: int,
+    world: int,
+    read: ReadOptions,
+    *,
+    collate: bool,
+    end_marker: bool,
+    bundle: int = 0,
     ring: RingHolder | None = None,
 ) -> WdsPipeline:
     cfg.check(catalog)
@@ -349,7 +378,9 @@ def build_pipeline(
     if collate and cfg.unbatched:
         stages.append(wds.filters.pipelinefilter(_items_one_by_one)(cfg.rows_out(catalog)))
     elif collate:
-        stages.append(wds.filters.pipelinefilter(_collate)(cfg.rows_out(catalog), CollateOptions.for_config(cfg, catalog)))
+        stages.append(
+            wds.filters.pipelinefilter(_collate)(cfg.rows_out(catalog), CollateOptions.for_config(cfg, catalog))
+        )
     pipe = WdsPipeline(*stages)
     pipe.source = source
     pipe.catalog = catalog

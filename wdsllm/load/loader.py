@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -101,8 +101,10 @@ class Loader:
         self.rank, self.world_size = resolve_world(rank, world_size)
         self.cfg = Config(**options).resolved(self.catalog)
         if self.cfg.unbatched:
-            raise ConfigError("the loader yields batches: pass batch_size (or max_tokens with batching='bucket'); "
-                             "for one document at a time use wdsllm.dataset(..., batch_size=None)")
+            raise ConfigError(
+                "the loader yields batches: pass batch_size (or max_tokens with batching='bucket'); "
+                "for one document at a time use wdsllm.dataset(..., batch_size=None)"
+            )
         self.num_workers = int(num_workers)
         self.prefetch_factor = prefetch_factor if self.num_workers > 0 else None
         self.persistent_workers = persistent_workers and self.num_workers > 0
@@ -113,8 +115,13 @@ class Loader:
         self.read_options = read_options(retry, cache_dir, cache_size, on_error)
         self._ring = RingHolder()  # shared memory the workers send tokens through (transport.py)
         self.pipeline = build_pipeline(
-            self.catalog, self.cfg, self.rank, self.world_size, self.read_options,
-            collate=False, end_marker=True,
+            self.catalog,
+            self.cfg,
+            self.rank,
+            self.world_size,
+            self.read_options,
+            collate=False,
+            end_marker=True,
             bundle=BUNDLE_BATCHES if self.num_workers > 0 and not workers_in_process else 0,
             ring=self._ring,
         )
@@ -271,7 +278,10 @@ class Loader:
             if self.limits.dropped_batches:
                 log.info(
                     "rank %d: epoch %d yields %d batches; %d batches beyond the smallest rank's count are dropped",
-                    self.rank, epoch, self.limits.per_rank, self.limits.dropped_batches,
+                    self.rank,
+                    epoch,
+                    self.limits.per_rank,
+                    self.limits.dropped_batches,
                 )
         rr = self._begin()
         resumed = bool(self.source.resume_positions)
@@ -371,14 +381,25 @@ class Loader:
         if same_layout:
             if state["rank"] != self.rank and not state["equal_batches"]:
                 raise StateError(
-                    f"this state is rank {state['rank']}'s and ranks yielded different numbers of batches; load each rank's own state"
+                    f"this state is rank {state['rank']}'s and ranks yielded different numbers of batches; load each "
+                    "rank's own state"
                 )
-            positions = self._positions_from(state) if state["rank"] != self.rank else {int(w): tuple(p) for w, p in state["workers"].items()}
+            positions = (
+                self._positions_from(state)
+                if state["rank"] != self.rank
+                else {int(w): tuple(p) for w, p in state["workers"].items()}
+            )
             self.source.resume_from(positions)
             turn, active = state["turn"], state["active"]
             if state["rank"] != self.rank:
                 turn, active = self._turn_from(positions)
-            self._pending_resume = {"turn": turn, "active": active, "yielded": state["yielded"], "steps": state["steps"], "state": state}
+            self._pending_resume = {
+                "turn": turn,
+                "active": active,
+                "yielded": state["yielded"],
+                "steps": state["steps"],
+                "state": state,
+            }
             return
         if self.infinite:
             raise StateError("resuming an endless stream with another world size or worker count is not supported")
@@ -424,7 +445,14 @@ class Loader:
         remainder = resumemod.RemainderPlan(epoch, old_world, old_workers, consumed, base=plan)
         self.source.set_plan(epoch, remainder)
         self.source.resume_from({})
-        log.info("resuming epoch %d of a %d x %d layout as %d x %d: the epoch's remainder is re-planned", epoch, old_world, old_workers, self.world_size, self.workers)
+        log.info(
+            "resuming epoch %d of a %d x %d layout as %d x %d: the epoch's remainder is re-planned",
+            epoch,
+            old_world,
+            old_workers,
+            self.world_size,
+            self.workers,
+        )
 
 
 def loader(source, **kwargs) -> Loader:

@@ -10,8 +10,8 @@ fewer shards than consumers a shard's items are dealt out by stride.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -26,7 +26,9 @@ _MASK = (1 << 63) - 1
 
 def rng(seed: int, *key: int) -> np.random.Generator:
     """A generator determined by the seed and the key alone (never by pid, time or urandom)."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed) & _MASK, *[int(k) & _MASK for k in key]])))
+    return np.random.Generator(
+        np.random.PCG64(np.random.SeedSequence([int(seed) & _MASK, *[int(k) & _MASK for k in key]]))
+    )
 
 
 def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
@@ -58,7 +60,13 @@ class Slice:
         return max(0, (self.stop - self.start + self.stride - 1) // self.stride)
 
     def key(self) -> tuple:
-        return (self.shard, self.start, self.stop, self.stride, None if self.pick is None else tuple(self.pick.tolist()))
+        return (
+            self.shard,
+            self.start,
+            self.stop,
+            self.stride,
+            None if self.pick is None else tuple(self.pick.tolist()),
+        )
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Slice) and self.key() == other.key()
@@ -127,7 +135,9 @@ def slices_of_range(order: np.ndarray, counts: np.ndarray, ends: np.ndarray, a: 
     return out
 
 
-def resampled_shards(n_shards: int, *, seed: int, epoch: int, rank: int, worker: int, start: int, count: int) -> np.ndarray:
+def resampled_shards(
+    n_shards: int, *, seed: int, epoch: int, rank: int, worker: int, start: int, count: int
+) -> np.ndarray:
     """Shard draws ``start .. start+count-1`` of a with-replacement stream for (rank, worker).
 
     Draws come in blocks of 1024 with their own generator, so any draw can be recomputed without
@@ -150,6 +160,8 @@ def resampled_slices(n_shards: int, seed: int, epoch: int, rank: int, worker: in
     """An endless with-replacement stream of whole shards for (rank, worker)."""
     drawn = 0
     while True:
-        for shard in resampled_shards(n_shards, seed=seed, epoch=epoch, rank=rank, worker=worker, start=drawn, count=256):
+        for shard in resampled_shards(
+            n_shards, seed=seed, epoch=epoch, rank=rank, worker=worker, start=drawn, count=256
+        ):
             yield Slice(int(shard))
         drawn += 256

@@ -5,8 +5,8 @@ offset where the index says where groups start, zero-copy over mapped local shar
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -19,6 +19,7 @@ from .plan import Slice
 
 log = logging.getLogger(__name__)
 
+
 @dataclass
 class ReadOptions:
     retry: storage.RetryPolicy | None = None
@@ -29,8 +30,17 @@ class ReadOptions:
     segments: bool = True  # packed rows: the segment table with offsets within rows (boundaries)
 
 
-def _group_block(group, shard: int, first: int, mode: str, seq_len: int | None, doc_base: int, prev_shard_doc: int,
-                 row_docs: bool = True, segments: bool = True) -> Block:
+def _group_block(
+    group,
+    shard: int,
+    first: int,
+    mode: str,
+    seq_len: int | None,
+    doc_base: int,
+    prev_shard_doc: int,
+    row_docs: bool = True,
+    segments: bool = True,
+) -> Block:
     """Items of one decoded group. ``doc_base``: ordinal in the shard of the group's first
     document start; ``prev_shard_doc``: id of the previous shard's last document (or -1)."""
     tokens = group.tokens
@@ -63,7 +73,9 @@ def _group_block(group, shard: int, first: int, mode: str, seq_len: int | None, 
     return block
 
 
-def _set_group_segments(block: Block, doc_starts, before, continues, shard: int, doc_base: int, prev_shard_doc: int) -> None:
+def _set_group_segments(
+    block: Block, doc_starts, before, continues, shard: int, doc_base: int, prev_shard_doc: int
+) -> None:
     """The segment table of a group's rows: document starts and row continuations, both sorted,
     merged by position without a sort."""
     starts = block.starts
@@ -142,7 +154,9 @@ def ranged_start(catalog: Catalog, sl: Slice, skip: int, options: ReadOptions) -
     if g == 0 and after >= len(table):
         return None  # the whole shard: a plain read
     entry = catalog.shard_entries[sl.shard]
-    end_items = int(table[g + 1, 1]) if g + 1 < len(table) else (entry.rows if catalog.mode == "packed" else entry.documents)
+    end_items = (
+        int(table[g + 1, 1]) if g + 1 < len(table) else (entry.rows if catalog.mode == "packed" else entry.documents)
+    )
     # the reader sees a group end when the next member header names another key: include it
     length = int(table[after, 0]) + tario.BLOCK - int(table[g, 0]) if after < len(table) else None
     return GroupStart(int(table[g, 0]), int(table[g, 1]), int(table[g, 2]), end_items - int(table[g, 1]), length)
@@ -199,9 +213,14 @@ def read_slice(
             group = tario.decode_sample(raw, url)
             n = tario.group_items(raw.meta)
             if start is not None and raw.offset == start.offset and n != start.group_items:
-                raise FormatError(f"{url}: the group at byte {raw.offset} holds {n} items, {catalog.index.groups_file.name} says {start.group_items}")
+                raise FormatError(
+                    f"{url}: the group at byte {raw.offset} holds {n} items, {catalog.index.groups_file.name} says "
+                    f"{start.group_items}"
+                )
             g0 = state["ordinal"] - n
-            block = _group_block(group, sl.shard, g0, mode, seq_len, state["doc"], prev_shard_doc, options.row_docs, options.segments)
+            block = _group_block(
+                group, sl.shard, g0, mode, seq_len, state["doc"], prev_shard_doc, options.row_docs, options.segments
+            )
             if shard_tokens is not None:
                 block = _on_shard_buffer(block, shard_tokens)
             state["doc"] += state["pending_docs"]

@@ -145,14 +145,18 @@ class RemainderPlan:
                 counts = slice_item_counts(catalog, slices, spec)
                 lengths = slice_item_lengths(catalog, slices, spec)
                 if counts is None or lengths is None:
-                    raise StateError("resuming with another world size or worker count needs the dataset's index (lengths.npy)")
+                    raise StateError(
+                        "resuming with another world size or worker count needs the dataset's index (lengths.npy)"
+                    )
                 gone = consumed_plan_positions(cfg.make_batcher(), lengths, spec, self.consumed[r][w])
                 slices_out.extend(remaining_slices(slices, counts, gone))
         counts_out = slice_item_counts(catalog, slices_out, cfg.spec(self.epoch, 0, 1, 0, 1))
         self._sequence = (slices_out, counts_out)
         return self._sequence
 
-    def slices_for(self, catalog: Catalog, cfg: Config, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
+    def slices_for(
+        self, catalog: Catalog, cfg: Config, rank: int, world: int, worker: int, workers: int
+    ) -> list[Slice]:
         slices, counts = self.sequence(catalog, cfg)
         total = int(sum(counts))
         ra, rb = planmod.split_range(total, world, rank)
@@ -165,7 +169,9 @@ def check_state(state: Any, *, dataset: str, settings: str) -> None:
     if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
         raise StateError("not a wdsllm loader state (missing kind 'wdsllm.loader')")
     if state.get("version") != STATE_VERSION:
-        raise StateError(f"loader state version {state.get('version')} is not supported (this wdsllm reads {STATE_VERSION})")
+        raise StateError(
+            f"loader state version {state.get('version')} is not supported (this wdsllm reads {STATE_VERSION})"
+        )
     if state.get("dataset") != dataset:
         raise StateError(
             f"the state was saved for another dataset (fingerprint {state.get('dataset')}, this one is {dataset}); "

@@ -40,7 +40,9 @@ class ModeCost:
         return 100.0 * self.truncated / total if total else 0.0
 
 
-def stream_lengths(catalog: Catalog, *, max_len: int | None, max_len_mode: str = "split", shuffle_buffer: int = 10_000, seed: int = 0) -> tuple[np.ndarray, int]:
+def stream_lengths(
+    catalog: Catalog, *, max_len: int | None, max_len_mode: str = "split", shuffle_buffer: int = 10_000, seed: int = 0
+) -> tuple[np.ndarray, int]:
     """Lengths one consumer sees in epoch 0 (after splitting or truncating), and tokens truncated."""
     cfg = Config(seed=seed, shuffle_buffer=shuffle_buffer, max_len=max_len, max_len_mode=max_len_mode)
     spec = cfg.spec(0, 0, 1, 0, 1)
@@ -62,7 +64,14 @@ def random_batches(lengths: np.ndarray, batch_size: int, multiple: int | None = 
     return ModeCost("random", f"batch {batch_size}", (n + batch_size - 1) // batch_size, int(lengths.sum()), pad, 0)
 
 
-def bucket_batches(lengths: np.ndarray, window: int, *, batch_size: int | None = None, max_tokens: int | None = None, multiple: int | None = None) -> ModeCost:
+def bucket_batches(
+    lengths: np.ndarray,
+    window: int,
+    *,
+    batch_size: int | None = None,
+    max_tokens: int | None = None,
+    multiple: int | None = None,
+) -> ModeCost:
     batcher = BucketBatcher(window, batch_size=batch_size, max_tokens=max_tokens, pad_to_multiple_of=multiple)
     k = window
     n_windows = max(1, (len(lengths) + k - 1) // k)
@@ -85,7 +94,14 @@ def pack_rows(lengths: np.ndarray, seq_len: int, window: int, batch_size: int = 
     rows = 0
     for a in range(0, len(lengths), window):
         rows += len(best_fit_decreasing(lengths[a : a + window], seq_len))
-    return ModeCost("pack", f"seq_len {seq_len}, window {window}", (rows + batch_size - 1) // batch_size, int(lengths.sum()), rows * seq_len, 0)
+    return ModeCost(
+        "pack",
+        f"seq_len {seq_len}, window {window}",
+        (rows + batch_size - 1) // batch_size,
+        int(lengths.sum()),
+        rows * seq_len,
+        0,
+    )
 
 
 def concat_rows(lengths: np.ndarray, seq_len: int, batch_size: int = 1) -> ModeCost:
@@ -94,8 +110,16 @@ def concat_rows(lengths: np.ndarray, seq_len: int, batch_size: int = 1) -> ModeC
     return ModeCost("concat", f"seq_len {seq_len}", (rows + batch_size - 1) // batch_size, tokens, rows * seq_len, 0)
 
 
-def all_modes(catalog: Catalog, *, batch_size: int, max_tokens: int, seq_len: int, window: int, multiple: int | None = None,
-              seed: int = 0) -> list[ModeCost]:
+def all_modes(
+    catalog: Catalog,
+    *,
+    batch_size: int,
+    max_tokens: int,
+    seq_len: int,
+    window: int,
+    multiple: int | None = None,
+    seed: int = 0,
+) -> list[ModeCost]:
     """Padding and truncation of every mode with the given settings."""
     split, _ = stream_lengths(catalog, max_len=seq_len, max_len_mode="split", seed=seed)
     capped, cut = stream_lengths(catalog, max_len=seq_len, max_len_mode="truncate", seed=seed)

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator
 
 import numpy as np
 
-from . import plan as planmod
 from .. import storage
-from .catalog import Catalog
 from ..format import FormatError
+from . import plan as planmod
 from .block import Block, windows
+from .catalog import Catalog
 from .plan import Slice
 from .read import ReadOptions, open_kwargs, ranged_start, read_slice
 
@@ -58,7 +58,9 @@ def pieces_per_doc(lengths: np.ndarray, max_len: int) -> np.ndarray:
 
 def block_permutation(spec: StreamSpec, block: int, n: int) -> np.ndarray:
     """The order of the ``n`` items of shuffle block ``block`` of (seed, epoch, rank, worker)."""
-    return planmod.rng(spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, block).permutation(n)
+    return planmod.rng(spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, block).permutation(
+        n
+    )
 
 
 def epoch_slices(catalog: Catalog, spec: StreamSpec) -> list[Slice]:
@@ -201,10 +203,15 @@ def plan_items(
     """
     options = options or ReadOptions()
     # each slice with where a ranged read can enter its shard (remote shards, groups.npy)
-    work = ((sl, skip, drop, ranged_start(catalog, sl, skip, options)) for sl, skip, drop in _slice_work(catalog, slices, spec, start))
+    work = (
+        (sl, skip, drop, ranged_start(catalog, sl, skip, options))
+        for sl, skip, drop in _slice_work(catalog, slices, spec, start)
+    )
     if options.prefetch:
         work, ahead = itertools.tee(work)
-        streams = storage.prefetch_iter((catalog.urls[sl.shard], open_kwargs(catalog, sl.shard, options, at)) for sl, _, _, at in ahead)
+        streams = storage.prefetch_iter(
+            (catalog.urls[sl.shard], open_kwargs(catalog, sl.shard, options, at)) for sl, _, _, at in ahead
+        )
     else:
         streams = None
     leftover = 0  # items still to drop when counts are unknown and a slice ran out first

@@ -31,7 +31,7 @@ HEADER = 4096  # one int64 acknowledgement counter per worker
 SLOT_BYTES = 4 << 20  # a bundle holds at most 1M tokens (dataset.BUNDLE_TOKENS) of at most 4 bytes
 
 #: rings of this process by key, so that an unpickled message finds its ring
-_RINGS: "weakref.WeakValueDictionary[str, TokenRing]" = weakref.WeakValueDictionary()
+_RINGS: weakref.WeakValueDictionary[str, TokenRing] = weakref.WeakValueDictionary()
 _keys = itertools.count()
 
 
@@ -64,7 +64,7 @@ class TokenRing:
         """True in the process that made the ring and in workers forked from it."""
         return self.mm is not None
 
-    def pack(self, worker: int, bundle: list) -> "RingBundle | None":
+    def pack(self, worker: int, bundle: list) -> RingBundle | None:
         """The bundle with its batches' tokens compacted into this worker's next slot, or None
         when they do not fit one (the caller then pickles the batches)."""
         batches = [b for b in bundle if isinstance(b, Batch)]
@@ -99,7 +99,7 @@ class TokenRing:
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
 
-    def take(self, msg: "RingBundle") -> np.ndarray:
+    def take(self, msg: RingBundle) -> np.ndarray:
         """Copy a message's tokens out of its slot and free the slot (main process)."""
         tokens = np.frombuffer(self.mm, np.dtype(msg.dtype), count=msg.count, offset=msg.offset).copy()
         self.taken[msg.worker] = msg.seq + 1

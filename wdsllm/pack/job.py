@@ -18,29 +18,26 @@ import re
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterator
 
 import numpy as np
 
-from .. import __version__
+from .. import __version__, storage
 from .. import format as fmt
-from .. import storage
+from ..errors import PackError, normalize_on_error
 from .shaping import DocGrouper, EncodedChunk, Position, RowPacker
 from .sources import SPLITS, STDIN, InputFile, expand_inputs, read_chunks
 from .tokenizer import LoadedTokenizer, encode_chunk, init_worker, load_tokenizer
 from .writer import JOURNAL_PREFIX, JOURNAL_START, Counters, ShardSink, read_journal
-from ..errors import PackError, normalize_on_error
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_SIZE = 128 * 1024 * 1024
 DEFAULT_SAMPLE_TOKENS = 256 * 1024
 DEFAULT_CHUNK_BYTES = 1 << 20
-
-
 
 
 @dataclass
@@ -159,7 +156,6 @@ def _fingerprint(cfg: PackConfig, inputs: list[InputFile], tok_sha: str) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
-
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_]+(?:[A-Za-z0-9_-]*[A-Za-z0-9_])?$")
 
 
@@ -253,7 +249,9 @@ def _prepare_output(out: storage.Output, cfg: PackConfig, fingerprint: str) -> l
             raise PackError(f"output {out.url} is not empty; pass --overwrite to replace it or --resume to finish it")
         out.clear()
     if not records:
-        out.put_bytes(JOURNAL_START, json.dumps({"fingerprint": fingerprint, "created_by": f"wdsllm {__version__}"}).encode())
+        out.put_bytes(
+            JOURNAL_START, json.dumps({"fingerprint": fingerprint, "created_by": f"wdsllm {__version__}"}).encode()
+        )
     return records
 
 
@@ -322,7 +320,9 @@ def _encoded_in_order(pool: ProcessPoolExecutor, jobs: Iterator[tuple], limit: i
             future.cancel()
 
 
-def _start_pool(workers: int, cpus: int, tok: LoadedTokenizer, dtype: np.dtype, bos_id, eos_id, cfg: PackConfig, tmpdir: str) -> ProcessPoolExecutor:
+def _start_pool(
+    workers: int, cpus: int, tok: LoadedTokenizer, dtype: np.dtype, bos_id, eos_id, cfg: PackConfig, tmpdir: str
+) -> ProcessPoolExecutor:
     """A spawn pool of tokenizer workers; the tokenizer travels as a file, not inside the spawn
     handshake, so that starting a worker does not block this process while it imports."""
     tok_path = os.path.join(tmpdir, "tokenizer.json")
@@ -422,7 +422,10 @@ def pack(cfg: PackConfig, on_progress: Callable[[PackProgress], None] | None = N
                 for chunk in _encoded_in_order(pool, _chunk_jobs(inputs, cfg, position), 2 * workers + 1):
                     consume(chunk)
             except BrokenProcessPool as exc:
-                raise PackError(f"a tokenizer worker died ({exc}); see its error above. Out of memory? Use fewer --workers, then --resume") from exc
+                raise PackError(
+                    f"a tokenizer worker died ({exc}); see its error above. Out of memory? Use fewer --workers, then "
+                    "--resume"
+                ) from exc
             finally:
                 pool.shutdown(wait=True, cancel_futures=True)
         write_groups(shaper.finish())
@@ -438,7 +441,9 @@ def pack(cfg: PackConfig, on_progress: Callable[[PackProgress], None] | None = N
     progress.done = True
     if on_progress:
         on_progress(progress)
-    return PackResult(index=index, output=out.url, progress=progress, skipped=index.skipped, resumed_shards=len(records))
+    return PackResult(
+        index=index, output=out.url, progress=progress, skipped=index.skipped, resumed_shards=len(records)
+    )
 
 
 def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSink) -> fmt.Index:
@@ -488,7 +493,9 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSi
             "records_truncated": non_empty > len(totals.skip_records),
         },
         lengths_file=fmt.SideFile.of(fmt.LENGTHS_NAME, lengths_bytes),
-        packed={"max_row_segments": sink.max_row_segments, "short_rows": sink.short_rows} if cfg.mode == "packed" else None,
+        packed={"max_row_segments": sink.max_row_segments, "short_rows": sink.short_rows}
+        if cfg.mode == "packed"
+        else None,
         groups_file=groups_file,
         created_by=f"wdsllm {__version__}",
     )

@@ -10,20 +10,20 @@ already moved are recognised and skipped.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import numpy as np
 
-from .. import __version__
+from .. import __version__, storage
 from .. import format as fmt
-from .. import storage
-from .writer import MAX_SKIP_RECORDS
 from ..errors import MergeError
+from .writer import MAX_SKIP_RECORDS
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +32,7 @@ TASK_DIR_PREFIX = "task-"
 #: Options that legitimately differ between the tasks of one pack.
 PER_TASK_OPTIONS = ("task_index",)
 #: Options compared another way: the tokenizer by its sha256, not by how it was named.
-NOT_COMPARED = PER_TASK_OPTIONS + ("tokenizer",)
-
-
+NOT_COMPARED = (*PER_TASK_OPTIONS, "tokenizer")
 
 
 @dataclass
@@ -73,7 +71,10 @@ def _task_dirs(url: str, allow_partial: bool) -> list[str]:
     complete = {n.split("/", 1)[0] for n in names if n.count("/") == 1 and n.endswith("/" + fmt.INDEX_NAME)}
     unfinished = [d for d in dirs if d not in complete]
     if unfinished and not allow_partial:
-        raise MergeError(f"{storage.join_url(url, unfinished[0])} has no {fmt.INDEX_NAME}: that task has not finished (finish it with --resume)")
+        raise MergeError(
+            f"{storage.join_url(url, unfinished[0])} has no {fmt.INDEX_NAME}: that task has not finished (finish it "
+            "with --resume)"
+        )
     return [storage.join_url(url, d) for d in dirs if d in complete]
 
 
@@ -86,10 +87,12 @@ def find_parts(sources: list[str], allow_partial: bool = False) -> list[Part]:
             continue
         found = _task_dirs(source, allow_partial)
         if not found:
-            raise MergeError(f"{source}: neither a pack output ({fmt.INDEX_NAME}) nor a directory of {TASK_DIR_PREFIX}*/ outputs")
+            raise MergeError(
+                f"{source}: neither a pack output ({fmt.INDEX_NAME}) nor a directory of {TASK_DIR_PREFIX}*/ outputs"
+            )
         urls.extend(found)
     parts = [_load_part(url) for url in urls]
-    return sorted(parts, key=lambda p: (p.task if p.task is not None else -1))
+    return sorted(parts, key=lambda p: p.task if p.task is not None else -1)
 
 
 def _load_part(url: str) -> Part:
@@ -99,15 +102,18 @@ def _load_part(url: str) -> Part:
         raise MergeError(f"{index_url} names no {fmt.LENGTHS_NAME}: not the output of a pack")
     lengths = fmt.read_side_file(url, index.lengths_file)
     if len(lengths) != index.documents:
-        raise MergeError(f"{storage.join_url(url, fmt.LENGTHS_NAME)} has {len(lengths)} lengths, {index_url} counts {index.documents} documents")
+        raise MergeError(
+            f"{storage.join_url(url, fmt.LENGTHS_NAME)} has {len(lengths)} lengths, {index_url} counts "
+            f"{index.documents} documents"
+        )
     groups = None
     if index.groups_file:
         groups = fmt.read_side_file(url, index.groups_file)
         if len(groups) != fmt.GROUP_COLUMNS * sum(s.samples for s in index.shards):
-            raise MergeError(f"{storage.join_url(url, fmt.GROUPS_NAME)} does not list every group that {index_url} counts")
+            raise MergeError(
+                f"{storage.join_url(url, fmt.GROUPS_NAME)} does not list every group that {index_url} counts"
+            )
     return Part(url=url, index=index, lengths=lengths, groups=groups)
-
-
 
 
 def check_compatible(parts: list[Part], allow_partial: bool = False) -> None:
@@ -117,17 +123,22 @@ def check_compatible(parts: list[Part], allow_partial: bool = False) -> None:
     first = parts[0]
     for part in parts:
         if part.task is None:
-            raise MergeError(f"{part.url} is not the output of one pack task (its index has no task_index); it may be merged already")
+            raise MergeError(
+                f"{part.url} is not the output of one pack task (its index has no task_index); it may be merged already"
+            )
         for what, a, b in _differences(first.index, part.index):
             raise MergeError(f"cannot merge {part.url} with {first.url}: {what} differs ({b!r} here, {a!r} there)")
     tasks = [p.task for p in parts]
-    for a, b in zip(parts, parts[1:]):
+    for a, b in itertools.pairwise(parts):
         if a.task == b.task:
             raise MergeError(f"{a.url} and {b.url} are both task {a.task}; their keys would collide")
     num_tasks = first.index.options.get("num_tasks", len(parts))
     missing = sorted(set(range(num_tasks)) - set(tasks))
     if missing and not allow_partial:
-        raise MergeError(f"tasks {missing} of {num_tasks} are missing, so their documents would be; pass them too, or --allow-partial")
+        raise MergeError(
+            f"tasks {missing} of {num_tasks} are missing, so their documents would be; pass them too, or "
+            "--allow-partial"
+        )
     seen: dict[int, str] = {}
     for part in parts:
         for inp in part.index.inputs:
@@ -230,8 +241,9 @@ def _transfer(move: Move, out: storage.Output, copy: bool) -> None:
         storage.Output(move.part.url).delete(move.entry.name)
 
 
-def merged_index(parts: list[Part], moves: list[Move], lengths: np.ndarray, lengths_bytes: bytes,
-                 groups_bytes: bytes | None = None) -> fmt.Index:
+def merged_index(
+    parts: list[Part], moves: list[Move], lengths: np.ndarray, lengths_bytes: bytes, groups_bytes: bytes | None = None
+) -> fmt.Index:
     first = parts[0].index
     options = {k: v for k, v in first.options.items() if k not in PER_TASK_OPTIONS}
     inputs = sorted((inp for p in parts for inp in p.index.inputs), key=lambda i: i["index"])
@@ -240,7 +252,10 @@ def merged_index(parts: list[Part], moves: list[Move], lengths: np.ndarray, leng
         for reason, n in p.index.skipped.get("counts", {}).items():
             counts[reason] = counts.get(reason, 0) + n
     order = {inp["path"]: inp["index"] for inp in inputs}
-    records = sorted((r for p in parts for r in p.index.skipped.get("records", [])), key=lambda r: (order.get(r["file"], -1), r["line"]))
+    records = sorted(
+        (r for p in parts for r in p.index.skipped.get("records", [])),
+        key=lambda r: (order.get(r["file"], -1), r["line"]),
+    )
     bad = sum(n for reason, n in counts.items() if reason != "empty")
     packed = None
     if first.mode == "packed":

@@ -45,7 +45,7 @@ class Position:
         return {"file": self.file, "line": self.line, "piece": self.piece, "offset": self.offset, "done": self.done}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Position":
+    def from_json(cls, d: dict) -> Position:
         return cls(d["file"], d["line"], d.get("piece", 0), d.get("offset", 0), d.get("done", True))
 
 
@@ -120,7 +120,13 @@ class DocGrouper:
             if chunk.file_index == r.file:
                 item_lines = lines[doc_of]
                 keep = (item_lines > r.line) | ((item_lines == r.line) & (piece > r.piece))
-                doc_of, piece, starts, item_lengths, last = doc_of[keep], piece[keep], starts[keep], item_lengths[keep], last[keep]
+                doc_of, piece, starts, item_lengths, last = (
+                    doc_of[keep],
+                    piece[keep],
+                    starts[keep],
+                    item_lengths[keep],
+                    last[keep],
+                )
                 if lines[-1] < r.line:
                     return []
             self.resume = None

@@ -16,10 +16,12 @@ import lzma
 import os
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import braceexpand
+
 from ..errors import SourceError
 
 log = logging.getLogger(__name__)
@@ -30,8 +32,6 @@ SPLITS = ("line", "paragraph", "file")
 STDIN = "-"
 _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 _BOM = b"\xef\xbb\xbf"
-
-
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,9 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
             continue
         kind, compression = _kind_and_compression(path, input_format)
         if kind is None:
-            raise SourceError(f"{path}: unknown input type; name it .txt or .jsonl (optionally compressed), or pass --input-format")
+            raise SourceError(
+                f"{path}: unknown input type; name it .txt or .jsonl (optionally compressed), or pass --input-format"
+            )
         inputs.append(InputFile(len(inputs), path, kind, compression, os.path.getsize(path)))
     if sum(p == STDIN for p in paths) > 1:
         raise SourceError("stdin ('-') can be read only once")
@@ -120,7 +122,7 @@ def _open_with_raw(inp: InputFile) -> tuple[BinaryIO, BinaryIO | None]:
     """The decompressed stream and the raw file under it (whose position tells the progress)."""
     if inp.path == STDIN:
         return sys.stdin.buffer, None
-    raw = open(inp.path, "rb")
+    raw = open(inp.path, "rb")  # noqa: SIM115 - returned to the caller, who closes it
     try:
         if inp.compression == "gz":
             return gzip.GzipFile(fileobj=raw, mode="rb"), raw
@@ -302,7 +304,11 @@ def parse_chunk(chunk: RawChunk, *, kind: str, split: str, text_field: str, on_e
                 continue
             text = _field(obj, path)
             if not isinstance(text, str):
-                problem = "missing" if text is _MISSING else f"not a string ({'null' if text is None else type(text).__name__})"
+                problem = (
+                    "missing"
+                    if text is _MISSING
+                    else f"not a string ({'null' if text is None else type(text).__name__})"
+                )
                 if on_error != "skip":
                     raise SourceError(f"{display}:{number}: text field {text_field!r} is {problem}")
                 out.skips.append(Skip(chunk.file_index, number, "missing_field", f"{text_field!r} {problem}"))

@@ -21,18 +21,16 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from ..errors import TokenizerError
 from ..format import TokenizerInfo, token_dtype
 from .shaping import EncodedChunk
 from .sources import RawChunk, Skip, parse_chunk
-from ..errors import TokenizerError
 
 log = logging.getLogger(__name__)
 
 EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
 BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|bos|>", "[CLS]", "<|endoftext|>")
 PAD_NAMES = ("<pad>", "<|padding|>", "[PAD]", "<|pad|>")
-
-
 
 
 @dataclass
@@ -65,7 +63,10 @@ class LoadedTokenizer:
 
 
 def _hub_cache_file(name: str) -> Path | None:
-    home = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub")
+    home = Path(
+        os.environ.get("HF_HUB_CACHE")
+        or Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+    )
     snapshots = home / f"models--{name.replace('/', '--')}" / "snapshots"
     if snapshots.is_dir():
         found = sorted(snapshots.glob("*/tokenizer.json"))
@@ -75,7 +76,10 @@ def _hub_cache_file(name: str) -> Path | None:
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or os.environ.get("TRANSFORMERS_OFFLINE", "0") not in ("", "0"):
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or os.environ.get("TRANSFORMERS_OFFLINE", "0") not in (
+        "",
+        "0",
+    ):
         return False
     try:
         socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
@@ -130,7 +134,9 @@ def load_tokenizer(spec: str, *, bos_token: str | None = None, eos_token: str | 
     log.info("tokenizer %s loaded from %s", spec, how)
     body = json.loads(text)
     specials = {a["content"] for a in body.get("added_tokens", []) if a.get("special")}
-    vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(tok.get_vocab(with_added_tokens=True).values()) + 1)
+    vocab_size = max(
+        tok.get_vocab_size(with_added_tokens=True), max(tok.get_vocab(with_added_tokens=True).values()) + 1
+    )
 
     with_specials = tok.encode("a", add_special_tokens=True).ids
     without = tok.encode("a", add_special_tokens=False).ids
@@ -175,7 +181,9 @@ class Encoder:
         return add_specials(body, body_lengths, self.bos_id, self.eos_id)
 
 
-def add_specials(body: np.ndarray, lengths: np.ndarray, bos_id: int | None, eos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+def add_specials(
+    body: np.ndarray, lengths: np.ndarray, bos_id: int | None, eos_id: int | None
+) -> tuple[np.ndarray, np.ndarray]:
     """Insert BOS before and EOS after every document of a concatenated id array, vectorised."""
     extra = (bos_id is not None) + (eos_id is not None)
     if extra == 0 or len(lengths) == 0:
@@ -201,7 +209,9 @@ def add_specials(body: np.ndarray, lengths: np.ndarray, bos_id: int | None, eos_
 _worker: dict = {}
 
 
-def init_worker(tokenizer_path: str, dtype: str, bos_id, eos_id, parse_opts: dict, threads: int, parent_pid: int) -> None:
+def init_worker(
+    tokenizer_path: str, dtype: str, bos_id, eos_id, parse_opts: dict, threads: int, parent_pid: int
+) -> None:
     """Set up one tokenizer worker: its rayon threads, the encoder, and a watch on the parent."""
     if threads <= 1:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -231,14 +241,18 @@ def _watch_parent(parent_pid: int, interval: float = 1.0) -> None:
 def encode_chunk(chunk: RawChunk, kind: str, display: str) -> EncodedChunk:
     """Parse and encode one chunk (in a worker): the unit of parallel work of a pack."""
     opts = _worker["parse"]
-    parsed = parse_chunk(chunk, kind=kind, split=opts["split"], text_field=opts["text_field"], on_error=opts["on_error"], display=display)
+    parsed = parse_chunk(
+        chunk, kind=kind, split=opts["split"], text_field=opts["text_field"], on_error=opts["on_error"], display=display
+    )
     tokens, lengths = _worker["encoder"].encode(parsed.texts)
     lines = np.asarray(parsed.lines, dtype=np.int64)
     skips = parsed.skips
     if len(lengths) and not lengths.all():
         # Only possible without BOS and EOS: text the tokenizer maps to nothing is an empty document.
         empty = lengths == 0
-        skips = sorted(skips + [Skip(chunk.file_index, int(n), "empty", "no tokens") for n in lines[empty]], key=lambda s: s.line)
+        skips = sorted(
+            skips + [Skip(chunk.file_index, int(n), "empty", "no tokens") for n in lines[empty]], key=lambda s: s.line
+        )
         lines, lengths = lines[~empty], lengths[~empty]
     return EncodedChunk(
         file_index=chunk.file_index,

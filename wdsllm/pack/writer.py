@@ -41,7 +41,9 @@ def encode_record(record: dict, lengths: np.ndarray) -> bytes:
 
     One file, so that a shard costs one atomic put (and its fsyncs) in the journal, not two.
     """
-    return json.dumps(record, separators=(",", ":")).encode() + b"\n" + fmt.npy_bytes(np.asarray(lengths, dtype=np.uint32))
+    return (
+        json.dumps(record, separators=(",", ":")).encode() + b"\n" + fmt.npy_bytes(np.asarray(lengths, dtype=np.uint32))
+    )
 
 
 def decode_record(data: bytes, where: str) -> dict:
@@ -58,7 +60,7 @@ class _HashingFile(io.RawIOBase):
     """Writes through to a file while counting bytes and hashing them (no second read)."""
 
     def __init__(self, path: str):
-        self._f = open(path, "wb")
+        self._f = open(path, "wb")  # noqa: SIM115 - closed by close()
         self.sha = hashlib.sha256()
         self.size = 0
 
@@ -90,7 +92,9 @@ class Counters:
             self.skipped[s.reason] += 1
             self.skipped_by_input[s.file_index] += 1
             if s.reason != "empty" and len(self.skip_records) < MAX_SKIP_RECORDS:
-                self.skip_records.append({"file": inputs_display[s.file_index], "line": s.line, "reason": s.reason, "detail": s.detail})
+                self.skip_records.append(
+                    {"file": inputs_display[s.file_index], "line": s.line, "reason": s.reason, "detail": s.detail}
+                )
 
     def to_json(self) -> dict:
         return {
@@ -269,11 +273,12 @@ class ShardSink:
             try:
                 self._tar.close()
                 self._file.close()
-            except Exception:  # noqa: BLE001 - best effort while failing
+            except Exception:
                 pass
             self._tar = None
         if self._tmp_path and os.path.exists(self._tmp_path):
             os.remove(self._tmp_path)
+
 
 def read_journal(output) -> list[dict]:
     """Journal records of finished shards, in order, stopping at the first gap."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -219,15 +220,15 @@ class ShardCache:
                 out.flush()
                 os.fsync(out.fileno())
             if sha and hasher.hexdigest() != sha.lower():
-                raise make_error(url, f"sha256 {hasher.hexdigest()} does not match the expected {sha.lower()}; not cached")
+                raise make_error(
+                    url, f"sha256 {hasher.hexdigest()} does not match the expected {sha.lower()}; not cached"
+                )
             if size is not None and got != size:
                 raise make_error(url, f"downloaded {got} bytes, expected {size}; not cached")
             os.replace(part, data)
         except BaseException:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(part)
-            except FileNotFoundError:
-                pass
             raise
         log.debug("%s: cached %d bytes", url, got)
 

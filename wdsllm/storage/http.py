@@ -80,10 +80,6 @@ def _http_status_error(url: str, resp) -> StorageError:
     return make_error(url, _http_reason(resp), transient=transient, missing=resp.status in (404, 410))
 
 
-
-
-
-
 class _HttpBody:
     def __init__(self, url: str, resp, conn, total: int | None, etag: str | None) -> None:
         self.url, self.resp, self.conn, self.total, self.etag = url, resp, conn, total, etag
@@ -109,10 +105,6 @@ class _HttpBody:
         else:
             self.resp.close()
             conn.close()
-
-
-
-
 
 
 def _http_open(url: str, start: int, end: int | None, timeout: float) -> _HttpBody | EmptyBody:

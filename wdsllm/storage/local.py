@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -135,10 +136,8 @@ class LocalOutput(Output):
             os.chmod(tmp, 0o644)
             os.replace(tmp, target)
         except BaseException:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-            except FileNotFoundError:
-                pass
             raise
         _fsync_dir(directory)
 
@@ -150,10 +149,8 @@ class LocalOutput(Output):
             return None
 
     def delete(self, name: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._target(name))
-        except FileNotFoundError:
-            pass
 
     def local_staging_dir(self) -> str:
         os.makedirs(self.path, exist_ok=True)

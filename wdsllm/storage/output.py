@@ -7,6 +7,7 @@ from typing import Any
 from .backends import backend_for
 from .urls import join_url
 
+
 class Output:
     """A dataset directory being written: a local directory or ``s3://bucket/prefix/``.
 

@@ -7,7 +7,8 @@ import io
 import logging
 import queue
 import threading
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Union
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Union
 
 from .backends import CHUNK_SIZE, is_remote
 from .resumable import STREAM_BUFFER, open_stream
@@ -157,9 +158,7 @@ def prefetch_iter(
         url, kwargs = (item, {}) if isinstance(item, str) else item
         if not is_remote(url) or depth <= 0:
             return open_stream(url, **kwargs)
-        ahead = ReadAhead(
-            lambda: open_stream(url, **kwargs), name=url, chunk_size=chunk_size, max_chunks=max_chunks
-        )
+        ahead = ReadAhead(lambda: open_stream(url, **kwargs), name=url, chunk_size=chunk_size, max_chunks=max_chunks)
         return io.BufferedReader(ahead, buffer_size=STREAM_BUFFER)
 
     items = iter(urls_and_kwargs)

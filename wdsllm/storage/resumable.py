@@ -18,7 +18,8 @@ import io
 import logging
 import os
 import time
-from typing import Any, BinaryIO, Callable
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 from ..errors import StorageError
 from .backends import backend_for
@@ -108,9 +109,7 @@ class ResumableStream(io.RawIOBase):
             try:
                 n = self._body.readinto(view)
                 if not n and self._end is not None and self._pos < self._end:
-                    raise make_error(
-                        self.name, f"stream ended at byte {self._pos} of {self._end}", transient=True
-                    )
+                    raise make_error(self.name, f"stream ended at byte {self._pos} of {self._end}", transient=True)
             except Exception as exc:
                 self._drop_body()
                 self._failed(exc)
@@ -183,7 +182,12 @@ class ResumableStream(io.RawIOBase):
         delay = self._policy.delay(self.name, self._failures - 1)
         log.warning(
             "%s: %s; retry %d/%d at byte %d in %.2fs",
-            self.name, reason, self._failures, self._policy.attempts - 1, self._pos, delay,
+            self.name,
+            reason,
+            self._failures,
+            self._policy.attempts - 1,
+            self._pos,
+            delay,
         )
         count("retries")
         self._resuming = True
@@ -210,8 +214,6 @@ class ResumableStream(io.RawIOBase):
             self._error = make_error(self.name, f"sha256 {digest} does not match the expected {self._expected_sha256}")
         if self._error is not None:
             raise self._error  # and again on every later read: a bad object must not look complete
-
-
 
 
 def open_stream(
@@ -241,19 +243,30 @@ def open_stream(
     scheme = scheme_of(url)
     if cache is not None and backend.remote:
         return cache.open(
-            url, offset=offset, length=length, expected_sha256=expected_sha256,
-            expected_size=expected_size, retry=policy,
+            url,
+            offset=offset,
+            length=length,
+            expected_sha256=expected_sha256,
+            expected_size=expected_size,
+            retry=policy,
         )
     if scheme == "file" and length is None and expected_sha256 is None:
         return _open_local(url, offset, expected_size)
     if scheme == "pipe":
         if not allow_pipe:
-            raise make_error(url, "pipe: URLs run a shell command and are only accepted from the user (allow_pipe=True)")
+            raise make_error(
+                url, "pipe: URLs run a shell command and are only accepted from the user (allow_pipe=True)"
+            )
         policy = RetryPolicy(attempts=1, timeout=policy.timeout)
     timeout = policy.timeout
     raw = ResumableStream(
-        url, lambda start, end, etag: backend.open(url, start, end, timeout, etag), offset=offset, length=length,
-        policy=policy, expected_size=expected_size, expected_sha256=expected_sha256,
+        url,
+        lambda start, end, etag: backend.open(url, start, end, timeout, etag),
+        offset=offset,
+        length=length,
+        policy=policy,
+        expected_size=expected_size,
+        expected_sha256=expected_sha256,
     )
     return io.BufferedReader(raw, buffer_size=STREAM_BUFFER)
 

@@ -11,8 +11,9 @@ import http.client
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import NotFoundError, StorageError, TransientError
 from .counters import count

@@ -214,7 +214,6 @@ def _s3_exists(url: str, timeout: float) -> bool:
     return True
 
 
-
 def split_s3(url: str) -> tuple[str, str]:
     rest = url[len("s3://") :]
     bucket, _, key = rest.partition("/")
@@ -272,7 +271,8 @@ class S3Output(Output):
             max_concurrency=4,
         )
         retrying(
-            self.url_of(name), self.retry,
+            self.url_of(name),
+            self.retry,
             lambda: self._client().upload_file(local_path, self.bucket, key, Config=config),
         )
         os.unlink(local_path)
@@ -280,7 +280,8 @@ class S3Output(Output):
     def put_bytes(self, name: str, data: bytes) -> None:
         key = self._key(name)
         retrying(
-            self.url_of(name), self.retry,
+            self.url_of(name),
+            self.retry,
             lambda: self._client().put_object(Bucket=self.bucket, Key=key, Body=data),
         )
 
