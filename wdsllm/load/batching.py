@@ -596,9 +596,10 @@ class ConcatBatcher:
         ends = np.cumsum(lengths)
         total = int(ends[-1]) if len(ends) else 0
         span = self.batch_size * self.seq_len
+        rows = -(-total // self.seq_len)  # the last row may be short: it still counts as a row
         for a in range(0, total, span):
             b = min(total, a + span)
-            if self.drop_last and b - a < span:
+            if self.drop_last and rows - a // self.seq_len < self.batch_size:
                 return
             first = int(np.searchsorted(ends, a, side="right"))
             last = int(np.searchsorted(ends, b - 1, side="right"))

@@ -63,16 +63,16 @@ class LoadedTokenizer:
 
 
 def _hub_cache_file(name: str) -> Path | None:
-    home = Path(
-        os.environ.get("HF_HUB_CACHE")
-        or Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+    """The cached tokenizer.json of hub model ``name`` at the revision ``refs/main`` names (not
+    just any snapshot: a cache holds one per revision ever downloaded), looked up by
+    ``huggingface_hub`` in the cache that HF_HUB_CACHE or HF_HOME point at when called."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cache = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface")), "hub"
     )
-    snapshots = home / f"models--{name.replace('/', '--')}" / "snapshots"
-    if snapshots.is_dir():
-        found = sorted(snapshots.glob("*/tokenizer.json"))
-        if found:
-            return found[-1]
-    return None
+    found = try_to_load_from_cache(name, "tokenizer.json", cache_dir=cache)
+    return Path(found) if isinstance(found, str) else None
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
