@@ -148,7 +148,9 @@ class Group:
         return len(self.lengths) if self.lengths is not None else len(self.starts)
 
 
-def encode_group(key: str, tokens: np.ndarray, *, lengths=None, starts=None, meta: dict) -> dict[str, Any]:
+def encode_group(
+    key: str, tokens: np.ndarray, *, lengths: np.ndarray | None = None, starts: np.ndarray | None = None, meta: dict
+) -> dict[str, Any]:
     """The webdataset sample dict (already bytes) for one group."""
     sample: dict[str, Any] = {"__key__": key, TOKENS: npy_bytes(tokens)}
     if lengths is not None:

@@ -17,7 +17,7 @@ import stat
 import tarfile
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -106,7 +106,7 @@ class MappedReader:
         self.view = memoryview(mm)
         self.pos = offset
 
-    def read(self, n: int = -1):
+    def read(self, n: int = -1) -> bytes | memoryview:
         end = len(self.mm) if n < 0 else min(len(self.mm), self.pos + n)
         start, self.pos = self.pos, end
         return self.mm[start:end] if end - start <= self.SMALL else self.view[start:end]
@@ -164,7 +164,7 @@ class MapCache:
 map_cache = MapCache()
 
 
-def mapped(stream) -> MappedReader | None:
+def mapped(stream: Any) -> MappedReader | None:
     """A MappedReader over a local regular file's stream (at its position), else None."""
     try:
         fileno = stream.fileno()
@@ -220,7 +220,7 @@ def iter_samples(
     stream: BinaryIO,
     where: str,
     *,
-    wanted=None,
+    wanted: Callable[[dict], bool] | None = None,
     base_offset: int = 0,
     verify_checksums: bool = False,
 ) -> Iterator[RawSample]:
@@ -310,7 +310,7 @@ class SampleTarWriter:
     costs a packing process 1.7 s of CPU and 200 MiB of memory for nothing.
     """
 
-    def __init__(self, fileobj):
+    def __init__(self, fileobj: BinaryIO) -> None:
         self._tar = tarfile.open(fileobj=fileobj, mode="w|", format=tarfile.USTAR_FORMAT)  # noqa: SIM115 - closed by close()
 
     def write(self, sample: dict[str, Any]) -> None:

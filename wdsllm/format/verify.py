@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import numpy as np
 
@@ -69,7 +70,7 @@ class Report:
 class _HashingReader:
     """Reads through a stream while hashing and counting the bytes (one pass per shard)."""
 
-    def __init__(self, stream):
+    def __init__(self, stream: BinaryIO) -> None:
         self._stream = stream
         self.sha = hashlib.sha256()
         self.size = 0

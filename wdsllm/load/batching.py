@@ -98,7 +98,8 @@ class Batch:
     stats: dict = field(default_factory=dict)
 
 
-def round_up(n, multiple: int | None):
+def round_up(n: Any, multiple: int | None) -> Any:
+    """``n`` (an int or an array) rounded up to a multiple (unchanged without one)."""
     return n if not multiple else (n + multiple - 1) // multiple * multiple
 
 
@@ -106,7 +107,7 @@ def _windows(shuffled: Iterator[tuple[int, Block]], size: int) -> Iterator[Block
     return windows((block for _, block in shuffled), size)
 
 
-def _order_rng(spec, window: int) -> np.random.Generator:
+def _order_rng(spec: StreamSpec, window: int) -> np.random.Generator:
     return planmod.rng(spec.seed, planmod.STREAM_BATCH_ORDER, spec.epoch, spec.rank, spec.worker, window)
 
 
@@ -132,7 +133,7 @@ class FixedBatcher:
     def start_position(self, batch: int, lengths: np.ndarray | None = None, hint: dict | None = None) -> int:
         return batch * self.batch_size
 
-    def dry_batches(self, lengths: np.ndarray, spec) -> Iterator[np.ndarray]:
+    def dry_batches(self, lengths: np.ndarray, spec: StreamSpec) -> Iterator[np.ndarray]:
         """The shuffled-stream positions of each batch's items, from lengths alone."""
         n, b = len(lengths), self.batch_size
         for a in range(0, n, b):
@@ -141,7 +142,12 @@ class FixedBatcher:
             yield np.arange(a, min(n, a + b))
 
     def batches(
-        self, shuffled, first_batch: int, spec, lengths=None, hint=None
+        self,
+        shuffled: Iterable[tuple[int, Block]],
+        first_batch: int,
+        spec: StreamSpec,
+        lengths: np.ndarray | None = None,
+        hint: Hint | None = None,
     ) -> Iterator[tuple[int, Block, dict | None]]:
         """(batch number, items, resume hint) from batch ``first_batch``; ``shuffled`` starts at
         its position. The hint says where the next batch starts, so a resume needs no replanning
@@ -183,11 +189,18 @@ class ItemChunker:
     def start_position(self, item: int, lengths: np.ndarray | None = None, hint: dict | None = None) -> int:
         return item
 
-    def dry_batches(self, lengths: np.ndarray, spec) -> Iterator[np.ndarray]:
+    def dry_batches(self, lengths: np.ndarray, spec: StreamSpec) -> Iterator[np.ndarray]:
         for i in range(len(lengths)):
             yield np.array([i])
 
-    def batches(self, shuffled, first_item: int, spec, lengths=None, hint=None) -> Iterator[tuple[int, Block, None]]:
+    def batches(
+        self,
+        shuffled: Iterable[tuple[int, Block]],
+        first_item: int,
+        spec: StreamSpec,
+        lengths: np.ndarray | None = None,
+        hint: Hint | None = None,
+    ) -> Iterator[tuple[int, Block, None]]:
         """(index of the chunk's first item, chunk)."""
         index = first_item
         for _, block in shuffled:
@@ -322,7 +335,7 @@ class BucketBatcher:
             carry_in = carry_out
         return len(lengths) // self.window + 1, done, 0
 
-    def _resume_point(self, batch: int, lengths, hint) -> tuple[int, int, int]:
+    def _resume_point(self, batch: int, lengths: np.ndarray | None, hint: Hint | None) -> tuple[int, int, int]:
         """(window, batches before it, items carried into it) for resuming at ``batch``."""
         if hint is not None:
             return hint["w"], batch - hint["skip"], hint["carry"]
@@ -336,7 +349,7 @@ class BucketBatcher:
         i, _, carry_in = self._resume_point(batch, lengths, hint)
         return (i - 1 if carry_in else i) * self.window
 
-    def dry_batches(self, lengths: np.ndarray, spec) -> Iterator[np.ndarray]:
+    def dry_batches(self, lengths: np.ndarray, spec: StreamSpec) -> Iterator[np.ndarray]:
         k = self.window
         n_windows = max(1, (len(lengths) + k - 1) // k)
         carry_pos = np.zeros(0, np.int64)
@@ -350,7 +363,14 @@ class BucketBatcher:
             if plan.carry_out:
                 carry_pos = new_pos[np.argsort(lengths[new_pos], kind="stable")[len(new_pos) - plan.carry_out :]]
 
-    def batches(self, shuffled, first_batch: int, spec, lengths=None, hint=None) -> Iterator[tuple[int, Block, dict]]:
+    def batches(
+        self,
+        shuffled: Iterable[tuple[int, Block]],
+        first_batch: int,
+        spec: StreamSpec,
+        lengths: np.ndarray | None = None,
+        hint: Hint | None = None,
+    ) -> Iterator[tuple[int, Block, dict]]:
         k = self.window
         known = lengths is not None or hint is not None
         start_window, done, carry_in = (
@@ -488,14 +508,14 @@ class PackBatcher:
             done += rows
         return len(lengths)
 
-    def _window_bins(self, lengths: np.ndarray, spec, i: int) -> list[np.ndarray]:
+    def _window_bins(self, lengths: np.ndarray, spec: StreamSpec, i: int) -> list[np.ndarray]:
         bins = best_fit_decreasing(lengths, self.seq_len)
         order = planmod.rng(spec.seed, planmod.STREAM_PACK, spec.epoch, spec.rank, spec.worker, i).permutation(
             len(bins)
         )
         return [np.asarray(bins[j], np.int64) for j in order]
 
-    def dry_batches(self, lengths: np.ndarray, spec) -> Iterator[np.ndarray]:
+    def dry_batches(self, lengths: np.ndarray, spec: StreamSpec) -> Iterator[np.ndarray]:
         k = self.window
         rows = [
             a + r
@@ -508,10 +528,17 @@ class PackBatcher:
                 return
             yield np.concatenate(rows[a : a + b])
 
-    def window_rows(self, window: Block, spec, i: int) -> Block:
+    def window_rows(self, window: Block, spec: StreamSpec, i: int) -> Block:
         return _rows_block(window, self._window_bins(window.lengths, spec, i))
 
-    def batches(self, shuffled, first_batch: int, spec, lengths=None, hint=None) -> Iterator[tuple[int, Block, dict]]:
+    def batches(
+        self,
+        shuffled: Iterable[tuple[int, Block]],
+        first_batch: int,
+        spec: StreamSpec,
+        lengths: np.ndarray | None = None,
+        hint: Hint | None = None,
+    ) -> Iterator[tuple[int, Block, dict]]:
         k = self.window
         start_window, skip_rows = 0, first_batch * self.batch_size
         if hint is not None:
@@ -531,7 +558,7 @@ class PackBatcher:
 
 
 def _row_batches(
-    rows_stream, b: int, first_batch: int, skip_rows: int, drop_last: bool
+    rows_stream: Iterable[tuple[int, Block]], b: int, first_batch: int, skip_rows: int, drop_last: bool
 ) -> Iterator[tuple[int, Block, dict]]:
     """Batches of ``b`` rows over a stream of (window, rows); rows run across windows. The hint
     after a batch is (window, rows of it already used) of the next row."""
@@ -591,7 +618,7 @@ class ConcatBatcher:
         offset = batch * self.batch_size * self.seq_len
         return int(np.searchsorted(np.cumsum(lengths), offset, side="right"))
 
-    def dry_batches(self, lengths: np.ndarray, spec) -> Iterator[np.ndarray]:
+    def dry_batches(self, lengths: np.ndarray, spec: StreamSpec) -> Iterator[np.ndarray]:
         """Items each batch's rows touch; an item that runs across batches is in each of them."""
         ends = np.cumsum(lengths)
         total = int(ends[-1]) if len(ends) else 0
@@ -605,7 +632,14 @@ class ConcatBatcher:
             last = int(np.searchsorted(ends, b - 1, side="right"))
             yield np.arange(first, last + 1)
 
-    def batches(self, shuffled, first_batch: int, spec, lengths=None, hint=None) -> Iterator[tuple[int, Block, None]]:
+    def batches(
+        self,
+        shuffled: Iterable[tuple[int, Block]],
+        first_batch: int,
+        spec: StreamSpec,
+        lengths: np.ndarray | None = None,
+        hint: Hint | None = None,
+    ) -> Iterator[tuple[int, Block, None]]:
         L = self.seq_len
         lead = 0  # tokens of the first item already used by earlier rows
         skip_rows = first_batch * self.batch_size
@@ -618,7 +652,7 @@ class ConcatBatcher:
             yield index, block, None
 
 
-def _concat_rows(shuffled, seq_len: int, lead: int) -> Iterator[Block]:
+def _concat_rows(shuffled: Iterable[tuple[int, Block]], seq_len: int, lead: int) -> Iterator[Block]:
     """Rows of ``seq_len`` over the concatenated items; a row's segments are the pieces of
     items it holds. ``lead`` tokens of the first item belong to rows before the stream start."""
     carry: Block | None = None

@@ -19,7 +19,7 @@ import numpy as np
 ID_SHIFT = 32
 
 
-def make_id(shard: int, ordinal) -> np.ndarray | int:
+def make_id(shard: int, ordinal: np.ndarray | int) -> np.ndarray | int:
     return (np.int64(shard) << ID_SHIFT) | ordinal
 
 
@@ -77,7 +77,7 @@ class Block:
         total = int(ends[-1]) if len(ends) else 0
         return counts, np.repeat(self.seg_lo - (ends - counts), counts) + np.arange(total)
 
-    def _select(self, sel) -> Block:
+    def _select(self, sel: np.ndarray | slice) -> Block:
         # every per-item array, spelled out (not a getattr loop: this runs for every batch)
         return Block(
             self.tokens,
@@ -202,7 +202,7 @@ def windows(blocks: Iterable[Block], size: int) -> Iterator[Block]:
         yield concat_blocks(pending)
 
 
-def empty_block(dtype, packed: bool = False) -> Block:
+def empty_block(dtype: np.dtype, packed: bool = False) -> Block:
     z = np.zeros(0, np.int64)
     b = Block(np.zeros(0, dtype), z, z, z)
     if packed:

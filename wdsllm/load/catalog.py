@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import quote
 
 import numpy as np
@@ -185,7 +186,7 @@ def _expand(patterns: list[str]) -> list[str]:
     return urls
 
 
-def open_catalog(source, *, index_for_shards: bool = True, retry: storage.RetryPolicy | None = None) -> Catalog:
+def open_catalog(source: Any, *, index_for_shards: bool = True, retry: storage.RetryPolicy | None = None) -> Catalog:
     """Resolve a source into a Catalog.
 
     ``source`` is a dataset root (directory or URL holding index.json), the URL of an index.json,

@@ -90,7 +90,7 @@ class BufferPool:
     def _unused(self, i: int) -> bool:
         return self._refs(i) == self.baseline
 
-    def take(self, n: int, dtype) -> np.ndarray:
+    def take(self, n: int, dtype: np.dtype | type) -> np.ndarray:
         dtype = np.dtype(dtype)
         with self.lock:
             for i in range(len(self.buffers)):

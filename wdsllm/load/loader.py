@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from .. import storage
 from ..errors import ConfigError, StateError
 from . import resume as resumemod
 from .batching import Batch
 from .catalog import open_catalog
 from .collate import CollateOptions, collate_docs, collate_rows
 from .config import Config, read_options, resolve_world
-from .counts import batch_counts, equalised, round_robin_share
+from .counts import EpochPlan, batch_counts, equalised, round_robin_share
 from .dataset import EndOfWorker, build_pipeline
 from .transport import RingHolder, TokenRing, received
 
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 BUNDLE_BATCHES = 16
 
 
-def _identity(x):
+def _identity(x: Any) -> Any:
     return x
 
 
@@ -55,7 +57,7 @@ class RoundRobin:
         if self.active:
             self.turn = min((w for w in self.active if w > self.turn), default=self.active[0])
 
-    def run(self, raw: Iterator, on_end) -> Iterator[Batch]:
+    def run(self, raw: Iterator, on_end: Callable[[EndOfWorker], None]) -> Iterator[Batch]:
         while self.active:
             if self.turn not in self.active:
                 self._advance()
@@ -81,7 +83,7 @@ class Loader:
 
     def __init__(
         self,
-        source,
+        source: Any,
         *,
         num_workers: int = 0,
         prefetch_factor: int | None = 2,
@@ -89,11 +91,11 @@ class Loader:
         pin_memory: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
-        retry=None,
+        retry: storage.RetryPolicy | None = None,
         cache_dir: str | None = None,
         cache_size: int = 64 << 30,
         on_error: str = "raise",
-        multiprocessing_context=None,
+        multiprocessing_context: Any = None,
         workers_in_process: bool = False,
         **options,
     ):
@@ -406,7 +408,7 @@ class Loader:
         self._elastic(state, plan)
 
     # -- helpers for loading ----------------------------------------------------------------------
-    def _worker_counts(self, epoch: int, world: int, workers: int, plan) -> np.ndarray:
+    def _worker_counts(self, epoch: int, world: int, workers: int, plan: EpochPlan | None) -> np.ndarray:
         counts = batch_counts(self.catalog, self.cfg, epoch, world, workers, plan)
         if counts is None:
             raise StateError("this needs the dataset's index (lengths.npy) to recompute other ranks' positions")
@@ -431,7 +433,7 @@ class Loader:
         last = max(w for w in range(self.workers) if served[w] == most)
         return (last + 1) % self.workers, list(range(self.workers))
 
-    def _elastic(self, state: dict, plan) -> None:
+    def _elastic(self, state: dict, plan: resumemod.RemainderPlan | None) -> None:
         """Re-plan the rest of the saved epoch for this world size and worker count."""
         epoch = state["epoch"]
         old_world, old_workers = state["world_size"], state["num_workers"]
@@ -455,6 +457,6 @@ class Loader:
         )
 
 
-def loader(source, **kwargs) -> Loader:
+def loader(source: Any, **kwargs: Any) -> Loader:
     """A loader over ``source``; keyword arguments as in docs/loader.md."""
     return Loader(source, **kwargs)

@@ -68,7 +68,7 @@ class Slice:
             None if self.pick is None else tuple(self.pick.tolist()),
         )
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, Slice) and self.key() == other.key()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -168,7 +169,7 @@ def read_slice(
     *,
     skip: int = 0,
     options: ReadOptions | None = None,
-    stream=None,
+    stream: Any = None,
     start: GroupStart | None = None,
 ) -> Iterator[Block]:
     """The items of one slice (after skipping ``skip`` of them), as blocks of one group each.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -255,7 +255,9 @@ def _items_of_docs(catalog: Catalog, sl: Slice, spec: StreamSpec, docs: int) -> 
     return int(pieces_per_doc(lengths, spec.max_len).sum())
 
 
-def _slice_work(catalog: Catalog, slices, spec: StreamSpec, start: int) -> Iterator[tuple[Slice, int, int]]:
+def _slice_work(
+    catalog: Catalog, slices: Iterable[Slice], spec: StreamSpec, start: int
+) -> Iterator[tuple[Slice, int, int]]:
     """(slice, documents to skip by group, items to drop after reading) for each slice to read."""
     pos = 0  # plan position of the current slice's first item
     remaining = start  # items still to pass when counts are unknown
@@ -282,7 +284,7 @@ def _slice_work(catalog: Catalog, slices, spec: StreamSpec, start: int) -> Itera
 
 
 def shuffled_items(
-    blocks_from,
+    blocks_from: Callable[[int], Iterator[Block]],
     spec: StreamSpec,
     *,
     start: int = 0,

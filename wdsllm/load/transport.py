@@ -20,7 +20,9 @@ import mmap
 import os
 import time
 import weakref
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +57,7 @@ class TokenRing:
         # fall back to pickled batches.
         return {"key": self.key, "workers": self.workers}
 
-    def __setstate__(self, state) -> None:
+    def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.mm = None
 
@@ -123,7 +125,7 @@ class RingBundle:
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "tokens"}
 
-    def __setstate__(self, state) -> None:
+    def __setstate__(self, state: dict) -> None:
         # Runs in the main process as DataLoader reads the message, whether or not the batches
         # are used (a reset discards them): the slot is freed here, never left waiting.
         self.__dict__.update(state)
@@ -147,7 +149,7 @@ class RingHolder:
         self.ring: TokenRing | None = None
 
 
-def send_bundles(bundles, holder: RingHolder):
+def send_bundles(bundles: Iterable[list], holder: RingHolder) -> Iterator[Any]:
     """Stage after ``dataset._bundle`` in DataLoader workers: bundles through the ring where
     possible, else as they are (then compacted, to be pickled)."""
     from torch.utils.data import get_worker_info
@@ -167,6 +169,6 @@ def send_bundles(bundles, holder: RingHolder):
             yield msg
 
 
-def received(bundle) -> list:
+def received(bundle: Any) -> list:
     """The batches of a message from a worker (main process)."""
     return bundle.unpack() if isinstance(bundle, RingBundle) else bundle

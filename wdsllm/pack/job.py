@@ -18,7 +18,7 @@ import re
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
@@ -109,7 +109,7 @@ class PackResult:
 # Task partitioning (--num-tasks / --task-index).
 
 
-def task_from_env(env=os.environ) -> tuple[int, int, str | None]:
+def task_from_env(env: Mapping[str, str] = os.environ) -> tuple[int, int, str | None]:
     """(num_tasks, task_index, where from): a SLURM job array, or torchrun; (1, 0, None) otherwise.
 
     A plain SLURM job step (SLURM_NTASKS/SLURM_PROCID) is deliberately not used: those are also set

@@ -14,12 +14,15 @@ import json
 import logging
 import os
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
 from .. import format as fmt
 from ..format.tar import SampleTarWriter, member_bytes, tar_file_bytes
+from ..storage import Output
 from .shaping import GroupData, Position
 
 log = logging.getLogger(__name__)
@@ -67,7 +70,7 @@ class _HashingFile(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, b) -> int:
+    def write(self, b: Any) -> int:
         self.sha.update(b)
         self.size += len(b)
         return self._f.write(b)
@@ -87,7 +90,7 @@ class Counters:
     skipped: Counter = field(default_factory=Counter)
     skip_records: list = field(default_factory=list)
 
-    def add_skips(self, skips, inputs_display: dict) -> None:
+    def add_skips(self, skips: Iterable[Any], inputs_display: dict) -> None:
         for s in skips:
             self.skipped[s.reason] += 1
             self.skipped_by_input[s.file_index] += 1
@@ -117,7 +120,7 @@ class ShardSink:
 
     def __init__(
         self,
-        output,
+        output: Output,
         *,
         prefix: str,
         task: int,
@@ -205,7 +208,7 @@ class ShardSink:
         self.max_row_segments = max(self.max_row_segments, int((per_row + continues).max()))
         self.short_rows += int(len(group.tokens) % seq_len != 0)
 
-    def add_skips(self, skips) -> None:
+    def add_skips(self, skips: Iterable[Any]) -> None:
         self.pending_skips.extend(skips)
 
     def _take_skips(self, final: bool) -> None:
@@ -280,7 +283,7 @@ class ShardSink:
             os.remove(self._tmp_path)
 
 
-def read_journal(output) -> list[dict]:
+def read_journal(output: Output) -> list[dict]:
     """Journal records of finished shards, in order, stopping at the first gap."""
     numbers = sorted(
         int(n[len(JOURNAL_PREFIX) + 6 : len(JOURNAL_PREFIX) + 12])

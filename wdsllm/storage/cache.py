@@ -12,7 +12,7 @@ import os
 import re
 import threading
 import time
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from .backends import CHUNK_SIZE
 from .counters import count
@@ -89,7 +89,7 @@ class _CachedFile(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
-    def readinto(self, b) -> int:
+    def readinto(self, b: Any) -> int:
         view = memoryview(b).cast("B")[: max(0, self._end - self._pos)]
         n = self._file.readinto(view) if len(view) else 0
         self._pos += n

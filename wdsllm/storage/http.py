@@ -84,7 +84,7 @@ class _HttpBody:
     def __init__(self, url: str, resp, conn, total: int | None, etag: str | None) -> None:
         self.url, self.resp, self.conn, self.total, self.etag = url, resp, conn, total, etag
 
-    def readinto(self, b) -> int:
+    def readinto(self, b: Any) -> int:
         # read1 makes one socket read: bytes that arrived before a reset are delivered and count
         # as progress, where readinto would wait to fill b and lose them with the exception.
         data = self.resp.read1(len(b))

@@ -28,7 +28,7 @@ class _FileBody:
             raise
         self.etag = None
 
-    def readinto(self, b) -> int:
+    def readinto(self, b: Any) -> int:
         return self.file.readinto(b)
 
     def close(self) -> None:
@@ -60,7 +60,7 @@ class _PipeBody:
             self.close()
             raise
 
-    def readinto(self, b) -> int:
+    def readinto(self, b: Any) -> int:
         n = self.proc.stdout.readinto(b)
         if not n and len(b):
             status = self.proc.wait()

@@ -103,7 +103,7 @@ class ReadAhead(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
-    def readinto(self, b) -> int:
+    def readinto(self, b: Any) -> int:
         if self.closed:
             raise ValueError(f"{self.name}: read from a closed stream")
         if not len(self._chunk):

@@ -86,7 +86,7 @@ class ResumableStream(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
-    def readinto(self, b) -> int:
+    def readinto(self, b: Any) -> int:
         if self.closed:
             raise ValueError(f"{self.name}: read from a closed stream")
         if self._error is not None:

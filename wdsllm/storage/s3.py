@@ -150,7 +150,7 @@ class _S3Body:
     def __init__(self, body, total: int | None, etag: str | None) -> None:
         self.body, self.total, self.etag = body, total, etag
 
-    def readinto(self, b) -> int:
+    def readinto(self, b: Any) -> int:
         # urllib3 reads until `amt` is filled; small reads bound what a reset can throw away.
         data = self.body.read(min(len(b), 64 * 1024))
         n = len(data)
