@@ -131,7 +131,7 @@ def provenance(path: Path) -> list[tuple[int, int, int]]:
     """(input index, line, piece) of every stored document (docs mode) or document start (packed)."""
     out = []
     for g in groups(path):
-        files, lines, pieces = fmt.expand_provenance(g.meta["provenance"])
+        files, lines, pieces = fmt.expand_provenance(g.meta["provenance"], g.documents)
         out.extend(zip(files.tolist(), lines.tolist(), pieces.tolist()))
     return out
 

@@ -43,7 +43,7 @@ def write_dataset(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    entries, all_lengths = [], []
+    entries, all_lengths, tables = [], [], []
     expect: dict[int, np.ndarray] = {}
     g = 0
     if mode == "packed":
@@ -109,6 +109,7 @@ def write_dataset(
                 offset += n * seq_len
             tw.close()
         data = path.read_bytes()
+        tables.append(group_rows(data, mode))
         entries.append(
             fmt.ShardEntry(
                 name=name,
@@ -121,8 +122,10 @@ def write_dataset(
             )
         )
     lengths_bytes = fmt.npy_bytes(np.asarray(all_lengths, dtype=np.uint32))
+    groups_bytes = fmt.group_table_bytes(tables)
     if write_index:
         (out / fmt.LENGTHS_NAME).write_bytes(lengths_bytes)
+        (out / fmt.GROUPS_NAME).write_bytes(groups_bytes)
         index = fmt.Index(
             mode=mode,
             dtype="uint16",
@@ -136,6 +139,7 @@ def write_dataset(
             inputs=[],
             skipped={},
             lengths_file=fmt.SideFile.of(fmt.LENGTHS_NAME, lengths_bytes),
+            groups_file=fmt.SideFile.of(fmt.GROUPS_NAME, groups_bytes),
             packed={"max_row_segments": seq_len, "short_rows": 1} if mode == "packed" else None,
         )
         (out / fmt.INDEX_NAME).write_text(index.to_json())
@@ -143,6 +147,26 @@ def write_dataset(
     if mode == "packed":
         info["row_docs"] = _row_docs(docs_per_shard, seq_len, doc_starts, all_lengths)
     return info
+
+
+def group_rows(data: bytes, mode: str) -> np.ndarray:
+    """groups.npy rows of a shard written by another tar writer: where each sample starts, the
+    items and documents before it, its bytes and their checksum."""
+    rows, items, docs = [], 0, 0
+    ends = [0]
+    reader = tario.MappedReader(data)
+    for _, offset, size in tario.iter_members(reader, "synth"):
+        reader.seek(size, 1)  # the caller consumes each member's data
+        ends.append(offset + tario.BLOCK + -(-size // tario.BLOCK) * tario.BLOCK)
+    for raw in tario.iter_samples(tario.MappedReader(data), "synth"):
+        rows.append([raw.offset, items, docs])
+        items += raw.meta["rows"] if mode == "packed" else raw.meta["documents"]
+        docs += raw.meta["documents"]
+    starts = [r[0] for r in rows] + [ends[-1]]
+    out = []
+    for (offset, before, docs_before), end in zip(rows, starts[1:]):
+        out.append([offset, before, docs_before, end - offset, fmt.group_checksum(data[offset:end])])
+    return np.asarray(out, np.int64).reshape(-1, fmt.GROUP_COLUMNS)
 
 
 def _row_docs(

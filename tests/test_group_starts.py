@@ -10,10 +10,10 @@ import shutil
 import numpy as np
 import pytest
 from pack_helpers import cached, pack_api, wiki_subset
+from synth import group_rows
 
 import wdsllm
 from wdsllm import format as fmt
-from wdsllm.format import tar as tario
 from wdsllm.format.verify import verify
 
 SMALL = dict(sample_tokens=2000, shard_size=64 * 1024)
@@ -29,15 +29,8 @@ def packed_dataset():
 
 
 def _table_from_shards(root, index) -> np.ndarray:
-    rows = []
-    for entry in index.shards:
-        items = docs = 0
-        with open(root / entry.name, "rb") as f:
-            for raw in tario.iter_samples(f, entry.name):
-                rows.append([raw.offset, items, docs])
-                items += tario.group_items(raw.meta)
-                docs += int(raw.meta["documents"])
-    return np.array(rows, np.int64).reshape(-1)
+    """groups.npy as the shards themselves tell it (offsets, counts, sizes and checksums)."""
+    return np.concatenate([group_rows((root / e.name).read_bytes(), index.mode).reshape(-1) for e in index.shards])
 
 
 @pytest.mark.parametrize("mode", ["docs", "packed"])
@@ -45,7 +38,7 @@ def test_pack_lists_where_every_group_starts(tmp_path, mode):
     opts = dict(mode="packed", seq_len=256) if mode == "packed" else {}
     index = pack_api([wiki_subset(600)], tmp_path / "out", **SMALL, **opts).index
     root = tmp_path / "out"
-    assert index.version == 2 and index.groups_file.name == fmt.GROUPS_NAME
+    assert index.version == 3 and index.groups_file.name == fmt.GROUPS_NAME and index.checks_groups
     assert len(index.shards) > 2 and all(e.samples > 2 for e in index.shards[:-1])
     table = fmt.npy_array((root / fmt.GROUPS_NAME).read_bytes())
     assert np.array_equal(table, _table_from_shards(root, index))
@@ -137,5 +130,5 @@ def test_a_group_table_that_disagrees_with_the_shard_is_an_error(tmp_path, http_
     body = json.loads((root / "index.json").read_text())
     body["groups_file"]["sha256"] = hashlib.sha256(data).hexdigest()
     (root / "index.json").write_text(json.dumps(body))
-    with pytest.raises(fmt.FormatError, match="holds .* items, groups.npy says"):
+    with pytest.raises(fmt.FormatError, match="holds .* items and .* documents .*; the index says"):
         list(wdsllm.loader(url, batch_size=4, seed=3, rank=2, world_size=3, equal_batches=False))

@@ -30,6 +30,15 @@ class ShardError(FormatError):
     """A shard is truncated or malformed; the message names the shard and the byte offset."""
 
 
+class UnfinishedError(FormatError):
+    """A dataset directory whose pack never finished (its journal is there, its index is not)."""
+
+
+class ChecksumError(ShardError):
+    """A group's bytes do not match the checksum the index vouches for; names the shard, the
+    sample and the byte range."""
+
+
 class StorageError(WdsllmError, OSError):
     """A permanent storage failure. The message always names the URL and the reason.
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import numpy as np
 
 from .. import format as fmt
 from .. import storage
 from ..format import tar as tario
+from .shard import expect_of, read_checked, sequential_fetch, shard_tables
 
 
 @dataclass
@@ -29,13 +31,20 @@ class Item:
 
 
 def iter_items(root: str, index: fmt.Index) -> Iterator[Item]:
-    """Documents or rows in dataset order, read shard by shard (lazily: stop whenever)."""
+    """Documents or rows in dataset order, read shard by shard (lazily: stop whenever); every group
+    checked against groups.npy when the dataset has checksums (format 3)."""
     paths = {i["index"]: i["path"] for i in index.inputs}
     carry: dict | None = None  # packed: the document that runs into the next row
+    tables = None
+    if index.checks_groups:
+        flat = fmt.read_side_file(root, index.groups_file)
+        tables = shard_tables(index, flat, storage.join_url(root, index.groups_file.name))
     for entry in index.shards:
-        with storage.open_stream(storage.join_url(root, entry.name)) as stream:
-            for _, group in tario.iter_groups(stream, entry.name):
-                files, lines, pieces = fmt.expand_provenance(group.meta.get("provenance", []))
+        with storage.open_stream(storage.join_url(root, entry.name), expected_size=entry.bytes) as stream:
+            for group in _groups(stream, entry, index, tables):
+                files, lines, pieces = fmt.expand_provenance(
+                    group.meta.get("provenance", []), group.documents, entry.name
+                )
                 origins = [
                     {"input": paths.get(int(f), f"#{int(f)}"), "line": int(ln), "piece": int(p)}
                     for f, ln, p in zip(files, lines, pieces)
@@ -46,6 +55,28 @@ def iter_items(root: str, index: fmt.Index) -> Iterator[Item]:
                     for item in _rows(entry.name, group, origins, index.seq_len, carry):
                         carry = item.segments[-1] if item.segments else carry
                         yield item
+
+
+def _groups(stream: BinaryIO, entry: fmt.ShardEntry, index: fmt.Index, tables: dict | None) -> Iterator[fmt.Group]:
+    if tables is None:  # no checksums (format 1 or 2): parsed as it streams
+        for _, group in tario.iter_groups(stream, entry.name, end=entry.bytes):
+            yield group
+        return
+    source = tario.mapped(stream) or stream
+    table = tables[entry.name]
+    items = entry.rows if index.mode == "packed" else entry.documents
+    checked = read_checked(
+        sequential_fetch(source),
+        table,
+        0,
+        len(table),
+        items_total=items,
+        docs_total=entry.documents,
+        expect=expect_of(index),
+        where=entry.name,
+    )
+    for c in checked:
+        yield c.group
 
 
 def _documents(shard: str, group: fmt.Group, origins: list[dict]) -> Iterator[Item]:

@@ -13,14 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import FormatError
-from .group import npy_array
+from ..errors import FormatError, UnfinishedError
+from .group import CHECKSUM_NAME, GROUP_COLUMNS, GROUP_COLUMNS_V2, npy_array
 
 FORMAT_NAME = "wdsllm"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: Versions this code reads. Add a reader here, never drop one, when the version is bumped.
 #: 1: no groups.npy (a reader then finds groups by reading the shard from its start).
-READABLE_VERSIONS = (1, 2)
+#: 2: groups.npy without group sizes and checksums (content unchecked by the loader).
+READABLE_VERSIONS = (1, 2, 3)
 
 INDEX_NAME = "index.json"
 #: Per-document token counts of a docs-mode dataset, in dataset order (uint32 .npy).
@@ -28,6 +29,8 @@ LENGTHS_NAME = "lengths.npy"
 #: Where each group (tar sample) starts, per shard in shard order (int64 .npy, GROUP_COLUMNS per
 #: group); version 2 on. Lets a reader start a shard at any group with a ranged read.
 GROUPS_NAME = "groups.npy"
+#: Written first by a pack and removed after index.json: a directory holding it is unfinished.
+JOURNAL_START = ".pack-start.json"
 SHARD_PATTERN = "{prefix}-{number:06d}.tar"
 SHARD_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+(?:[A-Za-z0-9_-]*[A-Za-z0-9_])?)-(?P<number>\d{6,})\.tar$")
 MODES = ("docs", "packed")
@@ -78,6 +81,21 @@ class SideFile:
         return data
 
 
+def check_finished(root: str, *, retry: Any = None) -> None:
+    """Refuse a dataset directory whose pack never finished (UnfinishedError), naming what to run."""
+    from .. import storage
+
+    try:
+        unfinished = storage.exists(storage.join_url(root, JOURNAL_START), retry=retry)
+    except storage.StorageError:
+        return  # cannot tell (e.g. pipe:); the caller reports the missing index
+    if unfinished:
+        raise UnfinishedError(
+            f"{root} holds an unfinished pack ({JOURNAL_START} is there, {INDEX_NAME} is not): finish it by running "
+            "the same `wdsllm pack ... -o ...` command with --resume, then load it"
+        )
+
+
 def read_side_file(root: str, ref: SideFile, *, retry: Any = None) -> np.ndarray:
     """The side file's array, read from the dataset root and checked against the index."""
     from .. import storage
@@ -123,11 +141,22 @@ class Index:
     lengths_file: SideFile | None = None
     packed: dict[str, Any] | None = None  # packed mode: {"max_row_segments": k, "short_rows": n}
     groups_file: SideFile | None = None  # version 2 on
+    checksum: str | None = CHECKSUM_NAME  # version 3 on: the checksum of every group in groups.npy
     version: int = FORMAT_VERSION
     format: str = FORMAT_NAME
     created_by: str = ""
 
     # -- derived ------------------------------------------------------------------------------
+    @property
+    def group_columns(self) -> int:
+        """Columns per group in groups.npy (format 2 had no sizes and checksums)."""
+        return GROUP_COLUMNS if self.version >= 3 else GROUP_COLUMNS_V2
+
+    @property
+    def checks_groups(self) -> bool:
+        """Whether every group's bytes can be checked against a checksum the index vouches for."""
+        return self.version >= 3 and self.groups_file is not None and self.checksum == CHECKSUM_NAME
+
     @property
     def documents(self) -> int:
         return sum(s.documents for s in self.shards)
@@ -171,6 +200,7 @@ class Index:
             "doc_lengths": self.doc_lengths,
             "lengths_file": self.lengths_file.to_json() if self.lengths_file else None,
             "groups_file": self.groups_file.to_json() if self.groups_file else None,
+            "checksum": self.checksum,
             "packed": self.packed,
             "options": self.options,
             "inputs": self.inputs,
@@ -180,7 +210,9 @@ class Index:
         return json.dumps(body, indent=1, sort_keys=False) + "\n"
 
     @classmethod
-    def from_json(cls, text: str | bytes, where: str = INDEX_NAME) -> Index:
+    def from_json(cls, text: str | bytes, where: str = INDEX_NAME, *, check_totals: bool = True) -> Index:
+        """The index, checked (``check_totals``: also against its own totals; ``wdsllm verify``
+        reports a mismatch among the other problems instead)."""
         try:
             body = json.loads(text)
         except ValueError as exc:
@@ -198,6 +230,7 @@ class Index:
             )
         try:
             shards = [ShardEntry(**s) for s in body["shards"]]
+            checksum = body.get("checksum") if version >= 3 else None
             index = cls(
                 mode=body["mode"],
                 dtype=body["dtype"],
@@ -211,19 +244,60 @@ class Index:
                 lengths_file=SideFile.from_json(body.get("lengths_file"), where),
                 groups_file=SideFile.from_json(body.get("groups_file"), where) if version >= 2 else None,
                 packed=body.get("packed"),
+                checksum=checksum,
                 version=version,
                 format=body["format"],
                 created_by=body.get("created_by", ""),
             )
         except (KeyError, TypeError) as exc:
-            raise FormatError(f"{where}: malformed index: {exc!r}") from exc
-        if index.mode not in MODES:
-            raise FormatError(f"{where}: unknown mode {index.mode!r}")
-        if np.dtype(index.dtype) not in (np.dtype(np.uint16), np.dtype(np.uint32)):
-            raise FormatError(f"{where}: token dtype must be uint16 or uint32, not {index.dtype}")
-        for s in shards:
-            check_shard_name(s.name, where)
+            raise FormatError(f"{where}: malformed index: {type(exc).__name__} {exc}") from exc
+        index._check(body if check_totals else {}, where)
         return index
+
+    def _check(self, body: dict, where: str) -> None:
+        """The index is untrusted data: types, ranges and its own totals, before anything uses it."""
+        if self.mode not in MODES:
+            raise FormatError(f"{where}: unknown mode {self.mode!r:.40}")
+        if self.dtype not in ("uint16", "uint32"):
+            raise FormatError(f"{where}: token dtype must be uint16 or uint32, not {self.dtype!r:.40}")
+        if self.version >= 3 and self.checksum != CHECKSUM_NAME:
+            raise FormatError(
+                f"{where}: group checksum {self.checksum!r:.40} is not known (this wdsllm checks {CHECKSUM_NAME})"
+            )
+        tok = self.tokenizer
+        if not _count(tok.vocab_size) or tok.vocab_size == 0 or tok.vocab_size > 1 << 32:
+            raise FormatError(f"{where}: tokenizer.vocab_size must be a positive integer")
+        if tok.vocab_size > np.iinfo(self.dtype).max + 1:
+            raise FormatError(f"{where}: dtype {self.dtype} cannot hold ids of a {tok.vocab_size:,}-token vocabulary")
+        for name in ("bos_id", "eos_id", "pad_id"):
+            value = getattr(tok, name)
+            if value is not None and not (_count(value) and value < tok.vocab_size):
+                raise FormatError(f"{where}: tokenizer.{name} must be an id below the vocabulary size, or null")
+        if self.mode == "packed" and not (_count(self.seq_len) and self.seq_len > 0):
+            raise FormatError(f"{where}: a packed dataset needs a positive seq_len")
+        for i, s in enumerate(self.shards):
+            check_shard_name(s.name, where)
+            bad = [f for f in ("samples", "documents", "tokens", "bytes", "rows") if not _count(getattr(s, f))]
+            if bad or not isinstance(s.sha256, str):
+                raise FormatError(
+                    f"{where}: shard {i} ({s.name}): {', '.join(bad) or 'sha256'} must be "
+                    "non-negative integers (sha256 a string)"
+                )
+        totals = body.get("totals")
+        if isinstance(totals, dict):
+            for key, value in self.totals().items():
+                if key in totals and totals[key] != value:
+                    raise FormatError(
+                        f"{where}: totals.{key} is {totals[key]!r:.40}, the shard entries add up to {value:,}; "
+                        "the index was edited or truncated"
+                    )
+        elif totals is not None:
+            raise FormatError(f"{where}: totals must be an object")
+
+
+def _count(value: Any) -> bool:
+    """A non-negative JSON integer (not a bool, not a float, not a string)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def check_shard_name(name: str, where: str = INDEX_NAME) -> str:

@@ -39,16 +39,24 @@ class RawSample:
     meta: dict
 
 
-def _octal(field: bytes, where: str) -> int:
+#: A sample's JSON member is parsed only up to this size (provenance of the largest groups is
+#: well under a megabyte); a larger one is a malformed shard, not something to allocate for.
+MAX_META_BYTES = 64 << 20
+
+
+def _octal(field: bytes, where: str, offset: int) -> int:
+    if field[:1] and field[0] & 0x80:  # GNU base-256 for large sizes: every byte counts, zeros too
+        value = int.from_bytes(field, "big") & ~(0x80 << (8 * (len(field) - 1)))
+        if field[0] & 0x40:
+            raise ShardError(f"{where}: negative base-256 number in the tar header at byte {offset}")
+        return value
     field = field.rstrip(b"\0 ").lstrip(b" ")
     if not field:
         return 0
-    if field[0] & 0x80:  # GNU base-256 for large sizes
-        return int.from_bytes(field, "big") & ~(0x80 << (8 * (len(field) - 1)))
     try:
         return int(field, 8)
     except ValueError:
-        raise ShardError(f"{where}: bad number {field!r} in tar header") from None
+        raise ShardError(f"{where}: bad number in the tar header at byte {offset}") from None
 
 
 def _read_exact(stream: BinaryIO, n: int, where: str, offset: int) -> bytes:
@@ -93,26 +101,30 @@ def _skip(stream: BinaryIO, n: int, seekable: bool, where: str, offset: int) -> 
 
 
 class MappedReader:
-    """A local shard read through mmap: large reads are zero-copy views of the page cache.
+    """Reading a buffer in place (a mapped local shard, or one group's bytes): large reads are
+    zero-copy views of it.
 
-    Token members then need no copy at all, and every group of a shard lies in one buffer
-    (``array``), so the loader can permute and batch items across groups by index alone.
+    Token members then need no copy at all, and every group of a mapped shard lies in one buffer
+    (``mm``), so the loader can permute and batch items across groups by index alone.
     """
 
     SMALL = 4096  # reads up to this size return bytes (headers, JSON), larger ones memoryviews
 
-    def __init__(self, mm: mmap.mmap, offset: int = 0):
+    def __init__(self, mm: Any, offset: int = 0):
         self.mm = mm
-        self.view = memoryview(mm)
+        self.view = memoryview(mm).cast("B") if not isinstance(mm, mmap.mmap) else memoryview(mm)
         self.pos = offset
 
     def read(self, n: int = -1) -> bytes | memoryview:
-        end = len(self.mm) if n < 0 else min(len(self.mm), self.pos + n)
+        end = len(self.view) if n < 0 else min(len(self.view), self.pos + n)
         start, self.pos = self.pos, end
-        return self.mm[start:end] if end - start <= self.SMALL else self.view[start:end]
+        return bytes(self.view[start:end]) if end - start <= self.SMALL else self.view[start:end]
+
+    def remaining(self) -> int:
+        return len(self.view) - self.pos
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = offset if whence == 0 else (self.pos + offset if whence == 1 else len(self.mm) + offset)
+        self.pos = offset if whence == 0 else (self.pos + offset if whence == 1 else len(self.view) + offset)
         return self.pos
 
     def tell(self) -> int:
@@ -177,24 +189,38 @@ def mapped(stream: Any) -> MappedReader | None:
 
 
 def iter_members(
-    stream: BinaryIO, where: str, base_offset: int = 0, verify_checksums: bool = False
+    stream: BinaryIO,
+    where: str,
+    base_offset: int = 0,
+    verify_checksums: bool = False,
+    *,
+    end: int | None = None,
+    eof_ok: bool = False,
 ) -> Iterator[tuple[str, int, int]]:
     """(name, header offset, size) of each regular file; the caller reads or skips its data.
 
-    The caller must consume exactly ``size`` bytes (read or :func:`skip_data`) before resuming.
+    The caller must consume exactly ``size`` bytes (read or skip) before resuming. ``end`` is the
+    offset where the bytes end (the shard's size), when known: a member claiming more than is
+    there is an error at once, before anything is allocated for it (a reader over a buffer knows
+    its end itself). ``eof_ok``: the bytes may end after any member (one group's bytes), not only
+    at the end-of-archive blocks.
     """
     offset = base_offset
     seekable = _seekable(stream)
+    if end is None and isinstance(stream, MappedReader):
+        end = base_offset + stream.remaining()
     while True:
         header = stream.read(BLOCK)
         if not header:
+            if eof_ok:
+                return
             raise ShardError(f"{where}: truncated at byte {offset}: missing the end-of-archive blocks")
         if len(header) < BLOCK:
             header += _read_exact(stream, BLOCK - len(header), where, offset + len(header))
         if header == _ZERO_BLOCK:
             return
         if verify_checksums:
-            stored = _octal(header[148:156], where)
+            stored = _octal(header[148:156], where, offset)
             computed = sum(header[:148]) + 8 * 32 + sum(header[156:])
             if stored != computed:
                 raise ShardError(f"{where}: bad tar header checksum at byte {offset}")
@@ -202,9 +228,14 @@ def iter_members(
         prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
         if prefix:
             name = prefix + b"/" + name
-        size = _octal(header[124:136], where)
+        size = _octal(header[124:136], where, offset)
         typeflag = header[156:157]
         padded = (size + BLOCK - 1) // BLOCK * BLOCK
+        if end is not None and offset + BLOCK + size > end:
+            raise ShardError(
+                f"{where}: the tar header at byte {offset} claims a member of {size:,} bytes; "
+                f"only {max(0, end - offset - BLOCK):,} follow it"
+            )
         if typeflag in (b"0", b"\0", b"7"):
             yield name.decode("utf-8", "replace"), offset, size
             offset += BLOCK + padded
@@ -216,6 +247,21 @@ def iter_members(
             offset += BLOCK + padded
 
 
+def parse_meta(data: bytes | memoryview, where: str, key: str, offset: int) -> dict:
+    """A sample's JSON member as a dict; malformed, too large or too deeply nested JSON is a
+    ShardError naming the sample and its offset (never quoting the content)."""
+    if len(data) > MAX_META_BYTES:
+        raise ShardError(f"{where}: sample {key} at byte {offset}: its JSON member is {len(data):,} bytes")
+    try:
+        meta = json.loads(bytes(data))  # a mapped read of a large member is a memoryview
+    except (ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else f"not JSON ({type(exc).__name__})"
+        raise ShardError(f"{where}: sample {key} at byte {offset}: bad JSON metadata: {reason}") from None
+    if not isinstance(meta, dict):
+        raise ShardError(f"{where}: sample {key} at byte {offset}: the JSON metadata is not an object")
+    return meta
+
+
 def iter_samples(
     stream: BinaryIO,
     where: str,
@@ -223,6 +269,8 @@ def iter_samples(
     wanted: Callable[[dict], bool] | None = None,
     base_offset: int = 0,
     verify_checksums: bool = False,
+    end: int | None = None,
+    eof_ok: bool = False,
 ) -> Iterator[RawSample]:
     """Samples (members grouped by key) with their offsets.
 
@@ -233,7 +281,7 @@ def iter_samples(
     seekable = _seekable(stream)
     current: RawSample | None = None
     skipping_key = None
-    members = iter_members(stream, where, base_offset, verify_checksums)
+    members = iter_members(stream, where, base_offset, verify_checksums, end=end, eof_ok=eof_ok)
     for name, offset, size in members:
         slash = name.rfind("/")
         dot = name.find(".", slash + 1)
@@ -251,11 +299,7 @@ def iter_samples(
             skipping_key = None
         data = _read_exact(stream, size, where, offset + BLOCK)
         if suffix == fmt.META:
-            data = bytes(data)  # a mapped read of a large member is a memoryview
-            try:
-                current.meta = json.loads(data)
-            except ValueError as exc:
-                raise ShardError(f"{where}: sample {key} at byte {offset}: bad JSON metadata: {exc}") from None
+            current.meta = parse_meta(data, where, key, offset)
             if wanted is not None and not wanted(current.meta):
                 skipping_key, current = key, None
                 continue
@@ -277,9 +321,12 @@ def iter_groups(stream: BinaryIO, where: str, **kw) -> Iterator[tuple[int, fmt.G
         yield raw.offset, decode_sample(raw, where)
 
 
-def group_items(meta: dict) -> int:
+def group_items(meta: dict, where: str = "") -> int:
     """Items (documents, or rows in packed mode) a group holds, from its metadata alone."""
-    return int(meta["rows"]) if "rows" in meta else int(meta["documents"])
+    value = meta.get("rows", meta.get("documents"))
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ShardError(f"{where}: a sample's JSON metadata has no valid document or row count")
+    return value
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,28 +350,46 @@ def tar_file_bytes(member_bytes: int) -> int:
     return -(-(member_bytes + 1024) // TAR_RECORD) * TAR_RECORD
 
 
+def sample_bytes(sample: dict[str, Any]) -> bytes:
+    """The bytes a sample adds to a tar, exactly as ``tarfile`` (USTAR) and
+    ``webdataset.TarWriter(encoder=False, mtime=0, user=group="wdsllm", mode=0o444)`` write them:
+    for each member in sorted suffix order, a header, the payload and its padding."""
+    key = sample["__key__"]
+    parts = []
+    for suffix in sorted(sample):
+        if suffix.startswith("_"):
+            continue
+        data = sample[suffix]
+        info = tarfile.TarInfo(f"{key}.{suffix}")
+        info.size = len(data)
+        info.mtime = TAR_MTIME
+        info.mode = TAR_MODE
+        info.uname = info.gname = TAR_USER
+        parts.append(info.tobuf(tarfile.USTAR_FORMAT, tarfile.ENCODING, "surrogateescape"))
+        parts.append(bytes(data))
+        if len(data) % BLOCK:
+            parts.append(bytes(BLOCK - len(data) % BLOCK))
+    return b"".join(parts)
+
+
 class SampleTarWriter:
     """Writes webdataset samples exactly as ``webdataset.TarWriter(encoder=False, mtime=0,
     user=group="wdsllm", mode=0o444)`` does (members in sorted suffix order, same headers, same
     bytes; a test holds the two equal), without importing webdataset: that imports torch, which
-    costs a packing process 1.7 s of CPU and 200 MiB of memory for nothing.
+    costs a packing process 1.7 s of CPU and 200 MiB of memory for nothing. ``write`` returns the
+    sample's bytes, so that the packer can checksum each group as written.
     """
 
     def __init__(self, fileobj: BinaryIO) -> None:
-        self._tar = tarfile.open(fileobj=fileobj, mode="w|", format=tarfile.USTAR_FORMAT)  # noqa: SIM115 - closed by close()
+        self._file = fileobj
+        self._written = 0
 
-    def write(self, sample: dict[str, Any]) -> None:
-        key = sample["__key__"]
-        for suffix in sorted(sample):
-            if suffix.startswith("_"):
-                continue
-            data = sample[suffix]
-            info = tarfile.TarInfo(f"{key}.{suffix}")
-            info.size = len(data)
-            info.mtime = TAR_MTIME
-            info.mode = TAR_MODE
-            info.uname = info.gname = TAR_USER
-            self._tar.addfile(info, io.BytesIO(data))
+    def write(self, sample: dict[str, Any]) -> bytes:
+        data = sample_bytes(sample)
+        self._file.write(data)
+        self._written += len(data)
+        return data
 
     def close(self) -> None:
-        self._tar.close()
+        """The end-of-archive blocks and the padding to whole records, as tarfile writes them."""
+        self._file.write(bytes(tar_file_bytes(self._written) - self._written))

@@ -40,7 +40,7 @@ class ShardCheck:
     rows: int = 0
     short_rows: int = 0
     keys: list[str] = field(default_factory=list)
-    groups: list[list[int]] = field(default_factory=list)  # what groups.npy should say (format.GROUP_COLUMNS)
+    groups: list[list[int]] = field(default_factory=list)  # what groups.npy should say for the shard
     lengths: list[np.ndarray] = field(default_factory=list)  # docs mode: per-document lengths
     starts: list[np.ndarray] = field(default_factory=list)  # packed mode: document starts, shard offsets
 
@@ -68,17 +68,32 @@ class Report:
 
 
 class _HashingReader:
-    """Reads through a stream while hashing and counting the bytes (one pass per shard)."""
+    """Reads through a stream while hashing and counting the bytes (one pass per shard); with
+    ``keep``, the bytes not yet taken are kept, so that each group's own bytes can be checksummed."""
 
-    def __init__(self, stream: BinaryIO) -> None:
+    def __init__(self, stream: BinaryIO, keep: bool = False) -> None:
         self._stream = stream
         self.sha = hashlib.sha256()
         self.size = 0
+        self._keep = keep
+        self._tail = bytearray()  # bytes [self._tail_start, self.size)
+        self._tail_start = 0
 
     def read(self, n: int = -1) -> bytes:
         data = self._stream.read(n)
         self.sha.update(data)
         self.size += len(data)
+        if self._keep:
+            self._tail += data
+        return data
+
+    def take(self, start: int, end: int) -> bytes:
+        """The bytes [start, end) read so far (and forget those before ``end``)."""
+        if start < self._tail_start or end > self.size:
+            return b""
+        data = bytes(self._tail[start - self._tail_start : end - self._tail_start])
+        del self._tail[: end - self._tail_start]
+        self._tail_start = end
         return data
 
     def seekable(self) -> bool:
@@ -95,9 +110,12 @@ def load(source: str) -> tuple[str, fmt.Index, dict]:
     url = storage.join_url(root, fmt.INDEX_NAME)
     try:
         data = storage.read_bytes(url)
+    except storage.NotFoundError as exc:
+        fmt.check_finished(root)
+        raise storage.NotFoundError(f"{url}: cannot read the index ({exc}); is {root} a wdsllm dataset?") from exc
     except storage.StorageError as exc:
         raise storage.StorageError(f"{url}: cannot read the index ({exc}); is {root} a wdsllm dataset?") from exc
-    return root, fmt.Index.from_json(data, url), json.loads(data)
+    return root, fmt.Index.from_json(data, url, check_totals=False), json.loads(data)
 
 
 def check_shard(root: str, entry: fmt.ShardEntry, index: fmt.Index) -> ShardCheck:
@@ -111,10 +129,13 @@ def check_shard(root: str, entry: fmt.ShardEntry, index: fmt.Index) -> ShardChec
         return check
     complete = False
     with stream:
-        reader = _HashingReader(stream)
+        reader = _HashingReader(stream, keep=index.checks_groups)
         try:
-            for raw in tario.iter_samples(reader, entry.name, verify_checksums=True):
-                _check_sample(check, raw, index)
+            for raw in tario.iter_samples(reader, entry.name, verify_checksums=True, end=entry.bytes):
+                # a sample comes out once the next header block (another sample's, or the end of
+                # the archive) is read: its group's bytes end where that block starts
+                data = reader.take(raw.offset, reader.size - tario.BLOCK) if index.checks_groups else b""
+                _check_sample(check, raw, index, data)
             complete = True
             reader.drain()
         except (fmt.FormatError, storage.StorageError, OSError) as exc:
@@ -126,10 +147,13 @@ def check_shard(root: str, entry: fmt.ShardEntry, index: fmt.Index) -> ShardChec
     return check
 
 
-def _check_sample(check: ShardCheck, raw: tario.RawSample, index: fmt.Index) -> None:
+def _check_sample(check: ShardCheck, raw: tario.RawSample, index: fmt.Index, data: bytes) -> None:
     where = f"{check.name} sample {raw.key} @{raw.offset}"
     group = tario.decode_sample(raw, check.name)
-    check.groups.append([raw.offset, check.rows if index.mode == "packed" else check.documents, check.documents])
+    row = [raw.offset, check.rows if index.mode == "packed" else check.documents, check.documents]
+    if index.checks_groups:
+        row += [len(data), fmt.group_checksum(data)]
+    check.groups.append(row)
     check.samples += 1
     check.keys.append(raw.key)
     if not KEY_RE.match(raw.key):
@@ -146,13 +170,10 @@ def _check_sample(check: ShardCheck, raw: tario.RawSample, index: fmt.Index) -> 
     docs = group.documents
     if group.meta.get("documents") != docs:
         check.fail(f"{where}: metadata says {group.meta.get('documents')} documents, the sample holds {docs}")
-    runs = group.meta.get("provenance")
     try:
-        files, _, _ = fmt.expand_provenance(runs)
-        if len(files) != docs:
-            check.fail(f"{where}: provenance covers {len(files)} documents, the sample holds {docs}")
-    except (TypeError, ValueError, IndexError):
-        check.fail(f"{where}: malformed provenance {str(runs)[:80]}")
+        fmt.expand_provenance(group.meta.get("provenance"), docs, where)
+    except fmt.FormatError as exc:
+        check.fail(str(exc))
     if index.mode == "docs":
         _check_docs_group(check, group, where)
     else:
@@ -286,6 +307,8 @@ def _check_lengths(root: str, index: fmt.Index, checks: list[ShardCheck]) -> lis
     lengths, errors = _read_side(root, index.lengths_file)
     if lengths is None:
         return errors
+    if lengths.dtype != np.uint32:
+        errors.append(f"{name}: holds {lengths.dtype} values; the format stores uint32 lengths")
     lengths = lengths.astype(np.int64)
     if any(c.errors for c in checks):
         return errors  # the shards' own errors say more than a mismatch would
@@ -301,24 +324,24 @@ def _check_lengths(root: str, index: fmt.Index, checks: list[ShardCheck]) -> lis
 
 
 def _check_groups(root: str, index: fmt.Index, checks: list[ShardCheck]) -> list[str]:
-    """groups.npy (format 2): its checksum, and that it says where every group starts."""
+    """groups.npy: its checksum, and that it says where every group starts (format 3: and each
+    group's size and checksum)."""
     if not index.groups_file:
-        return []  # format 1, or a pack resumed from a format-1 journal: readers read shards from their start
+        return []  # format 1: readers read shards from their start
     name = index.groups_file.name
+    columns = index.group_columns
     table, errors = _read_side(root, index.groups_file)
     if table is None or any(c.errors for c in checks):
         return errors
     want = np.array([row for c in checks for row in c.groups], np.int64).reshape(-1)
     if len(table) != len(want):
-        errors.append(
-            f"{name}: lists {len(table) // fmt.GROUP_COLUMNS} groups, the shards hold {len(want) // fmt.GROUP_COLUMNS}"
-        )
+        errors.append(f"{name}: lists {len(table) // columns} groups, the shards hold {len(want) // columns}")
     elif not np.array_equal(table, want):
-        first = int(np.argmax(table != want)) // fmt.GROUP_COLUMNS
+        first = int(np.argmax(table != want)) // columns
         errors.append(
             f"{name}: group {first} (in dataset order) is listed as "
-            f"{table[fmt.GROUP_COLUMNS * first : fmt.GROUP_COLUMNS * (first + 1)].tolist()}, "
-            f"the shards say {want[fmt.GROUP_COLUMNS * first : fmt.GROUP_COLUMNS * (first + 1)].tolist()}"
+            f"{table[columns * first : columns * (first + 1)].tolist()}, "
+            f"the shards say {want[columns * first : columns * (first + 1)].tolist()}"
         )
     return errors
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import format as fmt
 from .. import storage
+from ..format.shard import shard_tables
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +98,10 @@ class Catalog:
         return self._by_shard
 
     def group_table(self, shard: int) -> np.ndarray | None:
-        """Where each group of shard ``shard`` starts: [groups, format.GROUP_COLUMNS] from
-        groups.npy (format 2), or None without one. The file is read once, whole, and checked
-        against its checksum in the index (it is 24 bytes a group: about 1% of lengths.npy),
-        because a reader seeks by it and a wrong entry would misnumber the items after it."""
+        """Where each group of shard ``shard`` starts (and, format 3, its size and checksum):
+        [groups, columns] from groups.npy, or None without one. The file is read once, whole, and
+        checked against its sha256 in the index (it is 40 bytes a group: about 1.5% of lengths.npy),
+        because a reader seeks by it and checks every group's bytes against it."""
         if self._groups is None:
             self._groups = self._read_group_tables()
         return self._groups[shard] if self._groups else None
@@ -111,18 +112,8 @@ class Catalog:
             return []
         url = storage.join_url(self.root, info.name)
         flat = fmt.read_side_file(self.root, info, retry=self.retry).astype(np.int64, copy=False)
-        samples = [e.samples for e in self.index.shards]
-        if len(flat) != fmt.GROUP_COLUMNS * sum(samples):
-            raise fmt.FormatError(
-                f"{url}: lists {len(flat) // fmt.GROUP_COLUMNS} groups, index.json counts {sum(samples)}"
-            )
-        first = dict(zip((e.name for e in self.index.shards), np.concatenate([[0], np.cumsum(samples)]).tolist()))
-        tables = []
-        for entry in self.shard_entries:
-            rows = flat[fmt.GROUP_COLUMNS * first[entry.name] : fmt.GROUP_COLUMNS * (first[entry.name] + entry.samples)]
-            items = entry.rows if self.mode == "packed" else entry.documents
-            tables.append(fmt.check_group_table(rows, entry, items, url))
-        return tables
+        tables = shard_tables(self.index, flat, url)
+        return [tables[entry.name] for entry in self.shard_entries]
 
     def fingerprint(self) -> str:
         """Identifies the shards' content; a resume state from other data is refused."""
@@ -214,6 +205,7 @@ def _from_root(root: str, retry: storage.RetryPolicy | None = None) -> Catalog:
     index_url = storage.join_url(root, fmt.INDEX_NAME)
     index, missing = _read_index(root, retry)
     if index is None:
+        fmt.check_finished(root, retry=retry)
         local = _local_dir(root)
         if local is not None:
             if not os.path.isdir(local):
@@ -239,7 +231,20 @@ def _from_root(root: str, retry: storage.RetryPolicy | None = None) -> Catalog:
             reason=missing,
         )
     urls = [storage.join_url(root, e.name) for e in index.shards]
+    _note_unchecked(root, index)
     return Catalog(urls=urls, index=index, root=root, shard_entries=list(index.shards), retry=retry)
+
+
+_told_unchecked: set[str] = set()
+
+
+def _note_unchecked(root: str, index: fmt.Index | None) -> None:
+    """Say once per dataset that its content cannot be checked as it is read."""
+    if (index is not None and index.checks_groups) or root in _told_unchecked:
+        return
+    _told_unchecked.add(root)
+    what = "reading shards without an index" if index is None else f"format {index.version} has no group checksums"
+    log.warning("%s: %s: its content is not checked as it is read; `wdsllm verify` checks it whole", root, what)
 
 
 def _from_shards(urls: list[str], index_for_shards: bool, retry: storage.RetryPolicy | None = None) -> Catalog:
@@ -269,4 +274,5 @@ def _from_shards(urls: list[str], index_for_shards: bool, retry: storage.RetryPo
     catalog.index = index
     catalog.root = root
     catalog.shard_entries = [by_name[n] for n in names]
+    _note_unchecked(root, index)
     return catalog

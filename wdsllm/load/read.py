@@ -11,9 +11,11 @@ from typing import Any
 
 import numpy as np
 
+from .. import format as fmt
 from .. import storage
 from ..errors import FormatError
 from ..format import tar as tario
+from ..format.shard import CheckedGroup, expect_of, read_checked, sequential_fetch
 from .block import Block, make_id
 from .catalog import Catalog
 from .plan import Slice
@@ -139,28 +141,46 @@ class GroupStart:
     length: int | None = None  # bytes to request: through the header of the group after the last one needed
 
 
-def ranged_start(catalog: Catalog, sl: Slice, skip: int, options: ReadOptions) -> GroupStart | None:
-    """Where a ranged read of a remote shard covers the slice (groups.npy, format 2): from the
-    group holding its first wanted item to the first member header of the group after its last.
-    A consumer whose share is a part of a shard then downloads only that part (and the groups it
-    shares with its neighbours), not the shard up to its share and a read-ahead past it."""
-    if options.cache is not None or not storage.is_remote(catalog.urls[sl.shard]) or sl.stride != 1:
+def group_range(catalog: Catalog, sl: Slice, skip: int) -> tuple[np.ndarray, int, int] | None:
+    """(the shard's group table, first group, one past the last) holding items ``sl.start + skip``
+    to ``sl.stop`` of the slice; None without groups.npy or for a slice dealt out by stride."""
+    if sl.stride != 1:
         return None
     table = catalog.group_table(sl.shard)
     if table is None or not len(table):
         return None
-    first_wanted = sl.start + skip
-    g = max(0, int(np.searchsorted(table[:, 1], first_wanted, side="right")) - 1)
-    after = len(table) if sl.stop is None else int(np.searchsorted(table[:, 1], sl.stop, side="left"))
+    items = table[:, fmt.ITEMS]
+    first = max(0, int(np.searchsorted(items, sl.start + skip, side="right")) - 1)
+    after = len(table) if sl.stop is None else int(np.searchsorted(items, sl.stop, side="left"))
+    return table, first, max(first, after)
+
+
+def ranged_start(catalog: Catalog, sl: Slice, skip: int, options: ReadOptions) -> GroupStart | None:
+    """Where a ranged read of a remote shard covers the slice (groups.npy, format 2 on): from the
+    group holding its first wanted item to the end of the group holding its last (format 3: the
+    groups' sizes are known; format 2: through the first member header of the group after it, where
+    the reader sees the group end). A consumer whose share is a part of a shard then downloads only
+    that part (and the groups it shares with its neighbours), not the shard up to its share."""
+    if options.cache is not None or not storage.is_remote(catalog.urls[sl.shard]):
+        return None
+    found = group_range(catalog, sl, skip)
+    if found is None:
+        return None
+    table, g, after = found
     if g == 0 and after >= len(table):
         return None  # the whole shard: a plain read
     entry = catalog.shard_entries[sl.shard]
-    end_items = (
-        int(table[g + 1, 1]) if g + 1 < len(table) else (entry.rows if catalog.mode == "packed" else entry.documents)
-    )
-    # the reader sees a group end when the next member header names another key: include it
-    length = int(table[after, 0]) + tario.BLOCK - int(table[g, 0]) if after < len(table) else None
-    return GroupStart(int(table[g, 0]), int(table[g, 1]), int(table[g, 2]), end_items - int(table[g, 1]), length)
+    end_items = int(table[g + 1, fmt.ITEMS]) if g + 1 < len(table) else _shard_items(catalog, entry)
+    if table.shape[1] > fmt.BYTES:
+        length = int(table[after - 1, fmt.OFFSET] + table[after - 1, fmt.BYTES] - table[g, fmt.OFFSET])
+    else:
+        length = int(table[after, 0]) + tario.BLOCK - int(table[g, 0]) if after < len(table) else None
+    items_before = int(table[g, fmt.ITEMS])
+    return GroupStart(int(table[g, 0]), items_before, int(table[g, fmt.DOCS]), end_items - items_before, length)
+
+
+def _shard_items(catalog: Catalog, entry: fmt.ShardEntry) -> int:
+    return entry.rows if catalog.mode == "packed" else entry.documents
 
 
 def read_slice(
@@ -175,24 +195,70 @@ def read_slice(
     """The items of one slice (after skipping ``skip`` of them), as blocks of one group each.
 
     ``start``: where to enter the shard (``ranged_start``); ``stream``: the shard already opened
-    there (else it is opened here)."""
+    there (else it is opened here). Datasets with group checksums (format 3) are read group by
+    group through :func:`wdsllm.format.shard.read_checked`; older ones and shards read without an
+    index are parsed as they stream (their content is unchecked)."""
     options = options or ReadOptions()
     url = catalog.urls[sl.shard]
-    mode = catalog.mode
-    seq_len = catalog.index.seq_len if catalog.index else None
-    if mode == "packed" and seq_len is None:
+    if catalog.mode == "packed" and (catalog.index is None or catalog.index.seq_len is None):
         raise FormatError(f"{url}: packed shards need their index (seq_len)")
+    own = stream is None
+    if own:
+        stream = storage.open_stream(url, **open_kwargs(catalog, sl.shard, options, start))
+    try:
+        source = tario.mapped(stream) or stream
+        groups = group_range(catalog, sl, skip) if catalog.index is not None and catalog.index.checks_groups else None
+        if groups is not None:
+            raw_groups = _checked_groups(catalog, sl, source, groups, start, options)
+        else:
+            raw_groups = _streamed_groups(catalog, sl, skip, source, start)
+        yield from _blocks(catalog, sl, skip, source, raw_groups, options)
+    finally:
+        if own:
+            stream.close()
+
+
+def _checked_groups(
+    catalog: Catalog, sl: Slice, source: Any, groups: tuple, start: GroupStart | None, options: ReadOptions
+) -> Iterator[CheckedGroup]:
+    table, first, after = groups
+    url = catalog.urls[sl.shard]
+    entry = catalog.shard_entries[sl.shard]
+    index = catalog.index
+    remote = storage.is_remote(url)
+    position = start.offset if start is not None else 0
+
+    def again(offset: int, length: int) -> bytes | None:
+        """The bytes did not match: ask the store again (a local file would say the same)."""
+        if not remote:
+            return None
+        with storage.open_stream(url, offset=offset, length=length, retry=options.retry) as fresh:
+            return fresh.read(length)
+
+    return read_checked(
+        sequential_fetch(source, position, again),
+        table,
+        first,
+        after,
+        items_total=_shard_items(catalog, entry),
+        docs_total=entry.documents,
+        expect=expect_of(index),
+        where=url,
+        on_retry=log.warning,
+    )
+
+
+def _streamed_groups(
+    catalog: Catalog, sl: Slice, skip: int, source: Any, start: GroupStart | None
+) -> Iterator[CheckedGroup]:
+    """Groups parsed as the shard streams (no checksums): unwanted ones are skipped by their JSON."""
+    url = catalog.urls[sl.shard]
     first_wanted = sl.start + skip * sl.stride
     stop = sl.stop
-    own = stream is None
     state = {"ordinal": 0, "doc": 0} if start is None else {"ordinal": start.items, "doc": start.documents}
-    prev_shard_doc = -1
-    if mode == "packed" and catalog.shard_entries is not None and sl.shard > 0:
-        # a row that continues a document from the previous shard belongs to its last document
-        prev_shard_doc = int(make_id(sl.shard - 1, catalog.shard_entries[sl.shard - 1].documents - 1))
 
     def wanted(meta: dict) -> bool:
-        n = tario.group_items(meta)
+        n = tario.group_items(meta, url)
         g0 = state["ordinal"]
         state["ordinal"] = g0 + n
         state["pending_docs"] = int(meta.get("documents", 0))
@@ -201,42 +267,62 @@ def read_slice(
             state["doc"] += state["pending_docs"]
         return keep
 
-    if own:
-        stream = storage.open_stream(url, **open_kwargs(catalog, sl.shard, options, start))
-    source = tario.mapped(stream) or stream
+    end = catalog.shard_entries[sl.shard].bytes if catalog.shard_entries is not None else None
+    for raw in tario.iter_samples(source, url, wanted=wanted, base_offset=start.offset if start else 0, end=end):
+        group = tario.decode_sample(raw, url)
+        n = tario.group_items(raw.meta, url)
+        if start is not None and raw.offset == start.offset and n != start.group_items:
+            raise FormatError(
+                f"{url}: the group at byte {raw.offset} holds {n} items, {catalog.index.groups_file.name} says "
+                f"{start.group_items}"
+            )
+        yield CheckedGroup(raw.offset, state["ordinal"] - n, state["doc"], n, group)
+        state["doc"] += state["pending_docs"]
+        if stop is not None and state["ordinal"] >= stop:
+            return
+
+
+def _blocks(
+    catalog: Catalog, sl: Slice, skip: int, source: Any, groups: Iterator[CheckedGroup], options: ReadOptions
+) -> Iterator[Block]:
+    """The slice's items of each group, as blocks (over the whole mapped shard when it is one)."""
+    mode = catalog.mode
+    seq_len = catalog.index.seq_len if catalog.index else None
+    first_wanted = sl.start + skip * sl.stride
+    stop = sl.stop
+    prev_shard_doc = -1
+    if mode == "packed" and catalog.shard_entries is not None and sl.shard > 0:
+        # a row that continues a document from the previous shard belongs to its last document
+        prev_shard_doc = int(make_id(sl.shard - 1, catalog.shard_entries[sl.shard - 1].documents - 1))
     shard_tokens = None
     if isinstance(source, tario.MappedReader) and catalog.index is not None:
         dtype = np.dtype(catalog.index.dtype)
         if len(source.mm) % dtype.itemsize == 0:
             shard_tokens = np.frombuffer(source.mm, dtype=dtype)
-    try:
-        for raw in tario.iter_samples(source, url, wanted=wanted, base_offset=start.offset if start else 0):
-            group = tario.decode_sample(raw, url)
-            n = tario.group_items(raw.meta)
-            if start is not None and raw.offset == start.offset and n != start.group_items:
-                raise FormatError(
-                    f"{url}: the group at byte {raw.offset} holds {n} items, {catalog.index.groups_file.name} says "
-                    f"{start.group_items}"
-                )
-            g0 = state["ordinal"] - n
-            block = _group_block(
-                group, sl.shard, g0, mode, seq_len, state["doc"], prev_shard_doc, options.row_docs, options.segments
-            )
-            if shard_tokens is not None:
-                block = _on_shard_buffer(block, shard_tokens)
-            state["doc"] += state["pending_docs"]
-            lo = max(0, first_wanted - g0)
-            hi = n if stop is None else min(n, stop - g0)
-            if sl.stride > 1:
-                idx = np.arange(lo, hi)
-                idx = idx[(g0 + idx - sl.start) % sl.stride == 0]
-                block = block.take(idx)
-            elif lo > 0 or hi < n:
-                block = block.take(np.arange(lo, hi))
-            if len(block):
-                yield block
-            if stop is not None and state["ordinal"] >= stop:
-                break
-    finally:
-        if own:
-            stream.close()
+    for checked in groups:
+        g0, n = checked.items_before, checked.items
+        block = _group_block(
+            checked.group,
+            sl.shard,
+            g0,
+            mode,
+            seq_len,
+            checked.docs_before,
+            prev_shard_doc,
+            options.row_docs,
+            options.segments,
+        )
+        if shard_tokens is not None:
+            block = _on_shard_buffer(block, shard_tokens)
+        lo = max(0, first_wanted - g0)
+        hi = n if stop is None else min(n, stop - g0)
+        if sl.stride > 1:
+            idx = np.arange(lo, hi)
+            idx = idx[(g0 + idx - sl.start) % sl.stride == 0]
+            block = block.take(idx)
+        elif lo > 0 or hi < n:
+            block = block.take(np.arange(lo, hi))
+        if len(block):
+            yield block
+        if stop is not None and g0 + n >= stop:
+            return

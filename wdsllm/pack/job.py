@@ -243,6 +243,11 @@ def _prepare_output(out: storage.Output, cfg: PackConfig, fingerprint: str) -> l
                     "resume with the same command, or start again with --overwrite"
                 )
             records = _present_records(out, read_journal(out))
+            if any(len(row) != fmt.GROUP_COLUMNS for rec in records for row in rec.get("groups", [[]])):
+                raise PackError(
+                    f"{out.url}: the interrupted pack was started by an older wdsllm (format 2 journal); "
+                    "finish it with that version, or start again with --overwrite"
+                )
             _remove_unrecorded(out, cfg.prefix, len(records))
     elif not out.is_empty():
         if not cfg.overwrite:
@@ -460,7 +465,7 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSi
     lengths_bytes = fmt.npy_bytes(lengths.astype(np.uint32))
     out.put_bytes(fmt.LENGTHS_NAME, lengths_bytes)
     groups_file = None
-    if all("groups" in rec for rec in records):  # a journal from before format 2 has no group starts
+    if all("groups" in rec for rec in records):
         groups_bytes = fmt.group_table_bytes([np.asarray(rec["groups"], np.int64) for rec in records])
         out.put_bytes(fmt.GROUPS_NAME, groups_bytes)
         groups_file = fmt.SideFile.of(fmt.GROUPS_NAME, groups_bytes)

@@ -109,7 +109,7 @@ def _load_part(url: str) -> Part:
     groups = None
     if index.groups_file:
         groups = fmt.read_side_file(url, index.groups_file)
-        if len(groups) != fmt.GROUP_COLUMNS * sum(s.samples for s in index.shards):
+        if len(groups) != index.group_columns * sum(s.samples for s in index.shards):
             raise MergeError(
                 f"{storage.join_url(url, fmt.GROUPS_NAME)} does not list every group that {index_url} counts"
             )
@@ -281,6 +281,8 @@ def merged_index(
         lengths_file=fmt.SideFile.of(fmt.LENGTHS_NAME, lengths_bytes),
         packed=packed,
         groups_file=None if groups_bytes is None else fmt.SideFile.of(fmt.GROUPS_NAME, groups_bytes),
+        checksum=first.checksum,
+        version=first.version,  # the shards are not rewritten: they keep the parts' format
         created_by=f"wdsllm {__version__}",
     )
 

@@ -28,7 +28,7 @@ from .shaping import GroupData, Position
 log = logging.getLogger(__name__)
 
 JOURNAL_PREFIX = ".pack-"
-JOURNAL_START = ".pack-start.json"
+JOURNAL_START = fmt.JOURNAL_START
 MAX_SKIP_RECORDS = 10_000
 
 
@@ -150,7 +150,7 @@ class ShardSink:
         self._tmp_path = ""
         self._cur: dict[str, int] = {}
         self._lengths: list[np.ndarray] = []
-        self._groups: list[list[int]] = []  # the shard's groups.npy rows (format.GROUP_COLUMNS)
+        self._groups: list[list[int]] = []  # the shard's groups.npy rows (format.GROUP_COLUMNS each)
         self._position: Position | None = None
         self.max_row_segments = 0  # packed mode: most documents (incl. a continuation) in one row
         self.short_rows = 0
@@ -173,8 +173,9 @@ class ShardSink:
             self.finish_shard()
         if self._tar is None:
             self._open()
-        self._groups.append([self._cur["bytes"], self._cur["items"], self._cur["documents"]])
-        self._tar.write(sample)
+        written = self._tar.write(sample)
+        group_row = [self._cur["bytes"], self._cur["items"], self._cur["documents"], len(written)]
+        self._groups.append([*group_row, fmt.group_checksum(written)])
         self.group_counter += 1
         self._cur["bytes"] += size
         self._cur["items"] += items

@@ -6,10 +6,11 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
-from typing import Any
+from typing import Any, BinaryIO
 
 from .backends import discard, register
 from .output import Output
@@ -17,9 +18,33 @@ from .retry import make_error
 from .urls import check_name, local_path
 
 
+def open_regular(url: str, buffering: int = -1) -> BinaryIO:
+    """A local file opened for reading, refused at once unless it is a regular file (symlinks to
+    one included): a FIFO would block forever, ``/dev/zero`` never end, a directory is no shard."""
+    path = local_path(url)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open itself
+    except FileNotFoundError:
+        raise make_error(url, "no such file", missing=True) from None
+    except IsADirectoryError:
+        raise make_error(url, "is a directory, not a file") from None
+    except OSError as exc:
+        raise make_error(url, f"cannot open: {exc.strerror or exc}") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "a device or socket"
+            raise make_error(url, f"is {kind}, not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class _FileBody:
-    def __init__(self, path: str, start: int) -> None:
-        self.file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+    def __init__(self, url: str, start: int) -> None:
+        self.file = open_regular(url, buffering=0)
         try:
             self.total = os.fstat(self.file.fileno()).st_size
             self.file.seek(start)
@@ -36,15 +61,7 @@ class _FileBody:
 
 
 def _local_open(url: str, start: int) -> _FileBody:
-    path = local_path(url)
-    try:
-        return _FileBody(path, start)
-    except FileNotFoundError:
-        raise make_error(url, "no such file", missing=True) from None
-    except IsADirectoryError:
-        raise make_error(url, "is a directory") from None
-    except OSError as exc:
-        raise make_error(url, f"cannot open: {exc.strerror or exc}") from exc
+    return _FileBody(url, start)
 
 
 class _PipeBody:

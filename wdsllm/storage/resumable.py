@@ -25,7 +25,7 @@ from ..errors import StorageError
 from .backends import backend_for
 from .counters import count
 from .retry import DEFAULT_RETRY, RetryPolicy, classify, is_missing, make_error, retrying
-from .urls import local_path, scheme_of
+from .urls import scheme_of
 
 log = logging.getLogger(__name__)
 
@@ -273,15 +273,9 @@ def open_stream(
 
 def _open_local(url: str, offset: int, expected_size: int | None) -> BinaryIO:
     """The plain file object: fastest, and resumable-stream features are not needed locally."""
-    path = local_path(url)
-    try:
-        f = open(path, "rb")  # noqa: SIM115 - the caller closes it
-    except FileNotFoundError:
-        raise make_error(url, "no such file", missing=True) from None
-    except IsADirectoryError:
-        raise make_error(url, "is a directory") from None
-    except OSError as exc:
-        raise make_error(url, f"cannot open: {exc.strerror or exc}") from exc
+    from .local import open_regular
+
+    f = open_regular(url)
     try:
         if expected_size is not None:
             size = os.fstat(f.fileno()).st_size

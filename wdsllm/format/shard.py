@@ -1,0 +1,185 @@
+"""Reading a shard's groups checked against the index: every byte the loader decodes is checked here.
+
+A group's bytes (its members' headers, payloads and padding) are fetched whole, their checksum is
+compared with the one groups.npy holds (the index vouches for groups.npy's sha256, so the chain
+of trust starts at index.json), and only then are they parsed and decoded. The decoded group is
+then checked against the index too: the token dtype, the number of documents or rows the table
+says the group holds, and that every token id is below the vocabulary size (an out-of-range id is
+a device-side assert hours into a run). Nothing leaves this module unchecked, whatever backend
+the bytes came from; ``storage`` stays a byte mover and ``load`` never sees unchecked tokens.
+
+Fetching is the caller's: a mapped local shard hands out zero-copy views, a remote stream reads
+the next group, and a second attempt at a group whose checksum did not match re-reads it from the
+store (a flaky proxy heals); a mismatch that persists is a :class:`ChecksumError`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ChecksumError, FormatError, ShardError
+from . import group as fmt
+from .index import Index
+from .tar import MappedReader, decode_sample, iter_samples
+
+#: fetch(offset, length, attempt) -> the bytes [offset, offset+length) of the shard, or None when
+#: they cannot be fetched again (attempt > 0 on a local file: the same bytes would come back)
+Fetch = Callable[[int, int, int], "bytes | memoryview | None"]
+
+#: Attempts at a group whose checksum did not match, the first included.
+CHECKSUM_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What the index says every group of a dataset must be."""
+
+    mode: str
+    dtype: np.dtype
+    vocab_size: int
+    seq_len: int | None = None
+
+    @property
+    def checks_ids(self) -> bool:
+        """Whether an id of the dtype can be out of the vocabulary (uint16 with 65,536 ids cannot)."""
+        return self.vocab_size <= np.iinfo(self.dtype).max
+
+
+@dataclass(frozen=True)
+class CheckedGroup:
+    """A group that passed every check, with where it is and what comes before it in its shard."""
+
+    offset: int
+    items_before: int  # items of the shard before the group
+    docs_before: int  # documents of the shard before the group
+    items: int  # items the group holds
+    group: fmt.Group
+
+
+def shard_tables(index: Index, flat: np.ndarray, where: str) -> dict[str, np.ndarray]:
+    """groups.npy (already checked against its sha256) cut into each shard's checked table."""
+    columns = index.group_columns
+    samples = [e.samples for e in index.shards]
+    if len(flat) != columns * sum(samples):
+        raise FormatError(f"{where}: lists {len(flat) // columns} groups, index.json counts {sum(samples)}")
+    tables, at = {}, 0
+    for entry in index.shards:
+        rows = flat[columns * at : columns * (at + entry.samples)]
+        items = entry.rows if index.mode == "packed" else entry.documents
+        tables[entry.name] = fmt.check_group_table(rows, entry, items, where, columns)
+        at += entry.samples
+    return tables
+
+
+def expect_of(index: Index) -> Expect:
+    return Expect(index.mode, np.dtype(index.dtype), index.tokenizer.vocab_size, index.seq_len)
+
+
+def sequential_fetch(stream: Any, position: int = 0, again: Callable[[int, int], bytes] | None = None) -> Fetch:
+    """A Fetch over a stream read forward from byte ``position`` (a mapped reader: zero-copy
+    views); ``again(offset, length)`` re-reads a range from the store for a second attempt."""
+
+    def fetch(offset: int, length: int, attempt: int) -> bytes | memoryview | None:
+        nonlocal position
+        if attempt:
+            return again(offset, length) if again is not None else None
+        if isinstance(stream, MappedReader):
+            return stream.view[offset : offset + length]
+        if offset < position:
+            raise FormatError(f"group at byte {offset} requested after byte {position} was read")
+        while position < offset:  # groups the caller does not want
+            skipped = stream.read(min(offset - position, 1 << 20))
+            if not skipped:
+                return b""
+            position += len(skipped)
+        data = stream.read(length)
+        position += len(data)
+        return data
+
+    return fetch
+
+
+def _key_at(data: bytes | memoryview) -> str:
+    """The sample key in the first member header of a group's bytes, if it looks like one."""
+    name = bytes(data[:100]).split(b"\0", 1)[0].decode("ascii", "replace")
+    key = name.split(".", 1)[0]
+    return key if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", key) else "?"
+
+
+def read_checked(
+    fetch: Fetch,
+    table: np.ndarray,
+    first: int,
+    stop: int,
+    *,
+    items_total: int,
+    docs_total: int,
+    expect: Expect,
+    where: str,
+    on_retry: Callable[[str], None] | None = None,
+) -> Iterator[CheckedGroup]:
+    """Groups ``first`` .. ``stop - 1`` of a shard whose groups.npy rows are ``table`` (format 3),
+    each checked; ``items_total``/``docs_total``: the shard's items and documents (the index's)."""
+    for g in range(first, stop):
+        offset, items_before, docs_before, size, checksum = (int(x) for x in table[g])
+        items_after = int(table[g + 1, fmt.ITEMS]) if g + 1 < len(table) else items_total
+        docs_after = int(table[g + 1, fmt.DOCS]) if g + 1 < len(table) else docs_total
+        data = _fetch_checked(fetch, offset, size, checksum, where, on_retry)
+        group = _decode_one(data, offset, where)
+        _check_group(group, items_after - items_before, docs_after - docs_before, expect, f"{where} @{offset}")
+        yield CheckedGroup(offset, items_before, docs_before, items_after - items_before, group)
+
+
+def _fetch_checked(
+    fetch: Fetch, offset: int, size: int, checksum: int, where: str, on_retry: Callable[[str], None] | None
+) -> bytes | memoryview:
+    key = "?"
+    for attempt in range(CHECKSUM_ATTEMPTS):
+        data = fetch(offset, size, attempt)
+        if data is None:
+            break
+        if len(data) == size and fmt.group_checksum(data) == checksum:
+            return data
+        key = _key_at(data)
+        if on_retry is not None and attempt + 1 < CHECKSUM_ATTEMPTS:
+            on_retry(f"{where}: sample {key}, bytes {offset}-{offset + size}: checksum mismatch; reading it again")
+    raise ChecksumError(
+        f"{where}: sample {key}, bytes {offset}-{offset + size}: the bytes do not match the checksum in groups.npy "
+        "(a changed, corrupted or replaced shard); `wdsllm verify` checks the whole dataset"
+    )
+
+
+def _decode_one(data: bytes | memoryview, offset: int, where: str) -> fmt.Group:
+    samples = iter_samples(MappedReader(data), where, base_offset=offset, eof_ok=True)
+    raw = next(samples, None)
+    if raw is None or raw.offset != offset or next(samples, None) is not None:
+        raise ShardError(f"{where}: the bytes at {offset} are not exactly one sample")
+    return decode_sample(raw, where)
+
+
+def _check_group(group: fmt.Group, items: int, docs: int, expect: Expect, where: str) -> None:
+    tokens = group.tokens
+    if tokens.dtype != expect.dtype:
+        raise ShardError(f"{where} sample {group.key}: tokens are {tokens.dtype}, the index says {expect.dtype}")
+    if expect.mode == "packed":
+        rows = -(-len(tokens) // expect.seq_len) if expect.seq_len else -1
+        got = (rows, group.documents)
+    else:
+        got = (group.documents, group.documents)
+    meta_items = group.meta.get("rows", group.meta.get("documents"))
+    if got != (items, docs) or meta_items != items:
+        raise ShardError(
+            f"{where} sample {group.key}: holds {got[0]} items and {got[1]} documents (its metadata says "
+            f"{meta_items!r:.20}); the index says {items} and {docs}"
+        )
+    if expect.checks_ids and len(tokens) and int(tokens.max()) >= expect.vocab_size:
+        at = int(np.argmax(tokens >= expect.vocab_size))
+        raise ShardError(
+            f"{where} sample {group.key}: token {at} is id {int(tokens[at])}, outside the vocabulary of "
+            f"{expect.vocab_size:,}"
+        )
