@@ -59,8 +59,13 @@ def _octal(field: bytes, where: str, offset: int) -> int:
         raise ShardError(f"{where}: bad number in the tar header at byte {offset}") from None
 
 
+#: Reads from a stream are at most this large, so that a size claimed by a header is never
+#: allocated before the bytes are there (a mapped reader returns views and needs no bound).
+_READ_PIECE = 16 << 20
+
+
 def _read_exact(stream: BinaryIO, n: int, where: str, offset: int) -> bytes:
-    data = stream.read(n)
+    data = stream.read(n if n <= _READ_PIECE or isinstance(stream, MappedReader) else _READ_PIECE)
     if len(data) != n:
         if not isinstance(data, bytes):
             data = bytes(data or b"")
@@ -68,7 +73,7 @@ def _read_exact(stream: BinaryIO, n: int, where: str, offset: int) -> bytes:
         parts = [data]
         got = len(data)
         while got < n:
-            more = stream.read(n - got)
+            more = stream.read(min(n - got, _READ_PIECE))
             if not more:
                 raise ShardError(
                     f"{where}: truncated at byte {offset + got} (wanted {n} bytes of a member at {offset})"

@@ -217,9 +217,9 @@ def plan_items(
     leftover = 0  # items still to drop when counts are unknown and a slice ran out first
     for sl, skip_docs, drop, at in work:
         drop += leftover
-        stream = next(streams) if streams is not None else None
         position = _items_of_docs(catalog, sl, spec, skip_docs) if sl.pick is not None else 0
         try:
+            stream = next(streams) if streams is not None else None
             for block in read_slice(catalog, sl, skip=skip_docs, options=options, stream=stream, start=at):
                 if catalog.mode == "docs":
                     block, cut = _apply_max_len(block, spec)

@@ -9,6 +9,7 @@ open group, whatever the corpus size.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -28,6 +29,7 @@ import numpy as np
 from .. import __version__, storage
 from .. import format as fmt
 from ..errors import PackError, normalize_on_error
+from .lock import OutputLock
 from .shaping import DocGrouper, EncodedChunk, Position, RowPacker
 from .sources import SPLITS, STDIN, InputFile, expand_inputs, read_chunks
 from .tokenizer import LoadedTokenizer, encode_chunk, init_worker, load_tokenizer
@@ -356,6 +358,31 @@ def pack(cfg: PackConfig, on_progress: Callable[[PackProgress], None] | None = N
     use_bos, bos_id, eos_id = _resolve_specials(cfg, tok)
     all_inputs, inputs = _task_inputs(cfg)
     out = storage.Output(task_output(cfg.output, cfg.num_tasks, cfg.task_index))
+    with OutputLock(out, "pack") as lock:
+        try:
+            return _pack_into(out, lock, cfg, tok, use_bos, bos_id, eos_id, all_inputs, inputs, start_time, on_progress)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise PackError(
+                f"no space left on the device writing {exc.filename or out.url}: free some space, then run the "
+                "same `wdsllm pack` command with --resume to continue where it stopped"
+            ) from exc
+
+
+def _pack_into(
+    out: storage.Output,
+    lock: OutputLock,
+    cfg: PackConfig,
+    tok: LoadedTokenizer,
+    use_bos: bool,
+    bos_id: int | None,
+    eos_id: int | None,
+    all_inputs: list[InputFile],
+    inputs: list[InputFile],
+    start_time: float,
+    on_progress: Callable[[PackProgress], None] | None,
+) -> PackResult:
     records = _prepare_output(out, cfg, _fingerprint(cfg, inputs, tok.sha256))
 
     entries = [fmt.ShardEntry(**rec["entry"]) for rec in records]
@@ -409,6 +436,8 @@ def pack(cfg: PackConfig, on_progress: Callable[[PackProgress], None] | None = N
         sink.add_skips(skips)
         progress.skipped += len(skips)
         write_groups(shaper.feed(chunk))
+        if len(sink.entries) != progress.shards:
+            lock.refresh()
         progress.shards = len(sink.entries)
         progress.input_bytes = bytes_before[chunk.file_index] + chunk.raw_offset
         progress.text_bytes += chunk.text_bytes

@@ -10,11 +10,11 @@ already moved are recognised and skipped.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -23,6 +23,7 @@ import numpy as np
 from .. import __version__, storage
 from .. import format as fmt
 from ..errors import MergeError
+from .lock import OutputLock
 from .writer import MAX_SKIP_RECORDS
 
 log = logging.getLogger(__name__)
@@ -229,16 +230,30 @@ def _transfer(move: Move, out: storage.Output, copy: bool) -> None:
         if size != move.entry.bytes:
             raise MergeError(f"{source} is {size} bytes, its index says {move.entry.bytes}")
         if copy:
-            shutil.copyfile(local, staging)
+            _copy_checked(source, staging, move.entry)
             out.put_file(staging, move.target)
         else:
             out.put_file(local, move.target)  # a rename when both are on one file system
         return
-    with storage.open_stream(source, expected_size=move.entry.bytes) as src, open(staging, "wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
+    _copy_checked(source, staging, move.entry)
     out.put_file(staging, move.target)
     if not copy:
         storage.Output(move.part.url).delete(move.entry.name)
+
+
+def _copy_checked(source: str, staging: str, entry: fmt.ShardEntry) -> None:
+    """Copy a shard, checking its sha256 against its index entry on the way: a corrupt part's shard
+    is not carried into the merged dataset."""
+    sha = hashlib.sha256()
+    with storage.open_stream(source, expected_size=entry.bytes) as src, open(staging, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            sha.update(chunk)
+            dst.write(chunk)
+    if sha.hexdigest() != entry.sha256:
+        os.unlink(staging)
+        raise MergeError(
+            f"{source} does not match the sha256 its index gives; the part is damaged (run wdsllm verify on it)"
+        )
 
 
 def merged_index(
@@ -301,7 +316,9 @@ def merge(
     check_compatible(parts, allow_partial)
     moves = plan_moves(parts)
     out = storage.Output(output)
+    lock = OutputLock(out, "merge")
     try:
+        lock.acquire()
         _prepare_output(out, parts, _plan_json(moves, copy), overwrite)
         lengths = np.concatenate([p.lengths for p in parts]).astype(np.uint32) if parts else np.zeros(0, np.uint32)
         for i, move in enumerate(moves):
@@ -324,6 +341,7 @@ def merge(
             _retire_parts(parts)
         out.delete(PLAN_NAME)
     finally:
+        lock.release()
         out.close()
     log.info("merged %d parts into %s: %d shards", len(parts), output, len(moves))
     return index, parts

@@ -63,6 +63,7 @@ class _HashingFile(io.RawIOBase):
     """Writes through to a file while counting bytes and hashing them (no second read)."""
 
     def __init__(self, path: str):
+        self.path = path
         self._f = open(path, "wb")  # noqa: SIM115 - closed by close()
         self.sha = hashlib.sha256()
         self.size = 0
@@ -73,7 +74,10 @@ class _HashingFile(io.RawIOBase):
     def write(self, b: Any) -> int:
         self.sha.update(b)
         self.size += len(b)
-        return self._f.write(b)
+        try:
+            return self._f.write(b)
+        except OSError as exc:  # name the file (a failed write says nothing of it)
+            raise OSError(exc.errno, exc.strerror, self.path) from exc
 
     def close(self) -> None:
         if not self._f.closed:  # Output.put_file makes it durable before it renames it

@@ -13,7 +13,7 @@ import threading
 from typing import Any, BinaryIO
 
 from .backends import discard, register
-from .output import Output
+from .output import Output, is_control
 from .retry import make_error
 from .urls import check_name, local_path
 
@@ -111,7 +111,7 @@ class LocalOutput(Output):
     def is_empty(self) -> bool:
         try:
             with os.scandir(self.path) as it:
-                return next(it, None) is None
+                return all(is_control(e.name) for e in it)
         except FileNotFoundError:
             return True
 
@@ -121,7 +121,7 @@ class LocalOutput(Output):
             rel = os.path.relpath(root, self.path)
             for f in files:
                 names.append(f if rel == "." else f"{rel.replace(os.sep, '/')}/{f}")
-        return sorted(names)
+        return sorted(n for n in names if not is_control(n))
 
     def put_file(self, local_path: str, name: str) -> None:
         target = self._target(name)
@@ -179,6 +179,8 @@ class LocalOutput(Output):
         except FileNotFoundError:
             return
         for entry in entries:
+            if is_control(entry.name):
+                continue
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path)
             else:

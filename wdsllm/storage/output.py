@@ -7,6 +7,13 @@ from typing import Any
 from .backends import backend_for
 from .urls import join_url
 
+#: Names of control files (the output lock) that listing, emptiness and clearing ignore.
+CONTROL_PREFIX = ".wdsllm-"
+
+
+def is_control(name: str) -> bool:
+    return name.rsplit("/", 1)[-1].startswith(CONTROL_PREFIX)
+
 
 class Output:
     """A dataset directory being written: a local directory or ``s3://bucket/prefix/``.
@@ -37,9 +44,11 @@ class Output:
         return join_url(self.url, name)
 
     def is_empty(self) -> bool:
+        """Whether the output holds nothing but control files."""
         raise NotImplementedError
 
     def list_names(self) -> list[str]:
+        """Every name under the output (control files left out), sorted."""
         raise NotImplementedError
 
     def put_file(self, local_path: str, name: str) -> None:
@@ -58,6 +67,7 @@ class Output:
         raise NotImplementedError
 
     def clear(self) -> None:
+        """Remove everything but control files."""
         raise NotImplementedError
 
     def close(self) -> None:

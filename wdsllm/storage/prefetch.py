@@ -138,6 +138,20 @@ class ReadAhead(io.RawIOBase):
         super().close()
 
 
+class _Failed(io.RawIOBase):
+    """An object that could not be opened: its error comes out of its first read."""
+
+    def __init__(self, name: str, error: BaseException) -> None:
+        super().__init__()
+        self.name, self.error = name, error
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        raise self.error
+
+
 StreamSpec = Union[str, "tuple[str, dict[str, Any]]"]
 
 
@@ -157,7 +171,10 @@ def prefetch_iter(
     def start(item: StreamSpec) -> BinaryIO:
         url, kwargs = (item, {}) if isinstance(item, str) else item
         if not is_remote(url) or depth <= 0:
-            return open_stream(url, **kwargs)
+            try:
+                return open_stream(url, **kwargs)
+            except Exception as exc:  # raised where this object is read, not while another one is
+                return _Failed(url, exc)
         ahead = ReadAhead(lambda: open_stream(url, **kwargs), name=url, chunk_size=chunk_size, max_chunks=max_chunks)
         return io.BufferedReader(ahead, buffer_size=STREAM_BUFFER)
 

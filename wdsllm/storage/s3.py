@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import NotFoundError
 from .backends import EmptyBody, discard, parse_content_range, register
 from .counters import count
-from .output import Output
+from .output import Output, is_control
 from .resumable import read_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy, add_classifier, classify, make_error, retrying
 from .urls import check_name
@@ -255,10 +255,10 @@ class S3Output(Output):
         return retrying(self.url, self.retry, op)
 
     def is_empty(self) -> bool:
-        return not self._keys(limit=1)
+        return not self.list_names()
 
     def list_names(self) -> list[str]:
-        return sorted(k[len(self.prefix) :] for k in self._keys())
+        return sorted(n for n in (k[len(self.prefix) :] for k in self._keys()) if not is_control(n))
 
     def put_file(self, local_path: str, name: str) -> None:
         from boto3.s3.transfer import TransferConfig
@@ -302,7 +302,7 @@ class S3Output(Output):
         return self._staging
 
     def clear(self) -> None:
-        keys = self._keys()
+        keys = [k for k in self._keys() if not is_control(k[len(self.prefix) :])]
         for i in range(0, len(keys), 1000):
             batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
 
