@@ -68,7 +68,20 @@ FAULT_KINDS = {
     "stall": ({"bytes": 0, "seconds": 5.0}, ("GET",)),  # K body bytes, then silence, then close
     "status": ({"status": 503}, ("GET", "HEAD")),  # answer `status` instead of the file
     "status_permanent": ({"status": 404}, ("GET", "HEAD")),  # same, forever unless `times` is given
-    "corrupt": ({"at": 0}, ("GET",)),  # flip the byte at object offset `at` if it is served
+    "corrupt": (
+        {"at": 0, "length": 1, "whole": False},
+        ("GET",),
+    ),  # flip `length` bytes at object offset `at` if served
+    # wrong bytes of the right length at object offset `at` (Content-Length and Range stay honest):
+    "truncate": (
+        {"at": 0, "length": 1, "whole": False},
+        ("GET",),
+    ),  # zeros in place of the bytes from `at` on (a cut copy)
+    "reorder": ({"at": 0, "length": 1, "whole": False}, ("GET",)),  # `length` bytes at `at` sent reversed
+    "repeat": (
+        {"at": 0, "length": 1, "whole": False},
+        ("GET",),
+    ),  # the `length` bytes before `at` sent again in place of those at `at`
     "ignore_range": ({}, ("GET",)),  # answer 200 with the whole object even when Range was asked
     "delay": ({"seconds": 0.5}, ("GET", "HEAD")),  # wait before answering, then answer normally
     "close_after": ({}, ("GET",)),  # answer normally, then close the kept-alive connection unannounced
@@ -217,7 +230,8 @@ class _Handler(BaseHTTPRequestHandler):
         etag = f'"{st.st_size:x}-{st.st_mtime_ns:x}"'
         start, end = 0, size  # end exclusive
         status = 200
-        if rng and not (fault is not None and fault.kind == "ignore_range"):
+        whole = fault is not None and (fault.kind == "ignore_range" or (fault.kind in LIES and fault.whole))
+        if rng and not whole:  # `whole`: a 200 with the full body although Range was asked
             parsed = _parse_range(rng, size)
             if parsed is None:
                 self._simple(rec, 416, {"Content-Range": f"bytes */{size}"})
@@ -239,16 +253,16 @@ class _Handler(BaseHTTPRequestHandler):
         if fault is not None and fault.kind in ("drop_after", "stall"):
             limit = min(limit, fault.bytes)
         with open(file, "rb") as f:
+            content = _lie(f.read(), fault) if fault is not None and fault.kind in LIES else None
             f.seek(start)
             sent = 0
             while sent < limit:
-                chunk = f.read(min(65536, limit - sent))
+                if content is not None:
+                    chunk = content[start + sent : start + min(limit, sent + 65536)]
+                else:
+                    chunk = f.read(min(65536, limit - sent))
                 if not chunk:
                     break
-                at = fault.at - start - sent if fault is not None and fault.kind == "corrupt" else -1
-                if 0 <= at < len(chunk):
-                    i = at
-                    chunk = chunk[:i] + bytes([chunk[i] ^ 0xFF]) + chunk[i + 1 :]
                 try:
                     self.wfile.write(chunk)
                 except OSError:  # the client went away
@@ -265,6 +279,28 @@ class _Handler(BaseHTTPRequestHandler):
             while time.monotonic() < deadline and not state.stopping.is_set():
                 time.sleep(0.02)
             self._abort(reset=False)
+
+
+LIES = ("corrupt", "truncate", "reorder", "repeat")
+
+
+def _lie(data: bytes, fault: Fault) -> bytes:
+    """The object as a lying server sends it: same length, wrong bytes at ``fault.at``."""
+    at, n = fault.at, fault.length
+    if at >= len(data):
+        return data
+    out = bytearray(data)
+    end = min(len(out), at + n)
+    if fault.kind == "corrupt":
+        out[at:end] = bytes(b ^ 0xFF for b in out[at:end])
+    elif fault.kind == "truncate":
+        out[at:] = bytes(len(out) - at)
+    elif fault.kind == "reorder":
+        out[at:end] = out[at:end][::-1]
+    elif fault.kind == "repeat":
+        back = max(0, at - n)
+        out[at:end] = data[back : back + (end - at)]
+    return bytes(out)
 
 
 def _parse_range(value: str, size: int) -> tuple[int, int] | None:

@@ -16,6 +16,7 @@ import os
 import stat
 import tarfile
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -160,15 +161,20 @@ class MapCache:
         self.max_bytes = max_bytes
         self.maps: OrderedDict[tuple, mmap.mmap] = OrderedDict()
         self.lock = threading.Lock()
+        #: the file each live mapping shows, and its identity when mapped (see ``changed_file``)
+        self.origins: weakref.WeakKeyDictionary[mmap.mmap, tuple[str, tuple]] = weakref.WeakKeyDictionary()
 
-    def get(self, fileno: int, st: os.stat_result) -> mmap.mmap:
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    def get(self, fileno: int, st: os.stat_result, path: str | None = None) -> mmap.mmap:
+        key = _identity(st)
         with self.lock:
             mm = self.maps.get(key)
             if mm is not None:
                 self.maps.move_to_end(key)
                 return mm
         mm = mmap.mmap(fileno, 0, access=mmap.ACCESS_READ)
+        if path is not None:
+            with self.lock:
+                self.origins[mm] = (path, key)
         if st.st_size > self.max_bytes or self.shards < 1:
             return mm
         with self.lock:
@@ -178,19 +184,42 @@ class MapCache:
         return mm
 
 
+def _identity(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 map_cache = MapCache()
 
 
-def mapped(stream: Any) -> MappedReader | None:
-    """A MappedReader over a local regular file's stream (at its position), else None."""
+def mapped(stream: Any, path: str | None = None) -> MappedReader | None:
+    """A MappedReader over a local regular file's stream (at its position), else None. ``path``:
+    the file's path, so that ``changed_file`` can tell when it is rewritten while mapped."""
     try:
         fileno = stream.fileno()
         st = os.fstat(fileno)
         if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
             return None
-        return MappedReader(map_cache.get(fileno, st), stream.tell())
+        return MappedReader(map_cache.get(fileno, st, path), stream.tell())
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
         return None
+
+
+def changed_file(tokens: Any) -> str | None:
+    """The path of the mapped file that ``tokens`` views, if that file changed since it was mapped
+    (rewritten in place: a shared mapping then shows the new bytes); None if it did not, or if
+    ``tokens`` is not a view of a mapped file. A stat, a few microseconds: cheap once per batch."""
+    base = tokens
+    while getattr(base, "base", None) is not None and not isinstance(base, memoryview):
+        base = base.base
+    mm = base.obj if isinstance(base, memoryview) else None
+    origin = map_cache.origins.get(mm) if isinstance(mm, mmap.mmap) else None
+    if origin is None:
+        return None
+    path, key = origin
+    try:
+        return None if _identity(os.stat(path)) == key else path
+    except OSError:
+        return path
 
 
 def iter_members(

@@ -21,7 +21,8 @@ import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .. import storage
-from ..errors import WdsllmError
+from ..errors import ShardError, WdsllmError
+from ..format.tar import changed_file
 from .batching import Batch
 from .catalog import Catalog, open_catalog
 from .collate import CollateOptions, collate_docs, collate_rows
@@ -167,6 +168,12 @@ def _epoch_batches(
     compact = get_worker_info() is not None and not shared
 
     def emit(spec: StreamSpec, index: int, items, hint, refill: bool = False) -> Batch:
+        changed = changed_file(items.tokens)
+        if changed is not None:  # its groups were checked when read; views of it now show other bytes
+            raise ShardError(
+                f"{changed} changed while it was being read (rewritten in place); replace shards atomically "
+                "(write a new file, then rename it over the old one) and restart from the last checkpoint"
+            )
         batch = Batch(
             items=items.compact() if compact else items,
             index=index,

@@ -206,7 +206,8 @@ def read_slice(
     if own:
         stream = storage.open_stream(url, **open_kwargs(catalog, sl.shard, options, start))
     try:
-        source = tario.mapped(stream) or stream
+        local = storage.local_path(url) if storage.scheme_of(url) == "file" else None
+        source = tario.mapped(stream, local) or stream
         groups = group_range(catalog, sl, skip) if catalog.index is not None and catalog.index.checks_groups else None
         if groups is not None:
             raw_groups = _checked_groups(catalog, sl, source, groups, start, options)
