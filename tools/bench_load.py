@@ -99,9 +99,13 @@ def _packed_ok(out: str, inputs: list[str], mode: str) -> bool:
     index = Path(out, "index.json")
     if not index.exists():
         return False
-    opts = json.loads(index.read_text()).get("options", {})
+    body = json.loads(index.read_text())
+    opts = body.get("options", {})
+    from wdsllm.format import FORMAT_VERSION
+
     return (
-        opts.get("inputs") == inputs
+        body.get("version") == FORMAT_VERSION
+        and opts.get("inputs") == inputs
         and opts.get("mode") == mode
         and opts.get("seq_len") == (SEQ_LEN if mode == "packed" else None)
     )

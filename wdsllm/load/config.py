@@ -152,8 +152,13 @@ def resolve_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def read_options(
-    retry: storage.RetryPolicy | None, cache_dir: str | None, cache_size: int, on_error: str
+    retry: storage.RetryPolicy | None,
+    cache_dir: str | None,
+    cache_size: int,
+    on_error: str,
+    check_groups: bool = True,
 ) -> ReadOptions:
-    """How shards are read: retry policy, optional local cache, and what an unreadable shard does."""
+    """How shards are read: retry policy, optional local cache, what an unreadable shard does, and
+    whether every group is checked against its checksum (docs/reliability.md)."""
     cache = storage.ShardCache(cache_dir, cache_size) if cache_dir else None
-    return ReadOptions(retry=retry, cache=cache, on_error=normalize_on_error(on_error))
+    return ReadOptions(retry=retry, cache=cache, on_error=normalize_on_error(on_error), check_groups=check_groups)

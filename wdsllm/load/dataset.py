@@ -424,6 +424,7 @@ def dataset(
     cache_dir: str | None = None,
     cache_size: int = 64 << 30,
     on_error: str = "raise",
+    check_groups: bool = True,
 ) -> WdsPipeline:
     """A webdataset.DataPipeline that yields collated batches (dicts of tensors).
 
@@ -454,5 +455,5 @@ def dataset(
         max_segments=max_segments,
         docs=docs,
     )
-    read = read_options(retry, cache_dir, cache_size, on_error)
+    read = read_options(retry, cache_dir, cache_size, on_error, check_groups)
     return build_pipeline(catalog, cfg.resolved(catalog), r, w, read, collate=True, end_marker=False)

@@ -95,6 +95,7 @@ class Loader:
         cache_dir: str | None = None,
         cache_size: int = 64 << 30,
         on_error: str = "raise",
+        check_groups: bool = True,
         multiprocessing_context: Any = None,
         workers_in_process: bool = False,
         **options,
@@ -114,7 +115,7 @@ class Loader:
         self.multiprocessing_context = multiprocessing_context
         #: run the workers' streams in this process, one after another (debugging and tests)
         self.workers_in_process = workers_in_process
-        self.read_options = read_options(retry, cache_dir, cache_size, on_error)
+        self.read_options = read_options(retry, cache_dir, cache_size, on_error, check_groups)
         self._ring = RingHolder()  # shared memory the workers send tokens through (transport.py)
         self.pipeline = build_pipeline(
             self.catalog,

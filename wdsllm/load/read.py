@@ -31,6 +31,7 @@ class ReadOptions:
     prefetch: bool = True
     row_docs: bool = True  # packed rows: each row's first document and document count (docs)
     segments: bool = True  # packed rows: the segment table with offsets within rows (boundaries)
+    check_groups: bool = True  # check every group against groups.npy (format 3) before decoding it
 
 
 def _group_block(
@@ -208,7 +209,8 @@ def read_slice(
     try:
         local = storage.local_path(url) if storage.scheme_of(url) == "file" else None
         source = tario.mapped(stream, local) or stream
-        groups = group_range(catalog, sl, skip) if catalog.index is not None and catalog.index.checks_groups else None
+        checked = options.check_groups and catalog.index is not None and catalog.index.checks_groups
+        groups = group_range(catalog, sl, skip) if checked else None
         if groups is not None:
             raw_groups = _checked_groups(catalog, sl, source, groups, start, options)
         else:
