@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--only", default="", help="substring: run only the modes whose name holds it")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # as bench_load: torch's parallel fills lose to contention on 2 cores
     paths = bench_load.prepare(args.work, args.quick)
     bench_load.warm_page_cache(paths)
     results = {}
