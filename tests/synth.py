@@ -34,6 +34,7 @@ def write_dataset(
     seq_len: int = 16,
     rows_per_group: int = 3,
     write_index: bool = True,
+    version: int = fmt.FORMAT_VERSION,
 ) -> dict:
     """Write shards; return {"ids": composite item ids per shard, "lengths": ..., "tokens": {id: array}}.
 
@@ -122,6 +123,8 @@ def write_dataset(
             )
         )
     lengths_bytes = fmt.npy_bytes(np.asarray(all_lengths, dtype=np.uint32))
+    if version < 3:  # format 2: offsets and counts only, no sizes or checksums
+        tables = [t[:, : fmt.GROUP_COLUMNS_V2] for t in tables]
     groups_bytes = fmt.group_table_bytes(tables)
     if write_index:
         (out / fmt.LENGTHS_NAME).write_bytes(lengths_bytes)
@@ -140,6 +143,8 @@ def write_dataset(
             skipped={},
             lengths_file=fmt.SideFile.of(fmt.LENGTHS_NAME, lengths_bytes),
             groups_file=fmt.SideFile.of(fmt.GROUPS_NAME, groups_bytes),
+            checksum=fmt.CHECKSUM_NAME if version >= 3 else None,
+            version=version,
             packed={"max_row_segments": seq_len, "short_rows": 1} if mode == "packed" else None,
         )
         (out / fmt.INDEX_NAME).write_text(index.to_json())

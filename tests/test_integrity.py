@@ -455,3 +455,19 @@ def test_a_server_that_lies_gives_a_named_error_or_exact_documents(
         assert times is None or times >= 2 or lie == "truncate", f"a fault of one response should heal: {exc}"
         return
     assert got == reference
+
+
+# ----------------------------------------------------------------------------------------------
+# Older datasets keep loading, and the loader says once that their content is unchecked
+
+
+def test_a_format_2_dataset_loads_and_is_said_once_to_be_unchecked(tmp_path, caplog):
+    root = tmp_path / "v2"
+    info = write_dataset(root, [11, 9, 12, 10], seed=5, max_len=20, group_docs=4, version=2)
+    assert json.loads((root / fmt.INDEX_NAME).read_text())["version"] == 2
+    with caplog.at_level("WARNING", logger="wdsllm"):
+        for _ in range(2):
+            got = documents(root)
+    assert {doc for doc, _, _ in got} == set(info["expect"])
+    said = [r for r in caplog.records if "not checked as it is read" in r.getMessage()]
+    assert len(said) == 1 and "format 2" in said[0].getMessage()
