@@ -56,10 +56,8 @@ class AcceleratedLoader(DataLoaderStateMixin):
     def __iter__(self) -> Iterator[dict]:
         self.begin()
         try:
-            last = None if self.loader.infinite and self.loader.cfg.steps_per_epoch is None else len(self.loader)
-            for i, batch in enumerate(self.loader):
-                if last is not None and i + 1 == last:
-                    self.end_of_dataloader = True
+            for batch in self.loader:
+                self.end_of_dataloader = self.loader.at_end_of_pass()
                 yield self._placed(batch)
         finally:
             self.end()

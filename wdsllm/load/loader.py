@@ -294,6 +294,16 @@ class Loader:
     def infinite(self) -> bool:
         return self.cfg.infinite
 
+    def at_end_of_pass(self) -> bool:
+        """Whether the batch just handed out was the last of this pass (the epoch's, or the
+        ``steps_per_epoch`` loop's); never for an endless stream without ``steps_per_epoch``.
+        Also right after a resume, where the pass began mid-way."""
+        if self.cfg.steps_per_epoch is not None:
+            return self._steps == self.cfg.steps_per_epoch
+        if self.infinite or self._rr is None:
+            return False
+        return self._yielded > 0 and self._yielded == self._epoch_total()
+
     def __len__(self) -> int:
         if self.cfg.steps_per_epoch is not None:
             return self.cfg.steps_per_epoch
