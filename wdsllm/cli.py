@@ -10,7 +10,7 @@ import time
 import click
 
 from . import __version__
-from .errors import ON_ERROR, TokenizerError, WdsllmError
+from .errors import ON_ERROR, WdsllmError
 
 SIZE_UNITS = {
     "": 1,
@@ -523,7 +523,11 @@ def verify(ctx, dataset, jobs, quiet):
 @click.option(
     "-n", "count", type=int, default=5, show_default=True, help="How many documents (docs mode) or rows (packed)."
 )
-@click.option("--tokenizer", "-t", help="Tokenizer to decode with [default: the index's tokenizer source].")
+@click.option(
+    "--tokenizer",
+    "-t",
+    help="Tokenizer to decode with [default: the dataset's tokenizer.json, else the index's tokenizer source].",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--ids", is_flag=True, help="Also show the token ids.")
 @click.option("--skip-special-tokens", is_flag=True, help="Leave BOS/EOS and other special tokens out of the text.")
@@ -531,18 +535,23 @@ def head(dataset, count, tokenizer, as_json, ids, skip_special_tokens):
     """Decode the first documents (or rows) back to text, with their key, index and provenance."""
     from itertools import islice
 
+    from . import format as fmt
     from .format.head import iter_items
     from .format.verify import load
-    from .pack.tokenizer import load_tokenizer
+    from .pack.tokenizer import load_tokenizer, tokenizer_from_json
 
     try:
         root, index, _ = load(dataset)
     except (WdsllmError, OSError, ValueError) as exc:
         _fail(exc)
-    spec = tokenizer or index.tokenizer.source
     try:
-        tok = load_tokenizer(spec)
-    except TokenizerError as exc:
+        if tokenizer is None and index.tokenizer_file is not None:  # the dataset's own tokenizer.json
+            spec = f"{root.rstrip('/')}/{index.tokenizer_file.name}"
+            tok = tokenizer_from_json(fmt.read_tokenizer_json(root, index), spec)
+        else:
+            spec = tokenizer or index.tokenizer.source
+            tok = load_tokenizer(spec)
+    except (WdsllmError, OSError) as exc:
         raise click.ClickException(f"cannot load the dataset's tokenizer: {exc}; pass --tokenizer PATH") from None
     if tok.sha256 != index.tokenizer.sha256:
         click.echo(f"warning: {spec} is not the tokenizer this dataset was packed with (sha256 differs)", err=True)

@@ -20,8 +20,9 @@ import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .. import format as fmt
 from .. import storage
-from ..errors import ConfigError, StateError, WdsllmError
+from ..errors import ConfigError, StateError, TokenizerError, WdsllmError
 from . import resume as resumemod
 from . import state as statemod
 from .batching import Batch
@@ -357,6 +358,23 @@ def _collate(batches: Iterator, rows: bool, opts: CollateOptions, tracker: Track
         yield out
 
 
+def dataset_tokenizer(catalog: Catalog) -> Any:
+    """The ``tokenizers.Tokenizer`` the dataset was packed with, from the tokenizer.json it carries
+    (checked against the index's sha256)."""
+    from tokenizers import Tokenizer
+
+    index, root = catalog.index, catalog.root
+    if index is None or root is None:
+        raise TokenizerError("a dataset without index.json names no tokenizer")
+    text = fmt.read_tokenizer_json(root, index, retry=catalog.retry)
+    if text is None:
+        raise TokenizerError(
+            f"{root} carries no {fmt.TOKENIZER_NAME} (it was packed before datasets stored their tokenizer): load "
+            f"{index.tokenizer.source!r} yourself (sha256 {index.tokenizer.sha256[:16]}...)"
+        )
+    return Tokenizer.from_str(text)
+
+
 class WdsPipeline(wds.DataPipeline):
     """A webdataset.DataPipeline that also has ``set_epoch``, ``state_dict`` and
     ``load_state_dict`` (per DataLoader worker, as torchdata's StatefulDataLoader asks), and what
@@ -378,6 +396,11 @@ class WdsPipeline(wds.DataPipeline):
     @property
     def epoch(self) -> int:
         return self.source.epoch
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizers.Tokenizer the dataset was packed with (its own tokenizer.json)."""
+        return dataset_tokenizer(self.catalog)
 
     def __iter__(self) -> Iterator:
         refuse_rewrapping()

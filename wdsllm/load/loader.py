@@ -33,7 +33,7 @@ from .catalog import open_catalog
 from .collate import CollateOptions, collate_docs, collate_rows
 from .config import Config, read_options, resolve_world
 from .counts import EpochPlan, batch_counts, equalised, round_robin_share
-from .dataset import EndOfWorker, build_pipeline
+from .dataset import EndOfWorker, build_pipeline, dataset_tokenizer
 from .transport import RingHolder, TokenRing, received
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,7 @@ class Loader:
         self.workers_in_process = workers_in_process
         self.read_options = read_options(retry, cache_dir, cache_size, on_error)
         self._ring = RingHolder()  # shared memory the workers send tokens through (transport.py)
+        self._tokenizer: Any = None
         self._build()
         self.collate_options = CollateOptions.for_config(self.cfg, self.catalog)
         self._collate = collate_rows if self.cfg.rows_out(self.catalog) else collate_docs
@@ -205,6 +206,14 @@ class Loader:
     @property
     def workers(self) -> int:
         return max(1, self.num_workers)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The ``tokenizers.Tokenizer`` the dataset was packed with, from the tokenizer.json it
+        carries: to decode batches, or for ``PreTrainedTokenizerFast(tokenizer_object=...)``."""
+        if self._tokenizer is None:
+            self._tokenizer = dataset_tokenizer(self.catalog)
+        return self._tokenizer
 
     # -- what trainers ask of a DataLoader ------------------------------------------------------
     @property
