@@ -9,8 +9,13 @@ import json
 from collections import Counter
 
 import pytest
+from accelerate import Accelerator
 from test_distributed import torchrun
 from test_hf import _docs_data
+
+import wdsllm
+from wdsllm.errors import UsageError
+from wdsllm.integrations.accelerate import prepare
 
 
 @pytest.mark.timeout(240)
@@ -38,3 +43,14 @@ def test_accelerate_two_processes_each_document_once_and_resume_exact(tmp_path):
                 (r["micro"], r["epoch"], r["docs"], r["sync"]) for r in full
             ], f"resume after {stop} micro-batches trained on other batches"
             assert [r["loss"] for r in joined] == pytest.approx([r["loss"] for r in full], rel=1e-5)
+
+
+def test_prepare_takes_only_a_loader_of_the_accelerators_rank():
+    accelerator = Accelerator(cpu=True)
+    data = _docs_data()[0]
+    with pytest.raises(UsageError, match="must not be prepared"):
+        prepare(accelerator, wdsllm.dataset(data, batch_size=4))
+    with pytest.raises(UsageError, match="rank 1 of 2"):
+        prepare(accelerator, wdsllm.loader(data, batch_size=4, rank=1, world_size=2))
+    loader = prepare(accelerator, wdsllm.loader(data, batch_size=4))
+    assert len(loader) == len(list(loader)) == 20
