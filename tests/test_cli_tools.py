@@ -191,7 +191,8 @@ def test_head_decodes_documents_with_identity_and_provenance():
 
 
 def test_head_needs_a_tokenizer_it_can_find(tmp_path):
-    """The index names the tokenizer as given to pack (a relative path here): --tokenizer overrides."""
+    """head decodes with the dataset's own tokenizer.json; without it, with the tokenizer the index
+    names as given to pack (a relative path here); --tokenizer overrides."""
     shutil.copytree(docs_pack(), tmp_path / "ds")
     import subprocess
     import sys
@@ -204,6 +205,9 @@ def test_head_needs_a_tokenizer_it_can_find(tmp_path):
             text=True,
         )
 
+    carried = run()
+    assert carried.returncode == 0 and "0000-000000000 #0" in carried.stdout and not carried.stderr
+    (tmp_path / "ds" / "tokenizer.json").unlink()
     failed = run()
     assert failed.returncode == 1 and "pass --tokenizer" in failed.stderr
     ok = run("--tokenizer", str(GPT2))

@@ -3,6 +3,8 @@ never reused while a batch is alive."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import torch
 from synth import write_dataset
@@ -37,6 +39,10 @@ def test_packed_rows_with_boundaries(tmp_path):
         n = b["input_ids"].shape[0]
         cu = b["cu_seqlens"].tolist()
         assert cu[0] == 0 and cu == sorted(cu) and cu[-1] == n * 16
+        # the names Hugging Face models read: the same tensor and number
+        assert b["cu_seq_lens_q"] is b["cu_seqlens"] and b["cu_seq_lens_k"] is b["cu_seqlens"]
+        assert b["cu_seqlens"].dtype == torch.int32
+        assert b["max_length_q"] == b["max_length_k"] == b["max_seqlen"] == max(z - a for a, z in pairwise(cu))
         pos = b["position_ids"].reshape(-1).tolist()
         starts = [c for c in cu if c < n * 16]
         # position ids restart at every boundary that cu_seqlens lists, and count up in between

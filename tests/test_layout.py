@@ -42,6 +42,10 @@ def _imports(path: Path) -> set[str]:
         ("format", "wdsllm.pack"),
         ("storage", "wdsllm.load"),
         ("storage", "wdsllm.pack"),
+        ("pack", "wdsllm.integrations"),
+        ("load", "wdsllm.integrations"),
+        ("format", "wdsllm.integrations"),
+        ("storage", "wdsllm.integrations"),
     ],
 )
 def test_rooms_import_only_what_the_layout_allows(room, never):
@@ -56,7 +60,8 @@ def test_rooms_import_only_what_the_layout_allows(room, never):
         "from wdsllm.cli import main\nsys.argv = ['wdsllm', 'pack', '--help']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass",
         "import wdsllm.pack.job, wdsllm.pack.merge, wdsllm.format.verify, wdsllm.format.head",
-        "import wdsllm.load.stats, wdsllm.load.counts, wdsllm.load.catalog",
+        "import wdsllm.load.stats, wdsllm.load.counts, wdsllm.load.catalog, wdsllm.load.state",
+        "import wdsllm.integrations\nassert wdsllm.integrations.model_inputs({'epoch': 0}) == {}",
     ],
 )
 def test_packing_and_stats_start_without_torch(code):

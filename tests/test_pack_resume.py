@@ -184,7 +184,7 @@ def test_shards_then_lengths_then_index_last_then_journal_gone(tmp_path, monkeyp
     assert len(shards) > 3
     for number, shard in enumerate(shards):
         assert puts[puts.index(shard) + 1] == f".pack-shard-{number:06d}.rec"
-    assert puts[-3:] == ["lengths.npy", "groups.npy", "index.json"]
+    assert puts[-4:] == ["lengths.npy", "groups.npy", "tokenizer.json", "index.json"]
     deletes = [i for i, (method, _) in enumerate(events) if method == "delete"]
     assert deletes and min(deletes) > events.index(("put_bytes", "index.json"))
     assert events[-1] == ("delete", ".pack-start.json")

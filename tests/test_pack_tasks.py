@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import shutil
 from pathlib import Path
@@ -164,6 +165,9 @@ def test_merge_moves_tasks_into_one_dataset(tmp_path):
     assert index.doc_lengths == fmt.length_histogram(fmt.npy_array((out / "lengths.npy").read_bytes()))
     assert by_origin(out) == by_origin(single_pack())
     assert verify(str(out)).ok
+    # the merged dataset carries the parts' tokenizer
+    assert index.tokenizer_file is not None
+    assert hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest() == index.tokenizer.sha256
     # Moved: the parts are gone; the shards' bytes are unchanged.
     assert not parent.exists() or not any(parent.rglob("*"))
     single = {e.sha256 for p in parts_before.values() for e in p.shards}

@@ -169,9 +169,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def _cli_has(command: str) -> bool:
-    from wdsllm.cli import main
+    from wdsllm.cli import cli
 
-    return command in main.commands
+    return command in cli.commands
 
 
 @pytest.mark.parametrize("command", ["info", "verify", "head", "stats"])

@@ -73,7 +73,7 @@ def patched_delete(self, name):
     delete(self, name)
 
 Out.put_file, Out.put_bytes, Out.delete = patched_put_file, patched_put_bytes, patched_delete
-main(args, prog_name="wdsllm")
+main(args)
 """
 
 
@@ -172,7 +172,7 @@ def test_pack_uploads_each_shard_as_it_completes_multipart_and_the_index_last(
     for number, shard in enumerate(shards):
         assert names[names.index(shard) + 1] == journal_record_name(number)
     writes = [n for kind, n in events if kind != "delete"]
-    assert writes[-3:] == ["lengths.npy", "groups.npy", "index.json"]
+    assert writes[-4:] == ["lengths.npy", "groups.npy", "tokenizer.json", "index.json"]
     assert all(kind == "delete" for kind, _ in events[names.index("index.json") + 1 :])
     # Multipart uploads have ETags of the form "md5-parts".
     bucket = s3_bucket[len("s3://") :]
@@ -183,7 +183,7 @@ def test_pack_uploads_each_shard_as_it_completes_multipart_and_the_index_last(
             assert "-" in head["ETag"], (shard, head["ETag"])
     found = objects(s3_server, url)
     assert check_index_never_points_at_missing_shards(found)
-    assert sorted(found) == sorted([*shards, "lengths.npy", "groups.npy", "index.json"])
+    assert sorted(found) == sorted([*shards, "lengths.npy", "groups.npy", "tokenizer.json", "index.json"])
 
 
 @pytest.mark.parametrize(

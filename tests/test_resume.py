@@ -16,6 +16,7 @@ from synth import write_dataset
 
 import wdsllm
 from wdsllm.errors import StateError
+from wdsllm.load.state import seal
 
 MODES = {
     "fixed": dict(batch_size=3),
@@ -88,7 +89,7 @@ def test_resume_equals_uninterrupted(sizes, world, workers, mode, cut, rank, via
         second = make(tmp, rank, world, workers, **MODES[mode])
         second.load_state_dict(state)
         rest = []
-        start_epoch = state["epoch"]
+        start_epoch = second.epoch  # the restored epoch
         for e in range(start_epoch, 2):
             if e != start_epoch:
                 second.set_epoch(e)
@@ -133,7 +134,8 @@ def test_refuses_another_dataset_or_settings(tmp_path):
         wdsllm.loader(str(tmp_path / "a"), batch_size=5).load_state_dict(state)
     with pytest.raises(StateError, match="not a wdsllm loader state"):
         wdsllm.loader(str(tmp_path / "a"), batch_size=4).load_state_dict({"epoch": 0})
-    bad = dict(state, version=99)
+    body = json.loads(state["state"])
+    bad = seal(dict(body, version=99))
     with pytest.raises(StateError, match="version 99"):
         wdsllm.loader(str(tmp_path / "a"), batch_size=4).load_state_dict(bad)
 
@@ -227,11 +229,12 @@ def test_elastic_resume_yields_each_unconsumed_document_once(sizes, old, new, mo
         for r in range(w2):
             ld = make(tmp, r, w2, n2, equal_batches=False, **kw)
             ld.load_state_dict(states[-1])
-            if states[-1]["epoch"] != 0:
+            saved_epoch = ld.epoch
+            if saved_epoch != 0:
                 continue  # saved after the epoch's last batch: nothing of epoch 0 remains
             for b in ld:
                 rest.update(_items(b))
-        if states[-1]["epoch"] != 0:
+        if saved_epoch != 0:
             # Saved after the epoch's last batch: what is missing is what equal batches dropped.
             assert max(consumed.values(), default=1) == 1 or mode == "pack"
             assert not (set(consumed) - set(_expected_items(info, mode)))

@@ -13,6 +13,7 @@ from .errors import (
     ConfigError,
     FormatError,
     MergeError,
+    MissingDependencyError,
     NotFoundError,
     PackError,
     ShardError,
@@ -20,6 +21,7 @@ from .errors import (
     StateError,
     StorageError,
     TokenizerError,
+    UsageError,
     WdsllmError,
 )
 
@@ -30,6 +32,7 @@ __all__ = [
     "FormatError",
     "Loader",
     "MergeError",
+    "MissingDependencyError",
     "NotFoundError",
     "PackError",
     "ShardError",
@@ -37,6 +40,7 @@ __all__ = [
     "StateError",
     "StorageError",
     "TokenizerError",
+    "UsageError",
     "WdsllmError",
     "__version__",
     "dataset",
@@ -44,13 +48,24 @@ __all__ = [
 ]
 
 
+#: what the loader needs beyond a packing install, and the command that installs it
+LOADER_EXTRA = ("torch", "webdataset")
+LOADER_INSTALL = "pip install 'wdsllm[torch]'"
+
+
 def __getattr__(name: str) -> Any:
-    if name == "dataset":
-        from .load.dataset import dataset
+    if name not in ("dataset", "loader", "Loader"):
+        raise AttributeError(f"module 'wdsllm' has no attribute {name!r}")
+    try:
+        if name == "dataset":
+            from .load.dataset import dataset
 
-        return dataset
-    if name in ("loader", "Loader"):
+            return dataset
         from .load import loader as loader_module
-
-        return getattr(loader_module, name)
-    raise AttributeError(f"module 'wdsllm' has no attribute {name!r}")
+    except ModuleNotFoundError as exc:
+        if exc.name not in LOADER_EXTRA:
+            raise
+        raise MissingDependencyError(
+            f"wdsllm.{name} needs {exc.name}, which is not installed: {LOADER_INSTALL} (packing works without it)"
+        ) from exc
+    return getattr(loader_module, name)

@@ -1,16 +1,23 @@
-"""The `wdsllm` command line. Only this module prints; the library logs."""
+"""The `wdsllm` command line. Only this module prints; the library logs.
+
+Manners: a closed pipe (``wdsllm head ds | head``) ends quietly with status 0; Ctrl-C ends with
+status 130 (and, for ``pack``, the command that continues the work); an error is one line that
+names what and where, never a traceback (``-vv`` adds one for an unexpected error).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import shlex
 import sys
 import time
 
 import click
 
 from . import __version__
-from .errors import ON_ERROR, TokenizerError, WdsllmError
+from .errors import ON_ERROR, WdsllmError
 
 SIZE_UNITS = {
     "": 1,
@@ -91,24 +98,105 @@ def _setup_logging(verbose: int, quiet: bool) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Commands(click.Group):
+    """The command group; a reader that closed the pipe ends the command quietly (status 0),
+    before click would turn it into status 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            _quiet_stdout()
+            raise click.exceptions.Exit(0) from None
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="wdsllm")
-@click.option("-v", "--verbose", count=True, help="Log more (-v info, -vv debug).")
+@click.option("-v", "--verbose", count=True, help="Log more (-v info, -vv debug and tracebacks).")
 @click.pass_context
-def main(ctx: click.Context, verbose: int) -> None:
-    """Pack text into WebDataset shards of token ids, and inspect them."""
-    ctx.obj = {"verbose": verbose}
+def cli(ctx: click.Context, verbose: int) -> None:
+    """Pack text into WebDataset shards of token ids, and inspect them.
+
+    \b
+    Examples:
+      wdsllm pack corpus/*.jsonl.gz -o out/wiki -t tokenizer.json
+      wdsllm info out/wiki
+      python -m wdsllm verify out/wiki --json
+    """
+    ctx.ensure_object(dict)["verbose"] = verbose
+
+
+#: exit status after Ctrl-C (128 + SIGINT), as shells report it
+INTERRUPTED = 130
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``wdsllm`` command: run it, and turn what escapes into a status and one line."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    obj: dict = {"argv": args, "verbose": 0}
+    try:
+        status = cli.main(args=args, prog_name="wdsllm", obj=obj, standalone_mode=False)
+        sys.stdout.flush()  # a closed pipe shows here, not as noise at exit
+    except BrokenPipeError:
+        _quiet_stdout()
+        sys.exit(0)
+    except click.exceptions.Abort as exc:
+        if isinstance(exc.__context__, KeyboardInterrupt) or isinstance(exc.__cause__, KeyboardInterrupt):
+            click.echo("interrupted", err=True)
+            sys.exit(INTERRUPTED)
+        click.echo("aborted", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(INTERRUPTED)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except WdsllmError as exc:
+        click.echo(f"Error: {_message(exc)}", err=True)
+        sys.exit(1)
+    except Exception as exc:  # a bug: one line, and the traceback only when asked for
+        if obj.get("verbose", 0) >= 2:
+            import traceback
+
+            traceback.print_exc()
+        click.echo(
+            f"Error: unexpected {type(exc).__name__}: {_message(exc)} (a bug in wdsllm: please report it with the "
+            "command; -vv shows the traceback)",
+            err=True,
+        )
+        sys.exit(1)
+    sys.exit(status if isinstance(status, int) else 0)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's last flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def _message(exc: BaseException) -> str:
+    """An exception's message, never blank."""
+    text = str(exc).strip()
+    if not text or text in ("None", "''"):
+        return type(exc).__name__
+    return text
 
 
 def _fail(exc: Exception) -> None:
-    raise click.ClickException(str(exc))
+    if isinstance(exc, BrokenPipeError):
+        raise exc  # the reader went away: main() ends quietly
+    raise click.ClickException(_message(exc))
 
 
 # ----------------------------------------------------------------------------------------------
 # pack
 
 
-@main.command()
+@cli.command()
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("-o", "--output", required=True, help="Output directory, or s3://bucket/prefix/.")
 @click.option(
@@ -180,6 +268,9 @@ def _fail(exc: Exception) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output.")
 @click.option("--resume", is_flag=True, help="Finish an interrupted pack into the same output.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress line and no summary.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the summary as one JSON object (progress stays on stderr)."
+)
 @click.pass_context
 def pack(
     ctx,
@@ -207,6 +298,7 @@ def pack(
     overwrite,
     resume,
     quiet,
+    as_json,
 ):
     """Tokenize INPUT... (files, directories, globs, {a,b} patterns, or - for stdin) into shards.
 
@@ -215,6 +307,9 @@ def pack(
       wdsllm pack data/*.jsonl.gz -o out/ -t tokenizer.json
       wdsllm pack book.txt --split paragraph -o out/ -t tok.json --mode packed --seq-len 2048
       cat x.jsonl | wdsllm pack - --input-format jsonl -o s3://bucket/ds/ -t tok.json
+      wdsllm pack data/ -o out/ -t tok.json --resume      # finish an interrupted pack
+
+    Ctrl-C stops cleanly (status 130) and prints the command that continues the pack.
     """
     from .pack.job import PackConfig, task_from_env
     from .pack.job import pack as run_pack
@@ -275,10 +370,40 @@ def pack(
 
     try:
         result = run_pack(cfg, on_progress=on_progress)
+    except KeyboardInterrupt:
+        line.clear()
+        click.echo(f"interrupted; the finished shards are kept. To continue:\n  {_resume_command(ctx)}", err=True)
+        raise SystemExit(INTERRUPTED) from None
     except (WdsllmError, OSError) as exc:
         _fail(exc)
-    if not quiet:
+    if as_json:
+        click.echo(json.dumps(_pack_json(result)))
+    elif not quiet:
         _pack_summary(result)
+
+
+def _resume_command(ctx: click.Context) -> str:
+    """The command line that continues this pack: the same one, with --resume instead of --overwrite."""
+    args = [a for a in ctx.find_root().obj.get("argv", sys.argv[1:]) if a != "--overwrite"]
+    if "--resume" not in args:
+        args.append("--resume")
+    return shlex.join(["wdsllm", *args])
+
+
+def _pack_json(result) -> dict:
+    idx = result.index
+    p = result.progress
+    return {
+        "output": result.output,
+        "mode": idx.mode,
+        "dtype": idx.dtype,
+        "seq_len": idx.seq_len,
+        **idx.totals(),
+        "elapsed_s": round(p.elapsed, 3),
+        "tokens_per_s": round(p.tokens / max(p.elapsed, 1e-9)),
+        "resumed_shards": result.resumed_shards,
+        "skipped": {"total": idx.skipped.get("total", 0), "counts": idx.skipped.get("counts", {})},
+    }
 
 
 def _plural(n: int, word: str) -> str:
@@ -329,7 +454,7 @@ def _print_skipped(skipped: dict, limit: int = 10) -> None:
 # merge
 
 
-@main.command()
+@cli.command()
 @click.argument("parts", nargs=-1, required=True)
 @click.option(
     "-o",
@@ -381,11 +506,18 @@ def merge(ctx, parts, output, copy, overwrite, allow_partial, quiet):
 # info
 
 
-@main.command()
+@cli.command()
 @click.argument("dataset")
 @click.option("--json", "as_json", is_flag=True, help="Print index.json as it is.")
 def info(dataset, as_json):
-    """Summarise a dataset's index (DATASET: a directory, URL, or index.json URL)."""
+    """Summarise a dataset's index (DATASET: a directory, URL, or index.json URL).
+
+    \b
+    Examples:
+      wdsllm info out/wiki
+      wdsllm info https://host/wiki/index.json
+      wdsllm info s3://bucket/wiki/ --json | jq .totals
+    """
     from .format.verify import load
 
     try:
@@ -468,16 +600,24 @@ def _num(v) -> str:
 # verify
 
 
-@main.command()
+@cli.command()
 @click.argument("dataset")
 @click.option("--jobs", "-j", type=int, default=1, show_default=True, help="Shards verified in parallel.")
 @click.option("-q", "--quiet", is_flag=True, help="Only failures and the final line.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object (ok, counts, failures).")
 @click.pass_context
-def verify(ctx, dataset, jobs, quiet):
+def verify(ctx, dataset, jobs, quiet, as_json):
     """Check every shard against the index: existence, size, sha256, header checksums, and counts
-    from decoding every sample; lengths.npy; token ids below the vocabulary size.
+    from decoding every sample; lengths.npy, groups.npy, tokenizer.json; token ids below the
+    vocabulary size.
 
     Exits non-zero when anything is wrong; each problem names the shard and the byte offset.
+
+    \b
+    Examples:
+      wdsllm verify out/wiki
+      wdsllm verify s3://bucket/wiki/ -j 8 -q
+      wdsllm verify out/wiki --json | jq .ok
     """
     from .format.verify import verify as run_verify
 
@@ -488,7 +628,7 @@ def verify(ctx, dataset, jobs, quiet):
     def on_shard(done: int, total: int, check) -> None:
         seen["documents"] += check.documents
         seen["tokens"] += check.tokens
-        for error in check.errors:
+        for error in [] if as_json else check.errors:
             line.clear()
             click.echo(f"FAIL {error if error.startswith(check.name) else f'{check.name}: {error}'}")
         line.show(
@@ -501,9 +641,26 @@ def verify(ctx, dataset, jobs, quiet):
         report = run_verify(dataset, jobs=jobs, on_shard=on_shard)
     except (WdsllmError, OSError, ValueError) as exc:  # an unreadable index is a failed verification
         _fail(exc)
+    t = report.index.totals()
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "dataset": report.root,
+                    "ok": report.ok,
+                    "shards": t["shards"],
+                    "documents": t["documents"],
+                    "tokens": t["tokens"],
+                    "bad_shards": sum(1 for sh in report.shards if sh.errors),
+                    "failures": report.failures,
+                }
+            )
+        )
+        if not report.ok:
+            ctx.exit(1)
+        return
     for error in report.errors:
         click.echo(f"FAIL {error}")
-    t = report.index.totals()
     if report.ok:
         click.echo(
             f"OK: {_plural(t['shards'], 'shard')}, {t['documents']:,} documents, {t['tokens']:,} tokens verified"
@@ -518,31 +675,47 @@ def verify(ctx, dataset, jobs, quiet):
 # head
 
 
-@main.command()
+@cli.command()
 @click.argument("dataset")
 @click.option(
     "-n", "count", type=int, default=5, show_default=True, help="How many documents (docs mode) or rows (packed)."
 )
-@click.option("--tokenizer", "-t", help="Tokenizer to decode with [default: the index's tokenizer source].")
+@click.option(
+    "--tokenizer",
+    "-t",
+    help="Tokenizer to decode with [default: the dataset's tokenizer.json, else the index's tokenizer source].",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--ids", is_flag=True, help="Also show the token ids.")
 @click.option("--skip-special-tokens", is_flag=True, help="Leave BOS/EOS and other special tokens out of the text.")
 def head(dataset, count, tokenizer, as_json, ids, skip_special_tokens):
-    """Decode the first documents (or rows) back to text, with their key, index and provenance."""
+    """Decode the first documents (or rows) back to text, with their key, index and provenance.
+
+    \b
+    Examples:
+      wdsllm head out/wiki -n 3
+      wdsllm head out/wiki -n 100 --json | jq -r .text
+      wdsllm head out/wiki --ids --tokenizer other/tokenizer.json
+    """
     from itertools import islice
 
+    from . import format as fmt
     from .format.head import iter_items
     from .format.verify import load
-    from .pack.tokenizer import load_tokenizer
+    from .pack.tokenizer import load_tokenizer, tokenizer_from_json
 
     try:
         root, index, _ = load(dataset)
     except (WdsllmError, OSError, ValueError) as exc:
         _fail(exc)
-    spec = tokenizer or index.tokenizer.source
     try:
-        tok = load_tokenizer(spec)
-    except TokenizerError as exc:
+        if tokenizer is None and index.tokenizer_file is not None:  # the dataset's own tokenizer.json
+            spec = f"{root.rstrip('/')}/{index.tokenizer_file.name}"
+            tok = tokenizer_from_json(fmt.read_tokenizer_json(root, index), spec)
+        else:
+            spec = tokenizer or index.tokenizer.source
+            tok = load_tokenizer(spec)
+    except (WdsllmError, OSError) as exc:
         raise click.ClickException(f"cannot load the dataset's tokenizer: {exc}; pass --tokenizer PATH") from None
     if tok.sha256 != index.tokenizer.sha256:
         click.echo(f"warning: {spec} is not the tokenizer this dataset was packed with (sha256 differs)", err=True)
@@ -591,7 +764,7 @@ def _head_text(item, text: str, ids: bool, mode: str) -> str:
 # stats
 
 
-@main.command()
+@cli.command()
 @click.argument("dataset")
 @click.option("--batch-size", type=int, default=32, show_default=True, help="Documents per batch (random and bucket).")
 @click.option(
@@ -623,6 +796,11 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
     Simulated from the index and lengths.npy over the documents one worker sees in epoch 0 (the
     shard plan and the shuffle buffer included); no shard is read. Longer documents are split at
     --seq-len, except in the "random, truncated" line, which shows what capping would cut.
+
+    \b
+    Examples:
+      wdsllm stats out/wiki --max-tokens 65536 --seq-len 2048
+      wdsllm stats out/wiki --plot hist.png --json
     """
     from .load import stats as statsmod
     from .load.catalog import open_catalog

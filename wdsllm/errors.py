@@ -70,6 +70,21 @@ class StateError(WdsllmError, ValueError):
     """A saved loader state does not fit this loader; the message says what differs."""
 
 
+class UsageError(WdsllmError, TypeError):
+    """wdsllm is wired into a training stack in a way that would give wrong data (batches batched
+    again, a rank's share split again, a resume that skips batches by replaying them); the message
+    says what to do instead (docs/integrations.md)."""
+
+
+class NotADatasetError(UsageError, AttributeError):
+    """An attribute that trainers read from a DataLoader (``dataset``) and that ``wdsllm.Loader``
+    deliberately lacks; an AttributeError too, so code that probes for it falls back."""
+
+
+class MissingDependencyError(WdsllmError, ImportError):
+    """A part of wdsllm needs a package that is not installed; the message names the pip command."""
+
+
 class PackError(WdsllmError, RuntimeError):
     """The pack cannot start or continue; the message says why and what to do."""
 

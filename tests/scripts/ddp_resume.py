@@ -38,7 +38,7 @@ def main() -> None:
         with open(os.path.join(args.resume, "state-rank0.json")) as f:
             state = json.load(f)
         loader.load_state_dict(state)
-        start_epoch = state["epoch"]
+        start_epoch = loader.epoch  # the restored epoch
     steps = []
     step = 0
     for epoch in range(start_epoch, args.epochs):

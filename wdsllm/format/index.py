@@ -29,6 +29,9 @@ LENGTHS_NAME = "lengths.npy"
 #: Where each group (tar sample) starts, per shard in shard order (int64 .npy, GROUP_COLUMNS per
 #: group); version 2 on. Lets a reader start a shard at any group with a ranged read.
 GROUPS_NAME = "groups.npy"
+#: The tokenizer the dataset was packed with (its JSON text, as hashed in ``tokenizer.sha256``);
+#: optional, named by the index's ``tokenizer_file`` (written by packs since format 3's second release).
+TOKENIZER_NAME = "tokenizer.json"
 #: Written first by a pack and removed after index.json: a directory holding it is unfinished.
 JOURNAL_START = ".pack-start.json"
 SHARD_PATTERN = "{prefix}-{number:06d}.tar"
@@ -96,12 +99,26 @@ def check_finished(root: str, *, retry: Any = None) -> None:
         )
 
 
+def read_side_bytes(root: str, ref: SideFile, *, retry: Any = None) -> bytes:
+    """The side file's bytes, read from the dataset root and checked against the index."""
+    from .. import storage
+
+    url = storage.join_url(root, ref.name)
+    return ref.check(storage.read_bytes(url, retry=retry), url)
+
+
 def read_side_file(root: str, ref: SideFile, *, retry: Any = None) -> np.ndarray:
     """The side file's array, read from the dataset root and checked against the index."""
     from .. import storage
 
-    url = storage.join_url(root, ref.name)
-    return npy_array(ref.check(storage.read_bytes(url, retry=retry), url), url)
+    return npy_array(read_side_bytes(root, ref, retry=retry), storage.join_url(root, ref.name))
+
+
+def read_tokenizer_json(root: str, index: Index, *, retry: Any = None) -> str | None:
+    """The JSON text of the tokenizer the dataset carries (checked), or None if it carries none."""
+    if index.tokenizer_file is None:
+        return None
+    return read_side_bytes(root, index.tokenizer_file, retry=retry).decode("utf-8")
 
 
 @dataclass
@@ -141,6 +158,7 @@ class Index:
     lengths_file: SideFile | None = None
     packed: dict[str, Any] | None = None  # packed mode: {"max_row_segments": k, "short_rows": n}
     groups_file: SideFile | None = None  # version 2 on
+    tokenizer_file: SideFile | None = None  # tokenizer.json beside the index (optional)
     checksum: str | None = CHECKSUM_NAME  # version 3 on: the checksum of every group in groups.npy
     version: int = FORMAT_VERSION
     format: str = FORMAT_NAME
@@ -200,6 +218,7 @@ class Index:
             "doc_lengths": self.doc_lengths,
             "lengths_file": self.lengths_file.to_json() if self.lengths_file else None,
             "groups_file": self.groups_file.to_json() if self.groups_file else None,
+            **({"tokenizer_file": self.tokenizer_file.to_json()} if self.tokenizer_file else {}),
             "checksum": self.checksum,
             "packed": self.packed,
             "options": self.options,
@@ -243,6 +262,7 @@ class Index:
                 skipped=body.get("skipped", {}),
                 lengths_file=SideFile.from_json(body.get("lengths_file"), where),
                 groups_file=SideFile.from_json(body.get("groups_file"), where) if version >= 2 else None,
+                tokenizer_file=SideFile.from_json(body.get("tokenizer_file"), where),
                 packed=body.get("packed"),
                 checksum=checksum,
                 version=version,
@@ -273,6 +293,8 @@ class Index:
             value = getattr(tok, name)
             if value is not None and not (_count(value) and value < tok.vocab_size):
                 raise FormatError(f"{where}: tokenizer.{name} must be an id below the vocabulary size, or null")
+        if self.tokenizer_file is not None and self.tokenizer_file.sha256 != tok.sha256:
+            raise FormatError(f"{where}: tokenizer_file's sha256 is not tokenizer.sha256: they name two tokenizers")
         if self.mode == "packed" and not (_count(self.seq_len) and self.seq_len > 0):
             raise FormatError(f"{where}: a packed dataset needs a positive seq_len")
         for i, s in enumerate(self.shards):

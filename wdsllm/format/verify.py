@@ -242,7 +242,12 @@ def verify(source: str, jobs: int = 1, on_shard: Callable[[int, int, ShardCheck]
             checks.append(check)
             if on_shard:
                 on_shard(len(checks), len(index.shards), check)
-    errors = _check_index(index, raw, checks) + _check_lengths(root, index, checks) + _check_groups(root, index, checks)
+    errors = (
+        _check_index(index, raw, checks)
+        + _check_lengths(root, index, checks)
+        + _check_groups(root, index, checks)
+        + _check_tokenizer(root, index)
+    )
     return Report(root=root, index=index, shards=checks, errors=errors)
 
 
@@ -344,6 +349,23 @@ def _check_groups(root: str, index: fmt.Index, checks: list[ShardCheck]) -> list
             f"the shards say {want[columns * first : columns * (first + 1)].tolist()}"
         )
     return errors
+
+
+def _check_tokenizer(root: str, index: fmt.Index) -> list[str]:
+    """tokenizer.json, when the index names it: the exact text whose sha256 the index holds (the
+    tokenizer the dataset was packed with)."""
+    if not index.tokenizer_file:
+        return []  # packed before datasets carried their tokenizer
+    url = storage.join_url(root, index.tokenizer_file.name)
+    try:
+        data = storage.read_bytes(url)
+    except storage.StorageError as exc:
+        return [f"{index.tokenizer_file.name}: missing or unreadable: {exc}"]
+    try:
+        index.tokenizer_file.check(data, index.tokenizer_file.name)
+    except fmt.FormatError:
+        return [f"{index.tokenizer_file.name}: size or sha256 differs from the index (not the packing tokenizer)"]
+    return []
 
 
 def _lengths_from_shards(index: fmt.Index, checks: list[ShardCheck]) -> np.ndarray:

@@ -730,6 +730,7 @@ class BatchingMode:
     rows: bool = False  # batches are rows of seq_len (documents in rows, with segments)
     boundaries: bool = False  # rows mark their documents' boundaries by default
     pieces_at_seq_len: bool = False  # documents longer than seq_len reach it as seq_len pieces
+    hint_keys: frozenset[str] = frozenset()  # the keys of its batcher's resume hints (none: no hints)
 
 
 def _fixed(cfg: Any) -> Batcher:
@@ -750,7 +751,7 @@ MODES: dict[str, BatchingMode] = {
     m.name: m
     for m in (
         BatchingMode("fixed", _fixed),
-        BatchingMode("bucket", _bucket, docs_only=True, uses_window=True),
+        BatchingMode("bucket", _bucket, docs_only=True, uses_window=True, hint_keys=frozenset({"w", "carry", "skip"})),
         BatchingMode(
             "pack",
             lambda cfg: PackBatcher(cfg.window, cfg.seq_len, cfg.batch_size, cfg.drop_last),
@@ -760,6 +761,7 @@ MODES: dict[str, BatchingMode] = {
             rows=True,
             boundaries=True,
             pieces_at_seq_len=True,
+            hint_keys=frozenset({"w", "skip"}),
         ),
         BatchingMode(
             "concat",

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from .config import Config
 
 IGNORE_INDEX = -100
+#: the Hugging Face names of ``cu_seqlens`` and ``max_seqlen`` (padding-free packing, transformers >= 4.47)
+HF_CU_SEQ_LENS = ("cu_seq_lens_q", "cu_seq_lens_k")
+HF_MAX_LENGTH = ("max_length_q", "max_length_k")
 _NP_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
 
 
@@ -163,7 +166,8 @@ def collate_docs(items: Block, opts: CollateOptions) -> dict:
 
 def collate_rows(items: Block, opts: CollateOptions) -> dict:
     """Packed rows of ``seq_len``: input_ids, labels, lengths (tokens per row: seq_len but for a
-    short tail row), rows, docs; with ``boundaries`` also position_ids, cu_seqlens, max_seqlen.
+    short tail row), rows, docs; with ``boundaries`` also position_ids, cu_seqlens, max_seqlen
+    (and the same as cu_seq_lens_q/k, max_length_q/k, the names Hugging Face models read).
 
     No attention_mask: rows hold no padding but after a short tail row's tokens, which causal
     attention never lets a real token see, and whose labels are -100. Leaving it out saves a
@@ -243,10 +247,15 @@ def _boundaries(seg_starts: np.ndarray, row_of_seg, n: int, seq_len: int, max_se
     seg_lengths = np.diff(bounds)
     positions = np.arange(n * seq_len, dtype=np.int64) - np.repeat(bounds[:-1], seg_lengths)
     # fixed length: every row's segments plus one padding segment per row, so shapes never change
-    cu = np.full(n * (max_seg + 1) + 1, n * seq_len, np.int32)
-    cu[: len(bounds)] = bounds.astype(np.int32)
+    cu = torch.from_numpy(np.full(n * (max_seg + 1) + 1, n * seq_len, np.int32))
+    cu[: len(bounds)] = torch.from_numpy(bounds.astype(np.int32))
+    longest = int(seg_lengths.max()) if len(seg_lengths) else 0
+    # Hugging Face models read the same two facts under their own names (FlashAttention's varlen
+    # path; sdpa/eager find the documents from position_ids): one tensor, several keys.
     return {
         "position_ids": torch.from_numpy(positions.reshape(n, seq_len)),
-        "cu_seqlens": torch.from_numpy(cu),
-        "max_seqlen": int(seg_lengths.max()) if len(seg_lengths) else 0,
+        "cu_seqlens": cu,
+        "max_seqlen": longest,
+        **dict.fromkeys(HF_CU_SEQ_LENS, cu),
+        **dict.fromkeys(HF_MAX_LENGTH, longest),
     }

@@ -20,14 +20,18 @@ import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .. import format as fmt
 from .. import storage
-from ..errors import ShardError, WdsllmError
+from ..errors import ConfigError, ShardError, StateError, TokenizerError, WdsllmError
 from ..format.tar import changed_file
+from . import resume as resumemod
+from . import state as statemod
 from .batching import Batch
 from .catalog import Catalog, open_catalog
 from .collate import CollateOptions, collate_docs, collate_rows
 from .config import Config, read_options, resolve_world
 from .counts import EpochLimits, EpochPlan, epoch_limits, slices_for
+from .guard import refuse_rewrapping
 from .plan import resampled_slices
 from .read import ReadOptions
 from .stream import StreamSpec, StreamStats, plan_items, shuffle_lengths, shuffled_items, slice_item_lengths
@@ -97,6 +101,11 @@ class EpochSource(IterableDataset):
 
     def resume_from(self, positions: dict[int, WorkerPosition]) -> None:
         self._resume = {int(w): tuple(p) for w, p in positions.items()}
+
+    def set_world(self, rank: int, world: int) -> None:
+        """Another rank and world size (found again once the process group was up)."""
+        self.rank, self.world = rank, world
+        self._limits = {}
 
     def plan_for(self, epoch: int) -> EpochPlan | None:
         return self._plans.get(epoch)
@@ -299,7 +308,15 @@ def _bundle(batches: Iterator, max_batches: int, max_tokens: int) -> Iterator[li
         yield bundle
 
 
-def _items_one_by_one(batches: Iterator, rows: bool) -> Iterator[dict]:
+class Tracker:
+    """Where the batches this process handed out stand: (epoch, batches or items of the worker's
+    epoch, the batcher's hint), updated before each one is yielded (what ``state_dict`` saves)."""
+
+    def __init__(self) -> None:
+        self.position: tuple | None = None
+
+
+def _items_one_by_one(batches: Iterator, rows: bool, tracker: Tracker | None = None) -> Iterator[dict]:
     """Third stage for batch_size=None: each document (or row) as its own sample.
 
     A chunk's tokens are converted to int64 once and handed out as slices, so the cost per item
@@ -322,16 +339,20 @@ def _items_one_by_one(batches: Iterator, rows: bool) -> Iterator[dict]:
             tokens = torch.from_numpy(items.gather_tokens().astype(np.int64))
             firsts = np.cumsum(items.lengths) - items.lengths
         bounds = zip(firsts.tolist(), (firsts + items.lengths).tolist())
-        epoch = batch.epoch
+        epoch, first = batch.epoch, batch.index
         if items.pieces is None:
-            for (a, b), item in zip(bounds, items.ids.tolist()):
+            for i, ((a, b), item) in enumerate(zip(bounds, items.ids.tolist())):
+                if tracker is not None:
+                    tracker.position = (epoch, first + i + 1, None)
                 yield {"input_ids": tokens[a:b], name: item, "epoch": epoch}
         else:
-            for (a, b), item, piece in zip(bounds, items.ids.tolist(), items.pieces.tolist()):
+            for i, ((a, b), item, piece) in enumerate(zip(bounds, items.ids.tolist(), items.pieces.tolist())):
+                if tracker is not None:
+                    tracker.position = (epoch, first + i + 1, None)
                 yield {"input_ids": tokens[a:b], name: item, "piece": piece, "epoch": epoch}
 
 
-def _collate(batches: Iterator, rows: bool, opts: CollateOptions) -> Iterator[dict]:
+def _collate(batches: Iterator, rows: bool, opts: CollateOptions, tracker: Tracker | None = None) -> Iterator[dict]:
     """Third stage: compact batches to dicts of tensors."""
     fn = collate_rows if rows else collate_docs
     for batch in batches:
@@ -339,16 +360,137 @@ def _collate(batches: Iterator, rows: bool, opts: CollateOptions) -> Iterator[di
             continue
         out = fn(batch.items, opts)
         out["epoch"] = batch.epoch
+        if tracker is not None:
+            tracker.position = (batch.epoch, batch.index + 1, batch.hint)
         yield out
 
 
+def dataset_tokenizer(catalog: Catalog) -> Any:
+    """The ``tokenizers.Tokenizer`` the dataset was packed with, from the tokenizer.json it carries
+    (checked against the index's sha256)."""
+    from tokenizers import Tokenizer
+
+    index, root = catalog.index, catalog.root
+    if index is None or root is None:
+        raise TokenizerError("a dataset without index.json names no tokenizer")
+    text = fmt.read_tokenizer_json(root, index, retry=catalog.retry)
+    if text is None:
+        raise TokenizerError(
+            f"{root} carries no {fmt.TOKENIZER_NAME} (it was packed before datasets stored their tokenizer): load "
+            f"{index.tokenizer.source!r} yourself (sha256 {index.tokenizer.sha256[:16]}...)"
+        )
+    return Tokenizer.from_str(text)
+
+
 class WdsPipeline(wds.DataPipeline):
-    """A webdataset.DataPipeline that also exposes ``set_epoch`` and what the loader needs."""
+    """A webdataset.DataPipeline that also has ``set_epoch``, ``state_dict`` and
+    ``load_state_dict`` (per DataLoader worker, as torchdata's StatefulDataLoader asks), and what
+    the loader needs."""
 
     source: EpochSource
+    catalog: Catalog
+    cfg: Config
+    #: rank and world size were found, not given: looked up again when iteration starts
+    implicit_world: bool = False
+    #: where this process's batches stand (None: the loader keeps the state, not the pipeline)
+    tracker: Tracker | None = None
+    _pending: statemod.DatasetState | None = None
+    _here: tuple[int, int] = (0, 1)
 
     def set_epoch(self, epoch: int) -> None:
         self.source.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        return self.source.epoch
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizers.Tokenizer the dataset was packed with (its own tokenizer.json)."""
+        return dataset_tokenizer(self.catalog)
+
+    def __iter__(self) -> Iterator:
+        refuse_rewrapping()
+        if self.implicit_world:
+            rank, world = resolve_world(None, None)
+            if (rank, world) != (self.source.rank, self.source.world):
+                log.info("rank and world size are now %d of %d (the process group came up later)", rank, world)
+                self.source.set_world(rank, world)
+        if self.tracker is not None:
+            self._start_pass()
+        return super().__iter__()
+
+    # -- state, per worker (torchdata's StatefulDataLoader) ---------------------------------------
+    def _worker(self) -> tuple[int, int]:
+        info = get_worker_info()
+        return (info.id, info.num_workers) if info is not None else (0, 1)
+
+    def _start_pass(self) -> None:
+        """Where this worker's pass starts: a restored position, or its epoch's beginning."""
+        self._here = self._worker()
+        pending, self._pending = self._pending, None
+        worker = self._here[0]
+        if pending is not None and (self.cfg.infinite or pending.position.epoch == self.source.epoch):
+            self.source.resume_from({worker: pending.position.as_tuple()})
+            self.tracker.position = pending.position.as_tuple()
+            return
+        if pending is not None:
+            log.warning(
+                "the restored position is in epoch %d but this pass runs epoch %d (set_epoch): starting epoch %d "
+                "from its beginning",
+                pending.position.epoch,
+                self.source.epoch,
+                self.source.epoch,
+            )
+        self.source.resume_from({})
+        self.tracker.position = (self.source.epoch, 0, None)
+
+    def state_dict(self) -> dict[str, str]:
+        """Where this worker's batches stand (call it in the worker, as StatefulDataLoader does):
+        ``{"format": "wdsllm.dataset/1", "state": JSON}``."""
+        if self.tracker is None:
+            raise ConfigError("this pipeline belongs to a wdsllm.loader: use loader.state_dict()")
+        if self._pending is not None:
+            return self._pending.sealed()
+        worker, workers = self._here if self.tracker.position is not None else self._worker()
+        position = self.tracker.position or (self.source.epoch, 0, None)
+        return statemod.DatasetState(
+            dataset=self.catalog.fingerprint(),
+            settings=resumemod.settings_fingerprint(self.cfg),
+            rank=self.source.rank,
+            world_size=self.source.world,
+            worker=worker,
+            num_workers=workers,
+            position=statemod.Position(*position),
+        ).sealed()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume this worker's next pass where ``state`` (from ``state_dict`` in the same worker
+        of the same layout) stood; checked now, refused with a StateError if it does not fit."""
+        if self.tracker is None:
+            raise ConfigError("this pipeline belongs to a wdsllm.loader: use loader.load_state_dict()")
+        st = statemod.DatasetState.load(state)
+        worker, workers = self._worker()
+        if (st.worker, st.num_workers) != (worker, workers):
+            raise StateError(
+                f"the dataset state is DataLoader worker {st.worker} of {st.num_workers}'s; it is being loaded into "
+                f"worker {worker} of {workers}: resume with the same num_workers"
+            )
+        if self.implicit_world:
+            self.source.set_world(*resolve_world(None, None))
+        st.check(
+            self.catalog,
+            self.cfg,
+            dataset=self.catalog.fingerprint(),
+            settings=resumemod.settings_fingerprint(self.cfg),
+            rank=self.source.rank,
+            world=self.source.world,
+        )
+        keys = self.cfg.mode.hint_keys
+        hint = st.position.hint
+        if hint is not None and (not keys or set(hint) != keys):
+            raise StateError(f"the dataset state's batcher hint has keys {sorted(hint)}; expected {sorted(keys)}")
+        self._pending = st
 
     def worker_iter(self, worker: int, workers: int) -> Iterator:
         """What DataLoader worker ``worker`` of ``workers`` would yield, run in this process.
@@ -373,6 +515,7 @@ def build_pipeline(
     end_marker: bool,
     bundle: int = 0,
     ring: RingHolder | None = None,
+    implicit_world: bool = False,
 ) -> WdsPipeline:
     cfg.check(catalog)
     # Packed shards: what each row holds is worked out only as far as the batches show it.
@@ -382,16 +525,21 @@ def build_pipeline(
     if bundle:
         stages.append(wds.filters.pipelinefilter(_bundle)(bundle, BUNDLE_TOKENS))
         stages.append(wds.filters.pipelinefilter(send_bundles)(ring or RingHolder()))
+    tracker = Tracker() if collate else None
     if collate and cfg.unbatched:
-        stages.append(wds.filters.pipelinefilter(_items_one_by_one)(cfg.rows_out(catalog)))
+        stages.append(wds.filters.pipelinefilter(_items_one_by_one)(cfg.rows_out(catalog), tracker))
     elif collate:
         stages.append(
-            wds.filters.pipelinefilter(_collate)(cfg.rows_out(catalog), CollateOptions.for_config(cfg, catalog))
+            wds.filters.pipelinefilter(_collate)(
+                cfg.rows_out(catalog), CollateOptions.for_config(cfg, catalog), tracker
+            )
         )
     pipe = WdsPipeline(*stages)
     pipe.source = source
     pipe.catalog = catalog
     pipe.cfg = cfg
+    pipe.tracker = tracker
+    pipe.implicit_world = implicit_world
     return pipe
 
 
@@ -456,4 +604,13 @@ def dataset(
         docs=docs,
     )
     read = read_options(retry, cache_dir, cache_size, on_error, check_groups)
-    return build_pipeline(catalog, cfg.resolved(catalog), r, w, read, collate=True, end_marker=False)
+    return build_pipeline(
+        catalog,
+        cfg.resolved(catalog),
+        r,
+        w,
+        read,
+        collate=True,
+        end_marker=False,
+        implicit_world=rank is None and world_size is None,
+    )

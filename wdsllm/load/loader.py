@@ -25,14 +25,15 @@ import torch
 from torch.utils.data import DataLoader
 
 from .. import storage
-from ..errors import ConfigError, StateError
+from ..errors import ConfigError, NotADatasetError, StateError, UsageError
 from . import resume as resumemod
+from . import state as statemod
 from .batching import Batch
 from .catalog import open_catalog
 from .collate import CollateOptions, collate_docs, collate_rows
 from .config import Config, read_options, resolve_world
 from .counts import EpochPlan, batch_counts, equalised, round_robin_share
-from .dataset import EndOfWorker, build_pipeline
+from .dataset import EndOfWorker, build_pipeline, dataset_tokenizer
 from .transport import RingHolder, TokenRing, received
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,26 @@ class Loader:
         self,
         source: Any,
         *,
+        batch_size: int | None = 32,
+        seed: int = 0,
+        shuffle: bool = True,
+        shuffle_buffer: int | None = None,
+        epochs: int | None = 1,
+        resample: bool = False,
+        steps_per_epoch: int | None = None,
+        equal_batches: bool | None = None,
+        drop_last: bool = False,
+        max_len: int | None = None,
+        max_len_mode: str = "split",
+        batching: str = "fixed",
+        window: int = 10_000,
+        max_tokens: int | None = None,
+        seq_len: int | None = None,
+        pad_id: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        boundaries: bool = False,
+        max_segments: int | None = None,
+        docs: bool = True,
         num_workers: int = 0,
         prefetch_factor: int | None = 2,
         persistent_workers: bool = False,
@@ -98,9 +119,33 @@ class Loader:
         check_groups: bool = True,
         multiprocessing_context: Any = None,
         workers_in_process: bool = False,
-        **options,
     ):
+        options = dict(
+            batch_size=batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            shuffle_buffer=shuffle_buffer,
+            epochs=epochs,
+            resample=resample,
+            steps_per_epoch=steps_per_epoch,
+            equal_batches=equal_batches,
+            drop_last=drop_last,
+            max_len=max_len,
+            max_len_mode=max_len_mode,
+            batching=batching,
+            window=window,
+            max_tokens=max_tokens,
+            seq_len=seq_len,
+            pad_id=pad_id,
+            pad_to_multiple_of=pad_to_multiple_of,
+            boundaries=boundaries,
+            max_segments=max_segments,
+            docs=docs,
+        )
         self.catalog = open_catalog(source, retry=retry)
+        #: rank and world size given, or found (torch.distributed, RANK/WORLD_SIZE); found ones are
+        #: looked up again when iteration starts, in case the process group came up after this
+        self._explicit_world = rank is not None or world_size is not None
         self.rank, self.world_size = resolve_world(rank, world_size)
         self.cfg = Config(**options).resolved(self.catalog)
         if self.cfg.unbatched:
@@ -109,6 +154,8 @@ class Loader:
                 "for one document at a time use wdsllm.dataset(..., batch_size=None)"
             )
         self.num_workers = int(num_workers)
+        if self.num_workers < 0:
+            raise ConfigError(f"num_workers must be 0 or more, not {num_workers}")
         self.prefetch_factor = prefetch_factor if self.num_workers > 0 else None
         self.persistent_workers = persistent_workers and self.num_workers > 0
         self.pin_memory = pin_memory
@@ -117,18 +164,8 @@ class Loader:
         self.workers_in_process = workers_in_process
         self.read_options = read_options(retry, cache_dir, cache_size, on_error, check_groups)
         self._ring = RingHolder()  # shared memory the workers send tokens through (transport.py)
-        self.pipeline = build_pipeline(
-            self.catalog,
-            self.cfg,
-            self.rank,
-            self.world_size,
-            self.read_options,
-            collate=False,
-            end_marker=True,
-            bundle=BUNDLE_BATCHES if self.num_workers > 0 and not workers_in_process else 0,
-            ring=self._ring,
-        )
-        self.source = self.pipeline.source
+        self._tokenizer: Any = None
+        self._build()
         self.collate_options = CollateOptions.for_config(self.cfg, self.catalog)
         self._collate = collate_rows if self.cfg.rows_out(self.catalog) else collate_docs
         self._epoch = 0
@@ -137,6 +174,8 @@ class Loader:
         self._dataloader: DataLoader | None = None
         self._stream: Iterator | None = None  # the endless stream of an infinite loader
         self._rr: RoundRobin | None = None
+        self._started = False  # whether any iteration has begun (rank and world are then fixed)
+        self._pass = 0  # the current pass; a pass abandoned by its caller must not touch a later one
         self._positions: dict[int, tuple] = {}  # worker -> (epoch, batches handed out, batcher hint)
         self._yielded = 0  # batches handed out this epoch (finite) or since the stream began
         self._steps = 0  # batches handed out in the current steps_per_epoch loop
@@ -151,13 +190,83 @@ class Loader:
         #: batches repeated to keep counts equal after shards were skipped (on_error="skip")
         self.refilled_batches = 0
 
+    def _build(self) -> None:
+        self.pipeline = build_pipeline(
+            self.catalog,
+            self.cfg,
+            self.rank,
+            self.world_size,
+            self.read_options,
+            collate=False,
+            end_marker=True,
+            bundle=BUNDLE_BATCHES if self.num_workers > 0 and not self.workers_in_process else 0,
+            ring=self._ring,
+        )
+        self.source = self.pipeline.source
+
     @property
     def workers(self) -> int:
         return max(1, self.num_workers)
 
+    @property
+    def tokenizer(self) -> Any:
+        """The ``tokenizers.Tokenizer`` the dataset was packed with, from the tokenizer.json it
+        carries: to decode batches, or for ``PreTrainedTokenizerFast(tokenizer_object=...)``."""
+        if self._tokenizer is None:
+            self._tokenizer = dataset_tokenizer(self.catalog)
+        return self._tokenizer
+
+    # -- what trainers ask of a DataLoader ------------------------------------------------------
+    @property
+    def dataset(self) -> Any:
+        """Not there on purpose: trainers that resume by skipping batches read ``loader.dataset``
+        (accelerate's ``skip_first_batches``), and replaying batches is not how this loader resumes."""
+        raise NotADatasetError(
+            "wdsllm.Loader has no .dataset: it resumes from its own state_dict(), never by skipping batches. With the "
+            "Hugging Face Trainer use wdsllm.integrations.hf.Trainer(train_loader=loader); elsewhere call "
+            "loader.load_state_dict(...) yourself (docs/integrations.md)"
+        )
+
+    def __getitem__(self, index: Any) -> Any:
+        raise UsageError(
+            "wdsllm.Loader yields whole batches and cannot be indexed: do not pass it as a dataset (train_dataset=); "
+            "iterate it, or give it to wdsllm.integrations.hf.Trainer(train_loader=...) (docs/integrations.md)"
+        )
+
+    def _settle_world(self) -> None:
+        """Look up a rank and world size that were found, not given, again: a launcher that
+        starts the process group after the loader was built (accelerate's ``Accelerator()`` under
+        mpirun) would otherwise leave every process believing it is rank 0 of 1, and each would
+        read the whole epoch."""
+        if self._explicit_world:
+            return
+        rank, world = resolve_world(None, None)
+        if (rank, world) == (self.rank, self.world_size):
+            return
+        if self._started:
+            raise UsageError(
+                f"this process became rank {rank} of {world} after the loader started iterating as rank {self.rank} "
+                f"of {self.world_size}: initialise torch.distributed (or create the Accelerator) before iterating, "
+                "or pass rank= and world_size="
+            )
+        log.info(
+            "rank and world size changed since the loader was built (%d of %d -> %d of %d): the process group came up "
+            "later; using the new ones",
+            self.rank,
+            self.world_size,
+            rank,
+            world,
+        )
+        self.rank, self.world_size = rank, world
+        self._build()
+        self._total_key, self._total = None, None
+        self._dataloader = None
+
     # -- epochs ---------------------------------------------------------------------------------
     @property
     def epoch(self) -> int:
+        """The epoch the next pass runs (or the one in progress)."""
+        self._settle_epoch()
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
@@ -165,21 +274,54 @@ class Loader:
 
         Without calls the epoch advances by one after every completed pass.
         """
+        self._settle_epoch()
         if self._pending_resume is not None and int(epoch) != self._epoch:
             log.warning("set_epoch(%d) after load_state_dict: the restored epoch %d is abandoned", epoch, self._epoch)
             self._drop_resume()
         self._epoch = int(epoch)
         self._auto_epoch = False
 
+    def _settle_epoch(self) -> None:
+        """Close a pass whose last batch was handed out but whose iterator was never exhausted.
+
+        Trainers (Lightning) stop after ``len(loader)`` batches without asking for one more, so
+        the generator never reaches its end; without this the next pass would repeat the epoch.
+        """
+        if self._rr is None or self.infinite or not self._yielded or self._yielded != self._epoch_total():
+            return
+        self._finish_pass(self._epoch)
+
+    def _finish_pass(self, epoch: int) -> None:
+        self._pass += 1  # the finished pass's generator, if resumed or collected later, does nothing
+        self._rr = None
+        self._completed = epoch
+        if self.source.resume_positions or self._pending_resume is not None:
+            self._drop_resume()
+        if self._auto_epoch:
+            self._epoch = epoch + 1
+
     @property
     def infinite(self) -> bool:
         return self.cfg.infinite
+
+    def at_end_of_pass(self) -> bool:
+        """Whether the batch just handed out was the last of this pass (the epoch's, or the
+        ``steps_per_epoch`` loop's); never for an endless stream without ``steps_per_epoch``.
+        Also right after a resume, where the pass began mid-way."""
+        if self.cfg.steps_per_epoch is not None:
+            return self._steps == self.cfg.steps_per_epoch
+        if self.infinite or self._rr is None:
+            return False
+        return self._yielded > 0 and self._yielded == self._epoch_total()
 
     def __len__(self) -> int:
         if self.cfg.steps_per_epoch is not None:
             return self.cfg.steps_per_epoch
         if self.infinite:
             raise TypeError("an endless loader has no length; pass steps_per_epoch= to give it one")
+        if not self._started:
+            self._settle_world()
+        self._settle_epoch()
         total = self._epoch_total()
         if total is None:
             raise TypeError("the number of batches is unknown without an index")
@@ -188,7 +330,7 @@ class Loader:
     def _epoch_total(self) -> int | None:
         """Batches this rank yields in the current epoch, from the index (None without one)."""
         plan = self.source.plan_for(self._epoch)
-        key = (self._epoch, id(plan))
+        key = (self._epoch, id(plan), self.world_size)
         if self._total_key != key:
             limits = self.source.limits(self._epoch, self.workers)
             if limits is not None:
@@ -252,6 +394,9 @@ class Loader:
         return out
 
     def __iter__(self) -> Iterator[dict]:
+        self._settle_world()
+        self._settle_epoch()
+        self._started = True
         if self.infinite:
             return self._iter_infinite()
         return self._iter_epoch()
@@ -261,10 +406,10 @@ class Loader:
         rr = RoundRobin(self.workers)
         if self._pending_resume is not None:
             st = self._pending_resume
-            rr = RoundRobin(self.workers, st.get("turn", 0), st.get("active"))
+            rr = RoundRobin(self.workers, st["turn"], st["active"])
             self._positions = self.source.resume_positions
-            self._yielded = st.get("yielded", 0)
-            self._steps = st.get("steps", 0)
+            self._yielded = st["yielded"]
+            self._steps = st["steps"]
             self._pending_resume = None
         else:
             self._positions = {}
@@ -273,6 +418,8 @@ class Loader:
         return rr
 
     def _iter_epoch(self) -> Iterator[dict]:
+        self._pass += 1
+        this_pass = self._pass
         epoch = self._epoch
         self.source.set_epoch(epoch)
         self.limits = self.source.limits(epoch, self.workers)
@@ -292,13 +439,10 @@ class Loader:
             for batch in rr.run(self._worker_batches(), lambda end: self._note_stats(end.stats)):
                 yield self._hand_out(batch)
         finally:
-            if resumed:
+            if resumed and self._pass == this_pass:
                 self._drop_resume()
-        # The epoch is complete.
-        self._rr = None
-        self._completed = epoch
-        if self._auto_epoch:
-            self._epoch = epoch + 1
+        if self._pass == this_pass:  # the epoch is complete (unless a later pass took over)
+            self._finish_pass(epoch)
 
     def _iter_infinite(self) -> Iterator[dict]:
         if self._stream is None:
@@ -326,87 +470,92 @@ class Loader:
     def _settings(self) -> str:
         return resumemod.settings_fingerprint(self.cfg)
 
-    def state_dict(self) -> dict:
-        """Where this rank's stream stands: small JSON-able data (see docs/loader.md)."""
+    def state_dict(self) -> dict[str, str]:
+        """Where this rank's stream stands, as ``{"format": "wdsllm.loader/2", "state": JSON}``:
+        two strings that every checkpointer keeps whole (see docs/loader.md and state.py)."""
+        self._settle_epoch()
+        if self._pending_resume is not None:
+            return self._pending_resume["state"].sealed()
         in_epoch = self._rr is not None or (self.infinite and self._stream is not None)
         if in_epoch and not self.infinite and self._yielded and self._yielded == self._epoch_total():
-            # The last batch is out: a resume starts the next epoch, not an empty rest of this one.
-            in_epoch = False
+            in_epoch = False  # the last batch is out: a resume starts the next epoch
             self._completed = self._epoch
-        if self._pending_resume is not None:
-            return dict(self._pending_resume["state"])
         equal = self.cfg.keeps_equal_batches(self.world_size)
         epoch = self._epoch
         if not in_epoch and self._completed is not None and self._completed == epoch:
             epoch += 1  # saved after a finished epoch: the next one is what a resume runs
         plan = self.source.plan_for(epoch)
-        state = {
-            "kind": resumemod.STATE_KIND,
-            "version": resumemod.STATE_VERSION,
-            "dataset": self.catalog.fingerprint(),
-            "settings": self._settings(),
-            "config": {k: v for k, v in vars(self.cfg).items()},
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "num_workers": self.workers,
-            "equal_batches": bool(equal),
-            "infinite": self.infinite,
-            "epoch": epoch,
-            "yielded": self._yielded if in_epoch else 0,
-            "steps": self._steps,
-            "workers": {str(w): list(p) for w, p in sorted(self._positions.items())} if in_epoch else {},
-            "turn": self._rr.turn if (in_epoch and self._rr is not None) else 0,
-            "active": list(self._rr.active) if (in_epoch and self._rr is not None) else None,
-            "plan": plan.to_json() if plan is not None else None,
-        }
-        return state
+        st = statemod.LoaderState(
+            dataset=self.catalog.fingerprint(),
+            settings=self._settings(),
+            config=dict(vars(self.cfg)),
+            rank=self.rank,
+            world_size=self.world_size,
+            num_workers=self.workers,
+            equal_batches=bool(equal),
+            infinite=self.infinite,
+            epoch=epoch,
+            yielded=self._yielded if in_epoch else 0,
+            steps=self._steps,
+            workers={w: statemod.Position(*p) for w, p in sorted(self._positions.items())} if in_epoch else {},
+            turn=self._rr.turn if (in_epoch and self._rr is not None) else 0,
+            active=list(self._rr.active) if (in_epoch and self._rr is not None) else None,
+            plan=plan if isinstance(plan, resumemod.RemainderPlan) else None,
+        )
+        return st.sealed()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a state saved by ``state_dict`` (on any rank when batches were equal).
 
-        Another world size or worker count is accepted for finite epochs: the rest of the saved
-        epoch is re-planned for this layout (every unconsumed document once, in another order).
+        Everything in it is checked before anything changes (types, fingerprints, and the
+        positions against the epoch's batch counts); a state that does not fit is refused with a
+        StateError naming the field. Another world size or worker count is accepted for finite
+        epochs: the rest of the saved epoch is re-planned for this layout (every unconsumed
+        document once, in another order).
         """
-        resumemod.check_state(state, dataset=self.catalog.fingerprint(), settings=self._settings())
-        if bool(state.get("infinite")) != self.infinite:
-            raise StateError("the state is from an endless loader and this one is finite, or the other way round")
+        if not self._started:
+            self._settle_world()
+        st = statemod.LoaderState.load(state)
+        statemod.check_identity(
+            st, dataset=self.catalog.fingerprint(), settings=self._settings(), infinite=self.infinite
+        )
+        statemod.check_positions(st, self.catalog, self.cfg, exact_order=self.read_options.on_error == "raise")
+        same_layout = st.world_size == self.world_size and st.num_workers == self.workers
+        if st.workers and not same_layout and self.infinite:
+            raise StateError("resuming an endless stream with another world size or worker count is not supported")
+        if st.workers and same_layout and st.rank != self.rank and not st.equal_batches:
+            raise StateError(
+                f"this state is rank {st.rank}'s and ranks yielded different numbers of batches; load each rank's own "
+                "state"
+            )
+        if st.workers and not same_layout and st.world_size > 1 and not st.equal_batches:
+            raise StateError("an elastic resume needs equal batch counts on the old ranks (equal_batches=True)")
+        # The state fits: from here on nothing is refused.
+        self._pass += 1  # an iterator of an earlier pass no longer touches this loader
+        self._rr = None
         self._total_key = None
         self._stream = None
         self._dataloader = None
-        self._epoch = int(state["epoch"])
+        self._epoch = st.epoch
         self._completed = None
-        plan = resumemod.RemainderPlan.from_json(state.get("plan"))
-        self.source.set_plan(plan.epoch if plan else None, plan)
-        same_layout = state["world_size"] == self.world_size and state["num_workers"] == self.workers
-        if not state["workers"]:
+        self._pending_resume = None
+        self.source.set_plan(st.plan.epoch if st.plan else None, st.plan)
+        if not st.workers:
             self.source.resume_from({})
             return  # saved between epochs: the next iteration starts epoch `epoch` afresh
-        if same_layout:
-            if state["rank"] != self.rank and not state["equal_batches"]:
-                raise StateError(
-                    f"this state is rank {state['rank']}'s and ranks yielded different numbers of batches; load each "
-                    "rank's own state"
-                )
-            positions = (
-                self._positions_from(state)
-                if state["rank"] != self.rank
-                else {int(w): tuple(p) for w, p in state["workers"].items()}
-            )
-            self.source.resume_from(positions)
-            turn, active = state["turn"], state["active"]
-            if state["rank"] != self.rank:
-                turn, active = self._turn_from(positions)
-            self._pending_resume = {
-                "turn": turn,
-                "active": active,
-                "yielded": state["yielded"],
-                "steps": state["steps"],
-                "state": state,
-            }
+        if not same_layout:
+            self._elastic(st)
             return
+        if st.rank == self.rank:
+            positions = {w: p.as_tuple() for w, p in st.workers.items()}
+        else:
+            positions = self._positions_from(st)
         if self.infinite:
-            raise StateError("resuming an endless stream with another world size or worker count is not supported")
-        self._elastic(state, plan)
+            turn, active = st.turn, list(range(self.workers))
+        else:
+            turn, active = self._turn_from(positions)
+        self.source.resume_from(positions)
+        self._pending_resume = {"turn": turn, "active": active, "yielded": st.yielded, "steps": st.steps, "state": st}
 
     # -- helpers for loading ----------------------------------------------------------------------
     def _worker_counts(self, epoch: int, world: int, workers: int, plan: EpochPlan | None) -> np.ndarray:
@@ -415,9 +564,9 @@ class Loader:
             raise StateError("this needs the dataset's index (lengths.npy) to recompute other ranks' positions")
         return equalised(counts) if self.cfg.keeps_equal_batches(world) else counts
 
-    def _positions_from(self, state: dict) -> dict[int, tuple[int, int]]:
+    def _positions_from(self, st: statemod.LoaderState) -> dict[int, tuple]:
         """This rank's per-worker positions, from another rank's state (equal batch counts)."""
-        epoch, k = state["epoch"], state["yielded"]
+        epoch, k = st.epoch, st.yielded
         counts = self._worker_counts(epoch, self.world_size, self.workers, self.source.plan_for(epoch))[self.rank]
         share = round_robin_share(counts, k)
         return {w: (epoch, int(share[w]), None) for w in range(self.workers)}
@@ -434,17 +583,14 @@ class Loader:
         last = max(w for w in range(self.workers) if served[w] == most)
         return (last + 1) % self.workers, list(range(self.workers))
 
-    def _elastic(self, state: dict, plan: resumemod.RemainderPlan | None) -> None:
+    def _elastic(self, st: statemod.LoaderState) -> None:
         """Re-plan the rest of the saved epoch for this world size and worker count."""
-        epoch = state["epoch"]
-        old_world, old_workers = state["world_size"], state["num_workers"]
-        if old_world > 1 and not state["equal_batches"]:
-            raise StateError("an elastic resume needs equal batch counts on the old ranks (equal_batches=True)")
+        epoch, plan = st.epoch, st.plan
+        old_world, old_workers = st.world_size, st.num_workers
         counts = self._worker_counts(epoch, old_world, old_workers, plan)
-        k = state["yielded"]
-        consumed = [[int(x) for x in round_robin_share(counts[r], k)] for r in range(old_world)]
-        if old_world == 1 and state["workers"]:
-            consumed = [[int(state["workers"].get(str(w), [epoch, 0])[1]) for w in range(old_workers)]]
+        consumed = [[int(x) for x in round_robin_share(counts[r], st.yielded)] for r in range(old_world)]
+        if old_world == 1:
+            consumed = [[st.workers[w].batches if w in st.workers else 0 for w in range(old_workers)]]
         remainder = resumemod.RemainderPlan(epoch, old_world, old_workers, consumed, base=plan)
         self.source.set_plan(epoch, remainder)
         self.source.resume_from({})
@@ -458,6 +604,45 @@ class Loader:
         )
 
 
-def loader(source: Any, **kwargs: Any) -> Loader:
-    """A loader over ``source``; keyword arguments as in docs/loader.md."""
-    return Loader(source, **kwargs)
+def loader(
+    source: Any,
+    *,
+    batch_size: int | None = 32,
+    seed: int = 0,
+    shuffle: bool = True,
+    shuffle_buffer: int | None = None,
+    epochs: int | None = 1,
+    resample: bool = False,
+    steps_per_epoch: int | None = None,
+    equal_batches: bool | None = None,
+    drop_last: bool = False,
+    max_len: int | None = None,
+    max_len_mode: str = "split",
+    batching: str = "fixed",
+    window: int = 10_000,
+    max_tokens: int | None = None,
+    seq_len: int | None = None,
+    pad_id: int | None = None,
+    pad_to_multiple_of: int | None = None,
+    boundaries: bool = False,
+    max_segments: int | None = None,
+    docs: bool = True,
+    num_workers: int = 0,
+    prefetch_factor: int | None = 2,
+    persistent_workers: bool = False,
+    pin_memory: bool = False,
+    rank: int | None = None,
+    world_size: int | None = None,
+    retry: storage.RetryPolicy | None = None,
+    cache_dir: str | None = None,
+    cache_size: int = 64 << 30,
+    on_error: str = "raise",
+    check_groups: bool = True,
+    multiprocessing_context: Any = None,
+    workers_in_process: bool = False,
+) -> Loader:
+    """Batches of ``source`` for this rank, with DataLoader workers, ``set_epoch`` and an exact
+    ``state_dict``. Every option is described in docs/loader.md; the batching options are those of
+    ``wdsllm.dataset``."""
+    args = dict(locals())
+    return Loader(args.pop("source"), **args)

@@ -481,7 +481,8 @@ def _pack_into(
 
 
 def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSink) -> fmt.Index:
-    """lengths.npy, then index.json (last: its presence means complete), then drop the journal."""
+    """lengths.npy, groups.npy, tokenizer.json, then index.json (last: its presence means complete),
+    then drop the journal."""
     totals = Counters()  # the journal holds every finished shard's tallies, this run's included
     records = read_journal(out)
     if len(records) != len(entries):
@@ -498,6 +499,9 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSi
         groups_bytes = fmt.group_table_bytes([np.asarray(rec["groups"], np.int64) for rec in records])
         out.put_bytes(fmt.GROUPS_NAME, groups_bytes)
         groups_file = fmt.SideFile.of(fmt.GROUPS_NAME, groups_bytes)
+    # the dataset carries its tokenizer: the exact text whose sha256 the index holds
+    tokenizer_bytes = tok.json_text.encode("utf-8")
+    out.put_bytes(fmt.TOKENIZER_NAME, tokenizer_bytes)
     options = cfg.output_options()
     options["bos"] = use_bos
     options["eos"] = use_eos
@@ -531,6 +535,7 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSi
         if cfg.mode == "packed"
         else None,
         groups_file=groups_file,
+        tokenizer_file=fmt.SideFile.of(fmt.TOKENIZER_NAME, tokenizer_bytes),
         created_by=f"wdsllm {__version__}",
     )
     out.put_bytes(fmt.INDEX_NAME, index.to_json().encode())

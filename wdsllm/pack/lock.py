@@ -29,6 +29,25 @@ LOCK_NAME = CONTROL_PREFIX + "lock"
 STALE_AFTER = 600.0
 
 
+def _dead_here(held: bytes) -> bool:
+    """Whether the lock's holder ran on this host and is gone (killed): its lock is abandoned
+    at once, without waiting for its heartbeat to go stale."""
+    try:
+        info = json.loads(held)
+        pid, host = int(info["pid"]), info["host"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    if host != socket.gethostname() or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 class OutputLock:
     """Held while a job writes ``out``; a context manager."""
 
@@ -63,7 +82,7 @@ class OutputLock:
                     beat = float(json.loads(held).get("heartbeat", 0))
                 except (ValueError, AttributeError, TypeError):
                     beat = 0.0
-                if time.time() - beat < STALE_AFTER:
+                if time.time() - beat < STALE_AFTER and not _dead_here(held):
                     raise self._refuse(held)
                 log.warning(
                     "%s: taking over a lock whose holder stopped beating %.0f s ago", self.out.url, time.time() - beat

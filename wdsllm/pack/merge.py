@@ -332,7 +332,11 @@ def merge(
         groups_bytes = None
         if parts and all(p.groups is not None for p in parts):
             groups_bytes = fmt.group_table_bytes([p.groups for p in parts])
+        tokenizer_bytes = _tokenizer_bytes(parts)
         index = merged_index(parts, moves, lengths, lengths_bytes, groups_bytes)
+        if tokenizer_bytes is not None:
+            out.put_bytes(fmt.TOKENIZER_NAME, tokenizer_bytes)
+            index.tokenizer_file = fmt.SideFile.of(fmt.TOKENIZER_NAME, tokenizer_bytes)
         out.put_bytes(fmt.LENGTHS_NAME, lengths_bytes)
         if groups_bytes is not None:
             out.put_bytes(fmt.GROUPS_NAME, groups_bytes)
@@ -347,11 +351,19 @@ def merge(
     return index, parts
 
 
+def _tokenizer_bytes(parts: list[Part]) -> bytes | None:
+    """The tokenizer.json the parts carry (they share one tokenizer), or None if any lacks it."""
+    if not parts or any(p.index.tokenizer_file is None for p in parts):
+        return None
+    return fmt.read_side_bytes(parts[0].url, parts[0].index.tokenizer_file)
+
+
 def _retire_parts(parts: list[Part]) -> None:
     """After a move the parts' indexes point at nothing: remove them (and empty local dirs)."""
     for part in parts:
         remains = storage.Output(part.url)
-        names = [fmt.INDEX_NAME] + [f.name for f in (part.index.lengths_file, part.index.groups_file) if f is not None]
+        sides = (part.index.lengths_file, part.index.groups_file, part.index.tokenizer_file)
+        names = [fmt.INDEX_NAME] + [f.name for f in sides if f is not None]
         for name in names:
             remains.delete(name)
         local = _local_path(part.url)

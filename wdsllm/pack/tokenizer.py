@@ -127,11 +127,20 @@ def _token_id(tok: Tokenizer, text: str | None, names: tuple[str, ...], specials
 def load_tokenizer(spec: str, *, bos_token: str | None = None, eos_token: str | None = None) -> LoadedTokenizer:
     """Load a tokenizer.json path, a directory holding one, or a hub name (online or cached)."""
     text, how = _read_tokenizer_json(spec)
+    tok = tokenizer_from_json(text, spec, bos_token=bos_token, eos_token=eos_token)
+    log.info("tokenizer %s loaded from %s", spec, how)
+    return tok
+
+
+def tokenizer_from_json(
+    text: str, source: str, *, bos_token: str | None = None, eos_token: str | None = None
+) -> LoadedTokenizer:
+    """A tokenizer from its JSON text (a dataset's own tokenizer.json, say); ``source`` names it."""
+    spec = source
     try:
         tok = Tokenizer.from_str(text)
     except Exception as exc:
         raise TokenizerError(f"{spec}: not a valid tokenizers JSON: {exc}") from exc
-    log.info("tokenizer %s loaded from %s", spec, how)
     body = json.loads(text)
     specials = {a["content"] for a in body.get("added_tokens", []) if a.get("special")}
     vocab_size = max(

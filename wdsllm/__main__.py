@@ -1,0 +1,5 @@
+"""``python -m wdsllm``: the ``wdsllm`` command."""
+
+from .cli import main
+
+main()

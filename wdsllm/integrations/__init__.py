@@ -1,0 +1,51 @@
+"""Thin adapters for the training stacks people use (docs/integrations.md).
+
+Each module imports its library when imported itself, never from ``import wdsllm``:
+
+- :mod:`wdsllm.integrations.hf`: a ``transformers.Trainer`` that takes a ``wdsllm.loader`` as it
+  is (no second batching, no second sharding, resume from the loader's own state);
+- :mod:`wdsllm.integrations.accelerate`: ``prepare(accelerator, loader)`` for Accelerate loops;
+- :mod:`wdsllm.integrations.lightning`: a callback that keeps the loader's epoch in step.
+
+:func:`model_inputs` is shared by all of them: a batch as keyword arguments of a Hugging Face
+model. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+#: keys of a wdsllm batch that describe it and are no model input
+META_KEYS = ("docs", "rows", "lengths", "epoch", "cu_seqlens", "max_seqlen")
+#: the padding-free packing keys of Hugging Face models (FlashAttention's varlen path)
+FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def model_inputs(batch: Mapping[str, Any], *, flash_keys: bool = True) -> dict[str, Any]:
+    """``batch`` as ``model(**model_inputs(batch))`` for a Hugging Face causal LM.
+
+    Bookkeeping keys are dropped. Packed rows (``position_ids``) also get ``use_cache=False``:
+    with a cache, transformers skips the mask that keeps each document's attention to itself
+    (``masking_utils`` detects packing only without a cache and without an attention mask).
+    ``flash_keys=False`` leaves out ``cu_seq_lens_q/k`` and ``max_length_q/k`` for a model whose
+    forward takes no such keyword arguments.
+    """
+    drop = META_KEYS if flash_keys else META_KEYS + FLASH_KEYS
+    out = {k: v for k, v in batch.items() if k not in drop}
+    if "position_ids" in out:
+        out["use_cache"] = False
+    return out
+
+
+def _need(module: str, extra: str) -> None:
+    """Raise MissingDependencyError naming the pip command when ``module`` is not installed."""
+    import importlib.util
+
+    from ..errors import MissingDependencyError
+
+    if importlib.util.find_spec(module) is None:
+        raise MissingDependencyError(f"this integration needs {module}, which is not installed: pip install {extra}")
+
+
+__all__ = ["FLASH_KEYS", "META_KEYS", "model_inputs"]

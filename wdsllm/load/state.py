@@ -1,0 +1,504 @@
+"""The saved form of a loader's (or a dataset worker's) position, and its checks. No torch.
+
+A state travels through checkpointers that each keep a different subset of a nested dict:
+``torch.distributed.checkpoint`` fills only the leaves of the *fresh* object's state (a fresh
+loader has no per-worker keys, so they were dropped) and, across ranks, keeps each leaf from
+whichever rank it likes; ``torch.load(weights_only=True)`` refuses anything but plain types. So
+``state_dict()`` returns two strings, ``{"format": "wdsllm.loader/2", "state": "<JSON>"}``: one
+leaf can be neither truncated nor mixed, and every checkpointer keeps strings. The JSON carries a
+digest of itself, so an edited or damaged state is refused rather than trusted.
+
+What it holds is then checked before anything is started: types and ranges of every field, the
+dataset and settings fingerprints, and the positions against the epoch's batch counts from the
+index (each worker's count, DataLoader's round-robin order, the rank's total). A state that passes
+resumes exactly; anything else is a :class:`StateError` naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import StateError
+from .catalog import Catalog
+from .config import Config
+from .counts import batch_counts, equalised, round_robin_share, worker_batch_count
+from .resume import RemainderPlan
+
+LOADER_KIND = "wdsllm.loader"
+DATASET_KIND = "wdsllm.dataset"
+#: 1: a plain nested dict (still read); 2: the same fields sealed in one JSON string
+LOADER_VERSION = 2
+READABLE_LOADER_VERSIONS = (1, 2)
+DATASET_VERSION = 1
+#: bounds beyond which a field is refused as damaged (a negated or huge number)
+MAX_EPOCH = 1 << 32
+MAX_COUNT = 1 << 48
+MAX_WORLD = 1 << 20
+MAX_WORKERS = 1 << 12
+#: the most epochs of an endless stream whose batch counts are recomputed to check its positions
+MAX_CHECKED_SPAN = 8
+
+
+# ----------------------------------------------------------------------------------------------
+# Sealing: one JSON string with its digest
+
+
+def _digest(body: Mapping[str, Any]) -> str:
+    text = json.dumps({k: v for k, v in body.items() if k != "digest"}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def seal(body: Mapping[str, Any], kind: str = LOADER_KIND) -> dict[str, str]:
+    """``body`` as the checkpointer-proof form: ``{"format": "KIND/VERSION", "state": JSON}``."""
+    inner = dict(body)
+    inner["digest"] = _digest(inner)
+    version = inner.get("version", LOADER_VERSION if kind == LOADER_KIND else DATASET_VERSION)
+    return {"format": f"{kind}/{version}", "state": json.dumps(inner, sort_keys=True, separators=(",", ":"))}
+
+
+def unseal(saved: Any, kind: str = LOADER_KIND, versions: tuple[int, ...] = READABLE_LOADER_VERSIONS) -> dict:
+    """The fields inside what a checkpointer gave back: the sealed form (its digest checked), or a
+    plain dict of version 1 (no digest)."""
+    what = "loader" if kind == LOADER_KIND else "dataset"
+    if not isinstance(saved, Mapping):
+        raise StateError(
+            f"not a wdsllm {what} state: a {type(saved).__name__}, expected the dict that state_dict() returned"
+        )
+    if "format" in saved:
+        tag = saved["format"]
+        if not isinstance(tag, str) or not tag.startswith(kind + "/"):
+            raise StateError(f"not a wdsllm {what} state (format {tag!r:.60}, expected {kind}/N)")
+        text = saved.get("state")
+        if not isinstance(text, str):
+            raise StateError(
+                f"the {what} state's 'state' entry is missing or not the JSON string state_dict() returned "
+                f"({type(text).__name__}); the checkpointer dropped or changed it"
+            )
+        try:
+            body = json.loads(text)
+        except ValueError as exc:
+            raise StateError(f"the {what} state's JSON is damaged: {exc}") from None
+        if not isinstance(body, dict):
+            raise StateError(f"the {what} state's JSON is not an object")
+        if tag != f"{kind}/{body.get('version')}":
+            raise StateError(f"the {what} state's format tag {tag!r:.60} disagrees with its version")
+    else:
+        body = dict(saved)
+    if body.get("kind") != kind:
+        raise StateError(f"not a wdsllm {what} state (missing kind {kind!r})")
+    version = body.get("version")
+    if version not in versions:
+        raise StateError(
+            f"{what} state version {version!r:.20} is not supported (this wdsllm reads versions {list(versions)}); "
+            "a newer wdsllm wrote it"
+        )
+    if (version >= 2 or "digest" in body) and body.get("digest") != _digest(body):
+        raise StateError(
+            f"the {what} state does not match its digest: it was edited or damaged after state_dict() made it"
+        )
+    return body
+
+
+# ----------------------------------------------------------------------------------------------
+# Fields: types and ranges
+
+
+def _where(key: str) -> str:
+    return f"loader state field {key!r}"
+
+
+def _int(value: Any, key: str, lo: int = 0, hi: int = MAX_COUNT) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise StateError(f"{_where(key)} must be an integer, not {type(value).__name__} {value!r:.40}")
+    if not lo <= value < hi:
+        raise StateError(f"{_where(key)} is {value}, outside [{lo}, {hi})")
+    return value
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise StateError(f"{_where(key)} must be true or false, not {value!r:.40}")
+    return value
+
+
+def _str(value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise StateError(f"{_where(key)} must be a string, not {type(value).__name__}")
+    return value
+
+
+def _get(body: Mapping[str, Any], key: str, prefix: str = "") -> Any:
+    if key not in body:
+        raise StateError(f"{_where(prefix + key)} is missing: the state is incomplete")
+    return body[key]
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where one worker stands: its epoch, the batches of it handed out, the batcher's hint."""
+
+    epoch: int
+    batches: int
+    hint: dict | None = None
+
+    @classmethod
+    def parse(cls, value: Any, key: str) -> Position:
+        if not isinstance(value, (list, tuple)) or len(value) not in (2, 3):
+            raise StateError(f"{_where(key)} must be [epoch, batches] or [epoch, batches, hint], not {value!r:.60}")
+        hint = value[2] if len(value) == 3 else None
+        if hint is not None:
+            if not isinstance(hint, dict):
+                raise StateError(f"{_where(key + '[2]')} (the batcher's hint) must be an object or null")
+            hint = {k: _int(v, f"{key}[2].{k}") for k, v in hint.items()}
+        return cls(_int(value[0], key + "[0]", hi=MAX_EPOCH), _int(value[1], key + "[1]"), hint)
+
+    def to_json(self) -> list:
+        return [self.epoch, self.batches, self.hint]
+
+    def as_tuple(self) -> tuple:
+        return (self.epoch, self.batches, self.hint)
+
+
+def parse_plan(value: Any, key: str = "plan", depth: int = 0) -> RemainderPlan | None:
+    """A RemainderPlan from its JSON, every field checked (the plan an epoch was re-planned by)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or depth > 64:
+        raise StateError(f"{_where(key)} must be an object or null")
+    world = _int(_get(value, "world", key + "."), key + ".world", 1, MAX_WORLD)
+    workers = _int(_get(value, "workers", key + "."), key + ".workers", 1, MAX_WORKERS)
+    consumed = _get(value, "consumed", key + ".")
+    if not isinstance(consumed, list) or len(consumed) != world:
+        raise StateError(f"{_where(key + '.consumed')} must hold one list per old rank ({world})")
+    rows = []
+    for r, row in enumerate(consumed):
+        if not isinstance(row, list) or len(row) != workers:
+            raise StateError(f"{_where(f'{key}.consumed[{r}]')} must hold one count per old worker ({workers})")
+        rows.append([_int(c, f"{key}.consumed[{r}][{w}]") for w, c in enumerate(row)])
+    return RemainderPlan(
+        _int(_get(value, "epoch", key + "."), key + ".epoch", hi=MAX_EPOCH),
+        world,
+        workers,
+        rows,
+        parse_plan(value.get("base"), key + ".base", depth + 1),
+    )
+
+
+@dataclass
+class LoaderState:
+    """The fields of a loader state, each checked for type and range (see ``Loader.state_dict``)."""
+
+    dataset: str
+    settings: str
+    rank: int
+    world_size: int
+    num_workers: int
+    equal_batches: bool
+    infinite: bool
+    epoch: int
+    yielded: int
+    steps: int
+    workers: dict[int, Position]
+    turn: int
+    active: list[int] | None
+    plan: RemainderPlan | None
+    config: dict | None = None
+    version: int = LOADER_VERSION
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any]) -> LoaderState:
+        world = _int(_get(body, "world_size"), "world_size", 1, MAX_WORLD)
+        workers_n = _int(_get(body, "num_workers"), "num_workers", 1, MAX_WORKERS)
+        raw = _get(body, "workers")
+        if not isinstance(raw, dict):
+            raise StateError(f"{_where('workers')} must be an object of worker -> position")
+        positions = {}
+        for w, pos in raw.items():
+            if not isinstance(w, str) or not w.isdigit() or int(w) >= workers_n:
+                raise StateError(f"{_where('workers')} names worker {w!r:.20}, not one of 0..{workers_n - 1}")
+            positions[int(w)] = Position.parse(pos, f"workers.{w}")
+        active = _get(body, "active")
+        if active is not None:
+            if not isinstance(active, list):
+                raise StateError(f"{_where('active')} must be a list of workers or null")
+            active = [_int(w, "active[]", 0, workers_n) for w in active]
+            if active != sorted(set(active)):
+                raise StateError(f"{_where('active')} must list distinct workers in order")
+        config = body.get("config")
+        if config is not None and not isinstance(config, dict):
+            raise StateError(f"{_where('config')} must be an object")
+        return cls(
+            dataset=_str(_get(body, "dataset"), "dataset"),
+            settings=_str(_get(body, "settings"), "settings"),
+            rank=_int(_get(body, "rank"), "rank", 0, world),
+            world_size=world,
+            num_workers=workers_n,
+            equal_batches=_bool(_get(body, "equal_batches"), "equal_batches"),
+            infinite=_bool(_get(body, "infinite"), "infinite"),
+            epoch=_int(_get(body, "epoch"), "epoch", hi=MAX_EPOCH),
+            yielded=_int(_get(body, "yielded"), "yielded"),
+            steps=_int(_get(body, "steps"), "steps"),
+            workers=positions,
+            turn=_int(_get(body, "turn"), "turn", 0, workers_n),
+            active=active,
+            plan=parse_plan(_get(body, "plan")),
+            config=config,
+            version=body.get("version", LOADER_VERSION),
+        )
+
+    @classmethod
+    def load(cls, saved: Any) -> LoaderState:
+        """Unseal and parse what ``state_dict()`` returned (or a version-1 dict)."""
+        return cls.parse(unseal(saved))
+
+    def to_json(self) -> dict:
+        return {
+            "kind": LOADER_KIND,
+            "version": LOADER_VERSION,
+            "dataset": self.dataset,
+            "settings": self.settings,
+            "config": self.config,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_workers": self.num_workers,
+            "equal_batches": self.equal_batches,
+            "infinite": self.infinite,
+            "epoch": self.epoch,
+            "yielded": self.yielded,
+            "steps": self.steps,
+            "workers": {str(w): p.to_json() for w, p in sorted(self.workers.items())},
+            "turn": self.turn,
+            "active": self.active,
+            "plan": self.plan.to_json() if self.plan is not None else None,
+        }
+
+    def sealed(self) -> dict[str, str]:
+        return seal(self.to_json())
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks against this loader and the plan
+
+
+def check_identity(st: LoaderState, *, dataset: str, settings: str, infinite: bool) -> None:
+    """The state is this dataset's and these settings'."""
+    if st.dataset != dataset:
+        raise StateError(
+            f"the state was saved for another dataset (fingerprint {st.dataset:.20}, this one is {dataset}); "
+            "shards or their order differ"
+        )
+    if st.settings != settings:
+        raise StateError(
+            "the state was saved with other loader settings (batch size, seed, shuffle, batching, max_len, ...): "
+            f"saved {st.config}"
+        )
+    if st.infinite != infinite:
+        raise StateError("the state is from an endless loader and this one is finite, or the other way round")
+
+
+def rank_counts(catalog: Catalog, cfg: Config, st: LoaderState) -> np.ndarray | None:
+    """[num_workers] batch counts of the state's rank in its epoch, as the saving loader capped
+    them (None without an index)."""
+    counts = batch_counts(catalog, cfg, st.epoch, st.world_size, st.num_workers, st.plan)
+    if counts is None:
+        return None
+    return (equalised(counts) if st.equal_batches else counts)[st.rank]
+
+
+def check_positions(st: LoaderState, catalog: Catalog, cfg: Config, *, exact_order: bool) -> None:
+    """The positions agree with each other and with the epoch's batch counts.
+
+    ``exact_order``: every worker yields its full count (``on_error="raise"``), so the positions
+    are exactly DataLoader's round-robin share of the ``yielded`` batches."""
+    keys = cfg.mode.hint_keys
+    for w, pos in st.workers.items():
+        if pos.hint is not None and (not keys or set(pos.hint) != keys):
+            raise StateError(
+                f"{_where(f'workers.{w}[2]')} (the batcher's hint) has keys {sorted(pos.hint)}; "
+                f"batching={cfg.batching!r} writes {sorted(keys) or 'no hint'}"
+            )
+    if st.plan is not None:
+        _check_plan(st, catalog, cfg)
+    if st.infinite:
+        _check_endless(st, catalog, cfg)
+        return
+    if st.steps:
+        raise StateError(f"{_where('steps')} is {st.steps}; a finite loader counts no steps")
+    if not st.workers:
+        if st.yielded:
+            raise StateError(f"{_where('yielded')} is {st.yielded} but no worker position is saved: incomplete state")
+        return
+    for w, pos in st.workers.items():
+        if pos.epoch != st.epoch:
+            raise StateError(f"{_where(f'workers.{w}')} is in epoch {pos.epoch}, the state in epoch {st.epoch}")
+    handed = sum(p.batches for p in st.workers.values())
+    mine = rank_counts(catalog, cfg, st)
+    if mine is None:  # no index: the positions must at least add up
+        _check_sum(st, handed)
+        return
+    total = int(mine.sum())
+    if st.yielded > total:
+        raise StateError(f"{_where('yielded')} is {st.yielded}, more than the {total} batches of the rank's epoch")
+    share = round_robin_share(mine, st.yielded)
+    for w in range(st.num_workers):
+        got = st.workers[w].batches if w in st.workers else 0
+        if got > mine[w]:
+            raise StateError(f"{_where(f'workers.{w}')} is at batch {got}, beyond the worker's {int(mine[w])} batches")
+        if exact_order and got != share[w]:
+            raise StateError(
+                f"{_where(f'workers.{w}')} is at batch {got}; after {st.yielded} batches in DataLoader's order it "
+                f"must be {int(share[w])}: the positions disagree with 'yielded'"
+            )
+    _check_sum(st, handed)
+
+
+def _check_sum(st: LoaderState, handed: int) -> None:
+    if handed != st.yielded:
+        raise StateError(f"the workers' positions add up to {handed} batches, {_where('yielded')} says {st.yielded}")
+
+
+def _check_plan(st: LoaderState, catalog: Catalog, cfg: Config) -> None:
+    plan = st.plan
+    key = "plan"
+    while plan is not None:
+        if plan.epoch != st.epoch:
+            raise StateError(f"{_where(key + '.epoch')} is {plan.epoch}; the state is in epoch {st.epoch}")
+        counts = batch_counts(catalog, cfg, plan.epoch, plan.world, plan.workers, plan.base)
+        if counts is not None:
+            over = np.asarray(plan.consumed) > counts
+            if over.any():
+                r, w = (int(x) for x in np.argwhere(over)[0])
+                raise StateError(
+                    f"{_where(f'{key}.consumed[{r}][{w}]')} is {plan.consumed[r][w]}, beyond that old worker's "
+                    f"{int(counts[r, w])} batches"
+                )
+        plan, key = plan.base, key + ".base"
+    if st.infinite:
+        raise StateError(f"{_where('plan')} is set, but an endless stream is never re-planned")
+
+
+def _check_endless(st: LoaderState, catalog: Catalog, cfg: Config) -> None:
+    """An endless stream's workers never end: the i-th batch came from worker i % W."""
+    n = st.num_workers
+    if cfg.steps_per_epoch is not None and st.steps > cfg.steps_per_epoch:
+        raise StateError(f"{_where('steps')} is {st.steps}, beyond steps_per_epoch={cfg.steps_per_epoch}")
+    if st.turn != st.yielded % n:
+        raise StateError(f"{_where('turn')} is {st.turn}; after {st.yielded} batches it must be {st.yielded % n}")
+    if st.active is not None and st.active != list(range(n)):
+        raise StateError(f"{_where('active')} must list every worker of an endless stream")
+    served = [(st.yielded - w + n - 1) // n for w in range(n)]
+    for w in range(n):
+        if served[w] and w not in st.workers:
+            raise StateError(f"{_where('workers')} lacks worker {w}, which yielded {served[w]} batches")
+        if not served[w] and w in st.workers:
+            raise StateError(f"{_where(f'workers.{w}')} is saved, but that worker yielded no batch yet")
+    if not st.workers:
+        return
+    epochs = [p.epoch for p in st.workers.values()]
+    low, high = min(epochs), max(epochs)
+    if low < st.epoch:
+        raise StateError(f"{_where('workers')} holds epoch {low}, before the stream's first epoch {st.epoch}")
+    if low == high == st.epoch or cfg.resample:  # one epoch so far (resampling never ends one)
+        _check_served(st, {w: p.batches for w, p in st.workers.items()}, served)
+        return
+    if high - st.epoch > MAX_CHECKED_SPAN:
+        return  # a long-running stream: the digest vouches for it
+    counts = {}
+    for e in range(st.epoch, high + 1):
+        c = batch_counts(catalog, cfg, e, st.world_size, n)
+        if c is None:
+            return
+        counts[e] = c[st.rank]
+    since_start = {}
+    for w, p in st.workers.items():
+        if p.batches > counts[p.epoch][w]:
+            raise StateError(
+                f"{_where(f'workers.{w}')} is at batch {p.batches}, beyond the worker's {int(counts[p.epoch][w])} "
+                f"batches in epoch {p.epoch}"
+            )
+        since_start[w] = sum(int(counts[e][w]) for e in range(st.epoch, p.epoch)) + p.batches
+    _check_served(st, since_start, served)
+
+
+def _check_served(st: LoaderState, have: dict[int, int], served: list[int]) -> None:
+    for w, got in have.items():
+        if got != served[w]:
+            raise StateError(
+                f"{_where(f'workers.{w}')} is at batch {got}; after {st.yielded} batches taken in turn it must be "
+                f"{served[w]}"
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# One dataset worker's state (torchdata's StatefulDataLoader)
+
+
+@dataclass
+class DatasetState:
+    """Where one worker of a ``wdsllm.dataset`` pipeline stands (StatefulDataLoader keeps one per
+    worker and hands it back to the same worker)."""
+
+    dataset: str
+    settings: str
+    rank: int
+    world_size: int
+    worker: int
+    num_workers: int
+    position: Position
+
+    @classmethod
+    def load(cls, saved: Any) -> DatasetState:
+        body = unseal(saved, DATASET_KIND, (DATASET_VERSION,))
+        world = _int(_get(body, "world_size"), "world_size", 1, MAX_WORLD)
+        workers = _int(_get(body, "num_workers"), "num_workers", 1, MAX_WORKERS)
+        return cls(
+            dataset=_str(_get(body, "dataset"), "dataset"),
+            settings=_str(_get(body, "settings"), "settings"),
+            rank=_int(_get(body, "rank"), "rank", 0, world),
+            world_size=world,
+            worker=_int(_get(body, "worker"), "worker", 0, workers),
+            num_workers=workers,
+            position=Position.parse(_get(body, "position"), "position"),
+        )
+
+    def sealed(self) -> dict[str, str]:
+        return seal(
+            {
+                "kind": DATASET_KIND,
+                "version": DATASET_VERSION,
+                "dataset": self.dataset,
+                "settings": self.settings,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "worker": self.worker,
+                "num_workers": self.num_workers,
+                "position": self.position.to_json(),
+            },
+            DATASET_KIND,
+        )
+
+    def check(self, catalog: Catalog, cfg: Config, *, dataset: str, settings: str, rank: int, world: int) -> None:
+        """The state is this pipeline's, and its position lies within the worker's epoch."""
+        if self.dataset != dataset:
+            raise StateError("the dataset state was saved for another dataset (shards or their order differ)")
+        if self.settings != settings:
+            raise StateError("the dataset state was saved with other settings (batch size, seed, batching, ...)")
+        if (self.rank, self.world_size) != (rank, world):
+            raise StateError(
+                f"the dataset state is rank {self.rank} of {self.world_size}'s; this pipeline is rank {rank} of {world}"
+            )
+        if cfg.infinite:
+            return
+        spec = cfg.spec(self.position.epoch, rank, world, self.worker, self.num_workers)
+        count = worker_batch_count(catalog, cfg, spec)
+        if count is not None and self.position.batches > count:
+            raise StateError(
+                f"{_where('position')} is at batch {self.position.batches}, beyond the worker's {count} batches"
+            )
