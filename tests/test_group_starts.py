@@ -3,7 +3,6 @@ and used by the loader to enter a remote shard at a consumer's first group with 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 
@@ -128,7 +127,7 @@ def test_a_group_table_that_disagrees_with_the_shard_is_an_error(tmp_path, http_
         list(wdsllm.loader(url, batch_size=4, seed=3, rank=2, world_size=3, equal_batches=False))
     # with a matching checksum (a writer's bug, not damage), the group's own count still disagrees
     body = json.loads((root / "index.json").read_text())
-    body["groups_file"]["sha256"] = hashlib.sha256(data).hexdigest()
+    body["groups_file"] = fmt.SideFile.of(fmt.GROUPS_NAME, data).to_json()  # sha256 and chunk digests
     (root / "index.json").write_text(json.dumps(body))
     with pytest.raises(fmt.FormatError, match="holds .* items and .* documents .*; the index says"):
         list(wdsllm.loader(url, batch_size=4, seed=3, rank=2, world_size=3, equal_batches=False))

@@ -414,12 +414,14 @@ def info_lines(root: str, index) -> list[str]:
         f"totals     {t['documents']:,} documents, {t['tokens']:,} tokens, {t['samples']:,} samples"
         + (f", {t['rows']:,} rows" if "rows" in t else ""),
     ]
-    sizes = [s.bytes for s in index.shards]
-    if sizes:
+    sizes = index.shards.column("bytes")  # a column of the shard table, not one object per shard
+    if len(sizes):
+        total = int(sizes.sum())
         out.append(
-            f"shards     {len(sizes):,}, {human_bytes(sum(sizes))} ({human_bytes(min(sizes))} to "
-            f"{human_bytes(max(sizes))}), "
-            f"{sum(sizes) / max(1, t['tokens']):.3f} bytes/token"
+            f"shards     {len(sizes):,}, {human_bytes(total)} ({human_bytes(int(sizes.min()))} to "
+            f"{human_bytes(int(sizes.max()))}), "
+            f"{total / max(1, t['tokens']):.3f} bytes/token"
+            + (f"; table in {index.shards_file.name}" if index.shards_file else "")
         )
     else:
         out.append("shards     none")
@@ -470,7 +472,7 @@ def _num(v) -> str:
 
 @main.command()
 @click.argument("dataset")
-@click.option("--jobs", "-j", type=int, default=1, show_default=True, help="Shards verified in parallel.")
+@click.option("--jobs", "-j", type=int, default=0, help="Parallel processes [default: one per core].")
 @click.option("-q", "--quiet", is_flag=True, help="Only failures and the final line.")
 @click.pass_context
 def verify(ctx, dataset, jobs, quiet):

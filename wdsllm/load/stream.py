@@ -93,14 +93,20 @@ def slice_item_lengths(catalog: Catalog, slices: list[Slice], spec: StreamSpec) 
             r = rows[sl.start : sl.stop : sl.stride]
             out.append(r if sl.pick is None else r[sl.pick])
         return np.concatenate(out) if out else np.zeros(0, np.int64)
-    by_shard = catalog.lengths_by_shard()
-    if by_shard is None:
+    if catalog.lengths_file() is None:
         return None
     parts = []
     for sl in slices:
-        items = _max_len_lengths(by_shard[sl.shard][sl.start : sl.stop : sl.stride], spec)
+        items = _max_len_lengths(slice_doc_lengths(catalog, sl), spec)
         parts.append(items if sl.pick is None else items[sl.pick])
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def slice_doc_lengths(catalog: Catalog, sl: Slice) -> np.ndarray:
+    """Token counts of the documents a slice covers (int64; read from lengths.npy)."""
+    if sl.stride == 1:
+        return catalog.shard_lengths(sl.shard, sl.start, sl.stop)
+    return catalog.shard_lengths(sl.shard, sl.start, sl.stop)[:: sl.stride]
 
 
 def _max_len_lengths(lengths: np.ndarray, spec: StreamSpec) -> np.ndarray:
@@ -139,12 +145,11 @@ def slice_item_count(catalog: Catalog, sl: Slice, spec: StreamSpec) -> int | Non
         return len(sl.pick)
     if not spec.splits(catalog.mode):
         if sl.stop is None and sl.stride == 1 and sl.start == 0 and catalog.items_per_shard is not None:
-            return catalog.items_per_shard[sl.shard]  # a whole shard (resampled streams)
+            return int(catalog.items_per_shard[sl.shard])  # a whole shard (resampled streams)
         return sl.count
-    by_shard = catalog.lengths_by_shard()
-    if by_shard is None:
+    if catalog.lengths_file() is None:
         return None
-    return int(pieces_per_doc(by_shard[sl.shard][sl.start : sl.stop : sl.stride], spec.max_len).sum())
+    return int(pieces_per_doc(slice_doc_lengths(catalog, sl), spec.max_len).sum())
 
 
 def _docs_before(catalog: Catalog, sl: Slice, spec: StreamSpec, item: int) -> tuple[int, int]:
@@ -153,8 +158,7 @@ def _docs_before(catalog: Catalog, sl: Slice, spec: StreamSpec, item: int) -> tu
         return 0, 0
     if not spec.splits(catalog.mode):
         return item, item
-    lengths = catalog.lengths_by_shard()[sl.shard][sl.start : sl.stop : sl.stride]
-    pieces_through = np.cumsum(pieces_per_doc(lengths, spec.max_len))
+    pieces_through = np.cumsum(pieces_per_doc(slice_doc_lengths(catalog, sl), spec.max_len))
     docs = int(np.searchsorted(pieces_through, item, side="right"))
     return docs, int(pieces_through[docs - 1]) if docs else 0
 
@@ -251,7 +255,7 @@ def _items_of_docs(catalog: Catalog, sl: Slice, spec: StreamSpec, docs: int) -> 
         return 0
     if not spec.splits(catalog.mode):
         return docs
-    lengths = catalog.lengths_by_shard()[sl.shard][sl.start : sl.stop : sl.stride][:docs]
+    lengths = slice_doc_lengths(catalog, sl)[:docs]
     return int(pieces_per_doc(lengths, spec.max_len).sum())
 
 

@@ -98,7 +98,7 @@ def find_parts(sources: list[str], allow_partial: bool = False) -> list[Part]:
 
 def _load_part(url: str) -> Part:
     index_url = storage.join_url(url, fmt.INDEX_NAME)
-    index = fmt.Index.from_json(storage.read_bytes(index_url), index_url)
+    index, _ = fmt.read_index(url)
     if index.lengths_file is None:
         raise MergeError(f"{index_url} names no {fmt.LENGTHS_NAME}: not the output of a pack")
     lengths = fmt.read_side_file(url, index.lengths_file)
@@ -336,6 +336,8 @@ def merge(
         out.put_bytes(fmt.LENGTHS_NAME, lengths_bytes)
         if groups_bytes is not None:
             out.put_bytes(fmt.GROUPS_NAME, groups_bytes)
+        for name, data in index.move_shard_table():  # a large dataset's shard table: shards.npy
+            out.put_bytes(name, data)
         out.put_bytes(fmt.INDEX_NAME, index.to_json().encode())
         if not copy:
             _retire_parts(parts)
@@ -351,7 +353,8 @@ def _retire_parts(parts: list[Part]) -> None:
     """After a move the parts' indexes point at nothing: remove them (and empty local dirs)."""
     for part in parts:
         remains = storage.Output(part.url)
-        names = [fmt.INDEX_NAME] + [f.name for f in (part.index.lengths_file, part.index.groups_file) if f is not None]
+        sides = (part.index.lengths_file, part.index.groups_file, part.index.shards_file)
+        names = [fmt.INDEX_NAME] + [f.name for f in sides if f is not None]
         for name in names:
             remains.delete(name)
         local = _local_path(part.url)
