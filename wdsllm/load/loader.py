@@ -31,7 +31,7 @@ from .batching import Batch
 from .catalog import open_catalog
 from .collate import CollateOptions, collate_docs, collate_rows
 from .config import Config, read_options, resolve_world
-from .counts import EpochPlan, batch_counts, equalised, round_robin_share
+from .counts import EpochCounts, EpochPlan, batch_counts, equalised, round_robin_share
 from .dataset import EndOfWorker, build_pipeline
 from .transport import RingHolder, TokenRing, received
 
@@ -193,11 +193,33 @@ class Loader:
             limits = self.source.limits(self._epoch, self.workers)
             if limits is not None:
                 total = limits.per_rank
-            else:
-                counts = batch_counts(self.catalog, self.cfg, self._epoch, self.world_size, self.workers, plan)
-                total = None if counts is None else int(counts[self.rank].sum())
+            else:  # this rank's own batches: its own shares alone
+                counts = EpochCounts.create(
+                    self.catalog, self.cfg, self._epoch, self.world_size, self.workers, plan, ranks=[self.rank]
+                )
+                total = None if counts is None else int(counts.exact()[self.rank].sum())
             self._total_key, self._total = key, total
         return self._total
+
+    def _epoch_done(self, yielded: int) -> bool:
+        """Whether ``yielded`` batches are the whole epoch (without waiting for a count that is
+        still being made while fewer batches than its lower bound are out)."""
+        limits = self.limits
+        if limits is not None and not limits.ready() and yielded < limits.per_rank_bound:
+            return False
+        return yielded == self._epoch_total()
+
+    def _note_limits(self, epoch: int) -> None:
+        """Log and keep this rank's dropped batches once the equal-batches decision is known."""
+        self.dropped_batches = self.limits.dropped_batches
+        if self.dropped_batches:
+            log.info(
+                "rank %d: epoch %d yields %d batches; %d batches beyond the smallest rank's count are dropped",
+                self.rank,
+                epoch,
+                self.limits.per_rank,
+                self.dropped_batches,
+            )
 
     # -- iteration ------------------------------------------------------------------------------
     def _worker_batches(self) -> Iterator:
@@ -276,16 +298,9 @@ class Loader:
         epoch = self._epoch
         self.source.set_epoch(epoch)
         self.limits = self.source.limits(epoch, self.workers)
-        if self.limits is not None:
-            self.dropped_batches = self.limits.dropped_batches
-            if self.limits.dropped_batches:
-                log.info(
-                    "rank %d: epoch %d yields %d batches; %d batches beyond the smallest rank's count are dropped",
-                    self.rank,
-                    epoch,
-                    self.limits.per_rank,
-                    self.limits.dropped_batches,
-                )
+        noted = self.limits is not None and self.limits.ready()  # else once the count is done
+        if noted:
+            self._note_limits(epoch)
         rr = self._begin()
         resumed = bool(self.source.resume_positions)
         try:
@@ -295,6 +310,8 @@ class Loader:
             if resumed:
                 self._drop_resume()
         # The epoch is complete.
+        if self.limits is not None and not noted:
+            self._note_limits(epoch)
         self._rr = None
         self._completed = epoch
         if self._auto_epoch:
@@ -329,7 +346,7 @@ class Loader:
     def state_dict(self) -> dict:
         """Where this rank's stream stands: small JSON-able data (see docs/loader.md)."""
         in_epoch = self._rr is not None or (self.infinite and self._stream is not None)
-        if in_epoch and not self.infinite and self._yielded and self._yielded == self._epoch_total():
+        if in_epoch and not self.infinite and self._yielded and self._epoch_done(self._yielded):
             # The last batch is out: a resume starts the next epoch, not an empty rest of this one.
             in_epoch = False
             self._completed = self._epoch
