@@ -83,6 +83,18 @@ class SideFile:
         return cls(name, len(data), hashlib.sha256(data).hexdigest(), chunks)
 
     @classmethod
+    def of_file(cls, name: str, path: str) -> SideFile:
+        """The reference for a file already written (read back a chunk at a time: a side file of
+        any size is described in bounded memory)."""
+        sha, chunks, size = hashlib.sha256(), [], 0
+        with open(path, "rb") as f:
+            while data := f.read(CHUNK_BYTES):
+                sha.update(data)
+                chunks.append(chunk_digest(data))
+                size += len(data)
+        return cls(name, size, sha.hexdigest(), tuple(chunks))
+
+    @classmethod
     def from_json(cls, body: Any, where: str) -> SideFile | None:
         if body is None:
             return None

@@ -152,16 +152,24 @@ class SideArray:
             raise FormatError(f"{self.url} does not match its checksum in index.json")
         self._whole_checked = True
 
-    def read(self, a: int, b: int) -> np.ndarray:
-        """Elements [a, b) (clipped to the array), copied out and checked."""
+    def read(self, a: int, b: int, *, check: bool = True) -> np.ndarray:
+        """Elements [a, b) (clipped to the array), copied out and checked (``check=False``: the
+        caller checks them later with ``check_range`` before it acts on them)."""
         a, b = max(0, int(a)), min(self.count, int(b))
         if b <= a:
             return np.zeros(0, self.dtype)
         size = self.dtype.itemsize
         lo, hi = self.offset + a * size, self.offset + b * size
-        self._check_bytes(lo, hi)
+        if check:
+            self._check_bytes(lo, hi)
         data = self._read_bytes(lo, hi)
         return np.frombuffer(bytearray(data) if self._data is not None else data, self.dtype)
+
+    def check_range(self, a: int, b: int) -> None:
+        """Check elements [a, b) against the index (FormatError if they differ)."""
+        a, b = max(0, int(a)), min(self.count, int(b))
+        size = self.dtype.itemsize
+        self._check_bytes(self.offset + a * size, self.offset + b * size)
 
     def chunks(self, a: int = 0, b: int | None = None, step: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """(first element, elements) over [a, b) in pieces of ``step`` elements: a pass whose memory

@@ -149,23 +149,40 @@ class Catalog:
         """lengths.npy (every document's length, dataset order) as a checked, mapped side file."""
         if self.index is None or not self.index.lengths_file:
             return None
+        known = self._sides.get(self.index.lengths_file.name)
+        if known is not None:
+            return known
         side = self.side(self.index.lengths_file)
         if side is not None and side.count != self.index.documents:
+            self._sides.pop(self.index.lengths_file.name)
             raise fmt.FormatError(
                 f"{side.url} has {side.count} entries, the index counts {self.index.documents} documents"
             )
         return side
 
-    def shard_lengths(self, shard: int, start: int = 0, stop: int | None = None) -> np.ndarray | None:
+    def shard_lengths(
+        self, shard: int, start: int = 0, stop: int | None = None, *, check: bool = True
+    ) -> np.ndarray | None:
         """Token counts of documents [start, stop) of catalog shard ``shard`` (int64, a copy);
-        None without lengths.npy."""
+        None without lengths.npy. ``check=False``: read now, checked later (``check_lengths``)."""
         side = self.lengths_file()
         if side is None:
             return None
+        a, b = self.lengths_range(shard, start, stop)
+        return side.read(a, b, check=check).astype(np.int64)
+
+    def lengths_range(self, shard: int, start: int = 0, stop: int | None = None) -> tuple[int, int]:
+        """Where documents [start, stop) of catalog shard ``shard`` are in lengths.npy."""
         n = int(self.docs_per_shard[shard])
         stop = n if stop is None else min(int(stop), n)
         base = int(self._starts("documents")[shard])
-        return side.read(base + max(0, int(start)), base + stop).astype(np.int64)
+        return base + max(0, int(start)), base + stop
+
+    def check_lengths(self, ranges: list[tuple[int, int]]) -> None:
+        """Check ranges of lengths.npy read with ``check=False`` (each chunk once per process)."""
+        side = self.lengths_file()
+        for a, b in ranges:
+            side.check_range(a, b)
 
     def lengths(self) -> np.ndarray | None:
         """Per-document token counts for the catalog's shards, in catalog order (docs mode): the

@@ -204,16 +204,17 @@ class EpochCounts:
         if batcher.count_by == COUNT_BY_ITEMS and not splits:
             exact = _table(lambda n: batcher.count(n, None), items)
             return cls(exact, exact)
-        # documents' tokens per share (splitting keeps them all; truncation does not)
+        # documents' tokens per share (splitting keeps them all; truncation does not), from
+        # lengths read now and checked in the background: nothing acts on them before that
         truncates = spec.max_len is not None and spec.max_len_mode == "truncate"
-        tokens = None if truncates else _share_tokens(catalog, layout)
+        tokens, read = (None, []) if truncates else _share_tokens(catalog, layout)
         if batcher.count_by == COUNT_BY_TOKENS and tokens is not None:
             exact = _table(lambda t: batcher.count(None, _Tokens(t)), tokens)
-            return cls(exact, exact)
+            return cls(exact, None, _Background(lambda: _checked(catalog, read, exact)))
         bound = _lower_bound(catalog, cfg, batcher, items, tokens)
         key = _cache_key(catalog, cfg, epoch, world, workers, ranks)
-        job = _Background(lambda: _cached(key, catalog, lambda: _layout_exact(catalog, cfg, epoch, layout, ranks)))
-        return cls(bound, None, job)
+        exact = lambda: _cached(key, catalog, lambda: _layout_exact(catalog, cfg, epoch, layout, ranks))  # noqa: E731
+        return cls(bound, None, _Background(lambda: _checked(catalog, read, exact())))
 
     def ready(self) -> bool:
         return self._exact is not None or self._job.ready()
@@ -223,6 +224,12 @@ class EpochCounts:
         if self._exact is None:
             self._exact = self._job.get()
         return self._exact
+
+
+def _checked(catalog: Catalog, read: list[tuple[int, int]], table: np.ndarray) -> np.ndarray:
+    """``table`` once the lengths it was counted from (read unchecked) are checked."""
+    catalog.check_lengths(read)
+    return table
 
 
 def _table(count: Callable[[Any], int], per_share: np.ndarray) -> np.ndarray:
@@ -277,28 +284,33 @@ def _layout_exact(
     return out
 
 
-def _share_tokens(catalog: Catalog, layout: EpochLayout) -> np.ndarray:
-    """[world, workers] tokens of every share (documents, before any max_len): the index's tokens
-    per shard, and for each share boundary inside a shard the documents' lengths from the nearer
-    end of that shard (read from lengths.npy; a pass over nothing else)."""
+def _share_tokens(catalog: Catalog, layout: EpochLayout) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """([world, workers] tokens of every share (documents, before any max_len), the ranges of
+    lengths.npy read for them, unchecked): the index's tokens per shard, and for each share
+    boundary inside a shard the documents' lengths from the nearer end of that shard."""
     tokens = catalog.tokens_per_shard[layout.order]
     token_ends = np.concatenate([[0], np.cumsum(tokens)])
-    doc_starts = layout.ends - layout.counts
     points = np.unique(np.concatenate([layout.starts.reshape(-1), layout.stops.reshape(-1)]))
-    before: dict[int, int] = {}
-    for p in points.tolist():
-        i = int(np.searchsorted(layout.ends, p, side="right"))
+    at = np.searchsorted(layout.ends, points, side="right")  # the shard (in epoch order) holding each
+    before = np.empty(len(points), np.int64)
+    read = []
+    for j, (p, i) in enumerate(zip(points.tolist(), at.tolist())):
         if i >= len(layout.order):
-            before[p] = int(token_ends[-1])
+            before[j] = token_ends[-1]
             continue
-        k, n, shard = p - int(doc_starts[i]), int(layout.counts[i]), int(layout.order[i])
-        if k <= n - k:
-            partial = int(catalog.shard_lengths(shard, 0, k).sum())
-        else:
-            partial = int(tokens[i]) - int(catalog.shard_lengths(shard, k, n).sum())
-        before[p] = int(token_ends[i]) + partial
-    at = np.vectorize(before.__getitem__, otypes=[np.int64])
-    return at(layout.stops) - at(layout.starts)
+        n, shard = int(layout.counts[i]), int(layout.order[i])
+        k = p - (int(layout.ends[i]) - n)
+        if k == 0:
+            before[j] = token_ends[i]
+            continue
+        a, b = catalog.lengths_range(shard, 0, k) if k <= n - k else catalog.lengths_range(shard, k, n)
+        part = int(catalog.shard_lengths(shard, *((0, k) if k <= n - k else (k, n)), check=False).sum())
+        before[j] = token_ends[i] + (part if k <= n - k else int(tokens[i]) - part)
+        read.append((a, b))
+    index = {p: j for j, p in enumerate(points.tolist())}
+    starts = before[np.vectorize(index.__getitem__, otypes=[np.int64])(layout.starts)]
+    stops = before[np.vectorize(index.__getitem__, otypes=[np.int64])(layout.stops)]
+    return stops - starts, read
 
 
 def _lower_bound(
