@@ -618,13 +618,21 @@ def _head_text(item, text: str, ids: bool, mode: str) -> str:
     type=click.Path(dir_okay=False),
     help="Also draw the length histogram to this PNG (needs matplotlib: pip install wdsllm[plot]).",
 )
+@click.option(
+    "--sample",
+    type=int,
+    default=None,
+    help="Runs of windows to simulate (0: the whole stream) [default: the whole stream up to 5,000,000 "
+    "documents, else 400 runs].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, seed, plot, as_json):
+def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, seed, plot, sample, as_json):
     """Length histogram, and the padding and truncation each batching mode would give.
 
     Simulated from the index and lengths.npy over the documents one worker sees in epoch 0 (the
     shard plan and the shuffle buffer included); no shard is read. Longer documents are split at
-    --seq-len, except in the "random, truncated" line, which shows what capping would cut.
+    --seq-len, except in the "random, truncated" line, which shows what capping would cut. A large
+    dataset is simulated on a seeded sample of its windows (it says so, with confidence bounds).
     """
     from .load import stats as statsmod
     from .load.catalog import open_catalog
@@ -637,7 +645,7 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
             raise click.ClickException(
                 f"{dataset} is a packed dataset: its rows are fixed; stats compares batching modes of docs-mode data"
             )
-        costs = statsmod.all_modes(
+        costs, sample = statsmod.all_modes(
             catalog,
             batch_size=batch_size,
             max_tokens=max_tokens,
@@ -645,6 +653,7 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
             window=window,
             multiple=pad_to_multiple_of,
             seed=seed,
+            sample=sample,
         )
     except (WdsllmError, OSError) as exc:  # storage/format errors name the file
         _fail(exc)
@@ -665,9 +674,11 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
                             "truncated": c.truncated,
                             "truncation_pct": round(c.truncation_pct, 4),
                             "small_batches": c.small_batches,
+                            "padding_ci_pct": None if c.padding_ci is None else round(c.padding_ci, 4),
                         }
                         for c in costs
                     ],
+                    "sample": None if sample is None else vars(sample),
                 },
                 indent=1,
             )
@@ -676,11 +687,15 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
         for text in histogram_lines(hist):
             click.echo(text)
         click.echo("")
-        click.echo(f"{'mode':<20} {'settings':<30} {'batches':>9} {'padding':>9} {'truncated':>10}")
-        for c in costs:
+        if sample is not None:
             click.echo(
-                f"{c.mode:<20} {c.settings:<30} {c.batches:>9,} {c.padding_pct:>8.2f}% {c.truncation_pct:>9.2f}%"
+                f"simulated on a seeded sample: {sample.runs:,} runs of windows, {sample.documents:,} of "
+                f"{sample.total_documents:,} documents; batches extrapolated, padding ± its 95% confidence bound"
             )
+        click.echo(f"{'mode':<20} {'settings':<30} {'batches':>11} {'padding':>16} {'truncated':>10}")
+        for c in costs:
+            padding = f"{c.padding_pct:.2f}%" + (f" ± {c.padding_ci:.2f}" if c.padding_ci is not None else "")
+            click.echo(f"{c.mode:<20} {c.settings:<30} {c.batches:>11,} {padding:>16} {c.truncation_pct:>9.2f}%")
     if plot:
         _plot_histogram(hist, plot, dataset)
         if not as_json:
