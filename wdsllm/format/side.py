@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import mmap
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -43,7 +42,7 @@ class SideArray:
         self.path = path
         self._data = data
         self._fd: int | None = None
-        self._map: mmap.mmap | None = None
+        self._map: np.memmap | None = None
         self._identity: tuple | None = None
         size = self._size()
         self.size = size
@@ -206,8 +205,9 @@ class SideArray:
         if self._map is None:
             if self.count == 0:
                 return np.zeros(0, self.dtype)
-            self._map = mmap.mmap(self._file(), 0, access=mmap.ACCESS_READ)
-        return np.frombuffer(self._map, self.dtype, self.count, self.offset)
+            self._file()  # the file is still the one checked
+            self._map = np.memmap(self.path, self.dtype, mode="r", offset=self.offset, shape=(self.count,))
+        return self._map
 
 
 def _npy_header(head: bytes | memoryview, where: str) -> tuple[np.dtype, int, int]:

@@ -212,8 +212,12 @@ class EpochCounts:
             exact = _table(lambda t: batcher.count(None, _Tokens(t)), tokens)
             return cls(exact, None, _Background(lambda: _checked(catalog, read, exact)))
         bound = _lower_bound(catalog, cfg, batcher, items, tokens)
-        key = _cache_key(catalog, cfg, epoch, world, workers, ranks)
-        exact = lambda: _cached(key, catalog, lambda: _layout_exact(catalog, cfg, epoch, layout, ranks))  # noqa: E731
+        # the cache file's name is made here, not in the thread: a fork while the thread holds a
+        # module's lock (tempfile's, finding the temporary directory) would leave it held in the child
+        path = os.path.join(
+            counts_cache_dir(catalog), f"counts-{_cache_key(catalog, cfg, epoch, world, workers, ranks)}.npy"
+        )
+        exact = lambda: _cached(path, lambda: _layout_exact(catalog, cfg, epoch, layout, ranks))  # noqa: E731
         return cls(bound, None, _Background(lambda: _checked(catalog, read, exact())))
 
     def ready(self) -> bool:
@@ -366,9 +370,10 @@ def _cache_key(catalog: Catalog, cfg: Config, epoch: int, world: int, workers: i
     return hashlib.sha256(body.encode()).hexdigest()[:32]
 
 
-def _cached(key: str, catalog: Catalog, compute: Callable[[], np.ndarray]) -> np.ndarray:
-    directory = counts_cache_dir(catalog)
-    path = os.path.join(directory, f"counts-{key}.npy")
+def _cached(path: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
+    """The table in ``path`` if a process of this node made it, else computed here (under a lock
+    that makes the node's other processes wait for it rather than count too) and kept there."""
+    directory = os.path.dirname(path)
     found = _load(path)
     if found is not None:
         return found
