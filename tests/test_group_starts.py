@@ -3,7 +3,6 @@ and used by the loader to enter a remote shard at a consumer's first group with 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 
@@ -38,7 +37,7 @@ def test_pack_lists_where_every_group_starts(tmp_path, mode):
     opts = dict(mode="packed", seq_len=256) if mode == "packed" else {}
     index = pack_api([wiki_subset(600)], tmp_path / "out", **SMALL, **opts).index
     root = tmp_path / "out"
-    assert index.version == 3 and index.groups_file.name == fmt.GROUPS_NAME and index.checks_groups
+    assert index.version == fmt.FORMAT_VERSION and index.groups_file.name == fmt.GROUPS_NAME and index.checks_groups
     assert len(index.shards) > 2 and all(e.samples > 2 for e in index.shards[:-1])
     table = fmt.npy_array((root / fmt.GROUPS_NAME).read_bytes())
     assert np.array_equal(table, _table_from_shards(root, index))
@@ -128,7 +127,7 @@ def test_a_group_table_that_disagrees_with_the_shard_is_an_error(tmp_path, http_
         list(wdsllm.loader(url, batch_size=4, seed=3, rank=2, world_size=3, equal_batches=False))
     # with a matching checksum (a writer's bug, not damage), the group's own count still disagrees
     body = json.loads((root / "index.json").read_text())
-    body["groups_file"]["sha256"] = hashlib.sha256(data).hexdigest()
+    body["groups_file"] = fmt.SideFile.of(fmt.GROUPS_NAME, data).to_json()  # sha256 and chunk digests
     (root / "index.json").write_text(json.dumps(body))
     with pytest.raises(fmt.FormatError, match="holds .* items and .* documents .*; the index says"):
         list(wdsllm.loader(url, batch_size=4, seed=3, rank=2, world_size=3, equal_batches=False))

@@ -546,12 +546,14 @@ def info_lines(root: str, index) -> list[str]:
         f"totals     {t['documents']:,} documents, {t['tokens']:,} tokens, {t['samples']:,} samples"
         + (f", {t['rows']:,} rows" if "rows" in t else ""),
     ]
-    sizes = [s.bytes for s in index.shards]
-    if sizes:
+    sizes = index.shards.column("bytes")  # a column of the shard table, not one object per shard
+    if len(sizes):
+        total = int(sizes.sum())
         out.append(
-            f"shards     {len(sizes):,}, {human_bytes(sum(sizes))} ({human_bytes(min(sizes))} to "
-            f"{human_bytes(max(sizes))}), "
-            f"{sum(sizes) / max(1, t['tokens']):.3f} bytes/token"
+            f"shards     {len(sizes):,}, {human_bytes(total)} ({human_bytes(int(sizes.min()))} to "
+            f"{human_bytes(int(sizes.max()))}), "
+            f"{total / max(1, t['tokens']):.3f} bytes/token"
+            + (f"; table in {index.shards_file.name}" if index.shards_file else "")
         )
     else:
         out.append("shards     none")
@@ -602,7 +604,7 @@ def _num(v) -> str:
 
 @cli.command()
 @click.argument("dataset")
-@click.option("--jobs", "-j", type=int, default=1, show_default=True, help="Shards verified in parallel.")
+@click.option("--jobs", "-j", type=int, default=0, help="Parallel processes [default: one per core].")
 @click.option("-q", "--quiet", is_flag=True, help="Only failures and the final line.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object (ok, counts, failures).")
 @click.pass_context
@@ -789,13 +791,21 @@ def _head_text(item, text: str, ids: bool, mode: str) -> str:
     type=click.Path(dir_okay=False),
     help="Also draw the length histogram to this PNG (needs matplotlib: pip install wdsllm[plot]).",
 )
+@click.option(
+    "--sample",
+    type=int,
+    default=None,
+    help="Runs of windows to simulate (0: the whole stream) [default: the whole stream up to 5,000,000 "
+    "documents, else 400 runs].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
-def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, seed, plot, as_json):
+def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, seed, plot, sample, as_json):
     """Length histogram, and the padding and truncation each batching mode would give.
 
     Simulated from the index and lengths.npy over the documents one worker sees in epoch 0 (the
     shard plan and the shuffle buffer included); no shard is read. Longer documents are split at
-    --seq-len, except in the "random, truncated" line, which shows what capping would cut.
+    --seq-len, except in the "random, truncated" line, which shows what capping would cut. A large
+    dataset is simulated on a seeded sample of its windows (it says so, with confidence bounds).
 
     \b
     Examples:
@@ -813,7 +823,7 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
             raise click.ClickException(
                 f"{dataset} is a packed dataset: its rows are fixed; stats compares batching modes of docs-mode data"
             )
-        costs = statsmod.all_modes(
+        costs, sample = statsmod.all_modes(
             catalog,
             batch_size=batch_size,
             max_tokens=max_tokens,
@@ -821,6 +831,7 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
             window=window,
             multiple=pad_to_multiple_of,
             seed=seed,
+            sample=sample,
         )
     except (WdsllmError, OSError) as exc:  # storage/format errors name the file
         _fail(exc)
@@ -841,9 +852,11 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
                             "truncated": c.truncated,
                             "truncation_pct": round(c.truncation_pct, 4),
                             "small_batches": c.small_batches,
+                            "padding_ci_pct": None if c.padding_ci is None else round(c.padding_ci, 4),
                         }
                         for c in costs
                     ],
+                    "sample": None if sample is None else vars(sample),
                 },
                 indent=1,
             )
@@ -852,11 +865,15 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
         for text in histogram_lines(hist):
             click.echo(text)
         click.echo("")
-        click.echo(f"{'mode':<20} {'settings':<30} {'batches':>9} {'padding':>9} {'truncated':>10}")
-        for c in costs:
+        if sample is not None:
             click.echo(
-                f"{c.mode:<20} {c.settings:<30} {c.batches:>9,} {c.padding_pct:>8.2f}% {c.truncation_pct:>9.2f}%"
+                f"simulated on a seeded sample: {sample.runs:,} runs of windows, {sample.documents:,} of "
+                f"{sample.total_documents:,} documents; batches extrapolated, padding ± its 95% confidence bound"
             )
+        click.echo(f"{'mode':<20} {'settings':<30} {'batches':>11} {'padding':>16} {'truncated':>10}")
+        for c in costs:
+            padding = f"{c.padding_pct:.2f}%" + (f" ± {c.padding_ci:.2f}" if c.padding_ci is not None else "")
+            click.echo(f"{c.mode:<20} {c.settings:<30} {c.batches:>11,} {padding:>16} {c.truncation_pct:>9.2f}%")
     if plot:
         _plot_histogram(hist, plot, dataset)
         if not as_json:

@@ -8,20 +8,22 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ..errors import FormatError, UnfinishedError
 from .group import CHECKSUM_NAME, GROUP_COLUMNS, GROUP_COLUMNS_V2, npy_array
 
 FORMAT_NAME = "wdsllm"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 #: Versions this code reads. Add a reader here, never drop one, when the version is bumped.
 #: 1: no groups.npy (a reader then finds groups by reading the shard from its start).
 #: 2: groups.npy without group sizes and checksums (content unchecked by the loader).
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 INDEX_NAME = "index.json"
 #: Per-document token counts of a docs-mode dataset, in dataset order (uint32 .npy).
@@ -32,6 +34,17 @@ GROUPS_NAME = "groups.npy"
 #: The tokenizer the dataset was packed with (its JSON text, as hashed in ``tokenizer.sha256``);
 #: optional, named by the index's ``tokenizer_file`` (written by packs since format 3's second release).
 TOKENIZER_NAME = "tokenizer.json"
+#: The shard table of a large dataset (version 4, more than INLINE_SHARDS_MAX shards): SHARD_COLUMNS
+#: int64 per shard, in shard order (1-D .npy). Smaller datasets keep the table in index.json.
+SHARDS_NAME = "shards.npy"
+#: Writers keep the shard table in index.json up to this many shards (readable, and cheap to
+#: parse: 0.4 s at 40,000 shards), and move it to shards.npy beyond (10.5 s and 2 GiB at 1e6).
+INLINE_SHARDS_MAX = 10_000
+#: Columns of shards.npy: the counts of a ShardEntry, then its sha256 as four int64 words.
+SHARD_COLUMNS = ("samples", "documents", "tokens", "bytes", "rows", "sha0", "sha1", "sha2", "sha3")
+#: Side files carry the xxh3_64 of every chunk of this many bytes (version 4), so that a reader
+#: checks the parts it reads, not a 4 GB file in every process.
+CHUNK_BYTES = 1 << 22
 #: Written first by a pack and removed after index.json: a directory holding it is unfinished.
 JOURNAL_START = ".pack-start.json"
 SHARD_PATTERN = "{prefix}-{number:06d}.tar"
@@ -48,18 +61,41 @@ def shard_name(prefix: str, number: int) -> str:
     return SHARD_PATTERN.format(prefix=prefix, number=number)
 
 
+def chunk_digest(data: bytes | memoryview) -> str:
+    """The digest of one chunk of a side file: xxh3_64, 16 hex digits."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
 @dataclass(frozen=True)
 class SideFile:
-    """A file beside index.json that the index vouches for (lengths.npy, groups.npy)."""
+    """A file beside index.json that the index vouches for (lengths.npy, groups.npy, shards.npy):
+    by size and sha256, and (version 4) by the xxh3_64 of every ``chunk_bytes`` bytes, so that a
+    reader can check just the parts it reads."""
 
     name: str
     bytes: int
     sha256: str
+    chunks: tuple[str, ...] = field(default=(), compare=False)
+    chunk_bytes: int = CHUNK_BYTES
 
     @classmethod
     def of(cls, name: str, data: bytes) -> SideFile:
         """The reference an index stores for ``data`` written under ``name``."""
-        return cls(name, len(data), hashlib.sha256(data).hexdigest())
+        view = memoryview(data)
+        chunks = tuple(chunk_digest(view[a : a + CHUNK_BYTES]) for a in range(0, len(data), CHUNK_BYTES))
+        return cls(name, len(data), hashlib.sha256(data).hexdigest(), chunks)
+
+    @classmethod
+    def of_file(cls, name: str, path: str) -> SideFile:
+        """The reference for a file already written (read back a chunk at a time: a side file of
+        any size is described in bounded memory)."""
+        sha, chunks, size = hashlib.sha256(), [], 0
+        with open(path, "rb") as f:
+            while data := f.read(CHUNK_BYTES):
+                sha.update(data)
+                chunks.append(chunk_digest(data))
+                size += len(data)
+        return cls(name, size, sha.hexdigest(), tuple(chunks))
 
     @classmethod
     def from_json(cls, body: Any, where: str) -> SideFile | None:
@@ -70,10 +106,23 @@ class SideFile:
         size, sha = body.get("bytes"), body.get("sha256")
         if not isinstance(size, int) or size < 0 or not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
             raise FormatError(f"{where}: the reference to {body['name']!r} needs its size in bytes and a sha256")
-        return cls(check_shard_name(body["name"], where), size, sha)
+        chunks, chunk_bytes = body.get("chunks") or [], body.get("chunk_bytes", CHUNK_BYTES)
+        if chunks and (
+            not _count(chunk_bytes)
+            or chunk_bytes == 0
+            or not isinstance(chunks, list)
+            or len(chunks) != -(-size // chunk_bytes)
+            or not all(isinstance(c, str) and re.fullmatch(r"[0-9a-f]{16}", c) for c in chunks)
+        ):
+            raise FormatError(f"{where}: the chunk digests of {body['name']!r} do not cover its {size} bytes")
+        return cls(check_shard_name(body["name"], where), size, sha, tuple(chunks), chunk_bytes)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out: dict[str, Any] = {"name": self.name, "bytes": self.bytes, "sha256": self.sha256}
+        if self.chunks:
+            out["chunk_bytes"] = self.chunk_bytes
+            out["chunks"] = list(self.chunks)
+        return out
 
     def check(self, data: bytes, where: str) -> bytes:
         """``data`` if it is what the index vouches for, else a FormatError naming the file."""
@@ -142,6 +191,115 @@ class ShardEntry:
     rows: int = 0  # packed mode: rows of seq_len (the last row of a shard may be short)
 
 
+class ShardTable(Sequence):
+    """The index's shards as int64 columns (``SHARD_COLUMNS``), read as a sequence of ShardEntry.
+
+    Loaders ask for whole columns (``column``), never for a million ShardEntry objects; a table
+    from shards.npy names its shards by position (``PREFIX-%06d.tar``, a format invariant), so no
+    name is stored or built until asked for.
+    """
+
+    def __init__(self, columns: np.ndarray | None, names: Sequence[str] | None = None, prefix: str | None = None):
+        self._columns = None if columns is None else np.asarray(columns, np.int64).reshape(-1, len(SHARD_COLUMNS))
+        self._names = list(names) if names is not None else None
+        self._entries: list[ShardEntry] | None = None
+        self.prefix = prefix
+        if (self._names is None) == (prefix is None):
+            raise ValueError("a shard table takes names or a prefix")
+
+    @classmethod
+    def of(cls, entries: Sequence[ShardEntry]) -> ShardTable:
+        """A table of entries (as index.json lists them; their columns are made when first asked
+        for, after the index checked the entries)."""
+        if isinstance(entries, ShardTable):
+            return entries
+        table = cls(None, names=[e.name for e in entries])
+        table._entries = list(entries)
+        return table
+
+    @property
+    def columns(self) -> np.ndarray:
+        """[shards, SHARD_COLUMNS] int64."""
+        if self._columns is None:
+            columns = np.zeros((len(self._entries), len(SHARD_COLUMNS)), np.int64)
+            for i, e in enumerate(self._entries):
+                columns[i, :5] = (e.samples, e.documents, e.tokens, e.bytes, e.rows)
+                columns[i, 5:] = _sha_words(e.sha256, strict=False)
+            self._columns = columns
+        return self._columns
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview, prefix: str, where: str) -> ShardTable:
+        from .group import npy_array
+
+        flat = npy_array(data, where)
+        if flat.dtype != np.int64 or len(flat) % len(SHARD_COLUMNS):
+            raise FormatError(f"{where}: a shard table holds {len(SHARD_COLUMNS)} int64 per shard")
+        return cls(flat.reshape(-1, len(SHARD_COLUMNS)), prefix=prefix)
+
+    def to_bytes(self) -> bytes:
+        from .group import npy_bytes
+
+        if self._entries is not None:
+            for e in self._entries:
+                _sha_words(e.sha256)
+        return npy_bytes(self.columns.reshape(-1))
+
+    def column(self, name: str) -> np.ndarray:
+        """One count per shard (samples, documents, tokens, bytes, rows), int64."""
+        return self.columns[:, SHARD_COLUMNS.index(name)]
+
+    def name(self, i: int) -> str:
+        return self._names[i] if self._names is not None else shard_name(self.prefix, i)
+
+    def position(self, name: str) -> int | None:
+        """The shard's position in the table, or None when it is not one of them."""
+        if self._names is not None:
+            if not hasattr(self, "_positions"):
+                self._positions = {n: i for i, n in enumerate(self._names)}
+            return self._positions.get(name)
+        m = SHARD_RE.match(name)
+        if m is None or m.group("prefix") != self.prefix:
+            return None
+        i = int(m.group("number"))
+        return i if i < len(self) and shard_name(self.prefix, i) == name else None
+
+    def __len__(self) -> int:
+        return len(self._entries) if self._entries is not None else len(self._columns)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if self._entries is not None:
+            return self._entries[i]
+        i = range(len(self))[i]
+        samples, documents, tokens, size, rows = (int(x) for x in self.columns[i, :5])
+        sha = self.columns[i, 5:].astype("<i8").tobytes().hex()
+        return ShardEntry(self.name(i), samples, documents, tokens, size, sha, rows)
+
+    def __iter__(self) -> Iterator[ShardEntry]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"ShardTable({len(self)} shards)"
+
+
+def _sha_words(sha256: str, strict: bool = True) -> np.ndarray:
+    """A sha256 as four int64 words (zeros for one that is not 64 hex digits, unless ``strict``)."""
+    try:
+        raw = bytes.fromhex(sha256) if isinstance(sha256, str) else b""
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        if not strict:
+            return np.zeros(4, np.int64)
+        raise FormatError(f"a shard's sha256 must be 64 hex digits, not {sha256!r:.80}")
+    return np.frombuffer(raw, "<i8")
+
+
 @dataclass
 class Index:
     """index.json: everything a loader needs to plan an epoch without opening a shard."""
@@ -150,7 +308,7 @@ class Index:
     dtype: str
     seq_len: int | None
     tokenizer: TokenizerInfo
-    shards: list[ShardEntry]
+    shards: ShardTable  # a list of ShardEntry is accepted and made a table
     doc_lengths: dict[str, Any]
     options: dict[str, Any]
     inputs: list[dict[str, Any]]
@@ -163,6 +321,14 @@ class Index:
     version: int = FORMAT_VERSION
     format: str = FORMAT_NAME
     created_by: str = ""
+    shards_file: SideFile | None = None  # version 4 with a binary shard table: shards.npy
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shards, ShardTable):
+            try:
+                self.shards = ShardTable.of(list(self.shards))
+            except FormatError as exc:
+                raise FormatError(f"{INDEX_NAME}: {exc}") from None
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -177,32 +343,48 @@ class Index:
 
     @property
     def documents(self) -> int:
-        return sum(s.documents for s in self.shards)
+        return int(self.shards.column("documents").sum())
 
     @property
     def tokens(self) -> int:
-        return sum(s.tokens for s in self.shards)
+        return int(self.shards.column("tokens").sum())
 
     @property
     def rows(self) -> int:
-        return sum(s.rows for s in self.shards)
+        return int(self.shards.column("rows").sum())
 
     @property
-    def items_per_shard(self) -> list[int]:
+    def items_per_shard(self) -> np.ndarray:
         """What the loader counts per shard: documents in docs mode, rows in packed mode."""
-        return [s.rows if self.mode == "packed" else s.documents for s in self.shards]
+        return self.shards.column("rows" if self.mode == "packed" else "documents")
 
     def totals(self) -> dict[str, int]:
         out = {
             "shards": len(self.shards),
-            "samples": sum(s.samples for s in self.shards),
+            "samples": int(self.shards.column("samples").sum()),
             "documents": self.documents,
             "tokens": self.tokens,
-            "bytes": sum(s.bytes for s in self.shards),
+            "bytes": int(self.shards.column("bytes").sum()),
         }
         if self.mode == "packed":
             out["rows"] = self.rows
         return out
+
+    def move_shard_table(self, limit: int = INLINE_SHARDS_MAX) -> list[tuple[str, bytes]]:
+        """Move the shard table of a dataset of more than ``limit`` shards to shards.npy; returns
+        (name, bytes) of the side files ``to_json`` then refers to, which a writer puts before
+        index.json."""
+        self.shards_file = None
+        if self.version < 4 or len(self.shards) <= limit:
+            return []
+        first = SHARD_RE.match(self.shards.name(0))
+        prefix = first.group("prefix") if first else None
+        if prefix is None or any(self.shards.name(i) != shard_name(prefix, i) for i in range(len(self.shards))):
+            return []  # names that do not follow PREFIX-%06d stay in index.json
+        data = self.shards.to_bytes()
+        self.shards_file = SideFile.of(SHARDS_NAME, data)
+        self.shards = ShardTable(self.shards.columns, prefix=prefix)
+        return [(SHARDS_NAME, data)]
 
     # -- serialisation ------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -224,18 +406,43 @@ class Index:
             "options": self.options,
             "inputs": self.inputs,
             "skipped": self.skipped,
-            "shards": [asdict(s) for s in self.shards],
         }
+        if self.shards_file is not None:
+            body["shards_file"] = self.shards_file.to_json()
+            body["shard_prefix"] = self.shards.prefix
+        else:
+            body["shards"] = [asdict(s) for s in self.shards]
         return json.dumps(body, indent=1, sort_keys=False) + "\n"
 
     @classmethod
-    def from_json(cls, text: str | bytes, where: str = INDEX_NAME, *, check_totals: bool = True) -> Index:
+    def from_json(
+        cls,
+        text: str | bytes,
+        where: str = INDEX_NAME,
+        *,
+        check_totals: bool = True,
+        shard_table: Callable[[SideFile], bytes] | None = None,
+    ) -> Index:
         """The index, checked (``check_totals``: also against its own totals; ``wdsllm verify``
-        reports a mismatch among the other problems instead)."""
+        reports a mismatch among the other problems instead). ``shard_table(ref)``: the bytes of
+        shards.npy, checked against ``ref``, for an index whose shard table is there (see
+        :func:`read_index`)."""
         try:
             body = json.loads(text)
         except ValueError as exc:
             raise FormatError(f"{where}: not JSON: {exc}") from exc
+        return cls.from_body(body, where, check_totals=check_totals, shard_table=shard_table)
+
+    @classmethod
+    def from_body(
+        cls,
+        body: Any,
+        where: str = INDEX_NAME,
+        *,
+        check_totals: bool = True,
+        shard_table: Callable[[SideFile], bytes] | None = None,
+    ) -> Index:
+        """The index from its parsed JSON (see ``from_json``)."""
         if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
             raise FormatError(
                 f"{where}: not a wdsllm index (format field is "
@@ -248,7 +455,16 @@ class Index:
                 f"{list(READABLE_VERSIONS)}); upgrade wdsllm"
             )
         try:
-            shards = [ShardEntry(**s) for s in body["shards"]]
+            shards_file = SideFile.from_json(body.get("shards_file"), where) if version >= 4 else None
+            if shards_file is not None:
+                prefix = body.get("shard_prefix")
+                if not isinstance(prefix, str) or not SHARD_RE.match(shard_name(prefix, 0)):
+                    raise FormatError(f"{where}: shard_prefix must be a plain shard name prefix")
+                if shard_table is None:
+                    raise FormatError(f"{where}: its shard table is in {shards_file.name}: read it with read_index")
+                shards = ShardTable.from_bytes(shard_table(shards_file), prefix, shards_file.name)
+            else:
+                shards = [ShardEntry(**s) for s in body["shards"]]
             checksum = body.get("checksum") if version >= 3 else None
             index = cls(
                 mode=body["mode"],
@@ -268,6 +484,7 @@ class Index:
                 version=version,
                 format=body["format"],
                 created_by=body.get("created_by", ""),
+                shards_file=shards_file,
             )
         except (KeyError, TypeError) as exc:
             raise FormatError(f"{where}: malformed index: {type(exc).__name__} {exc}") from exc
@@ -297,14 +514,18 @@ class Index:
             raise FormatError(f"{where}: tokenizer_file's sha256 is not tokenizer.sha256: they name two tokenizers")
         if self.mode == "packed" and not (_count(self.seq_len) and self.seq_len > 0):
             raise FormatError(f"{where}: a packed dataset needs a positive seq_len")
-        for i, s in enumerate(self.shards):
-            check_shard_name(s.name, where)
-            bad = [f for f in ("samples", "documents", "tokens", "bytes", "rows") if not _count(getattr(s, f))]
-            if bad or not isinstance(s.sha256, str):
-                raise FormatError(
-                    f"{where}: shard {i} ({s.name}): {', '.join(bad) or 'sha256'} must be "
-                    "non-negative integers (sha256 a string)"
-                )
+        if self.shards_file is None:
+            for i, s in enumerate(self.shards):
+                check_shard_name(s.name, where)
+                bad = [f for f in ("samples", "documents", "tokens", "bytes", "rows") if not _count(getattr(s, f))]
+                if bad or not isinstance(s.sha256, str):
+                    raise FormatError(
+                        f"{where}: shard {i} ({s.name}): {', '.join(bad) or 'sha256'} must be "
+                        "non-negative integers (sha256 a string)"
+                    )
+        elif len(self.shards) and int(self.shards.columns[:, :5].min()) < 0:
+            bad = int(np.flatnonzero((self.shards.columns[:, :5] < 0).any(axis=1))[0])
+            raise FormatError(f"{where}: shard {bad} ({self.shards.name(bad)}): counts must be non-negative")
         totals = body.get("totals")
         if isinstance(totals, dict):
             for key, value in self.totals().items():
@@ -315,6 +536,28 @@ class Index:
                     )
         elif totals is not None:
             raise FormatError(f"{where}: totals must be an object")
+
+
+def read_index(
+    root: str, *, retry: Any = None, check_totals: bool = True, data: bytes | None = None
+) -> tuple[Index, dict]:
+    """(the index of the dataset at ``root``, its parsed JSON), with its shard table wherever it
+    is (index.json, or shards.npy checked against the index). ``data``: index.json already read."""
+    from .. import storage
+
+    url = storage.join_url(root, INDEX_NAME)
+    if data is None:
+        data = storage.read_bytes(url, retry=retry)
+    try:
+        body = json.loads(data)
+    except ValueError as exc:
+        raise FormatError(f"{url}: not JSON: {exc}") from exc
+
+    def table(ref: SideFile) -> bytes:
+        side = storage.join_url(root, ref.name)
+        return ref.check(storage.read_bytes(side, retry=retry), side)
+
+    return Index.from_body(body, url, check_totals=check_totals, shard_table=table), body
 
 
 def _count(value: Any) -> bool:

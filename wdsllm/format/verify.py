@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
+import os
 import re
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -22,6 +23,7 @@ import numpy as np
 from .. import format as fmt
 from .. import storage
 from ..format import tar as tario
+from .side import SideArray
 
 KEY_RE = re.compile(r"^\d{4}-\d{9}$")
 MAX_ERRORS_PER_SHARD = 20
@@ -115,7 +117,8 @@ def load(source: str) -> tuple[str, fmt.Index, dict]:
         raise storage.NotFoundError(f"{url}: cannot read the index ({exc}); is {root} a wdsllm dataset?") from exc
     except storage.StorageError as exc:
         raise storage.StorageError(f"{url}: cannot read the index ({exc}); is {root} a wdsllm dataset?") from exc
-    return root, fmt.Index.from_json(data, url, check_totals=False), json.loads(data)
+    index, body = fmt.read_index(root, check_totals=False, data=data)
+    return root, index, body
 
 
 def check_shard(root: str, entry: fmt.ShardEntry, index: fmt.Index) -> ShardCheck:
@@ -230,25 +233,67 @@ def _compare_entry(check: ShardCheck, entry: fmt.ShardEntry, sha256: str, counts
 
 
 # ----------------------------------------------------------------------------------------------
-# The dataset as a whole.
+# The dataset as a whole, streamed: shards are checked in parallel processes and come back in
+# order, and each one's lengths and group rows are compared with its part of lengths.npy and
+# groups.npy at once, then dropped. What is kept per shard is its tallies and errors.
 
 
 def verify(source: str, jobs: int = 1, on_shard: Callable[[int, int, ShardCheck], None] | None = None) -> Report:
-    """Check every shard (``jobs`` at a time), then lengths.npy and the index's own totals."""
+    """Check every shard (in ``jobs`` processes; 0: one per core), then lengths.npy, groups.npy
+    and the index's own totals."""
     root, index, raw = load(source)
+    sides = _SideChecks(root, index)
     checks: list[ShardCheck] = []
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        for check in pool.map(lambda e: check_shard(root, e, index), index.shards):
-            checks.append(check)
-            if on_shard:
-                on_shard(len(checks), len(index.shards), check)
-    errors = (
-        _check_index(index, raw, checks)
-        + _check_lengths(root, index, checks)
-        + _check_groups(root, index, checks)
-        + _check_tokenizer(root, index)
-    )
+    keys: dict[str, str] = {}
+    key_errors: list[str] = []
+    jobs = jobs or len(os.sched_getaffinity(0))
+    for check in _checked_in_order(root, index, jobs):
+        sides.add(check)
+        _note_keys(check, keys, key_errors)
+        check.lengths, check.starts, check.groups, check.keys = [], [], [], []
+        checks.append(check)
+        if on_shard:
+            on_shard(len(checks), len(index.shards), check)
+    errors = _check_index(index, raw, checks) + key_errors + sides.finish() + _check_tokenizer(root, index)
     return Report(root=root, index=index, shards=checks, errors=errors)
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(root: str, index: fmt.Index) -> None:
+    _WORKER["root"], _WORKER["index"] = root, index
+
+
+def _check_in_worker(position: int) -> ShardCheck:
+    index = _WORKER["index"]
+    return check_shard(_WORKER["root"], index.shards[position], index)
+
+
+def _checked_in_order(root: str, index: fmt.Index, jobs: int) -> Iterator[ShardCheck]:
+    """Every shard's check, in shard order; with several jobs, a bounded window of shards is in
+    flight in worker processes (decoding tars is Python work: threads would share one core)."""
+    n = len(index.shards)
+    if jobs <= 1 or n <= 1:
+        for i in range(n):
+            yield check_shard(root, index.shards[i], index)
+        return
+    with ProcessPoolExecutor(min(jobs, n), initializer=_init_worker, initargs=(root, index)) as pool:
+        pending: deque = deque()
+        submitted = 0
+        while submitted < n or pending:
+            while submitted < n and len(pending) < 4 * jobs:
+                pending.append(pool.submit(_check_in_worker, submitted))
+                submitted += 1
+            yield pending.popleft().result()
+
+
+def _note_keys(check: ShardCheck, seen: dict[str, str], errors: list[str]) -> None:
+    for key in check.keys:
+        if key in seen:
+            errors.append(f"key {key} is in both {seen[key]} and {check.name}")
+            break
+        seen[key] = check.name
 
 
 def _check_index(index: fmt.Index, raw: dict, checks: list[ShardCheck]) -> list[str]:
@@ -275,80 +320,130 @@ def _check_index(index: fmt.Index, raw: dict, checks: list[ShardCheck]) -> list[
                 f"{fmt.INDEX_NAME}: packed.short_rows is {(index.packed or {}).get('short_rows')}, the shards hold "
                 f"{short}"
             )
-    seen: dict[str, str] = {}
-    for c in checks:
-        for key in c.keys:
-            if key in seen:
-                errors.append(f"key {key} is in both {seen[key]} and {c.name}")
-                break
-            seen[key] = c.name
     return errors
 
 
-def _read_side(root: str, ref: fmt.SideFile) -> tuple[np.ndarray | None, list[str]]:
-    """A side file's array (None if unreadable) and what is wrong with it; a checksum mismatch is
-    reported and the content still checked, so that the report says what differs."""
-    url = storage.join_url(root, ref.name)
-    try:
-        data = storage.read_bytes(url)
-    except storage.StorageError as exc:
-        return None, [f"{ref.name}: missing or unreadable: {exc}"]
-    errors = []
-    try:
-        ref.check(data, ref.name)
-    except fmt.FormatError:
-        errors.append(f"{ref.name}: size or sha256 differs from the index")
-    try:
-        return fmt.npy_array(data, ref.name), errors
-    except fmt.FormatError as exc:
-        return None, [*errors, str(exc)]
+class _SideChecks:
+    """lengths.npy and groups.npy against the shards, one shard at a time, in shard order: each
+    shard's decoded lengths (docs mode; packed mode: the documents its starts end) and group rows
+    are compared with the side file's next entries. Both files are also hashed whole (sha256 and
+    chunk digests) in a pass that holds one piece at a time."""
 
+    def __init__(self, root: str, index: fmt.Index) -> None:
+        self.index = index
+        self.errors: list[str] = []
+        self.shard_errors = False
+        self.lengths = self._open(root, index.lengths_file, "lengths")
+        self.groups = self._open(root, index.groups_file, "groups") if index.groups_file else None
+        if self.lengths is not None and self.lengths.dtype != np.uint32:
+            self.errors.append(
+                f"{index.lengths_file.name}: holds {self.lengths.dtype} values; the format stores uint32 lengths"
+            )
+        self.docs = 0  # lengths compared so far
+        self.group_rows = 0  # groups compared so far
+        self.first_length: str | None = None  # the first difference found
+        self.first_group: str | None = None
+        self.pending_start: int | None = None  # packed: the global start of the last document seen
+        self.tokens = 0  # packed: tokens of the shards so far
 
-def _check_lengths(root: str, index: fmt.Index, checks: list[ShardCheck]) -> list[str]:
-    """lengths.npy: its checksum, and that it holds the documents' lengths as the shards tell them."""
-    if not index.lengths_file:
-        return [f"{fmt.INDEX_NAME}: no lengths_file entry"]
-    name = index.lengths_file.name
-    lengths, errors = _read_side(root, index.lengths_file)
-    if lengths is None:
+    def _open(self, root: str, ref: fmt.SideFile | None, what: str) -> SideArray | None:
+        if ref is None:
+            if what == "lengths":
+                self.errors.append(f"{fmt.INDEX_NAME}: no lengths_file entry")
+            return None
+        url = storage.join_url(root, ref.name)
+        try:
+            if storage.scheme_of(url) == "file":
+                side = SideArray.open(root, ref, check=False)
+            else:
+                side = SideArray(url, ref, data=storage.read_bytes(url), check=False)
+        except storage.StorageError as exc:
+            self.errors.append(f"{ref.name}: missing or unreadable: {exc}")
+            return None
+        except fmt.FormatError as exc:
+            self.errors.append(str(exc))
+            return None
+        if side.offset + side.count * side.dtype.itemsize != side.size:
+            self.errors.append(f"{ref.name}: .npy payload is {side.size - side.offset} bytes, header says {side.count}")
+            return None
+        size, sha256, chunks = side.digests()
+        if (size, sha256) != (ref.bytes, ref.sha256):
+            self.errors.append(f"{ref.name}: size or sha256 differs from the index")
+        elif ref.chunks and chunks != list(ref.chunks):
+            self.errors.append(f"{ref.name}: its chunk digests differ from the index's")
+        return side
+
+    def add(self, check: ShardCheck) -> None:
+        if check.errors:
+            self.shard_errors = True
+        if self.shard_errors:
+            return  # the shards' own errors say more than a mismatch would
+        if self.lengths is not None:
+            self._add_lengths(self._shard_lengths(check))
+        if self.groups is not None:
+            self._add_groups(np.asarray(check.groups, np.int64).reshape(-1))
+
+    def _shard_lengths(self, check: ShardCheck) -> np.ndarray:
+        if self.index.mode == "docs":
+            return np.concatenate(check.lengths).astype(np.int64) if check.lengths else np.zeros(0, np.int64)
+        # packed: a document runs from its start to the next one (across groups and shards)
+        starts = [s + self.tokens for s in check.starts]
+        self.tokens += check.tokens
+        if self.pending_start is not None:
+            starts.insert(0, np.array([self.pending_start], np.int64))
+        if not starts:
+            return np.zeros(0, np.int64)
+        flat = np.concatenate(starts)
+        self.pending_start = int(flat[-1])
+        return np.diff(flat)
+
+    def _add_lengths(self, lengths: np.ndarray) -> None:
+        a = self.docs
+        self.docs += len(lengths)
+        if self.first_length is not None or a >= self.lengths.count:
+            return
+        have = self.lengths.read(a, a + len(lengths)).astype(np.int64)
+        n = len(have)
+        if not np.array_equal(have, lengths[:n]):
+            i = int(np.argmax(have != lengths[:n]))
+            name = self.index.lengths_file.name
+            self.first_length = f"{name}: document {a + i} is {have[i]} tokens there, {lengths[i]} in the shards"
+
+    def _add_groups(self, rows: np.ndarray) -> None:
+        columns = self.index.group_columns
+        a = self.group_rows * columns
+        self.group_rows += len(rows) // columns
+        if self.first_group is not None or a >= self.groups.count:
+            return
+        have = self.groups.read(a, a + len(rows)).astype(np.int64)
+        n = len(have)
+        if not np.array_equal(have, rows[:n]):
+            g = (a + int(np.argmax(have != rows[:n]))) // columns
+            listed = self.groups.read(columns * g, columns * (g + 1)).tolist()
+            said = rows[columns * g - a : columns * (g + 1) - a].tolist()
+            name = self.index.groups_file.name
+            self.first_group = f"{name}: group {g} (in dataset order) is listed as {listed}, the shards say {said}"
+
+    def finish(self) -> list[str]:
+        errors = self.errors
+        if self.shard_errors:
+            return errors
+        if self.lengths is not None:
+            if self.index.mode == "packed" and self.pending_start is not None:
+                self._add_lengths(np.array([self.tokens - self.pending_start], np.int64))
+            name = self.index.lengths_file.name
+            if self.docs != self.lengths.count:
+                errors.append(f"{name}: holds {self.lengths.count} lengths, the shards hold {self.docs} documents")
+            elif self.first_length:
+                errors.append(self.first_length)
+        if self.groups is not None:
+            columns = self.index.group_columns
+            name = self.index.groups_file.name
+            if self.group_rows * columns != self.groups.count:
+                errors.append(f"{name}: lists {self.groups.count // columns} groups, the shards hold {self.group_rows}")
+            elif self.first_group:
+                errors.append(self.first_group)
         return errors
-    if lengths.dtype != np.uint32:
-        errors.append(f"{name}: holds {lengths.dtype} values; the format stores uint32 lengths")
-    lengths = lengths.astype(np.int64)
-    if any(c.errors for c in checks):
-        return errors  # the shards' own errors say more than a mismatch would
-    shard_lengths = _lengths_from_shards(index, checks)
-    if len(lengths) != len(shard_lengths):
-        errors.append(f"{name}: holds {len(lengths)} lengths, the shards hold {len(shard_lengths)} documents")
-    elif not np.array_equal(lengths, shard_lengths):
-        first = int(np.argmax(lengths != shard_lengths))
-        errors.append(
-            f"{name}: document {first} is {lengths[first]} tokens there, {shard_lengths[first]} in the shards"
-        )
-    return errors
-
-
-def _check_groups(root: str, index: fmt.Index, checks: list[ShardCheck]) -> list[str]:
-    """groups.npy: its checksum, and that it says where every group starts (format 3: and each
-    group's size and checksum)."""
-    if not index.groups_file:
-        return []  # format 1: readers read shards from their start
-    name = index.groups_file.name
-    columns = index.group_columns
-    table, errors = _read_side(root, index.groups_file)
-    if table is None or any(c.errors for c in checks):
-        return errors
-    want = np.array([row for c in checks for row in c.groups], np.int64).reshape(-1)
-    if len(table) != len(want):
-        errors.append(f"{name}: lists {len(table) // columns} groups, the shards hold {len(want) // columns}")
-    elif not np.array_equal(table, want):
-        first = int(np.argmax(table != want)) // columns
-        errors.append(
-            f"{name}: group {first} (in dataset order) is listed as "
-            f"{table[columns * first : columns * (first + 1)].tolist()}, "
-            f"the shards say {want[columns * first : columns * (first + 1)].tolist()}"
-        )
-    return errors
 
 
 def _check_tokenizer(root: str, index: fmt.Index) -> list[str]:
@@ -366,18 +461,3 @@ def _check_tokenizer(root: str, index: fmt.Index) -> list[str]:
     except fmt.FormatError:
         return [f"{index.tokenizer_file.name}: size or sha256 differs from the index (not the packing tokenizer)"]
     return []
-
-
-def _lengths_from_shards(index: fmt.Index, checks: list[ShardCheck]) -> np.ndarray:
-    if index.mode == "docs":
-        parts = [part for c in checks for part in c.lengths]
-        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-    # packed: a document runs from its start to the next one (across groups and shards).
-    starts, offset = [], 0
-    for c in checks:
-        starts.extend(s + offset for s in c.starts)
-        offset += c.tokens
-    if not starts:
-        return np.zeros(0, np.int64)
-    flat = np.concatenate(starts)
-    return np.diff(np.append(flat, offset))

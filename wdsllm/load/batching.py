@@ -46,6 +46,43 @@ if TYPE_CHECKING:
 Hint = dict
 
 
+class ItemLengths(Protocol):
+    """A stream's item lengths as far as counting needs them, without holding them: their sum,
+    and each window's lengths. Counts by window need only each window's *multiset* of lengths
+    (every windowed batcher sorts its window first), so a window may come in any order; this is
+    what lets a count read lengths.npy in plan order, a window at a time, without a shuffle."""
+
+    def total(self) -> int:
+        """The items' tokens."""
+        ...
+
+    def windows(self, size: int) -> Iterator[np.ndarray]:
+        """The lengths of items [i*size, (i+1)*size) of the shuffled stream, for i = 0, 1, ..."""
+        ...
+
+
+class ArrayLengths:
+    """ItemLengths of lengths held in an array (in shuffled-stream order)."""
+
+    def __init__(self, lengths: np.ndarray):
+        self.lengths = lengths
+
+    def total(self) -> int:
+        return int(np.sum(self.lengths, dtype=np.int64))
+
+    def windows(self, size: int) -> Iterator[np.ndarray]:
+        for a in range(0, len(self.lengths), size):
+            yield self.lengths[a : a + size]
+
+
+def as_item_lengths(lengths: np.ndarray | ItemLengths | None) -> ItemLengths | None:
+    return ArrayLengths(lengths) if isinstance(lengths, np.ndarray) else lengths
+
+
+#: what a batcher's count needs of a stream: its number of items, its tokens, or its windows
+COUNT_BY_ITEMS, COUNT_BY_TOKENS, COUNT_BY_WINDOWS = "items", "tokens", "windows"
+
+
 class Batcher(Protocol):
     """Turns a worker's shuffled item stream into batches; a pure function of lengths and the key.
 
@@ -54,11 +91,15 @@ class Batcher(Protocol):
     ``batches`` does the same work on the items themselves, and must agree with them exactly.
     """
 
-    #: whether count/start_position need the items' lengths (else the number of items suffices)
+    #: whether start_position needs the items' lengths (else the number of items suffices)
     needs_lengths: bool
+    #: what ``count`` needs: COUNT_BY_ITEMS (n_items), COUNT_BY_TOKENS (lengths.total()) or
+    #: COUNT_BY_WINDOWS (lengths.windows(window))
+    count_by: str
 
-    def count(self, n_items: int, lengths: np.ndarray | None) -> int:
-        """Batches the stream of ``n_items`` items (of these lengths) makes."""
+    def count(self, n_items: int, lengths: np.ndarray | ItemLengths | None) -> int:
+        """Batches the stream of ``n_items`` items (of these lengths) makes: the one counting
+        formula of the mode, which equal batches, ``len``, stats and resumption all use."""
         ...
 
     def start_position(self, batch: int, lengths: np.ndarray | None, hint: Hint | None = None) -> int:
@@ -98,6 +139,11 @@ class Batch:
     stats: dict = field(default_factory=dict)
 
 
+def _batches_of(n: int, b: int, drop_last: bool) -> int:
+    """Batches of ``b`` that ``n`` things make (the last one short, or dropped)."""
+    return n // b if drop_last else (n + b - 1) // b
+
+
 def round_up(n: Any, multiple: int | None) -> Any:
     """``n`` (an int or an array) rounded up to a multiple (unchanged without one)."""
     return n if not multiple else (n + multiple - 1) // multiple * multiple
@@ -119,6 +165,7 @@ class FixedBatcher:
     """``batch_size`` consecutive items of the shuffled stream per batch."""
 
     needs_lengths = False
+    count_by = COUNT_BY_ITEMS
 
     def __init__(self, batch_size: int, drop_last: bool = False):
         if batch_size < 1:
@@ -126,9 +173,8 @@ class FixedBatcher:
         self.batch_size = batch_size
         self.drop_last = drop_last
 
-    def count(self, n_items: int, lengths: np.ndarray | None = None) -> int:
-        b = self.batch_size
-        return n_items // b if self.drop_last else (n_items + b - 1) // b
+    def count(self, n_items: int, lengths: np.ndarray | ItemLengths | None = None) -> int:
+        return _batches_of(n_items, self.batch_size, self.drop_last)
 
     def start_position(self, batch: int, lengths: np.ndarray | None = None, hint: dict | None = None) -> int:
         return batch * self.batch_size
@@ -182,8 +228,9 @@ class ItemChunker:
     but items travel in chunks of the shuffled stream's blocks, never one Python object each."""
 
     needs_lengths = False
+    count_by = COUNT_BY_ITEMS
 
-    def count(self, n_items: int, lengths: np.ndarray | None = None) -> int:
+    def count(self, n_items: int, lengths: np.ndarray | ItemLengths | None = None) -> int:
         return n_items
 
     def start_position(self, item: int, lengths: np.ndarray | None = None, hint: dict | None = None) -> int:
@@ -249,6 +296,9 @@ class BucketBatcher:
         self.max_tokens = max_tokens
         self.multiple = pad_to_multiple_of
         self.drop_last = drop_last
+        # with a batch size, every window but the last emits whole batches and carries n mod b:
+        # the count is that of fixed batches; a token budget needs each window's lengths
+        self.count_by = COUNT_BY_ITEMS if batch_size is not None else COUNT_BY_WINDOWS
 
     # -- the rule, on lengths only ------------------------------------------------------------
     def _cut_budget(self, sorted_lengths: np.ndarray) -> list[tuple[int, int]]:
@@ -317,12 +367,16 @@ class BucketBatcher:
             )
         return out
 
-    def count(self, n_items: int, lengths: np.ndarray | None) -> int:
-        if lengths is None:
-            raise ConfigError("bucket batch counts need the documents' lengths (an index)")
+    def count(self, n_items: int, lengths: np.ndarray | ItemLengths | None) -> int:
         if n_items == 0:
             return 0
-        return sum(b for b, _ in self.simulate(lengths))
+        if self.batch_size is not None:
+            return _batches_of(n_items, self.batch_size, self.drop_last)
+        if lengths is None:
+            raise ConfigError("token-budget batch counts need the documents' lengths (an index)")
+        return budget_count(
+            as_item_lengths(lengths).windows(self.window), self.max_tokens, self.multiple, self.drop_last
+        )
 
     def _locate(self, batch: int, lengths: np.ndarray) -> tuple[int, int, int]:
         """(window holding batch, batches before that window, items carried into it)."""
@@ -412,8 +466,132 @@ class BucketBatcher:
             i += 1
 
 
+def budget_count(windows: Iterable[np.ndarray], max_tokens: int, multiple: int | None, drop_last: bool) -> int:
+    """Batches ``BucketBatcher(max_tokens=...)`` makes of a stream given window by window.
+
+    The same rule as ``plan_window``, on values alone: a window's batches are the greedy cut of
+    its sorted lengths (the carried ones included), and the carry is the longest new items, so
+    only each window's multiset matters; no argsort, no permutation, no batch built. Carried items
+    sort first among equal lengths, which decides whether the last batch is carried on.
+    """
+    total = 0
+    carry = np.zeros(0, np.int64)  # sorted lengths carried into the window
+    stream = iter(windows)
+    pending = next(stream, None)
+    while pending is not None:
+        following = next(stream, None)
+        new = np.sort(np.asarray(pending, np.int64))
+        merged = np.sort(np.concatenate([carry, new])) if len(carry) else new
+        n = len(merged)
+        if n == 0:
+            carry, pending = np.zeros(0, np.int64), following
+            continue
+        batches, s = _budget_cut(round_up(merged, multiple) if multiple else merged, max_tokens)
+        if following is None:
+            last_max = int(round_up(int(merged[-1]), multiple))
+            if drop_last and (n - s + 1) * last_max <= max_tokens:
+                batches -= 1  # the final batch is under-full: dropped
+            return total + batches
+        v = int(merged[s])
+        c_lo, c_hi = int(np.searchsorted(carry, v, "left")), int(np.searchsorted(carry, v, "right"))
+        carried_above = len(carry) - c_hi
+        first_v = int(np.searchsorted(merged, v, "left"))
+        if carried_above == 0 and first_v + (c_hi - c_lo) <= s:  # the last batch holds new items only
+            total += batches - 1
+            carry = new[len(new) - (n - s) :]
+        else:
+            total += batches
+            carry = np.zeros(0, np.int64)
+        pending = following
+    return total
+
+
+def _budget_cut(padded: np.ndarray, budget: int) -> tuple[int, int]:
+    """(batches, start of the last batch) of the greedy cut of ascending padded lengths into
+    ranges whose count times their longest fits the budget (``BucketBatcher._cut_budget``)."""
+    n = len(padded)
+    s = batches = last = 0
+    while s < n:
+        first = int(padded[s])
+        lo, hi = s + 1, min(n, s + max(1, budget // first if first else n))
+        while lo < hi:  # (e - s) * padded[e - 1] grows with e: bisect for the largest that fits
+            mid = (lo + hi + 1) // 2
+            if (mid - s) * int(padded[mid - 1]) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        last, s = s, lo
+        batches += 1
+    return batches, last
+
+
 # ----------------------------------------------------------------------------------------------
 # Rows: best-fit packing and concatenation
+
+
+def bfd_count(lengths: np.ndarray, capacity: int) -> int:
+    """How many bins ``best_fit_decreasing`` opens, from the lengths' histogram.
+
+    Equal lengths are placed together: a bin keeps taking items of length L while its room is at
+    least L (it stays the best fit), and which of several bins of equal room is chosen does not
+    change the count. Items longer than half the capacity never share a bin with each other, so
+    each opens its own, all at once. Python work per distinct length, not per item.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    over = int(np.count_nonzero(lengths > capacity))  # longer than a bin: one each, never shared
+    hist = np.bincount(lengths[lengths <= capacity], minlength=capacity + 1)
+    half = capacity // 2
+    big = hist[half + 1 :]
+    bins = over + int(big.sum())
+    cnt: dict[int, int] = {}
+    for length in np.flatnonzero(big).tolist():
+        room = capacity - (half + 1 + length)
+        if room > 0:
+            cnt[room] = cnt.get(room, 0) + int(big[length])
+    rooms = sorted(cnt)  # distinct rooms > 0 of open bins
+
+    def add(room: int, c: int) -> None:
+        if room <= 0 or c <= 0:
+            return
+        if room in cnt:
+            cnt[room] += c
+        else:
+            cnt[room] = c
+            bisect.insort(rooms, room)
+
+    small = np.flatnonzero(hist[1 : half + 1]) + 1
+    for length, k in zip(small[::-1].tolist(), hist[small][::-1].tolist()):
+        while k:
+            i = bisect.bisect_left(rooms, length)
+            if i == len(rooms):  # nothing fits: new bins, each taking q items
+                q = capacity // length
+                full, rest = divmod(k, q)
+                bins += full + (1 if rest else 0)
+                add(capacity - q * length, full)
+                if rest:
+                    add(capacity - rest * length, 1)
+                break
+            room = rooms[i]
+            c = cnt[room]
+            q = room // length  # items of this length each such bin takes
+            if k >= c * q:
+                del cnt[room]
+                rooms.pop(i)
+                add(room - q * length, c)
+                k -= c * q
+            else:
+                m, rest = divmod(k, q)
+                cnt[room] -= m + (1 if rest else 0)
+                if cnt[room] == 0:
+                    del cnt[room]
+                    rooms.pop(i)
+                add(room - q * length, m)
+                if rest:
+                    add(room - rest * length, 1)
+                k = 0
+    if hist[0] and not rooms:  # empty items go into any bin with room; without one they open one
+        bins += 1
+    return bins
 
 
 def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
@@ -472,6 +650,7 @@ class PackBatcher:
     """
 
     needs_lengths = True
+    count_by = COUNT_BY_WINDOWS
 
     def __init__(self, window: int, seq_len: int, batch_size: int, drop_last: bool = False):
         self.window = window
@@ -483,17 +662,15 @@ class PackBatcher:
         cached = getattr(self, "_rows_cache", None)
         if cached is not None and cached[0] is lengths:
             return cached[1]
-        k = self.window
-        rows = [len(best_fit_decreasing(lengths[i : i + k], self.seq_len)) for i in range(0, len(lengths), k)]
+        rows = [bfd_count(w, self.seq_len) for w in ArrayLengths(lengths).windows(self.window)]
         self._rows_cache = (lengths, rows)
         return rows
 
-    def count(self, n_items: int, lengths: np.ndarray | None) -> int:
+    def count(self, n_items: int, lengths: np.ndarray | ItemLengths | None) -> int:
         if lengths is None:
             raise ConfigError("pack batch counts need the documents' lengths (an index)")
-        rows = sum(self.rows_per_window(lengths))
-        b = self.batch_size
-        return rows // b if self.drop_last else (rows + b - 1) // b
+        rows = sum(bfd_count(w, self.seq_len) for w in as_item_lengths(lengths).windows(self.window))
+        return _batches_of(rows, self.batch_size, self.drop_last)
 
     def start_position(self, batch: int, lengths: np.ndarray | None, hint: dict | None = None) -> int:
         if hint is not None:
@@ -600,17 +777,18 @@ class ConcatBatcher:
     """Documents concatenated in stream order and cut into rows of ``seq_len`` (GPT-style)."""
 
     needs_lengths = True
+    count_by = COUNT_BY_TOKENS
 
     def __init__(self, seq_len: int, batch_size: int, drop_last: bool = False):
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.drop_last = drop_last
 
-    def count(self, n_items: int, lengths: np.ndarray | None) -> int:
+    def count(self, n_items: int, lengths: np.ndarray | ItemLengths | None) -> int:
         if lengths is None:
             raise ConfigError("concat batch counts need the documents' lengths (an index)")
-        rows = (int(lengths.sum()) + self.seq_len - 1) // self.seq_len
-        return rows // self.batch_size if self.drop_last else (rows + self.batch_size - 1) // self.batch_size
+        rows = (as_item_lengths(lengths).total() + self.seq_len - 1) // self.seq_len
+        return _batches_of(rows, self.batch_size, self.drop_last)
 
     def start_position(self, batch: int, lengths: np.ndarray | None, hint: dict | None = None) -> int:
         if batch == 0 or lengths is None:

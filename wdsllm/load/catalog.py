@@ -16,6 +16,7 @@ import glob
 import hashlib
 import logging
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -24,101 +25,213 @@ import numpy as np
 
 from .. import format as fmt
 from .. import storage
-from ..format.shard import shard_tables
+from ..format.side import SideArray
 
 log = logging.getLogger(__name__)
 
 
+class ShardUrls(Sequence):
+    """The URLs of an index's shards, made when asked for: a dataset of a million shards never
+    holds a million strings."""
+
+    def __init__(self, root: str, table: fmt.ShardTable, positions: np.ndarray | None = None):
+        self.root = root
+        self.table = table
+        self.positions = positions
+
+    def __len__(self) -> int:
+        return len(self.table) if self.positions is None else len(self.positions)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]
+        p = i if self.positions is None else int(self.positions[i])
+        return storage.join_url(self.root, self.table.name(p))
+
+    def __iter__(self) -> Iterator[str]:
+        return (self[i] for i in range(len(self)))
+
+
+#: group tables kept checked per process (a few per shard being read; each is a few hundred bytes)
+GROUP_TABLES_KEPT = 256
+
+
 @dataclass
 class Catalog:
-    """The shards to read, in index order, and the index when there is one."""
+    """The shards to read, in index order, and the index when there is one.
 
-    urls: list[str]
+    Everything of dataset size stays out of Python objects: per-shard counts are int64 columns of
+    the index's shard table, and lengths.npy and groups.npy are side files read in ranges
+    (``format.side.SideArray``: memory-mapped, each range checked once per process), so opening a
+    catalog costs the same for a thousand shards and for a million, and so does a worker.
+    """
+
+    urls: Sequence[str]
     index: fmt.Index | None = None
     root: str | None = None
     user_urls: bool = False  # urls typed by the user (pipe: allowed), not derived from an index
-    shard_entries: list[fmt.ShardEntry] | None = None  # index entries of ``urls`` (same order)
-    retry: storage.RetryPolicy | None = field(default=None, repr=False)  # for index and lengths reads
-    _lengths: np.ndarray | None = field(default=None, repr=False)
-    _by_shard: list | None = field(default=None, repr=False)
-    _groups: list | None = field(default=None, repr=False)  # per shard: its rows of groups.npy
+    positions: np.ndarray | None = None  # index positions of the shards (None: every shard, in index order)
+    retry: storage.RetryPolicy | None = field(default=None, repr=False)  # for index and side file reads
+    side_cache: Any = field(default=None, repr=False)  # a storage.ShardCache for remote side files
+    _sides: dict = field(default_factory=dict, repr=False)  # side file name -> SideArray
+    _columns: dict = field(default_factory=dict, repr=False)  # cached per-shard int64 columns
+    _tables: dict = field(default_factory=dict, repr=False)  # shard -> its checked rows of groups.npy
 
     @property
     def mode(self) -> str:
         return self.index.mode if self.index else "docs"
 
     @property
-    def items_per_shard(self) -> list[int] | None:
-        """Documents (docs mode) or rows (packed) per shard, when an index says so."""
-        if self.shard_entries is None:
+    def shard_entries(self) -> Sequence[fmt.ShardEntry] | None:
+        """Index entries of ``urls`` (same order), or None without an index."""
+        if self.index is None:
             return None
-        return [e.rows if self.mode == "packed" else e.documents for e in self.shard_entries]
+        if self.positions is None:
+            return self.index.shards
+        if "entries" not in self._columns:  # shards the user listed: a list is small
+            self._columns["entries"] = [self.index.shards[int(p)] for p in self.positions]
+        return self._columns["entries"]
+
+    def _column(self, name: str) -> np.ndarray | None:
+        """One int64 count per catalog shard, from the index's shard table (cached)."""
+        if self.index is None:
+            return None
+        if name not in self._columns:
+            col = self.index.shards.column(name)
+            self._columns[name] = col if self.positions is None else col[self.positions]
+        return self._columns[name]
 
     @property
-    def docs_per_shard(self) -> list[int] | None:
-        return None if self.shard_entries is None else [e.documents for e in self.shard_entries]
+    def items_per_shard(self) -> np.ndarray | None:
+        """Documents (docs mode) or rows (packed) per shard, when an index says so."""
+        return self._column("rows" if self.mode == "packed" else "documents")
+
+    @property
+    def docs_per_shard(self) -> np.ndarray | None:
+        return self._column("documents")
+
+    @property
+    def tokens_per_shard(self) -> np.ndarray | None:
+        return self._column("tokens")
+
+    def _starts(self, name: str) -> np.ndarray:
+        """Where each catalog shard's entries begin in a dataset-order file (documents in
+        lengths.npy, groups in groups.npy): the index-wide running sum of ``name``."""
+        key = f"start:{name}"
+        if key not in self._columns:
+            col = self.index.shards.column(name)
+            starts = np.zeros(len(col) + 1, np.int64)
+            np.cumsum(col, out=starts[1:])
+            self._columns[key] = starts[:-1] if self.positions is None else starts[self.positions]
+        return self._columns[key]
 
     def __getstate__(self) -> dict:
-        # Workers started by spawn get the catalog pickled: let them reload lengths.npy rather
-        # than receive (and keep a copy of) every document's length in the message.
+        # Workers started by spawn get the catalog pickled: side files travel as references and
+        # are mapped again there; checked group tables are cheap to check again.
         state = dict(self.__dict__)
-        state["_lengths"] = state["_by_shard"] = None
-        state["_groups"] = None
+        state["_tables"] = {}
+        state["_columns"] = {}
         return state
 
-    def lengths(self) -> np.ndarray | None:
-        """Per-document token counts for the catalog's shards, in catalog order (docs mode)."""
-        if self._lengths is not None:
-            return self._lengths
-        if self.index is None or not self.index.lengths_file or self.root is None:
+    # -- side files -------------------------------------------------------------------------
+    def side(self, ref: fmt.SideFile | None) -> SideArray | None:
+        """A side file of the index as a SideArray (opened once per process)."""
+        if ref is None or self.root is None:
             return None
-        info = self.index.lengths_file
-        all_lengths = fmt.read_side_file(self.root, info, retry=self.retry).astype(np.int64)
-        counts = [e.documents for e in self.index.shards]
-        if int(sum(counts)) != len(all_lengths):
-            raise fmt.FormatError(
-                f"{self.root}: {info.name} has {len(all_lengths)} entries, the index counts {sum(counts)} documents"
-            )
-        if self.shard_entries is not None and len(self.shard_entries) != len(self.index.shards):
-            offsets = np.concatenate([[0], np.cumsum(counts)])
-            position = {e.name: i for i, e in enumerate(self.index.shards)}
-            parts = [all_lengths[offsets[position[e.name]] : offsets[position[e.name] + 1]] for e in self.shard_entries]
-            all_lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        self._lengths = all_lengths
-        return all_lengths
+        side = self._sides.get(ref.name)
+        if side is None:
+            side = SideArray.open(self.root, ref, retry=self.retry, cache=self.side_cache)
+            self._sides[ref.name] = side
+        return side
 
-    def lengths_by_shard(self) -> list[np.ndarray] | None:
-        """lengths() cut per shard (views, computed once: plans ask for it per slice)."""
-        if self._by_shard is None:
-            lengths = self.lengths()
-            if lengths is None:
-                return None
-            counts = self.docs_per_shard
-            self._by_shard = np.split(lengths, np.cumsum(counts)[:-1]) if counts else []
-        return self._by_shard
+    def lengths_file(self) -> SideArray | None:
+        """lengths.npy (every document's length, dataset order) as a checked, mapped side file."""
+        if self.index is None or not self.index.lengths_file:
+            return None
+        known = self._sides.get(self.index.lengths_file.name)
+        if known is not None:
+            return known
+        side = self.side(self.index.lengths_file)
+        if side is not None and side.count != self.index.documents:
+            self._sides.pop(self.index.lengths_file.name)
+            raise fmt.FormatError(
+                f"{side.url} has {side.count} entries, the index counts {self.index.documents} documents"
+            )
+        return side
+
+    def shard_lengths(
+        self, shard: int, start: int = 0, stop: int | None = None, *, check: bool = True
+    ) -> np.ndarray | None:
+        """Token counts of documents [start, stop) of catalog shard ``shard`` (int64, a copy);
+        None without lengths.npy. ``check=False``: read now, checked later (``check_lengths``)."""
+        side = self.lengths_file()
+        if side is None:
+            return None
+        a, b = self.lengths_range(shard, start, stop)
+        return side.read(a, b, check=check).astype(np.int64)
+
+    def lengths_range(self, shard: int, start: int = 0, stop: int | None = None) -> tuple[int, int]:
+        """Where documents [start, stop) of catalog shard ``shard`` are in lengths.npy."""
+        n = int(self.docs_per_shard[shard])
+        stop = n if stop is None else min(int(stop), n)
+        base = int(self._starts("documents")[shard])
+        return base + max(0, int(start)), base + stop
+
+    def check_lengths(self, ranges: list[tuple[int, int]]) -> None:
+        """Check ranges of lengths.npy read with ``check=False`` (each chunk once per process)."""
+        side = self.lengths_file()
+        for a, b in ranges:
+            side.check_range(a, b)
+
+    def lengths(self) -> np.ndarray | None:
+        """Per-document token counts for the catalog's shards, in catalog order (docs mode): the
+        uint32 map of lengths.npy itself when the catalog is the whole index (never widened, never
+        copied: processes share its pages), else the catalog's shards' parts joined."""
+        side = self.lengths_file()
+        if side is None:
+            return None
+        if self.positions is None:
+            return side.array()
+        parts = [self.shard_lengths(i).astype(np.uint32) for i in range(len(self.positions))]
+        return np.concatenate(parts) if parts else np.zeros(0, np.uint32)
 
     def group_table(self, shard: int) -> np.ndarray | None:
         """Where each group of shard ``shard`` starts (and, format 3, its size and checksum):
-        [groups, columns] from groups.npy, or None without one. The file is read once, whole, and
-        checked against its sha256 in the index (it is 40 bytes a group: about 1.5% of lengths.npy),
-        because a reader seeks by it and checks every group's bytes against it."""
-        if self._groups is None:
-            self._groups = self._read_group_tables()
-        return self._groups[shard] if self._groups else None
-
-    def _read_group_tables(self) -> list:
+        [groups, columns] from groups.npy, or None without one. Only this shard's rows are read,
+        checked against the index (their chunk of groups.npy by digest, then as a table), and kept
+        for the next few reads of the shard."""
+        table = self._tables.get(shard)
+        if table is not None:
+            return table
         info = self.index.groups_file if self.index is not None else None
-        if not info or self.root is None or self.shard_entries is None:
-            return []
-        url = storage.join_url(self.root, info.name)
-        flat = fmt.read_side_file(self.root, info, retry=self.retry).astype(np.int64, copy=False)
-        tables = shard_tables(self.index, flat, url)
-        return [tables[entry.name] for entry in self.shard_entries]
+        if not info or self.root is None:
+            return None
+        side = self.side(info)
+        columns = self.index.group_columns
+        samples = self.index.shards.column("samples")
+        if side.count != columns * int(samples.sum()):
+            listed = side.count // columns
+            raise fmt.FormatError(f"{side.url}: lists {listed} groups, index.json counts {int(samples.sum())}")
+        first = int(self._starts("samples")[shard])
+        entry = self.shard_entries[shard]
+        rows = side.read(columns * first, columns * (first + entry.samples)).astype(np.int64, copy=False)
+        items = entry.rows if self.mode == "packed" else entry.documents
+        table = fmt.check_group_table(rows, entry, items, side.url, columns)
+        if len(self._tables) >= GROUP_TABLES_KEPT:
+            self._tables.pop(next(iter(self._tables)))
+        self._tables[shard] = table
+        return table
 
     def fingerprint(self) -> str:
         """Identifies the shards' content; a resume state from other data is refused."""
         h = hashlib.sha256()
-        if self.shard_entries is not None:
+        if self.index is not None and self.index.shards_file is not None:
+            # a binary table: its checksum covers every shard's sha256, positions say which
+            h.update(f"{self.index.shards_file.sha256}|".encode())
+            if self.positions is not None:
+                h.update(np.ascontiguousarray(self.positions, np.int64).tobytes())
+        elif self.shard_entries is not None:
             for e in self.shard_entries:
                 h.update(f"{e.name}:{e.sha256}|".encode())
         else:
@@ -135,7 +248,7 @@ def _read_index(root: str, retry: storage.RetryPolicy | None = None) -> tuple[fm
         data = storage.read_bytes(url, retry=retry)
     except storage.NotFoundError as exc:
         return None, exc.reason
-    return fmt.Index.from_json(data, url), ""
+    return fmt.read_index(root, retry=retry, data=data)[0], ""
 
 
 def _looks_like_shards(source: str) -> bool:
@@ -230,9 +343,8 @@ def _from_root(root: str, retry: storage.RetryPolicy | None = None) -> Catalog:
             url=index_url,
             reason=missing,
         )
-    urls = [storage.join_url(root, e.name) for e in index.shards]
     _note_unchecked(root, index)
-    return Catalog(urls=urls, index=index, root=root, shard_entries=list(index.shards), retry=retry)
+    return Catalog(urls=ShardUrls(root, index.shards), index=index, root=root, retry=retry)
 
 
 _told_unchecked: set[str] = set()
@@ -264,15 +376,14 @@ def _from_shards(urls: list[str], index_for_shards: bool, retry: storage.RetryPo
         return catalog
     if index is None:
         return catalog
-    by_name = {e.name: e for e in index.shards}
-    names = [u.rstrip("/").rsplit("/", 1)[-1] for u in urls]
-    if not all(n in by_name for n in names):
+    positions = [index.shards.position(u.rstrip("/").rsplit("/", 1)[-1]) for u in urls]
+    if any(p is None for p in positions):
         log.warning(
             "%s does not list every given shard; reading them without an index", storage.join_url(root, fmt.INDEX_NAME)
         )
         return catalog
     catalog.index = index
     catalog.root = root
-    catalog.shard_entries = [by_name[n] for n in names]
+    catalog.positions = np.asarray(positions, np.int64)
     _note_unchecked(root, index)
     return catalog

@@ -6,19 +6,45 @@ equal batches each rank stops after the same count N, and because each worker kn
 the rank's first N batches are its own (DataLoader takes them round-robin), the cap works inside
 the workers: a plain ``torch.utils.data.DataLoader`` also yields exactly N batches per rank, and
 no rank waits on another. No torch.
+
+What it costs does not grow with the corpus on the way to the first batch (docs/loader.md,
+"Scale"). Every consumer's share comes from one permutation and one running sum over the shards
+(``plan.epoch_layout``). Then, by what the mode's count needs (``Batcher.count_by``):
+
+- the number of items (fixed batches, buckets of a batch size): exact at once, closed form;
+- the tokens (concat): exact at once, from the index's per-shard tokens and, for each share
+  boundary inside a shard, a partial sum read from lengths.npy;
+- each window's lengths (token budgets, pack), or items after splitting: an exact lower bound at
+  once (from the tokens: a batch holds at most the budget, a row at most seq_len), and the exact
+  table from a pass over the lengths in a background thread, shared by the processes of a node
+  through a small cache file. A worker streams freely up to its bound and asks for the exact
+  count only there; by then the pass is long done.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from .batching import COUNT_BY_ITEMS, COUNT_BY_TOKENS, COUNT_BY_WINDOWS, Batcher, BucketBatcher, PackBatcher
 from .catalog import Catalog
 from .config import Config
-from .plan import Slice
-from .stream import StreamSpec, epoch_slices, shuffle_lengths, slice_item_counts, slice_item_lengths
+from .plan import EpochLayout, Slice, epoch_layout
+from .stream import ShareLengths, StreamSpec, epoch_slices, has_lengths, slice_item_counts
+
+log = logging.getLogger(__name__)
 
 
 class EpochPlan(Protocol):
@@ -38,35 +64,30 @@ def slices_for(catalog: Catalog, cfg: Config, spec: StreamSpec, plan: EpochPlan 
     return plan.slices_for(catalog, cfg, spec.rank, spec.world, spec.worker, spec.workers)
 
 
+def share_count(catalog: Catalog, cfg: Config, slices: list[Slice], spec: StreamSpec) -> int | None:
+    """Batches a stream of these slices makes; None when the index cannot say. Reads lengths.npy
+    a slice at a time when the mode needs lengths (memory: one window)."""
+    batcher = cfg.make_batcher()
+    if batcher.count_by == COUNT_BY_ITEMS:
+        counts = slice_item_counts(catalog, slices, spec)
+        return None if counts is None else batcher.count(int(sum(counts)), None)
+    if not has_lengths(catalog):
+        return None
+    return batcher.count(None, ShareLengths(catalog, slices, spec))
+
+
 def worker_batch_count(catalog: Catalog, cfg: Config, spec: StreamSpec, plan: EpochPlan | None = None) -> int | None:
     """Batches (rank, worker) yields in the epoch, from the index alone; None if unknown."""
-    slices = slices_for(catalog, cfg, spec, plan)
-    batcher = cfg.make_batcher()
-    counts = slice_item_counts(catalog, slices, spec)
-    if counts is None:
-        return None
-    lengths = None
-    if batcher.needs_lengths:
-        lengths = slice_item_lengths(catalog, slices, spec)
-        if lengths is None:
-            return None
-        lengths = shuffle_lengths(lengths, spec)
-    return batcher.count(int(sum(counts)), lengths)
+    return share_count(catalog, cfg, slices_for(catalog, cfg, spec, plan), spec)
 
 
 def batch_counts(
     catalog: Catalog, cfg: Config, epoch: int, world: int, workers: int, plan: EpochPlan | None = None
 ) -> np.ndarray | None:
-    """[world, workers] batch counts for a finite epoch, or None when the index cannot say."""
-    workers = max(1, workers)
-    out = np.zeros((world, workers), np.int64)
-    for r in range(world):
-        for w in range(workers):
-            c = worker_batch_count(catalog, cfg, cfg.spec(epoch, r, world, w, workers), plan)
-            if c is None:
-                return None
-            out[r, w] = c
-    return out
+    """[world, workers] batch counts for a finite epoch, or None when the index cannot say (waits
+    for a pass over the lengths where the mode needs one)."""
+    counts = EpochCounts.create(catalog, cfg, epoch, world, workers, plan)
+    return None if counts is None else counts.exact()
 
 
 def round_robin_share(counts: np.ndarray, total: int) -> np.ndarray:
@@ -95,13 +116,358 @@ def equalised(counts: np.ndarray) -> np.ndarray:
     return np.stack([round_robin_share(c, per_rank) for c in counts])
 
 
-@dataclass
-class EpochLimits:
-    """The equal-batches decision for one epoch."""
+# ----------------------------------------------------------------------------------------------
+# Counts of every consumer: exact at once, or a bound at once and exact in the background
 
-    per_rank: int  # batches every rank yields
-    per_worker: np.ndarray  # [workers] of this rank's share
-    dropped_batches: int  # this rank's batches beyond per_rank
+
+class _Background:
+    """A computation started in a thread of the process that asks first: a forked child (whose
+    copy has no thread) starts its own, a pickled copy keeps only a finished result."""
+
+    def __init__(self, fn: Callable[[], np.ndarray]):
+        self.fn = fn
+        self.result: np.ndarray | None = None
+        self._error: BaseException | None = None
+        self._pid: int | None = None
+        self._done: threading.Event | None = None
+
+    def start(self) -> None:
+        if self.result is not None or self._pid == os.getpid():
+            return
+        self._pid, self._error, self._done = os.getpid(), None, threading.Event()
+        threading.Thread(target=self._run, args=(self._done,), name="wdsllm-counts", daemon=True).start()
+
+    def _run(self, done: threading.Event) -> None:
+        try:
+            self.result = self.fn()
+        except BaseException as exc:  # handed to the thread that waits for it
+            self._error = exc
+        finally:
+            done.set()
+
+    def ready(self) -> bool:
+        return self.result is not None
+
+    def get(self) -> np.ndarray:
+        if self.result is None:
+            self.start()
+            self._done.wait()
+            if self._error is not None:
+                raise self._error
+        return self.result
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_pid"] = state["_done"] = state["_error"] = None
+        return state
+
+
+class EpochCounts:
+    """The [world, workers] batch counts of one epoch: ``bound`` (a lower bound on every entry)
+    at once, and ``exact()``, at once where a closed form or the index gives it, else from a pass
+    over lengths.npy run in the background (``ready()`` says whether it is done)."""
+
+    def __init__(self, bound: np.ndarray, exact: np.ndarray | None = None, job: _Background | None = None):
+        self.bound = bound
+        self._exact = exact
+        self._job = job
+        if job is not None:
+            job.start()
+
+    @classmethod
+    def create(
+        cls,
+        catalog: Catalog,
+        cfg: Config,
+        epoch: int,
+        world: int,
+        workers: int,
+        plan: EpochPlan | None = None,
+        ranks: list[int] | None = None,
+    ) -> EpochCounts | None:
+        """The counts of ``epoch`` for ``world`` x ``workers`` (only the rows of ``ranks``, when
+        given, are exact: one rank's own total needs no other rank's share); None when the
+        index cannot count."""
+        workers = max(1, workers)
+        batcher = cfg.make_batcher()
+        if catalog.items_per_shard is None or (batcher.count_by != COUNT_BY_ITEMS and not has_lengths(catalog)):
+            return None
+        if plan is not None:  # a re-planned remainder: counted share by share, here and now
+            exact = _shares_exact(catalog, cfg, epoch, world, workers, plan, ranks)
+            return cls(exact, exact)
+        layout = epoch_layout(
+            catalog.items_per_shard, seed=cfg.seed, epoch=epoch, world=world, workers=workers, shuffle=cfg.shuffle
+        )
+        spec = cfg.spec(epoch, 0, world, 0, workers)
+        items = layout.stops - layout.starts
+        splits = spec.splits(catalog.mode)
+        if batcher.count_by == COUNT_BY_ITEMS and not splits:
+            exact = _table(lambda n: batcher.count(n, None), items)
+            return cls(exact, exact)
+        # documents' tokens per share (splitting keeps them all; truncation does not), from
+        # lengths read now and checked in the background: nothing acts on them before that
+        truncates = spec.max_len is not None and spec.max_len_mode == "truncate"
+        tokens, read = (None, []) if truncates else _share_tokens(catalog, layout)
+        if batcher.count_by == COUNT_BY_TOKENS and tokens is not None:
+            exact = _table(lambda t: batcher.count(None, _Tokens(t)), tokens)
+            return cls(exact, None, _Background(lambda: _checked(catalog, read, exact)))
+        bound = _lower_bound(catalog, cfg, batcher, items, tokens)
+        # the cache file's name is made here, not in the thread: a fork while the thread holds a
+        # module's lock (tempfile's, finding the temporary directory) would leave it held in the child
+        path = os.path.join(
+            counts_cache_dir(catalog), f"counts-{_cache_key(catalog, cfg, epoch, world, workers, ranks)}.npy"
+        )
+        exact = lambda: _cached(path, lambda: _layout_exact(catalog, cfg, epoch, layout, ranks))  # noqa: E731
+        return cls(bound, None, _Background(lambda: _checked(catalog, read, exact())))
+
+    def ready(self) -> bool:
+        return self._exact is not None or self._job.ready()
+
+    def exact(self) -> np.ndarray:
+        """The exact table (waits for the background pass if it is still running)."""
+        if self._exact is None:
+            self._exact = self._job.get()
+        return self._exact
+
+
+def _checked(catalog: Catalog, read: list[tuple[int, int]], table: np.ndarray) -> np.ndarray:
+    """``table`` once the lengths it was counted from (read unchecked) are checked."""
+    catalog.check_lengths(read)
+    return table
+
+
+def _table(count: Callable[[Any], int], per_share: np.ndarray) -> np.ndarray:
+    return np.array([[count(int(x)) for x in row] for row in per_share], np.int64)
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """ItemLengths of a share known by its token total alone (what concat counts need)."""
+
+    tokens: int
+
+    def total(self) -> int:
+        return self.tokens
+
+    def windows(self, size: int) -> Iterator[np.ndarray]:
+        raise NotImplementedError("only the token total of this share is known")
+
+
+def _shares_exact(
+    catalog: Catalog,
+    cfg: Config,
+    epoch: int,
+    world: int,
+    workers: int,
+    plan: EpochPlan | None,
+    ranks: list[int] | None,
+) -> np.ndarray:
+    """Every consumer's count from its own slices (a pass over its lengths each)."""
+    out = np.zeros((world, workers), np.int64)
+    for r in range(world) if ranks is None else ranks:
+        for w in range(workers):
+            spec = cfg.spec(epoch, r, world, w, workers)
+            count = share_count(catalog, cfg, slices_for(catalog, cfg, spec, plan), spec)
+            if count is None:
+                raise ValueError("the index cannot count these batches")
+            out[r, w] = count
+    return out
+
+
+def _layout_exact(
+    catalog: Catalog, cfg: Config, epoch: int, layout: EpochLayout, ranks: list[int] | None
+) -> np.ndarray:
+    """Every consumer's exact count of a normal epoch: one pass over lengths.npy, a share at a
+    time, a window at a time (ranks not asked for keep 0)."""
+    world, workers = layout.starts.shape
+    out = np.zeros((world, workers), np.int64)
+    for r in range(world) if ranks is None else ranks:
+        for w in range(workers):
+            spec = cfg.spec(epoch, r, world, w, workers)
+            out[r, w] = share_count(catalog, cfg, layout.slices(r, w), spec)
+    return out
+
+
+def _share_tokens(catalog: Catalog, layout: EpochLayout) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """([world, workers] tokens of every share (documents, before any max_len), the ranges of
+    lengths.npy read for them, unchecked): the index's tokens per shard, and for each share
+    boundary inside a shard the documents' lengths from the nearer end of that shard."""
+    tokens = catalog.tokens_per_shard[layout.order]
+    token_ends = np.concatenate([[0], np.cumsum(tokens)])
+    points = np.unique(np.concatenate([layout.starts.reshape(-1), layout.stops.reshape(-1)]))
+    at = np.searchsorted(layout.ends, points, side="right")  # the shard (in epoch order) holding each
+    before = np.empty(len(points), np.int64)
+    read = []
+    for j, (p, i) in enumerate(zip(points.tolist(), at.tolist())):
+        if i >= len(layout.order):
+            before[j] = token_ends[-1]
+            continue
+        n, shard = int(layout.counts[i]), int(layout.order[i])
+        k = p - (int(layout.ends[i]) - n)
+        if k == 0:
+            before[j] = token_ends[i]
+            continue
+        a, b = catalog.lengths_range(shard, 0, k) if k <= n - k else catalog.lengths_range(shard, k, n)
+        part = int(catalog.shard_lengths(shard, *((0, k) if k <= n - k else (k, n)), check=False).sum())
+        before[j] = token_ends[i] + (part if k <= n - k else int(tokens[i]) - part)
+        read.append((a, b))
+    index = {p: j for j, p in enumerate(points.tolist())}
+    starts = before[np.vectorize(index.__getitem__, otypes=[np.int64])(layout.starts)]
+    stops = before[np.vectorize(index.__getitem__, otypes=[np.int64])(layout.stops)]
+    return stops - starts, read
+
+
+def _lower_bound(
+    catalog: Catalog, cfg: Config, batcher: Batcher, items: np.ndarray, tokens: np.ndarray | None
+) -> np.ndarray:
+    """[world, workers] lower bounds on the counts, from the shares' items and tokens alone.
+
+    Items after splitting are at least the documents; a token-budget batch holds at most the
+    budget in real tokens (or one item longer than it); a packed row holds at most seq_len tokens.
+    Without the tokens (documents truncated at max_len) every item still holds a token.
+    """
+    if isinstance(batcher, BucketBatcher) and batcher.max_tokens is not None:
+        longest = int((catalog.index.doc_lengths or {}).get("max", 0) or 0)
+        if cfg.max_len is not None:
+            longest = min(longest, cfg.max_len)
+        cap = max(batcher.max_tokens, longest, 1)
+        have = tokens if tokens is not None else items
+        bound = -(-have // cap) - (1 if batcher.drop_last else 0)
+        return np.maximum(bound, 0).astype(np.int64)
+    if isinstance(batcher, PackBatcher) or batcher.count_by == COUNT_BY_TOKENS:
+        seq_len = batcher.seq_len
+        have = tokens if tokens is not None else items
+        rows = -(-have // seq_len)
+        b = batcher.batch_size
+        return (rows // b if batcher.drop_last else -(-rows // b)).astype(np.int64)
+    if batcher.count_by == COUNT_BY_WINDOWS:
+        return np.zeros_like(items)
+    return _table(lambda n: batcher.count(n, None), items)  # items after splitting: at least the documents
+
+
+# ----------------------------------------------------------------------------------------------
+# A node-local cache of counts that took a pass: the first process of a node to need a table
+# computes it under a lock; the others (its workers, the other ranks of the node) read it.
+
+
+#: bumped whenever a count could come out differently: cached tables of another version are not read
+COUNTS_VERSION = 1
+
+
+def counts_cache_dir(catalog: Catalog) -> str:
+    """Beside the shard cache when there is one, else in the temporary directory."""
+    cache = catalog.side_cache
+    if cache is not None:
+        return os.path.join(cache.directory, "counts")
+    return os.path.join(tempfile.gettempdir(), f"wdsllm-{os.getuid()}", "counts")
+
+
+def _cache_key(catalog: Catalog, cfg: Config, epoch: int, world: int, workers: int, ranks: list[int] | None) -> str:
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("equal_batches", "docs")}
+    lengths = catalog.index.lengths_file.sha256 if catalog.index and catalog.index.lengths_file else None
+    what = [COUNTS_VERSION, catalog.fingerprint(), lengths, fields, epoch, world, workers, ranks]
+    body = json.dumps(what, sort_keys=True, default=str)
+    return hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+def _cached(path: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
+    """The table in ``path`` if a process of this node made it, else computed here (under a lock
+    that makes the node's other processes wait for it rather than count too) and kept there."""
+    directory = os.path.dirname(path)
+    found = _load(path)
+    if found is not None:
+        return found
+    try:
+        os.makedirs(directory, exist_ok=True)
+        lock = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        log.debug("no counts cache in %s (%s): counting in this process", directory, exc)
+        return compute()
+    try:
+        # a POSIX lock: owned by this process, so a forked worker never inherits it (flock's
+        # would stay held by the worker's copy of the descriptor)
+        fcntl.lockf(lock, fcntl.LOCK_EX)
+        found = _load(path)
+        if found is not None:
+            return found
+        table = compute()
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with contextlib.suppress(OSError):
+            with open(tmp, "wb") as f:
+                np.save(f, table, allow_pickle=False)
+            os.replace(tmp, path)
+        return table
+    finally:
+        os.close(lock)
+
+
+def _load(path: str) -> np.ndarray | None:
+    try:
+        table = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    return table if table.dtype == np.int64 and table.ndim == 2 else None
+
+
+# ----------------------------------------------------------------------------------------------
+# The equal-batches decision
+
+
+@dataclass
+class WorkerLimit:
+    """How many batches a worker may yield: ``bound`` at once (a lower bound of its share); past
+    it, the exact share (``value()``, which may wait for the count)."""
+
+    bound: int
+    resolve: Callable[[], int] | None = None
+
+    def value(self) -> int:
+        return self.bound if self.resolve is None else self.resolve()
+
+    def reached(self, index: int) -> bool:
+        """Whether batch ``index`` is beyond the worker's share."""
+        return index >= self.bound and (self.resolve is None or index >= self.resolve())
+
+
+class EpochLimits:
+    """The equal-batches decision for one epoch of one rank: every rank yields ``per_rank``
+    batches, the smallest rank's total, and ``per_worker`` is this rank's round-robin share of
+    them. Known at once where the counts are; else the workers stream up to ``worker_limit``'s
+    bound and the decision waits for the background count."""
+
+    def __init__(self, counts: EpochCounts, rank: int, workers: int):
+        self.counts = counts
+        self.rank = rank
+        self.workers = workers
+        bound = counts.bound
+        #: a lower bound on per_rank, the same on every rank
+        self.per_rank_bound = int(bound.sum(axis=1).min())
+
+    def ready(self) -> bool:
+        return self.counts.ready()
+
+    @property
+    def per_rank(self) -> int:
+        """Batches every rank yields."""
+        return int(self.counts.exact().sum(axis=1).min())
+
+    @property
+    def per_worker(self) -> np.ndarray:
+        """[workers] of this rank's share."""
+        return round_robin_share(self.counts.exact()[self.rank], self.per_rank)
+
+    @property
+    def dropped_batches(self) -> int:
+        """This rank's batches beyond per_rank."""
+        return int(self.counts.exact()[self.rank].sum()) - self.per_rank
+
+    def worker_limit(self, worker: int) -> WorkerLimit:
+        """Worker ``worker``'s cap. Its round-robin share of N batches is at least
+        min(its count, N // workers), so min(its bound, per_rank_bound // workers) is safe."""
+        if self.counts.ready():
+            return WorkerLimit(int(self.per_worker[worker]))
+        safe = min(int(self.counts.bound[self.rank, worker]), self.per_rank_bound // self.workers)
+        return WorkerLimit(safe, lambda: int(self.per_worker[worker]))
 
 
 def epoch_limits(
@@ -109,11 +475,5 @@ def epoch_limits(
 ) -> EpochLimits | None:
     """Where this rank's workers stop so that every rank yields the same count; None when the
     index cannot count the batches."""
-    counts = batch_counts(catalog, cfg, epoch, world, workers, plan)
-    if counts is None:
-        return None
-    mine = counts[rank]
-    per_rank = int(counts.sum(axis=1).min())
-    return EpochLimits(
-        per_rank=per_rank, per_worker=round_robin_share(mine, per_rank), dropped_batches=int(mine.sum()) - per_rank
-    )
+    counts = EpochCounts.create(catalog, cfg, epoch, world, max(1, workers), plan)
+    return None if counts is None else EpochLimits(counts, rank, max(1, workers))

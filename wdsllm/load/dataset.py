@@ -30,7 +30,7 @@ from .batching import Batch
 from .catalog import Catalog, open_catalog
 from .collate import CollateOptions, collate_docs, collate_rows
 from .config import Config, read_options, resolve_world
-from .counts import EpochLimits, EpochPlan, epoch_limits, slices_for
+from .counts import EpochLimits, EpochPlan, WorkerLimit, epoch_limits, slices_for
 from .guard import refuse_rewrapping
 from .plan import resampled_slices
 from .read import ReadOptions
@@ -54,7 +54,7 @@ class EpochTask:
 
     spec: StreamSpec
     first_batch: int = 0
-    limit: int | None = None  # batches this worker may yield this epoch
+    limit: WorkerLimit | None = None  # batches this worker may yield this epoch
     plan: EpochPlan | None = None  # replaces the normal epoch plan (the remainder of an interrupted epoch)
     hint: dict | None = None  # the batcher's own note of where first_batch starts (same layout)
 
@@ -153,7 +153,7 @@ class EpochSource(IterableDataset):
             yield EpochTask(
                 spec=cfg.spec(epoch, self.rank, self.world, worker, workers),
                 first_batch=first_batch,
-                limit=int(limits.per_worker[worker]) if limits is not None else None,
+                limit=limits.worker_limit(worker) if limits is not None else None,
                 plan=self.plan_for(epoch),
                 hint=hint,
             )
@@ -203,14 +203,15 @@ def _epoch_batches(
     for task in tasks:
         spec = task.spec
         last = spec
-        if task.limit is not None and task.first_batch >= task.limit:
+        limit = task.limit
+        if limit is not None and limit.reached(task.first_batch):
             continue
         if spec.resample:
             slices = resampled_slices(len(catalog.urls), spec.seed, spec.epoch, spec.rank, spec.worker)
         else:
             slices = slices_for(catalog, cfg, spec, task.plan)
-        lengths = None
-        if batcher.needs_lengths and not spec.resample and task.hint is None:
+        lengths = None  # a share's lengths: only to find where a resume without a hint starts
+        if batcher.needs_lengths and not spec.resample and task.hint is None and task.first_batch:
             lengths = slice_item_lengths(catalog, slices, spec)
             if lengths is not None:
                 lengths = shuffle_lengths(lengths, spec)
@@ -224,20 +225,20 @@ def _epoch_batches(
         for index, items, hint in batcher.batches(
             shuffled_items(blocks_from, spec, start=start), task.first_batch, spec, lengths, task.hint
         ):
-            if task.limit is not None and index >= task.limit:
+            if limit is not None and limit.reached(index):
                 break
             failed.update(stats.skipped_shards)
             if cfg.unbatched:  # a chunk of single items: `index` counts items
-                if task.limit is not None and index + len(items) > task.limit:
-                    items = items.slice(0, task.limit - index)
+                if limit is not None and limit.reached(index + len(items)):
+                    items = items.slice(0, limit.value() - index)
                 yield emit(spec, index, items, hint)
                 index += len(items)
                 continue
             yield emit(spec, index, items, hint)
             index += 1
         failed.update(stats.skipped_shards)
-        if task.limit is not None and index < task.limit and failed:
-            yield from _refill(catalog, batcher, slices, spec, read, stats, failed, index, task.limit, emit)
+        if limit is not None and failed and index < limit.value():
+            yield from _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit.value(), emit)
     if end_marker and last is not None:
         yield EndOfWorker(
             worker=last.worker,
@@ -518,6 +519,7 @@ def build_pipeline(
     implicit_world: bool = False,
 ) -> WdsPipeline:
     cfg.check(catalog)
+    catalog.side_cache = read.cache  # remote lengths.npy and groups.npy: fetched once per node, mapped
     # Packed shards: what each row holds is worked out only as far as the batches show it.
     read = replace(read, row_docs=cfg.docs, segments=cfg.boundaries)
     source = EpochSource(catalog, cfg, rank, world)

@@ -32,7 +32,7 @@ from .batching import Batch
 from .catalog import open_catalog
 from .collate import CollateOptions, collate_docs, collate_rows
 from .config import Config, read_options, resolve_world
-from .counts import EpochPlan, batch_counts, equalised, round_robin_share
+from .counts import EpochCounts, EpochPlan, batch_counts, equalised, round_robin_share
 from .dataset import EndOfWorker, build_pipeline, dataset_tokenizer
 from .transport import RingHolder, TokenRing, received
 
@@ -287,7 +287,7 @@ class Loader:
         Trainers (Lightning) stop after ``len(loader)`` batches without asking for one more, so
         the generator never reaches its end; without this the next pass would repeat the epoch.
         """
-        if self._rr is None or self.infinite or not self._yielded or self._yielded != self._epoch_total():
+        if self._rr is None or self.infinite or not self._yielded or not self._epoch_done(self._yielded):
             return
         self._finish_pass(self._epoch)
 
@@ -312,7 +312,7 @@ class Loader:
             return self._steps == self.cfg.steps_per_epoch
         if self.infinite or self._rr is None:
             return False
-        return self._yielded > 0 and self._yielded == self._epoch_total()
+        return self._yielded > 0 and self._epoch_done(self._yielded)
 
     def __len__(self) -> int:
         if self.cfg.steps_per_epoch is not None:
@@ -335,11 +335,33 @@ class Loader:
             limits = self.source.limits(self._epoch, self.workers)
             if limits is not None:
                 total = limits.per_rank
-            else:
-                counts = batch_counts(self.catalog, self.cfg, self._epoch, self.world_size, self.workers, plan)
-                total = None if counts is None else int(counts[self.rank].sum())
+            else:  # this rank's own batches: its own shares alone
+                counts = EpochCounts.create(
+                    self.catalog, self.cfg, self._epoch, self.world_size, self.workers, plan, ranks=[self.rank]
+                )
+                total = None if counts is None else int(counts.exact()[self.rank].sum())
             self._total_key, self._total = key, total
         return self._total
+
+    def _epoch_done(self, yielded: int) -> bool:
+        """Whether ``yielded`` batches are the whole epoch (without waiting for a count that is
+        still being made while fewer batches than its lower bound are out)."""
+        limits = self.limits
+        if limits is not None and not limits.ready() and yielded < limits.per_rank_bound:
+            return False
+        return yielded == self._epoch_total()
+
+    def _note_limits(self, epoch: int) -> None:
+        """Log and keep this rank's dropped batches once the equal-batches decision is known."""
+        self.dropped_batches = self.limits.dropped_batches
+        if self.dropped_batches:
+            log.info(
+                "rank %d: epoch %d yields %d batches; %d batches beyond the smallest rank's count are dropped",
+                self.rank,
+                epoch,
+                self.limits.per_rank,
+                self.dropped_batches,
+            )
 
     # -- iteration ------------------------------------------------------------------------------
     def _worker_batches(self) -> Iterator:
@@ -423,16 +445,9 @@ class Loader:
         epoch = self._epoch
         self.source.set_epoch(epoch)
         self.limits = self.source.limits(epoch, self.workers)
-        if self.limits is not None:
-            self.dropped_batches = self.limits.dropped_batches
-            if self.limits.dropped_batches:
-                log.info(
-                    "rank %d: epoch %d yields %d batches; %d batches beyond the smallest rank's count are dropped",
-                    self.rank,
-                    epoch,
-                    self.limits.per_rank,
-                    self.limits.dropped_batches,
-                )
+        noted = self.limits is not None and self.limits.ready()  # else once the count is done
+        if noted:
+            self._note_limits(epoch)
         rr = self._begin()
         resumed = bool(self.source.resume_positions)
         try:
@@ -441,6 +456,8 @@ class Loader:
         finally:
             if resumed and self._pass == this_pass:
                 self._drop_resume()
+        if self.limits is not None and not noted:
+            self._note_limits(epoch)
         if self._pass == this_pass:  # the epoch is complete (unless a later pass took over)
             self._finish_pass(epoch)
 
@@ -477,8 +494,9 @@ class Loader:
         if self._pending_resume is not None:
             return self._pending_resume["state"].sealed()
         in_epoch = self._rr is not None or (self.infinite and self._stream is not None)
-        if in_epoch and not self.infinite and self._yielded and self._yielded == self._epoch_total():
-            in_epoch = False  # the last batch is out: a resume starts the next epoch
+        if in_epoch and not self.infinite and self._yielded and self._epoch_done(self._yielded):
+            # The last batch is out: a resume starts the next epoch, not an empty rest of this one.
+            in_epoch = False
             self._completed = self._epoch
         equal = self.cfg.keeps_equal_batches(self.world_size)
         epoch = self._epoch

@@ -77,6 +77,42 @@ def split_range(total: int, parts: int, i: int) -> tuple[int, int]:
     return total * i // parts, total * (i + 1) // parts
 
 
+@dataclass(eq=False)
+class EpochLayout:
+    """Every consumer's share of an epoch with an index, at once: the shard order, items per shard
+    in that order and their running ends, and each (rank, worker)'s item range. O(shards +
+    consumers), whatever the number of items."""
+
+    order: np.ndarray
+    counts: np.ndarray
+    ends: np.ndarray
+    starts: np.ndarray  # [world, workers]: first item (in epoch order) of each consumer
+    stops: np.ndarray  # [world, workers]: one past its last
+
+    def slices(self, rank: int, worker: int) -> list[Slice]:
+        """The slices (rank, worker) reads, in reading order."""
+        a, b = int(self.starts[rank, worker]), int(self.stops[rank, worker])
+        return slices_of_range(self.order, self.counts, self.ends, a, b)
+
+
+def epoch_layout(
+    items_per_shard: Sequence[int], *, seed: int, epoch: int, world: int, workers: int, shuffle: bool = True
+) -> EpochLayout:
+    """The shares of every (rank, worker): by rank first, then by worker (``split_range`` twice)."""
+    counts_by_shard = np.asarray(items_per_shard, dtype=np.int64)
+    order = shard_order(len(counts_by_shard), seed, epoch, shuffle)
+    counts = counts_by_shard[order]
+    ends = np.cumsum(counts)
+    total = int(ends[-1]) if len(ends) else 0
+    r = np.arange(world, dtype=np.int64)
+    ra, rb = total * r // world, total * (r + 1) // world
+    w = np.arange(workers, dtype=np.int64)
+    span = (rb - ra)[:, None]
+    starts = ra[:, None] + span * w[None, :] // workers
+    stops = ra[:, None] + span * (w[None, :] + 1) // workers
+    return EpochLayout(order, counts, ends, starts, stops)
+
+
 def plan_epoch(
     items_per_shard: Sequence[int] | None,
     n_shards: int,

@@ -3,19 +3,33 @@
 The simulations run the loader's own batchers over the documents' lengths in the order one
 worker of one rank would see them in epoch 0 (the shard plan and the shuffle buffer included),
 so the figures are what training would get, without reading a token.
+
+A dataset of more than ``EXACT_DOCUMENTS`` documents is simulated on a seeded sample instead:
+runs of a few consecutive windows of the same stream, each read from lengths.npy where it lies,
+shuffled and batched as the loader would. Padding is then a ratio estimate over the runs with a
+95% confidence bound, and batch counts are extrapolated from the documents; the time and memory
+are those of the sample, whatever the dataset's size.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..errors import ConfigError
-from .batching import BucketBatcher, best_fit_decreasing, round_up
+from .batching import BucketBatcher, bfd_count, round_up
 from .catalog import Catalog
 from .config import Config
-from .stream import epoch_slices, shuffle_lengths, slice_item_lengths
+from .plan import epoch_layout
+from .stream import _max_len_lengths, epoch_slices, shuffle_lengths, slice_item_lengths
+
+#: datasets up to this many documents are simulated whole (beyond: a sample of windows)
+EXACT_DOCUMENTS = 5_000_000
+#: runs of consecutive windows sampled, and windows per run (the first one's carry feeds the rest)
+SAMPLE_RUNS = 400
+RUN_WINDOWS = 3
 
 
 @dataclass
@@ -29,6 +43,7 @@ class ModeCost:
     padded: int  # tensor positions (real + padding)
     truncated: int  # tokens cut away (max_len='truncate' only)
     small_batches: int = 0
+    padding_ci: float | None = None  # sampled: half-width of the padding's 95% confidence interval, in % points
 
     @property
     def padding_pct(self) -> float:
@@ -57,10 +72,11 @@ def stream_lengths(
 
 def random_batches(lengths: np.ndarray, batch_size: int, multiple: int | None = None) -> ModeCost:
     n = len(lengths)
-    pad = 0
-    for a in range(0, n, batch_size):
-        chunk = lengths[a : a + batch_size]
-        pad += len(chunk) * int(round_up(int(chunk.max()), multiple))
+    full = n // batch_size
+    maxes = lengths[: full * batch_size].reshape(full, batch_size).max(axis=1) if full else np.zeros(0, np.int64)
+    pad = batch_size * int(round_up(maxes.astype(np.int64), multiple).sum())
+    if n > full * batch_size:
+        pad += (n - full * batch_size) * int(round_up(int(lengths[full * batch_size :].max()), multiple))
     return ModeCost("random", f"batch {batch_size}", (n + batch_size - 1) // batch_size, int(lengths.sum()), pad, 0)
 
 
@@ -93,7 +109,7 @@ def bucket_batches(
 def pack_rows(lengths: np.ndarray, seq_len: int, window: int, batch_size: int = 1) -> ModeCost:
     rows = 0
     for a in range(0, len(lengths), window):
-        rows += len(best_fit_decreasing(lengths[a : a + window], seq_len))
+        rows += bfd_count(lengths[a : a + window], seq_len)
     return ModeCost(
         "pack",
         f"seq_len {seq_len}, window {window}",
@@ -110,6 +126,16 @@ def concat_rows(lengths: np.ndarray, seq_len: int, batch_size: int = 1) -> ModeC
     return ModeCost("concat", f"seq_len {seq_len}", (rows + batch_size - 1) // batch_size, tokens, rows * seq_len, 0)
 
 
+@dataclass
+class Sample:
+    """What a sampled simulation covered."""
+
+    runs: int
+    windows: int  # windows simulated
+    documents: int  # documents simulated
+    total_documents: int
+
+
 def all_modes(
     catalog: Catalog,
     *,
@@ -119,8 +145,22 @@ def all_modes(
     window: int,
     multiple: int | None = None,
     seed: int = 0,
+    sample: int | None = None,
+) -> tuple[list[ModeCost], Sample | None]:
+    """Padding and truncation of every mode with the given settings, and what was sampled (None:
+    the whole stream was simulated). ``sample``: runs to sample (0: the whole stream, whatever
+    its size; None: whole up to EXACT_DOCUMENTS documents, else SAMPLE_RUNS runs)."""
+    documents = catalog.index.documents if catalog.index is not None else 0
+    if sample is None:
+        sample = 0 if documents <= EXACT_DOCUMENTS else SAMPLE_RUNS
+    if sample:
+        return _sampled(catalog, batch_size, max_tokens, seq_len, window, multiple, seed, sample)
+    return _whole(catalog, batch_size, max_tokens, seq_len, window, multiple, seed), None
+
+
+def _whole(
+    catalog: Catalog, batch_size: int, max_tokens: int, seq_len: int, window: int, multiple: int | None, seed: int
 ) -> list[ModeCost]:
-    """Padding and truncation of every mode with the given settings."""
     split, _ = stream_lengths(catalog, max_len=seq_len, max_len_mode="split", seed=seed)
     capped, cut = stream_lengths(catalog, max_len=seq_len, max_len_mode="truncate", seed=seed)
     out = []
@@ -134,3 +174,148 @@ def all_modes(
     out.append(pack_rows(split, seq_len, window, batch_size))
     out.append(concat_rows(split, seq_len, batch_size))
     return out
+
+
+def _sampled(
+    catalog: Catalog,
+    batch_size: int,
+    max_tokens: int,
+    seq_len: int,
+    window: int,
+    multiple: int | None,
+    seed: int,
+    runs: int,
+) -> tuple[list[ModeCost], Sample]:
+    """Every mode simulated on ``runs`` runs of RUN_WINDOWS windows of consecutive documents of
+    the epoch-0 stream, at seeded places; padding as ratio estimates with 95% intervals."""
+    if catalog.lengths_file() is None:
+        raise ConfigError("this dataset has no lengths.npy; stats need the index")
+    cfg = Config(seed=seed, shuffle_buffer=10_000)
+    layout = epoch_layout(catalog.items_per_shard, seed=seed, epoch=0, world=1, workers=1, shuffle=True)
+    total = int(layout.ends[-1]) if len(layout.ends) else 0
+    span = min(total, RUN_WINDOWS * window)
+    rng = np.random.default_rng([seed, 16])
+    starts = np.sort(rng.integers(0, max(1, total - span + 1), runs))
+    names = ["random", "random, truncated", "bucket batch", "bucket budget", "pack"]
+    per_run = {name: np.zeros((runs, 4), np.int64) for name in names}  # (batches, tokens, padded, items)
+    small = cut_total = pieces = 0
+    spec = cfg.spec(0, 0, 1, 0, 1)
+    for i, start in enumerate(starts.tolist()):
+        raw = _plan_lengths(catalog, layout, start, start + span)
+        split = _max_len_lengths(raw, replace(spec, max_len=seq_len, max_len_mode="split"))
+        capped = np.minimum(raw, seq_len)
+        cut_total += int(raw.sum() - capped.sum())
+        pieces += len(split)
+        block_rng = np.random.default_rng([seed, 16, i])
+        whole = max(1, len(split) // window) * window  # whole windows only: no stream end inside a run
+        shuffled = _block_shuffled(split[:whole], cfg.shuffle_buffer, block_rng)
+        capped = _block_shuffled(capped, cfg.shuffle_buffer, block_rng)
+        for name, (cost, items) in (
+            ("random", (random_batches(shuffled, batch_size, multiple), len(shuffled))),
+            ("random, truncated", (random_batches(capped, batch_size, multiple), len(capped))),
+            ("bucket batch", _bucket_steady(shuffled, window, batch_size=batch_size, multiple=multiple)),
+            ("bucket budget", _bucket_steady(shuffled, window, max_tokens=max_tokens, multiple=multiple)),
+            ("pack", (pack_rows(shuffled, seq_len, window, 1), len(shuffled))),
+        ):
+            per_run[name][i] = (cost.batches, cost.tokens, cost.padded, items)
+            if name == "bucket budget":
+                small += cost.small_batches
+    tokens = catalog.index.tokens
+    scale = total / max(1, span * runs)  # documents of the dataset per document sampled
+    cut = round(cut_total * scale)
+    items_total = {"random, truncated": total}  # items of the whole stream: documents, or their pieces
+    split_total = round(pieces * scale)
+    labels = {
+        "random": ("random", f"batch {batch_size}"),
+        "random, truncated": ("random, truncated", f"batch {batch_size}"),
+        "bucket batch": ("bucket", f"batch {batch_size}, window {window}"),
+        "bucket budget": ("bucket", f"budget {max_tokens}, window {window}"),
+        "pack": ("pack", f"seq_len {seq_len}, window {window}"),
+    }
+    out = []
+    for name in names:
+        measured = per_run[name]
+        per_item = measured[:, 0].sum() / max(1, measured[:, 3].sum())  # batches (pack: rows) per item
+        batches = per_item * items_total.get(name, split_total)
+        if name == "pack":
+            batches = -(-round(batches) // batch_size)
+        have = tokens - cut if name == "random, truncated" else tokens
+        pad_share, ci = _ratio_ci(per_run[name][:, 2] - per_run[name][:, 1], per_run[name][:, 2])
+        cost = ModeCost(
+            labels[name][0],
+            labels[name][1],
+            round(batches),
+            have,
+            round(have / (1 - pad_share)) if pad_share < 1 else have,
+            cut if name == "random, truncated" else 0,
+            round(small * scale) if name == "bucket budget" else 0,
+            padding_ci=100.0 * ci,
+        )
+        out.append(cost)
+    out.append(concat_rows(np.array([tokens]), seq_len, batch_size))  # exact: the index's tokens
+    return out, Sample(runs, runs * -(-span // window), span * runs, total)
+
+
+def _bucket_steady(
+    lengths: np.ndarray,
+    window: int,
+    *,
+    batch_size: int | None = None,
+    max_tokens: int | None = None,
+    multiple: int | None = None,
+) -> tuple[ModeCost, int]:
+    """Bucket batches (and the items they hold) of the windows of a run after its first, as in the
+    middle of a stream: the first window only feeds its carry to the second, and the last carries
+    its partial batch on."""
+    batcher = BucketBatcher(window, batch_size=batch_size, max_tokens=max_tokens, pad_to_multiple_of=multiple)
+    carry = np.zeros(0, np.int64)
+    batches = tokens = padded = small = items = 0
+    for i, a in enumerate(range(0, len(lengths), window)):
+        new = lengths[a : a + window]
+        plan = batcher.plan_window(carry, new, final=False)
+        if i:
+            merged = np.concatenate([carry, new])
+            for idx in plan.batches:
+                padded += len(idx) * int(round_up(int(merged[idx].max()), multiple))
+                tokens += int(merged[idx].sum())
+                items += len(idx)
+            batches += len(plan.batches)
+            small += plan.small
+        carry = np.sort(new, kind="stable")[len(new) - plan.carry_out :] if plan.carry_out else np.zeros(0, np.int64)
+    return ModeCost("bucket", "", batches, tokens, padded, 0, small), items
+
+
+def _plan_lengths(catalog: Catalog, layout, a: int, b: int) -> np.ndarray:
+    """Lengths of documents [a, b) of the epoch's plan order (the shards in their epoch order)."""
+    parts = []
+    i = int(np.searchsorted(layout.ends, a, side="right"))
+    while a < b and i < len(layout.order):
+        first = int(layout.ends[i] - layout.counts[i])
+        stop = min(b, int(layout.ends[i]))
+        parts.append(catalog.shard_lengths(int(layout.order[i]), a - first, stop - first))
+        a = stop
+        i += 1
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _block_shuffled(lengths: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
+    """The lengths in a blockwise shuffled order, as the stream shuffles (blocks of ``size``)."""
+    out = lengths.copy()
+    for a in range(0, len(out), size):
+        out[a : a + size] = rng.permutation(out[a : a + size])
+    return out
+
+
+def _ratio_ci(num: np.ndarray, den: np.ndarray) -> tuple[float, float]:
+    """sum(num) / sum(den) over sampled runs, and the half-width of its 95% confidence interval
+    (the ratio estimator's variance over runs, by the delta method)."""
+    n = len(den)
+    total = float(den.sum())
+    if n == 0 or total == 0:
+        return 0.0, 0.0
+    ratio = float(num.sum()) / total
+    if n < 2:
+        return ratio, float("inf")
+    residual = num - ratio * den
+    var = float(residual.var(ddof=1)) / (n * (total / n) ** 2)
+    return ratio, 1.96 * math.sqrt(var)

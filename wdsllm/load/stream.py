@@ -79,28 +79,102 @@ def epoch_slices(catalog: Catalog, spec: StreamSpec) -> list[Slice]:
 
 def slice_item_lengths(catalog: Catalog, slices: list[Slice], spec: StreamSpec) -> np.ndarray | None:
     """Token lengths of the plan stream's items (pieces after splitting), in plan order; None
-    without an index. This is how counts are known before any shard is read."""
-    if catalog.mode == "packed":
-        if catalog.shard_entries is None:
-            return None
-        seq_len = catalog.index.seq_len
-        out = []
-        for sl in slices:
-            e = catalog.shard_entries[sl.shard]
-            rows = np.full(e.rows, seq_len, np.int64)
-            if e.rows:
-                rows[-1] = e.tokens - seq_len * (e.rows - 1)
-            r = rows[sl.start : sl.stop : sl.stride]
-            out.append(r if sl.pick is None else r[sl.pick])
-        return np.concatenate(out) if out else np.zeros(0, np.int64)
-    by_shard = catalog.lengths_by_shard()
-    if by_shard is None:
+    without an index. This is how counts are known before any shard is read (a whole share:
+    counting uses ``ShareLengths``, which holds a window at a time)."""
+    if not has_lengths(catalog):
         return None
-    parts = []
-    for sl in slices:
-        items = _max_len_lengths(by_shard[sl.shard][sl.start : sl.stop : sl.stride], spec)
-        parts.append(items if sl.pick is None else items[sl.pick])
+    parts = [slice_items(catalog, sl, spec) for sl in slices]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def has_lengths(catalog: Catalog) -> bool:
+    """Whether items' lengths are known without reading shards (an index; docs mode: lengths.npy)."""
+    if catalog.mode == "packed":
+        return catalog.shard_entries is not None
+    return catalog.lengths_file() is not None
+
+
+def slice_items(catalog: Catalog, sl: Slice, spec: StreamSpec) -> np.ndarray:
+    """Token lengths of one slice's items, in plan order (int64)."""
+    if catalog.mode == "packed":
+        e = catalog.shard_entries[sl.shard]
+        seq_len = catalog.index.seq_len
+        rows = np.full(e.rows, seq_len, np.int64)
+        if e.rows:
+            rows[-1] = e.tokens - seq_len * (e.rows - 1)
+        items = rows[sl.start : sl.stop : sl.stride]
+    else:
+        items = _max_len_lengths(slice_doc_lengths(catalog, sl), spec)
+    return items if sl.pick is None else items[sl.pick]
+
+
+class ShareLengths:
+    """One consumer's item lengths as counting needs them (``batching.ItemLengths``), read from
+    lengths.npy a slice at a time: a count over a share of any size holds one window.
+
+    Windows of a size that is a multiple of the shuffle buffer are unions of whole shuffle blocks,
+    so their multisets are those of plan-order windows and no permutation is drawn; other sizes
+    get the stream's own block permutations.
+    """
+
+    def __init__(self, catalog: Catalog, slices: list[Slice], spec: StreamSpec):
+        self.catalog = catalog
+        self.slices = slices
+        self.spec = spec
+        self._total: int | None = None
+        self._n: int | None = None
+
+    @property
+    def n_items(self) -> int:
+        """Items of the share (pieces counted)."""
+        if self._n is None:
+            counts = slice_item_counts(self.catalog, self.slices, self.spec)
+            self._n = int(sum(counts)) if counts is not None else None
+        return self._n
+
+    def plan_chunks(self) -> Iterator[np.ndarray]:
+        """The items' lengths in plan order, a slice at a time."""
+        for sl in self.slices:
+            yield slice_items(self.catalog, sl, self.spec)
+
+    def total(self) -> int:
+        if self._total is None:
+            self._total = int(sum(int(c.sum()) for c in self.plan_chunks()))
+        return self._total
+
+    def windows(self, size: int) -> Iterator[np.ndarray]:
+        buffer = self.spec.shuffle_buffer
+        if buffer <= 1 or size % buffer == 0:
+            return rechunk(self.plan_chunks(), size)
+        blocks = (
+            block[block_permutation(self.spec, k, len(block))]
+            for k, block in enumerate(rechunk(self.plan_chunks(), buffer))
+        )
+        return rechunk(blocks, size)
+
+
+def rechunk(chunks: Iterable[np.ndarray], size: int) -> Iterator[np.ndarray]:
+    """The concatenation of ``chunks`` cut into arrays of ``size`` (the last one shorter)."""
+    held: list[np.ndarray] = []
+    have = 0
+    for chunk in chunks:
+        while len(chunk):
+            take = min(size - have, len(chunk))
+            held.append(chunk[:take])
+            have += take
+            chunk = chunk[take:]
+            if have == size:
+                yield held[0] if len(held) == 1 else np.concatenate(held)
+                held, have = [], 0
+    if have:
+        yield held[0] if len(held) == 1 else np.concatenate(held)
+
+
+def slice_doc_lengths(catalog: Catalog, sl: Slice) -> np.ndarray:
+    """Token counts of the documents a slice covers (int64; read from lengths.npy)."""
+    if sl.stride == 1:
+        return catalog.shard_lengths(sl.shard, sl.start, sl.stop)
+    return catalog.shard_lengths(sl.shard, sl.start, sl.stop)[:: sl.stride]
 
 
 def _max_len_lengths(lengths: np.ndarray, spec: StreamSpec) -> np.ndarray:
@@ -139,12 +213,11 @@ def slice_item_count(catalog: Catalog, sl: Slice, spec: StreamSpec) -> int | Non
         return len(sl.pick)
     if not spec.splits(catalog.mode):
         if sl.stop is None and sl.stride == 1 and sl.start == 0 and catalog.items_per_shard is not None:
-            return catalog.items_per_shard[sl.shard]  # a whole shard (resampled streams)
+            return int(catalog.items_per_shard[sl.shard])  # a whole shard (resampled streams)
         return sl.count
-    by_shard = catalog.lengths_by_shard()
-    if by_shard is None:
+    if catalog.lengths_file() is None:
         return None
-    return int(pieces_per_doc(by_shard[sl.shard][sl.start : sl.stop : sl.stride], spec.max_len).sum())
+    return int(pieces_per_doc(slice_doc_lengths(catalog, sl), spec.max_len).sum())
 
 
 def _docs_before(catalog: Catalog, sl: Slice, spec: StreamSpec, item: int) -> tuple[int, int]:
@@ -153,8 +226,7 @@ def _docs_before(catalog: Catalog, sl: Slice, spec: StreamSpec, item: int) -> tu
         return 0, 0
     if not spec.splits(catalog.mode):
         return item, item
-    lengths = catalog.lengths_by_shard()[sl.shard][sl.start : sl.stop : sl.stride]
-    pieces_through = np.cumsum(pieces_per_doc(lengths, spec.max_len))
+    pieces_through = np.cumsum(pieces_per_doc(slice_doc_lengths(catalog, sl), spec.max_len))
     docs = int(np.searchsorted(pieces_through, item, side="right"))
     return docs, int(pieces_through[docs - 1]) if docs else 0
 
@@ -251,7 +323,7 @@ def _items_of_docs(catalog: Catalog, sl: Slice, spec: StreamSpec, docs: int) -> 
         return 0
     if not spec.splits(catalog.mode):
         return docs
-    lengths = catalog.lengths_by_shard()[sl.shard][sl.start : sl.stop : sl.stride][:docs]
+    lengths = slice_doc_lengths(catalog, sl)[:docs]
     return int(pieces_per_doc(lengths, spec.max_len).sum())
 
 

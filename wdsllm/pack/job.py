@@ -538,6 +538,8 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSi
         tokenizer_file=fmt.SideFile.of(fmt.TOKENIZER_NAME, tokenizer_bytes),
         created_by=f"wdsllm {__version__}",
     )
+    for name, data in index.move_shard_table():  # a large dataset's shard table: shards.npy
+        out.put_bytes(name, data)
     out.put_bytes(fmt.INDEX_NAME, index.to_json().encode())
     # JOURNAL_START sorts after the shard records: it goes last, so a crash here still resumes.
     for name in out.list_names():

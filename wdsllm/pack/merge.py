@@ -98,7 +98,7 @@ def find_parts(sources: list[str], allow_partial: bool = False) -> list[Part]:
 
 def _load_part(url: str) -> Part:
     index_url = storage.join_url(url, fmt.INDEX_NAME)
-    index = fmt.Index.from_json(storage.read_bytes(index_url), index_url)
+    index, _ = fmt.read_index(url)
     if index.lengths_file is None:
         raise MergeError(f"{index_url} names no {fmt.LENGTHS_NAME}: not the output of a pack")
     lengths = fmt.read_side_file(url, index.lengths_file)
@@ -148,11 +148,19 @@ def check_compatible(parts: list[Part], allow_partial: bool = False) -> None:
             seen[inp["index"]] = part.url
 
 
+def _shard_format(version: int) -> int:
+    """What a version says about the shards and groups.npy: 3 and 4 share them (4 changed only
+    the index and how its side files are vouched for)."""
+    return min(version, 3)
+
+
 def _differences(a: fmt.Index, b: fmt.Index):
     """(what, value in a, value in b) for everything that must be equal across tasks."""
-    for what in ("format", "version", "mode", "dtype", "seq_len"):
+    for what in ("format", "mode", "dtype", "seq_len"):
         if getattr(a, what) != getattr(b, what):
             yield what, getattr(a, what), getattr(b, what)
+    if _shard_format(a.version) != _shard_format(b.version):
+        yield "version", a.version, b.version
     if a.tokenizer.sha256 != b.tokenizer.sha256:
         yield "tokenizer (sha256)", a.tokenizer.sha256[:16], b.tokenizer.sha256[:16]
     for key in sorted(set(a.options) | set(b.options)):
@@ -297,7 +305,9 @@ def merged_index(
         packed=packed,
         groups_file=None if groups_bytes is None else fmt.SideFile.of(fmt.GROUPS_NAME, groups_bytes),
         checksum=first.checksum,
-        version=first.version,  # the shards are not rewritten: they keep the parts' format
+        # The shards are not rewritten: they keep the parts' format. Versions 3 and 4 differ only in
+        # the index and its side files, which a merge writes anew, so their parts merge into 4.
+        version=fmt.FORMAT_VERSION if _shard_format(first.version) == 3 else first.version,
         created_by=f"wdsllm {__version__}",
     )
 
@@ -340,6 +350,8 @@ def merge(
         out.put_bytes(fmt.LENGTHS_NAME, lengths_bytes)
         if groups_bytes is not None:
             out.put_bytes(fmt.GROUPS_NAME, groups_bytes)
+        for name, data in index.move_shard_table():  # a large dataset's shard table: shards.npy
+            out.put_bytes(name, data)
         out.put_bytes(fmt.INDEX_NAME, index.to_json().encode())
         if not copy:
             _retire_parts(parts)
@@ -362,7 +374,7 @@ def _retire_parts(parts: list[Part]) -> None:
     """After a move the parts' indexes point at nothing: remove them (and empty local dirs)."""
     for part in parts:
         remains = storage.Output(part.url)
-        sides = (part.index.lengths_file, part.index.groups_file, part.index.tokenizer_file)
+        sides = (part.index.lengths_file, part.index.groups_file, part.index.tokenizer_file, part.index.shards_file)
         names = [fmt.INDEX_NAME] + [f.name for f in sides if f is not None]
         for name in names:
             remains.delete(name)

@@ -1,0 +1,227 @@
+"""Side files as arrays that every process of a node shares: memory-mapped, read in ranges, each
+range checked against the index once per process.
+
+lengths.npy of a billion documents is 4 GB. Reading it whole, hashing it and widening it in every
+rank and worker is what made start-up grow with the corpus, so a side file is opened here as a
+read-only map (the page cache's pages: forked workers share them, nothing is copied) and read in
+ranges: ``read(a, b)`` copies just those elements out (with ``pread``, so that a pass over the
+whole file never becomes the process's resident memory), after checking the chunks of the file
+that hold them against the index's chunk digests (format 4; a version without them checks the
+whole file's sha256 once, streamed). A remote side file is read through the shard cache when
+there is one (downloaded and checked once per node, then mapped), else into memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..errors import FormatError
+from .index import SideFile, chunk_digest
+
+#: bytes read at a time by passes (whole-file checks, ``chunks``)
+READ_BYTES = 1 << 24
+
+
+class SideArray:
+    """A 1-D .npy side file, checked against its index reference as it is read."""
+
+    def __init__(
+        self, url: str, ref: SideFile, *, path: str | None = None, data: bytes | None = None, check: bool = True
+    ):
+        """``path``: a local copy to map (``data``: the bytes, for a remote file read whole).
+        ``check=False`` reads without checking against ``ref`` (``wdsllm verify``, which reports
+        differences instead of raising)."""
+        self.url = url
+        self.ref = ref
+        self.path = path
+        self._data = data
+        self._fd: int | None = None
+        self._map: np.memmap | None = None
+        self._identity: tuple | None = None
+        size = self._size()
+        self.size = size
+        if size != ref.bytes and check:
+            raise FormatError(f"{url}: {size} bytes, index.json says {ref.bytes}")
+        self._checked = bytearray(len(ref.chunks)) if ref.chunks else bytearray(1)
+        self._whole_checked = not check
+        head = bytes(self._read_bytes(0, min(size, 12)))
+        small = head[6:7] == b"\x01"  # .npy 1.0: a 2-byte header length, else 4 bytes
+        hlen = int.from_bytes(head[8:10], "little") + 10 if small else int.from_bytes(head[8:12], "little") + 12
+        self.dtype, self.count, self.offset = _npy_header(self._read_bytes(0, min(size, hlen)), url)
+        if self.offset + self.count * self.dtype.itemsize != size and check:
+            raise FormatError(f"{url}: .npy payload is {size - self.offset} bytes, header says {self.count} values")
+        if ref.chunks:
+            self._check_bytes(0, min(size, self.offset + 1))  # the header is in chunk 0
+
+    # -- opening ----------------------------------------------------------------------------
+    @classmethod
+    def open(cls, root: str, ref: SideFile, *, retry: Any = None, cache: Any = None, check: bool = True) -> SideArray:
+        """The side file ``ref`` of the dataset at ``root``."""
+        from .. import storage
+
+        url = storage.join_url(root, ref.name)
+        if storage.scheme_of(url) == "file" and not url.startswith("pipe:"):
+            path = storage.local_path(url) if url.startswith("file://") else url
+            if not os.path.isfile(path):
+                raise storage.NotFoundError(f"{url}: no such file", url=url, reason="no such file")
+            return cls(url, ref, path=path, check=check)
+        if cache is not None and storage.is_remote(url):
+            # the cache downloads it once per node, checked against the sha256, then it is mapped
+            with storage.open_stream(
+                url, retry=retry, cache=cache, expected_sha256=ref.sha256, expected_size=ref.bytes
+            ):
+                path = cache.path_for(url, ref.sha256)
+            side = cls(url, ref, path=path)
+            side._whole_checked = True
+            return side
+        data = ref.check(storage.read_bytes(url, retry=retry), url)
+        side = cls(url, ref, data=data)
+        side._whole_checked = True
+        return side
+
+    def _size(self) -> int:
+        if self._data is not None:
+            return len(self._data)
+        st = os.stat(self.path)
+        self._identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return st.st_size
+
+    def _file(self) -> int:
+        if self._fd is None:
+            fd = os.open(self.path, os.O_RDONLY)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._identity:
+                os.close(fd)
+                raise FormatError(f"{self.url} changed after it was opened; replace side files atomically")
+            self._fd = fd
+        return self._fd
+
+    def __getstate__(self) -> dict:
+        # a spawned worker maps the file again (and keeps what was checked when it is the same file)
+        state = dict(self.__dict__)
+        state["_fd"] = state["_map"] = None
+        return state
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+
+    # -- reading ----------------------------------------------------------------------------
+    def _read_bytes(self, a: int, b: int) -> bytes | memoryview:
+        """Bytes [a, b) of the file: a view of in-memory data, else a fresh buffer (pread)."""
+        if self._data is not None:
+            return memoryview(self._data)[a:b]
+        out = bytearray(b - a)
+        if b > a and os.preadv(self._file(), [out], a) != b - a:
+            raise FormatError(f"{self.url}: ends before byte {b} (truncated after it was opened)")
+        return out
+
+    def _check_bytes(self, a: int, b: int) -> None:
+        """Check the chunks holding bytes [a, b) (each once per process)."""
+        ref = self.ref
+        if self._whole_checked or b <= a:
+            return
+        if not ref.chunks:
+            self._check_whole()
+            return
+        size = ref.chunk_bytes
+        for c in range(a // size, (b - 1) // size + 1):
+            if self._checked[c]:
+                continue
+            lo, hi = c * size, min(ref.bytes, (c + 1) * size)
+            if chunk_digest(self._read_bytes(lo, hi)) != ref.chunks[c]:
+                raise FormatError(
+                    f"{self.url}: bytes {lo}-{hi} do not match their digest in index.json (the file was changed or "
+                    "corrupted); `wdsllm verify` checks the whole dataset"
+                )
+            self._checked[c] = 1
+
+    def _check_whole(self) -> None:
+        """A side file without chunk digests (format 1 and 2): its sha256, streamed, once."""
+        h = hashlib.sha256()
+        for a in range(0, self.ref.bytes, READ_BYTES):
+            h.update(self._read_bytes(a, min(self.ref.bytes, a + READ_BYTES)))
+        if h.hexdigest() != self.ref.sha256:
+            raise FormatError(f"{self.url} does not match its checksum in index.json")
+        self._whole_checked = True
+
+    def read(self, a: int, b: int, *, check: bool = True) -> np.ndarray:
+        """Elements [a, b) (clipped to the array), copied out and checked (``check=False``: the
+        caller checks them later with ``check_range`` before it acts on them)."""
+        a, b = max(0, int(a)), min(self.count, int(b))
+        if b <= a:
+            return np.zeros(0, self.dtype)
+        size = self.dtype.itemsize
+        lo, hi = self.offset + a * size, self.offset + b * size
+        if check:
+            self._check_bytes(lo, hi)
+        data = self._read_bytes(lo, hi)
+        return np.frombuffer(bytearray(data) if self._data is not None else data, self.dtype)
+
+    def check_range(self, a: int, b: int) -> None:
+        """Check elements [a, b) against the index (FormatError if they differ)."""
+        a, b = max(0, int(a)), min(self.count, int(b))
+        size = self.dtype.itemsize
+        self._check_bytes(self.offset + a * size, self.offset + b * size)
+
+    def chunks(self, a: int = 0, b: int | None = None, step: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
+        """(first element, elements) over [a, b) in pieces of ``step`` elements: a pass whose memory
+        is one piece, whatever the file's size."""
+        b = self.count if b is None else min(self.count, b)
+        step = step or max(1, READ_BYTES // self.dtype.itemsize)
+        for lo in range(a, b, step):
+            yield lo, self.read(lo, min(b, lo + step))
+
+    def digests(self) -> tuple[int, str, list[str]]:
+        """(size, sha256, chunk digests) of the file as it is, in one pass of bounded memory."""
+        h = hashlib.sha256()
+        chunks = []
+        step = self.ref.chunk_bytes
+        for a in range(0, self.size, step):
+            data = self._read_bytes(a, min(self.size, a + step))
+            h.update(data)
+            chunks.append(chunk_digest(data))
+        return self.size, h.hexdigest(), chunks
+
+    def check_all(self) -> None:
+        """Check the whole file now (a pass over it, in pieces)."""
+        for _ in self.chunks():
+            pass
+
+    def array(self) -> np.ndarray:
+        """The whole array, read-only, as a memory map of the file (in-memory bytes for a remote
+        file): every process of the node shares its pages. Checked whole on first use; readers
+        that want only part of it use ``read``."""
+        if not self._whole_checked and not all(self._checked):
+            self.check_all()
+        if self._data is not None:
+            return np.frombuffer(self._data, self.dtype, self.count, self.offset)
+        if self._map is None:
+            if self.count == 0:
+                return np.zeros(0, self.dtype)
+            self._file()  # the file is still the one checked
+            self._map = np.memmap(self.path, self.dtype, mode="r", offset=self.offset, shape=(self.count,))
+        return self._map
+
+
+def _npy_header(head: bytes | memoryview, where: str) -> tuple[np.dtype, int, int]:
+    """(dtype, count, payload offset) of a 1-D numeric .npy's header."""
+    view = bytes(head)
+    if len(view) < 10 or view[:6] != b"\x93NUMPY":
+        raise FormatError(f"{where}: not an .npy file")
+    try:
+        stream = io.BytesIO(view)
+        version = np.lib.format.read_magic(stream)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _fortran, dtype = read_header(stream)
+    except Exception as exc:  # numpy raises several types for a bad header
+        raise FormatError(f"{where}: bad .npy header: {exc}") from exc
+    if len(shape) != 1 or dtype.hasobject or dtype.kind not in "iuf":
+        raise FormatError(f"{where}: expected a 1-D numeric array, got shape {shape} {dtype}")
+    return dtype, int(shape[0]), stream.tell()
