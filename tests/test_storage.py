@@ -430,17 +430,17 @@ def test_output_local(tmp_path, scheme):
 
 def test_output_s3_with_multipart_upload(s3_server, s3_bucket):
     url = f"{s3_bucket}/datasets/run1/"
-    with Output(url, retry=FAST, multipart_threshold=1 << 20) as out:
+    with Output(url, retry=FAST, multipart_threshold=10 << 20) as out:
         staging = out.local_staging_dir()
-        _check_output(out, 6 * 2**20)  # above the threshold: 5 MiB + 1 MiB parts
+        _check_output(out, 6 * 2**20)  # below the threshold: one PUT
         assert Path(staging).is_dir()
         big = Path(staging) / "big.tar"
-        big.write_bytes(payload(6 * 2**20, seed=3))
+        big.write_bytes(payload(12 * 2**20, seed=3))
         out.put_file(str(big), "big.tar")
         bucket = s3_bucket[len("s3://") :]
         etag = s3_server.client().head_object(Bucket=bucket, Key="datasets/run1/big.tar")["ETag"]
-        assert etag.strip('"').endswith("-2"), etag  # a multipart upload of two parts
-        assert s3_server.get(f"{s3_bucket}/datasets/run1/big.tar") == payload(6 * 2**20, seed=3)
+        assert etag.strip('"').endswith("-3"), etag  # a multipart upload of 5 + 5 + 2 MiB
+        assert s3_server.get(f"{s3_bucket}/datasets/run1/big.tar") == payload(12 * 2**20, seed=3)
         # Output only lists under its own prefix.
         s3_server.client().put_object(Bucket=bucket, Key="datasets/run10/other", Body=b"x")
         assert out.list_names() == ["big.tar"]
@@ -448,7 +448,7 @@ def test_output_s3_with_multipart_upload(s3_server, s3_bucket):
 
 
 def test_output_refuses_http():
-    with pytest.raises(StorageError, match="local directory or s3"):
+    with pytest.raises(StorageError, match="cannot be written over http"):
         Output("https://host/ds/")
 
 

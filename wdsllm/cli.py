@@ -74,16 +74,16 @@ class ProgressLine:
     def clear(self) -> None:
         """Make room for a message line on a terminal."""
         if self.tty and not self.quiet:
-            click.echo("\r\033[K", err=True, nl=False)
+            _echo("\r\033[K", err=True, nl=False)
 
     def show(self, text: str, final: bool = False) -> None:
         if self.quiet:
             return
         if self.tty:
-            click.echo("\r\033[K" + text, err=True, nl=final)
+            _echo("\r\033[K" + text, err=True, nl=final)
         elif final or time.monotonic() - self.last_plain > 10:
             self.last_plain = time.monotonic()
-            click.echo(text, err=True)
+            _echo(text, err=True)
 
 
 def _setup_logging(verbose: int, quiet: bool) -> None:
@@ -100,8 +100,17 @@ def main(ctx: click.Context, verbose: int) -> None:
     ctx.obj = {"verbose": verbose}
 
 
+def _echo(message: object = None, **kwargs: object) -> None:
+    """click.echo with every URL redacted: no password or query token reaches a terminal or a log."""
+    from .storage.urls import redact_text
+
+    click.echo(redact_text(message) if isinstance(message, str) else message, **kwargs)
+
+
 def _fail(exc: Exception) -> None:
-    raise click.ClickException(str(exc))
+    from .storage.urls import redact_text
+
+    raise click.ClickException(redact_text(str(exc)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,7 +230,7 @@ def pack(
 
     _setup_logging(ctx.obj["verbose"], quiet)
     if on_error == "stop":
-        click.echo("warning: --on-error stop is deprecated; it is now called --on-error raise", err=True)
+        _echo("warning: --on-error stop is deprecated; it is now called --on-error raise", err=True)
         on_error = "raise"
     if (num_tasks is None) != (task_index is None):
         raise click.UsageError("--num-tasks and --task-index go together")
@@ -231,7 +240,7 @@ def pack(
         except WdsllmError as exc:
             _fail(exc)
         if source and not quiet:
-            click.echo(
+            _echo(
                 f"task {task_index} of {num_tasks} (from {source}); writes {output.rstrip('/')}/task-{task_index:05d}",
                 err=True,
             )
@@ -294,18 +303,18 @@ def _pack_summary(result) -> None:
     idx = result.index
     t = idx.totals()
     p = result.progress
-    click.echo(
+    _echo(
         f"packed {t['documents']:,} documents, {t['tokens']:,} tokens into {_plural(t['shards'], 'shard')} "
         f"({human_bytes(t['bytes'])}) at {result.output}"
     )
-    click.echo(
+    _echo(
         f"  {p.tokens / max(p.elapsed, 1e-9):,.0f} tokens/s over {p.elapsed:.1f} s; "
         f"{t['bytes'] / max(t['tokens'], 1):.3f} bytes/token; "
         f"dtype {idx.dtype}; mode {idx.mode}"
         + (f" seq_len {idx.seq_len}, {t.get('rows', 0):,} rows" if idx.seq_len else "")
     )
     if result.resumed_shards:
-        click.echo(f"  resumed after {_plural(result.resumed_shards, 'finished shard')}")
+        _echo(f"  resumed after {_plural(result.resumed_shards, 'finished shard')}")
     _print_skipped(idx.skipped)
 
 
@@ -313,12 +322,12 @@ def _print_skipped(skipped: dict, limit: int = 10) -> None:
     if not skipped.get("total"):
         return
     counts = ", ".join(f"{k} {v:,}" for k, v in skipped["counts"].items())
-    click.echo(f"  skipped {skipped['total']:,}: {counts}")
+    _echo(f"  skipped {skipped['total']:,}: {counts}")
     for rec in skipped["records"][:limit]:
-        click.echo(f"    {rec['file']}:{rec['line']}: {rec['reason']} {rec['detail']}".rstrip())
+        _echo(f"    {rec['file']}:{rec['line']}: {rec['reason']} {rec['detail']}".rstrip())
     more = sum(v for k, v in skipped["counts"].items() if k != "empty") - min(limit, len(skipped["records"]))
     if more > 0:
-        click.echo(
+        _echo(
             f"    ... {more:,} more listed in index.json"
             if len(skipped["records"]) > limit
             else f"    ... {more:,} more (not listed)"
@@ -371,7 +380,7 @@ def merge(ctx, parts, output, copy, overwrite, allow_partial, quiet):
         _fail(exc)
     if not quiet:
         t = index.totals()
-        click.echo(
+        _echo(
             f"merged {_plural(len(used), 'task')} ({'copied' if copy else 'moved'}): {_plural(t['shards'], 'shard')}, "
             f"{t['documents']:,} documents, {t['tokens']:,} tokens at {output}"
         )
@@ -393,10 +402,10 @@ def info(dataset, as_json):
     except (WdsllmError, OSError, ValueError) as exc:  # storage, format and JSON errors: no usable index
         _fail(exc)
     if as_json:
-        click.echo(json.dumps(raw, indent=1))
+        _echo(json.dumps(raw, indent=1))
         return
     for text in info_lines(root, index):
-        click.echo(text)
+        _echo(text)
 
 
 def info_lines(root: str, index) -> list[str]:
@@ -490,7 +499,7 @@ def verify(ctx, dataset, jobs, quiet):
         seen["tokens"] += check.tokens
         for error in check.errors:
             line.clear()
-            click.echo(f"FAIL {error if error.startswith(check.name) else f'{check.name}: {error}'}")
+            _echo(f"FAIL {error if error.startswith(check.name) else f'{check.name}: {error}'}")
         line.show(
             f"verify {_bar(done / total)} {done}/{total} shards, {human(seen['documents'])} documents, "
             f"{human(seen['tokens'])} tokens",
@@ -502,15 +511,13 @@ def verify(ctx, dataset, jobs, quiet):
     except (WdsllmError, OSError, ValueError) as exc:  # an unreadable index is a failed verification
         _fail(exc)
     for error in report.errors:
-        click.echo(f"FAIL {error}")
+        _echo(f"FAIL {error}")
     t = report.index.totals()
     if report.ok:
-        click.echo(
-            f"OK: {_plural(t['shards'], 'shard')}, {t['documents']:,} documents, {t['tokens']:,} tokens verified"
-        )
+        _echo(f"OK: {_plural(t['shards'], 'shard')}, {t['documents']:,} documents, {t['tokens']:,} tokens verified")
         return
     bad = sum(1 for s in report.shards if s.errors)
-    click.echo(f"FAILED: {len(report.failures)} problems; {bad} of {_plural(t['shards'], 'shard')} bad", err=True)
+    _echo(f"FAILED: {len(report.failures)} problems; {bad} of {_plural(t['shards'], 'shard')} bad", err=True)
     ctx.exit(1)
 
 
@@ -545,11 +552,11 @@ def head(dataset, count, tokenizer, as_json, ids, skip_special_tokens):
     except TokenizerError as exc:
         raise click.ClickException(f"cannot load the dataset's tokenizer: {exc}; pass --tokenizer PATH") from None
     if tok.sha256 != index.tokenizer.sha256:
-        click.echo(f"warning: {spec} is not the tokenizer this dataset was packed with (sha256 differs)", err=True)
+        _echo(f"warning: {spec} is not the tokenizer this dataset was packed with (sha256 differs)", err=True)
     try:
         for item in islice(iter_items(root, index), max(0, count)):
             text = tok.tokenizer.decode(item.tokens.tolist(), skip_special_tokens=skip_special_tokens)
-            click.echo(_head_json(item, text, ids) if as_json else _head_text(item, text, ids, index.mode))
+            _echo(_head_json(item, text, ids) if as_json else _head_text(item, text, ids, index.mode))
     except (WdsllmError, OSError) as exc:  # a broken shard: say which (the message has the offset)
         _fail(exc)
 
@@ -648,7 +655,7 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
         _fail(exc)
     hist = catalog.index.doc_lengths or {}
     if as_json:
-        click.echo(
+        _echo(
             json.dumps(
                 {
                     "doc_lengths": hist,
@@ -672,17 +679,15 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
         )
     else:
         for text in histogram_lines(hist):
-            click.echo(text)
-        click.echo("")
-        click.echo(f"{'mode':<20} {'settings':<30} {'batches':>9} {'padding':>9} {'truncated':>10}")
+            _echo(text)
+        _echo("")
+        _echo(f"{'mode':<20} {'settings':<30} {'batches':>9} {'padding':>9} {'truncated':>10}")
         for c in costs:
-            click.echo(
-                f"{c.mode:<20} {c.settings:<30} {c.batches:>9,} {c.padding_pct:>8.2f}% {c.truncation_pct:>9.2f}%"
-            )
+            _echo(f"{c.mode:<20} {c.settings:<30} {c.batches:>9,} {c.padding_pct:>8.2f}% {c.truncation_pct:>9.2f}%")
     if plot:
         _plot_histogram(hist, plot, dataset)
         if not as_json:
-            click.echo(f"\nhistogram drawn to {plot}")
+            _echo(f"\nhistogram drawn to {plot}")
 
 
 def _plot_histogram(hist: dict, path: str, title: str) -> None:

@@ -239,7 +239,7 @@ def plan_items(
             if options.on_error != "skip":
                 raise
             url = catalog.urls[sl.shard]
-            log.warning("skipping unreadable shard %s: %s", url, exc)
+            log.warning("skipping unreadable shard %s: %s", storage.redact(url), exc)
             if stats is not None:
                 stats.skipped_shards.append(url)
         leftover = drop
