@@ -29,6 +29,21 @@ LOCK_NAME = CONTROL_PREFIX + "lock"
 STALE_AFTER = 600.0
 
 
+def _died_here(holder: dict) -> bool:
+    """Whether the lock's holder was a process on this host that no longer runs (a pack killed
+    with SIGKILL leaves its lock object behind; its ``--resume`` must not wait for the heartbeat
+    to go stale)."""
+    if holder.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(holder.get("pid", 0)), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError, TypeError):
+        return False
+    return False
+
+
 class OutputLock:
     """Held while a job writes ``out``; a context manager."""
 
@@ -60,10 +75,11 @@ class OutputLock:
             held = self.out.get_bytes(LOCK_NAME)
             if held is not None:
                 try:
-                    beat = float(json.loads(held).get("heartbeat", 0))
+                    holder = json.loads(held)
+                    beat = float(holder.get("heartbeat", 0))
                 except (ValueError, AttributeError, TypeError):
-                    beat = 0.0
-                if time.time() - beat < STALE_AFTER:
+                    holder, beat = {}, 0.0
+                if time.time() - beat < STALE_AFTER and not _died_here(holder):
                     raise self._refuse(held)
                 log.warning(
                     "%s: taking over a lock whose holder stopped beating %.0f s ago", self.out.url, time.time() - beat

@@ -237,8 +237,13 @@ _instances: dict[Any, Any] = {}
 _instances_lock = threading.Lock()
 
 
+_PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
+
+
 def instance(key: Any, make: Callable[[], Any]) -> Any:
-    """The filesystem of this process for ``key``, made once with ``make()``."""
+    """The filesystem of this process for ``key``, made once with ``make()`` (again when the proxy
+    variables change: some clients read them only when they are made)."""
+    key = (key, tuple(os.environ.get(v) for v in _PROXY_VARIABLES))
     with _instances_lock:
         fs = _instances.get(key)
         if fs is None:

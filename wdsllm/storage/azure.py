@@ -172,7 +172,7 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
         return out
 
     async def aclose() -> None:
-        resp.close()
+        await resp.close()
 
     return _AzureBody(url, fs, read, aclose, total, resp.headers.get("ETag"), timeout)
 

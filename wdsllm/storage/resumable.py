@@ -22,9 +22,9 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from ..errors import StorageError
+from . import parallel
 from .backends import backend_for
 from .counters import count
-from .parallel import BLOCK_SIZE, ParallelStream
 from .retry import DEFAULT_RETRY, RetryPolicy, classification, is_missing, make_error, retrying
 from .urls import redact, scheme_of
 
@@ -261,7 +261,7 @@ def open_stream(
         policy = RetryPolicy(attempts=1, timeout=policy.timeout)
     timeout = policy.timeout
     end = offset + length if length is not None else expected_size
-    if backend.remote and end is not None and end - offset > BLOCK_SIZE:
+    if backend.remote and end is not None and end - offset > parallel.BLOCK_SIZE:
         # several ranged GETs in flight: the network's wait overlaps the consumer's work
         def open_block(start: int, size: int) -> ResumableStream:
             return ResumableStream(
@@ -274,8 +274,16 @@ def open_stream(
             )
 
         whole = offset == 0 and length is None
-        parallel = ParallelStream(url, open_block, offset, end, expected_sha256=expected_sha256 if whole else None)
-        return io.BufferedReader(parallel, buffer_size=STREAM_BUFFER)
+        blocks = parallel.ParallelStream(
+            url,
+            open_block,
+            offset,
+            end,
+            block_size=parallel.BLOCK_SIZE,
+            in_flight=parallel.IN_FLIGHT,
+            expected_sha256=expected_sha256 if whole else None,
+        )
+        return io.BufferedReader(blocks, buffer_size=STREAM_BUFFER)
     raw = ResumableStream(
         url,
         lambda start, end, etag: backend.open(url, start, end, timeout, etag),
