@@ -186,7 +186,10 @@ async def aiohttp_open(
         raise
 
     async def aclose() -> None:
-        resp.close()  # not release(): an unread body must not go back to the pool
+        if resp.content.at_eof():
+            resp.release()  # read to its end: the connection carries the next request
+        else:
+            resp.close()  # not release(): an unread body must not go back to the pool
 
     return resp, LoopBody(salvaging_reader(resp.content), aclose, total, etag, timeout)
 
