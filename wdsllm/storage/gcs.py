@@ -45,7 +45,8 @@ def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "gs://") -> An
             skip_instance_cache=True,
         )
 
-    return instance(("gs", os.environ.get("STORAGE_EMULATOR_HOST"), anon), make)
+    env = tuple(os.environ.get(v) for v in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"))
+    return instance(("gs", env, anon), make)
 
 
 def gs_path(url: str) -> str:

@@ -74,7 +74,9 @@ def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "s3://") -> An
         fs.retries = 1  # a class attribute (5 by default), not an argument
         return fs
 
-    return instance(("s3", endpoint, anon, timeout), make)
+    # a new client when the credentials in the environment change (a test, a refreshed profile)
+    creds = tuple(os.environ.get(v) for v in ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE"))
+    return instance(("s3", endpoint, anon, timeout, creds), make)
 
 
 def split_s3(url: str) -> tuple[str, str]:
