@@ -515,3 +515,23 @@ def test_blocks_are_read_concurrently_resumed_and_delivered_in_order(http_server
     wrong = storage.open_stream(url, expected_size=len(data), expected_sha256="0" * 64, retry=FAST)
     with wrong as f, pytest.raises(StorageError, match="sha256"):
         f.read()
+
+
+def test_a_spooled_shard_is_read_in_place_and_keeps_the_bytes_before_an_error(http_server):
+    from test_storage import payload
+
+    data = payload(300_000)
+    (http_server.root / "s.bin").write_bytes(data)
+    url = http_server.url_for("s.bin")
+    http_server.faults.add("/s.bin", "drop_after", bytes=50_000, times=2)
+    spool = storage.Spool(lambda: storage.open_stream(url, offset=1000, retry=FAST), 1000, len(data), name=url)
+    spool.wait(len(data))
+    assert spool.mm[1000 : len(data)] == data[1000:]
+    assert http_server.ranges("/s.bin") == ["bytes=1000-", "bytes=51000-", "bytes=101000-"]
+    http_server.faults.add("/s.bin", "drop_after", bytes=70_000)
+    http_server.faults.add("/s.bin", "status_permanent", status=404)
+    broken = storage.Spool(lambda: storage.open_stream(url, retry=FAST), 0, len(data), name=url)
+    broken.wait(70_000)  # what arrived before the break is there
+    assert broken.mm[:70_000] == data[:70_000]
+    with pytest.raises(NotFoundError, match="HTTP 404"):
+        broken.wait(70_001)

@@ -151,7 +151,9 @@ def test_http_connections_are_kept_alive(served, http_server):
             assert f.read() == payload(20_000, seed=i)
     with open_stream(urls[0], offset=10, length=10, retry=FAST) as f:
         assert f.read() == payload(20, seed=0)[10:]
-    assert len({r.client_port for r in http_server.log()}) == 1
+    # aiohttp's pool reuses kept-alive connections (it may hold more than one idle connection to
+    # the host from earlier tests, so the requests need not all share one)
+    assert len({r.client_port for r in http_server.log()}) < len(http_server.log()) == 4
 
 
 def test_http_idle_connection_closed_by_server_is_not_a_fault(served, http_server):

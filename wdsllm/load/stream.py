@@ -210,7 +210,8 @@ def plan_items(
     if options.prefetch:
         work, ahead = itertools.tee(work)
         streams = storage.prefetch_iter(
-            (catalog.urls[sl.shard], open_kwargs(catalog, sl.shard, options, at)) for sl, _, _, at in ahead
+            ((catalog.urls[sl.shard], open_kwargs(catalog, sl.shard, options, at)) for sl, _, _, at in ahead),
+            spool=True,  # remote shards of known size are read in place, as mapped local ones are
         )
     else:
         streams = None

@@ -23,7 +23,7 @@ from .backends import CHUNK_SIZE, backend_for, is_remote
 from .cache import ShardCache
 from .counters import reset_stats, stats
 from .output import Output
-from .prefetch import ReadAhead, prefetch_iter
+from .prefetch import ReadAhead, Spool, prefetch_iter
 from .resumable import STREAM_BUFFER, exists, open_stream, read_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .s3 import MULTIPART_THRESHOLD, s3_endpoint
@@ -49,6 +49,7 @@ __all__ = [
     "ReadAhead",
     "RetryPolicy",
     "ShardCache",
+    "Spool",
     "StorageError",
     "TransientError",
     "backend_for",

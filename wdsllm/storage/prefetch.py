@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import io
 import logging
+import mmap
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -17,6 +19,9 @@ log = logging.getLogger(__name__)
 
 
 _EOF = object()
+#: The largest remote read held whole in memory by a :class:`Spool` (``WDSLLM_SPOOL_MAX``, bytes);
+#: larger ones stream through a :class:`ReadAhead`.
+SPOOL_MAX = int(os.environ.get("WDSLLM_SPOOL_MAX") or 1 << 30)
 
 
 class ReadAhead(io.RawIOBase):
@@ -138,6 +143,99 @@ class ReadAhead(io.RawIOBase):
         super().close()
 
 
+class Spool(io.RawIOBase):
+    """A remote object's bytes ``[offset, end)`` read by a background thread into one anonymous
+    mapping, so that a reader can use them in place as it uses a mapped local shard.
+
+    The mapping is ``end`` bytes long and the bytes sit at their offsets in the object (pages
+    before ``offset`` are never touched and cost nothing), so a reader views a group at its
+    offset with no copy, and every group's tokens share one buffer. :meth:`wait` blocks until the
+    bytes up to a position have arrived (or raises the error that stopped the download). As a
+    stream it reads in order from ``offset``. Closing stops the download; the mapping lives as long
+    as arrays view it.
+    """
+
+    def __init__(self, opener: Callable[[], BinaryIO], offset: int, end: int, *, name: str = "") -> None:
+        super().__init__()
+        self.name = name
+        self.offset, self.end = offset, end
+        self.mm = mmap.mmap(-1, max(end, 1))
+        self._filled = offset
+        self._pos = offset
+        self._error: BaseException | None = None
+        self._done = False
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=Spool._run, args=(self, opener), name=f"spool {name}", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _run(self: Spool, opener: Callable[[], BinaryIO]) -> None:
+        view = memoryview(self.mm)
+        try:
+            src = opener()
+            try:
+                fill = getattr(src, "readinto1", None) or src.readinto
+                while self._filled < self.end and not self._stop.is_set():
+                    n = fill(view[self._filled : min(self.end, self._filled + 4 * CHUNK_SIZE)])
+                    if not n:
+                        break
+                    with self._cond:
+                        self._filled += n
+                        self._cond.notify_all()
+            finally:
+                src.close()
+        except BaseException as exc:  # handed to the reader, who decides
+            with self._cond:
+                self._error = exc
+        finally:
+            view.release()
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def wait(self, upto: int) -> None:
+        """Return once the bytes before ``upto`` (clipped to the end) have arrived."""
+        upto = min(upto, self.end)
+        with self._cond:
+            while self._filled < upto and not self._done:
+                self._cond.wait()
+            if self._filled < upto:
+                if self._error is not None:
+                    raise self._error
+                from .retry import make_error
+
+                raise make_error(self.name, f"the object ended at byte {self._filled}, expected {self.end}")
+
+    def available(self) -> int:
+        with self._cond:
+            return self._filled
+
+    # io.RawIOBase: reading in order, for readers that do not use the mapping
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        if self.closed:
+            raise ValueError(f"{self.name}: read from a closed stream")
+        view = memoryview(b).cast("B")
+        if not len(view) or self._pos >= self.end:
+            return 0
+        self.wait(self._pos + 1)
+        n = min(len(view), self.available() - self._pos)
+        view[:n] = self.mm[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._stop.set()
+        super().close()
+
+
 class _Failed(io.RawIOBase):
     """An object that could not be opened: its error comes out of its first read."""
 
@@ -156,7 +254,12 @@ StreamSpec = Union[str, "tuple[str, dict[str, Any]]"]
 
 
 def prefetch_iter(
-    urls_and_kwargs: Iterable[StreamSpec], depth: int = 1, *, chunk_size: int = CHUNK_SIZE, max_chunks: int = 4
+    urls_and_kwargs: Iterable[StreamSpec],
+    depth: int = 1,
+    *,
+    chunk_size: int = CHUNK_SIZE,
+    max_chunks: int = 4,
+    spool: bool = False,
 ) -> Iterator[BinaryIO]:
     """Streams of the given objects in order, each remote one started ``depth`` shards early.
 
@@ -164,6 +267,8 @@ def prefetch_iter(
     :class:`ReadAhead`, so while the consumer reads one shard the next ``depth`` are being opened
     (downloaded into the cache, when one is given) and read ahead by at most
     ``max_chunks * chunk_size`` bytes each. Local files and pipes open at once and need no thread.
+    With ``spool``, a remote object whose size is known (``expected_size`` or ``length``) is read
+    whole into a :class:`Spool` instead, which a reader can use in place like a mapped shard.
     A yielded stream belongs to the consumer until it asks for the next one; then it is closed.
     Stopping the iteration early closes every stream it started.
     """
@@ -175,6 +280,10 @@ def prefetch_iter(
                 return open_stream(url, **kwargs)
             except Exception as exc:  # raised where this object is read, not while another one is
                 return _Failed(url, exc)
+        offset, length = kwargs.get("offset", 0), kwargs.get("length")
+        end = offset + length if length is not None else kwargs.get("expected_size")
+        if spool and end is not None and end - offset <= SPOOL_MAX and kwargs.get("cache") is None:
+            return Spool(lambda: open_stream(url, **kwargs), offset, end, name=url)  # type: ignore[return-value]
         ahead = ReadAhead(lambda: open_stream(url, **kwargs), name=url, chunk_size=chunk_size, max_chunks=max_chunks)
         return io.BufferedReader(ahead, buffer_size=STREAM_BUFFER)
 
