@@ -238,6 +238,7 @@ add_classifier(_classify_aiohttp)
 
 _instances: dict[Any, Any] = {}
 _instances_lock = threading.Lock()
+_inherited: list[Any] = []  # a forked child's copies of the parent's filesystems: never used, never freed
 
 
 _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
@@ -265,6 +266,8 @@ def _after_fork() -> None:
     """
     global _instances_lock
     _instances_lock = threading.Lock()
+    # kept alive, not dropped: collecting them would warn about the parent's unclosed sessions
+    _inherited.extend(_instances.values())
     _instances.clear()
     fsspec.asyn.reset_lock()
     for ref, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]

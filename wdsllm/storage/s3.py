@@ -53,6 +53,27 @@ def s3_endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
+_boto_loader: Any = None  # botocore's parsed service models, kept across fork (see _session)
+
+
+def _session() -> Any:
+    """A new aiobotocore session that shares this process's parsed service models.
+
+    Sessions and clients are per process (credentials refresh under locks, connections are
+    sockets), but the models are plain data: a DataLoader worker forked from a process that has
+    used S3 then makes its client without parsing botocore's S3 model again (about a second).
+    """
+    global _boto_loader
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    if _boto_loader is None:
+        _boto_loader = session.get_component("data_loader")
+    else:
+        session.register_component("data_loader", _boto_loader)
+    return session
+
+
 def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "s3://") -> Any:
     """This process's S3FileSystem for the current endpoint, timeout and anonymity."""
     endpoint, anon = s3_endpoint(), anonymous("s3")
@@ -70,7 +91,9 @@ def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "s3://") -> An
         }
         if endpoint:  # S3-compatible stores (MinIO, Ceph, moto) rarely resolve bucket subdomains
             config["s3"] = {"addressing_style": "path"}
-        fs = s3fs.S3FileSystem(anon=anon, endpoint_url=endpoint, config_kwargs=config, skip_instance_cache=True)
+        fs = s3fs.S3FileSystem(
+            anon=anon, endpoint_url=endpoint, config_kwargs=config, session=_session(), skip_instance_cache=True
+        )
         fs.retries = 1  # a class attribute (5 by default), not an argument
         return fs
 
