@@ -64,11 +64,12 @@ class LoopBody:
         self.total, self.etag, self.timeout = total, etag, timeout
         self._error: BaseException | None = None
 
-    async def _fill(self, n: int) -> bytes:
+    async def _fill(self, view: memoryview) -> int:
+        """Copy what arrives into ``view`` (on the loop: one copy, no joined intermediate)."""
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        parts: list[bytes] = []
+        n = len(view)
         got = 0
         loop = asyncio.get_running_loop()
         try:
@@ -77,7 +78,7 @@ class LoopBody:
                     chunk = await self._read(n - got)
                     if not chunk:
                         break
-                    parts.append(chunk)
+                    view[got : got + len(chunk)] = chunk
                     got += len(chunk)
                     if deadline is not None and self.timeout is not None:
                         deadline.reschedule(loop.time() + self.timeout)  # a pause, not the whole read
@@ -87,16 +88,14 @@ class LoopBody:
             if not got:
                 raise exc from None
             self._error = exc
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return got
 
     def readinto(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         if not len(view):
             return 0
         timeout = None if self.timeout is None else self.timeout + _LOOP_GRACE
-        data = run(self._fill, len(view), timeout=timeout)
-        n = len(data)
-        view[:n] = data
+        n = run(self._fill, view, timeout=timeout)
         count("received_bytes", n)
         return n
 

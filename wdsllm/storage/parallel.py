@@ -33,7 +33,8 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def _executor() -> ThreadPoolExecutor:
+def executor() -> ThreadPoolExecutor:
+    """The process's pool of block readers (made on first use, again in a forked child)."""
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -103,7 +104,7 @@ class ParallelStream(io.RawIOBase):
     def _fill(self) -> None:
         while len(self._pending) < self._in_flight and self._next < self._end:
             length = min(self._block_size, self._end - self._next)
-            future = _executor().submit(self._fetch, self._next, length, self._stop)
+            future = executor().submit(self._fetch, self._next, length, self._stop)
             self._pending.append((self._next, future))
             self._next += length
 
