@@ -16,6 +16,7 @@ WIKI = sorted((CORPORA / "wiki").glob("wiki-*.jsonl.gz"))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cloud_fixtures import *  # noqa: E402, F403 - GCS and Azure emulators, a fake Hub, a fault proxy
 from remote_fixtures import *  # noqa: E402, F403 - fixtures for real HTTP and S3 servers on 127.0.0.1
 
 # Keep tokenizer threads from oversubscribing the 2-core CI machine inside test processes.

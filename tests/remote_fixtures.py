@@ -160,6 +160,8 @@ class RecordedRequest:
     path: str
     range: str | None
     status: int | None = None
+    query: str = ""
+    authorization: str | None = None
     fault: str | None = None
     client_port: int = 0  # the same port on two requests means a reused keep-alive connection
     time: float = field(default_factory=time.monotonic)
@@ -209,12 +211,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self, send_body: bool) -> None:
         state = self.server.state
-        path = urlsplit(self.path).path
+        parts = urlsplit(self.path)
+        path = parts.path
         rng = self.headers.get("Range")
-        rec = RecordedRequest(self.command, path, rng, client_port=self.client_address[1])
+        auth = self.headers.get("Authorization")
+        rec = RecordedRequest(
+            self.command, path, rng, client_port=self.client_address[1], query=parts.query, authorization=auth
+        )
         fault = state.faults.take(path, self.command)
         rec.fault = fault.kind if fault else None
         state.record(rec)
+        if state.basic_auth is not None and auth != state.basic_auth:
+            self._simple(rec, 401, {"WWW-Authenticate": 'Basic realm="wdsllm"'})
+            return
         if fault is not None and fault.kind == "delay":
             time.sleep(fault.seconds)
             fault = None
@@ -322,6 +331,8 @@ def _parse_range(value: str, size: int) -> tuple[int, int] | None:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
+    # socketserver's backlog of 5 drops the SYNs of 8+ concurrent ranged GETs (a 1 s retransmit each)
+    request_queue_size = 128
     state: HttpServer
 
 
@@ -331,6 +342,7 @@ class HttpServer:
     def __init__(self) -> None:
         self.faults = Faults()
         self.requests: list[RecordedRequest] = []
+        self.basic_auth: str | None = None  # "Basic ..." that every request must carry, when set
         self.root: Path = Path.cwd()
         self.stopping = threading.Event()
         self._lock = threading.Lock()
@@ -352,8 +364,15 @@ class HttpServer:
         rel = p.as_posix()
         return f"{self.url}/" + ("" if rel == "." else rel)
 
+    def require_basic_auth(self, user: str, password: str) -> None:
+        """Answer 401 to every request without this user and password (until :meth:`reset`)."""
+        import base64
+
+        self.basic_auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
     def reset(self) -> None:
-        """Forget faults and recorded requests."""
+        """Forget faults, recorded requests and the password."""
+        self.basic_auth = None
         self.faults.clear()
         with self._lock:
             self.requests.clear()
@@ -418,6 +437,7 @@ _S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",  # no instance-metadata probing if a test drops the keys
 }
 _S3_ENV_REMOVED = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL_S3")
 
@@ -426,8 +446,11 @@ class S3Server:
     """A moto S3 server on 127.0.0.1; ``endpoint`` is also in ``os.environ['AWS_ENDPOINT_URL']``."""
 
     def __init__(self) -> None:
+        import logging
+
         from moto.server import ThreadedMotoServer
 
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a log line per request otherwise
         self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._moto.start()
         host, port = self._moto.get_host_and_port()
@@ -459,10 +482,27 @@ class S3Server:
             aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
         ).client("s3", endpoint_url=self.endpoint)
 
-    def new_bucket(self, prefix: str = "wdsllm-test") -> str:
-        """Create a bucket with a unique name and return that name."""
+    def new_bucket(self, prefix: str = "wdsllm-test", public: bool = False) -> str:
+        """Create a bucket with a unique name and return that name; ``public``: anyone may read
+        and list it (moto enforces bucket policies for unsigned requests)."""
+        import json
+
         name = f"{prefix}-{uuid.uuid4().hex[:12]}"
-        self.client().create_bucket(Bucket=name)
+        client = self.client()
+        client.create_bucket(Bucket=name)
+        if public:
+            policy = {
+                "Version": "2012-10-17",
+                "Statement": [
+                    {
+                        "Effect": "Allow",
+                        "Principal": "*",
+                        "Action": ["s3:GetObject", "s3:ListBucket"],
+                        "Resource": [f"arn:aws:s3:::{name}", f"arn:aws:s3:::{name}/*"],
+                    }
+                ],
+            }
+            client.put_bucket_policy(Bucket=name, Policy=json.dumps(policy))
         return name
 
     def upload_dir(self, local_dir: str | os.PathLike, url: str) -> list[str]:

@@ -151,7 +151,9 @@ def test_http_connections_are_kept_alive(served, http_server):
             assert f.read() == payload(20_000, seed=i)
     with open_stream(urls[0], offset=10, length=10, retry=FAST) as f:
         assert f.read() == payload(20, seed=0)[10:]
-    assert len({r.client_port for r in http_server.log()}) == 1
+    # aiohttp's pool reuses kept-alive connections (it may hold more than one idle connection to
+    # the host from earlier tests, so the requests need not all share one)
+    assert len({r.client_port for r in http_server.log()}) < len(http_server.log()) == 4
 
 
 def test_http_idle_connection_closed_by_server_is_not_a_fault(served, http_server):
@@ -430,17 +432,17 @@ def test_output_local(tmp_path, scheme):
 
 def test_output_s3_with_multipart_upload(s3_server, s3_bucket):
     url = f"{s3_bucket}/datasets/run1/"
-    with Output(url, retry=FAST, multipart_threshold=1 << 20) as out:
+    with Output(url, retry=FAST, multipart_threshold=10 << 20) as out:
         staging = out.local_staging_dir()
-        _check_output(out, 6 * 2**20)  # above the threshold: 5 MiB + 1 MiB parts
+        _check_output(out, 6 * 2**20)  # below the threshold: one PUT
         assert Path(staging).is_dir()
         big = Path(staging) / "big.tar"
-        big.write_bytes(payload(6 * 2**20, seed=3))
+        big.write_bytes(payload(12 * 2**20, seed=3))
         out.put_file(str(big), "big.tar")
         bucket = s3_bucket[len("s3://") :]
         etag = s3_server.client().head_object(Bucket=bucket, Key="datasets/run1/big.tar")["ETag"]
-        assert etag.strip('"').endswith("-2"), etag  # a multipart upload of two parts
-        assert s3_server.get(f"{s3_bucket}/datasets/run1/big.tar") == payload(6 * 2**20, seed=3)
+        assert etag.strip('"').endswith("-3"), etag  # a multipart upload of 5 + 5 + 2 MiB
+        assert s3_server.get(f"{s3_bucket}/datasets/run1/big.tar") == payload(12 * 2**20, seed=3)
         # Output only lists under its own prefix.
         s3_server.client().put_object(Bucket=bucket, Key="datasets/run10/other", Body=b"x")
         assert out.list_names() == ["big.tar"]
@@ -448,7 +450,7 @@ def test_output_s3_with_multipart_upload(s3_server, s3_bucket):
 
 
 def test_output_refuses_http():
-    with pytest.raises(StorageError, match="local directory or s3"):
+    with pytest.raises(StorageError, match="cannot be written over http"):
         Output("https://host/ds/")
 
 

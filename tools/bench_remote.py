@@ -1,20 +1,23 @@
-"""Streaming throughput from HTTP and S3 next to local disk, in one run.
+"""Streaming throughput from every remote scheme (http, s3, gs, az, hf) next to local disk, in one run.
 
     python tools/bench_remote.py [--work bench-out] [--seconds 2] [--repeats 5]
 
 Packs the shared Wikipedia corpus with the GPT-2 tokenizer in docs mode and in packed mode
 (seq_len 2048), each as one shard, and in packed mode again in 4 MiB shards, into --work once
 (``wiki-docs``, ``wiki-packed``, ``wiki-packed-4mib``; reused when present), starts
-the test fixtures' HTTP server (Range, keep-alive) and a moto S3 server on 127.0.0.1, each in a
-process of its own, uploads both datasets to S3, and streams each dataset from local disk, HTTP
-and S3 with ``wdsllm.loader`` at num_workers 0 and 2. A run streams whole epochs (reshuffled, no
+the test fixtures' servers on 127.0.0.1, each in a process of its own (the HTTP server with Range
+and keep-alive, moto S3, the GCS emulator, Azurite when node has it, the fake Hub), puts the
+datasets there, and streams each dataset from local disk and every scheme with ``wdsllm.loader``
+at num_workers 0 and 2 (``--schemes`` picks some). A run streams whole epochs (reshuffled, no
 cache) until --seconds have passed; each configuration runs --repeats times, interleaved across
 sources. Reported: the best tokens/s of the repeats (other processes on the machine only ever slow
 a run down, so the best is the least disturbed) and the median time to the first batch.
 
 - tokens/s: real tokens (not padding) delivered per second, counted from the loader's creation;
 - first batch: seconds from creating the loader (which reads index.json) to the first batch;
-- ratio: remote tokens/s over the local figure of the same configuration. The target is 1.
+- ratio: remote tokens/s over the local figure of the same configuration. The target is 1;
+- received: body bytes received from the store per byte of the dataset per epoch (0 workers:
+  the counters are per process), 1.00 when every consumer reads just its share.
 
 The loader collates in this process with torch, whose intra-op threads stall when another
 process holds the other core; ``torch.set_num_threads(--torch-threads)`` (default 1), as in
@@ -74,7 +77,7 @@ def ensure_dataset(work: Path, mode: str) -> Path:
 
 
 SERVER = r"""
-import logging, sys
+import logging, pathlib, sys
 sys.path.insert(0, sys.argv[1])
 import remote_fixtures
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -85,6 +88,14 @@ if sys.argv[2] == "http":
     server = remote_fixtures.HttpServer()
     server.root = sys.argv[3]
     print(server.url, flush=True)
+elif sys.argv[2] == "hf":
+    import cloud_fixtures
+    cloud_fixtures._HubHandler.disable_nagle_algorithm = True
+    server = cloud_fixtures.FakeHub()
+    work = pathlib.Path(sys.argv[3])
+    files = {f"{d}/{p.name}": p.read_bytes() for d in sys.argv[4:] for p in sorted((work / d).iterdir())}
+    server.add_repo("bench/wiki", files)
+    print(server.endpoint, flush=True)
 else:
     server = remote_fixtures.S3Server()
     print(server.endpoint, flush=True)
@@ -92,20 +103,28 @@ sys.stdin.read()  # until the benchmark closes the pipe, or dies
 """
 
 
-def start_server(kind: str, root: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """The HTTP or moto S3 server of the test fixtures, in a process of its own: in this process
-    it would compete with the loader for the GIL and measure itself."""
-    args = [sys.executable, "-c", SERVER, str(REPO / "tests"), kind] + ([str(root)] if root else [])
+def start_server(kind: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    """A server of the test fixtures in a process of its own: in this process it would compete
+    with the loader for the GIL and measure itself."""
+    args = [sys.executable, "-c", SERVER, str(REPO / "tests"), kind, *extra]
     proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     return proc, proc.stdout.readline().strip()
 
 
-def start_servers(work: Path, dirnames: list[str]):
-    """(processes, HTTP base URL, S3 bucket) with the datasets uploaded to the bucket."""
+def start_servers(work: Path, dirnames: list[str], schemes: list[str]):
+    """(things to stop, {scheme: root URL template with {name}}) with the datasets in every store."""
     import boto3
 
-    http, http_url = start_server("http", work)
+    sys.path.insert(0, str(REPO / "tests"))
+    import cloud_fixtures
+
+    stop: list = []
+    roots: dict[str, str] = {}
+    http, http_url = start_server("http", str(work))
+    stop.append(http)
+    roots["http"] = http_url + "/{name}/"
     s3, endpoint = start_server("s3")
+    stop.append(s3)
     os.environ.update(
         {
             "AWS_ACCESS_KEY_ID": "bench",
@@ -122,11 +141,40 @@ def start_servers(work: Path, dirnames: list[str]):
     for name in dirnames:
         for path in sorted((work / name).iterdir()):
             client.upload_file(str(path), bucket, f"{name}/{path.name}")
-    return [http, s3], http_url, bucket
+    roots["s3"] = f"s3://{bucket}/{{name}}/"
+    if "gs" in schemes:
+        gcs = cloud_fixtures.GcsEmulator()
+        gcs.install_env()
+        stop.append(gcs)
+        gbucket = gcs.new_bucket("bench")
+        for name in dirnames:
+            for path in sorted((work / name).iterdir()):
+                gcs.put(gbucket, f"{name}/{path.name}", path.read_bytes())
+        roots["gs"] = f"gs://{gbucket}/{{name}}/"
+    binary = cloud_fixtures.find_azurite()
+    if "az" in schemes and binary:
+        azurite = cloud_fixtures.Azurite(binary)
+        azurite.install_env()
+        stop.append(azurite)
+        container = azurite.new_container("bench")
+        cc = azurite.service().get_container_client(container)
+        for name in dirnames:
+            for path in sorted((work / name).iterdir()):
+                cc.upload_blob(f"{name}/{path.name}", path.read_bytes())
+        roots["az"] = f"az://{container}/{{name}}/"
+    if "hf" in schemes:
+        hub, hub_url = start_server("hf", str(work), *dirnames)
+        stop.append(hub)
+        os.environ.update({"HF_ENDPOINT": hub_url, "HF_TOKEN": "hf_bench", "HF_HUB_DISABLE_TELEMETRY": "1"})
+        roots["hf"] = "hf://datasets/bench/wiki@main/{name}/"
+    return stop, {k: v for k, v in roots.items() if k in schemes}
 
 
 def stream(source: str, workers: int, load: dict, seconds: float) -> dict:
     """Whole epochs from ``source`` until ``seconds`` have passed."""
+    from wdsllm import storage
+
+    storage.reset_stats()
     t0 = time.perf_counter()
     loader = wdsllm.loader(source, num_workers=workers, seed=0, **load)
     first = None
@@ -141,7 +189,15 @@ def stream(source: str, workers: int, load: dict, seconds: float) -> dict:
         if time.perf_counter() - t0 >= seconds:
             break
     elapsed = time.perf_counter() - t0
-    return {"tokens_per_s": tokens / elapsed, "first_batch_s": first, "epochs": epochs, "tokens": tokens}
+    size = sum(e.bytes for e in loader.catalog.shard_entries or []) if hasattr(loader, "catalog") else 0
+    received = storage.stats()["received_bytes"] / (size * epochs) if size and not workers else None
+    return {
+        "tokens_per_s": tokens / elapsed,
+        "first_batch_s": first,
+        "epochs": epochs,
+        "tokens": tokens,
+        "received": received,
+    }
 
 
 def raw_read(url: str, prefetch: bool) -> float:
@@ -167,6 +223,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--workers", default="0,2")
+    ap.add_argument("--schemes", default="http,s3,gs,az,hf")
     ap.add_argument(
         "--torch-threads",
         type=int,
@@ -184,13 +241,14 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     modes = args.modes.split(",")
     dirs = {mode: ensure_dataset(work, mode) for mode in modes}
-    servers, http_url, bucket = start_servers(work, [MODES[m]["dirname"] for m in modes])
+    schemes = args.schemes.split(",")
+    servers, roots = start_servers(work, [MODES[m]["dirname"] for m in modes], schemes)
     load_before = os.getloadavg()[0]
     try:
         rows = []
         for mode in modes:
             name = MODES[mode]["dirname"]
-            sources = {"local": str(dirs[mode]), "http": f"{http_url}/{name}/", "s3": f"s3://{bucket}/{name}/"}
+            sources = {"local": str(dirs[mode]), **{k: v.format(name=name) for k, v in roots.items()}}
             for source in sources.values():  # warm-up, not counted: imports, page cache, boto3 models
                 stream(source, 0, MODES[mode]["load"], 0)
             for workers in (int(w) for w in args.workers.split(",")):
@@ -202,39 +260,45 @@ def main() -> None:
                 for kind in sources:
                     rate = max(r["tokens_per_s"] for r in runs[kind])
                     first = statistics.median(r["first_batch_s"] for r in runs[kind])
-                    rows.append((mode, workers, kind, rate, first, rate / local))
+                    got = [r["received"] for r in runs[kind] if r["received"] is not None]
+                    received = f"{statistics.median(got):.2f}" if got and kind != "local" else "-"
+                    rows.append((mode, workers, kind, rate, first, rate / local, received))
                     print(
                         f"{mode} workers={workers} {kind}: {rate / 1e6:.2f}M tokens/s, first batch "
                         f"{first * 1000:.0f} ms, "
-                        f"{rate / local:.2f}x local",
+                        f"{rate / local:.2f}x local, received {received}",
                         flush=True,
                     )
         raw = []
         name = MODES[modes[0]]["dirname"]
         shard = f"{name}/shard-000000.tar"
-        for kind, url in (
-            ("local", str(work / shard)),
-            ("http", f"{http_url}/{shard}"),
-            ("s3", f"s3://{bucket}/{shard}"),
-        ):
+        urls = {"local": str(work / shard)}
+        urls.update({k: v.format(name=name) + "shard-000000.tar" for k, v in roots.items()})
+        for kind, url in urls.items():
             for prefetch in (False, True):
                 raw.append((kind, prefetch, max(raw_read(url, prefetch) for _ in range(args.repeats))))
     finally:
         for proc in servers:
-            proc.terminate()
-            proc.wait(10)
+            if isinstance(proc, subprocess.Popen):
+                proc.terminate()
+                proc.wait(10)
+            else:
+                proc.close()
     print()
-    print(f"| mode | workers | source | tokens/s (best of {args.repeats}) | first batch (median) | remote / local |")
-    print("|---|---|---|---|---|---|")
-    for mode, workers, kind, rate, first, ratio in rows:
-        print(f"| {mode} | {workers} | {kind} | {rate / 1e6:.2f}M | {first * 1000:.0f} ms | {ratio:.2f} |")
+    print(
+        f"| mode | workers | source | tokens/s (best of {args.repeats}) | first batch (median) | remote / local "
+        "| received / dataset |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for mode, workers, kind, rate, first, ratio, received in rows:
+        print(f"| {mode} | {workers} | {kind} | {rate / 1e6:.2f}M | {first * 1000:.0f} ms | {ratio:.2f} | {received} |")
     print(
         f"\nreading {shard} ({(work / shard).stat().st_size / 1e6:.0f} MB) through wdsllm.storage, best of "
         f"{args.repeats}:"
     )
     print("| source | open_stream | prefetch_iter (read-ahead thread) |")
     print("|---|---|---|")
-    for kind in ("local", "http", "s3"):
+    for kind in urls:
         plain, ahead = (r for k, p, r in sorted(raw, key=lambda x: x[1]) if k == kind)
         print(f"| {kind} | {plain:,.0f} MB/s | {ahead:,.0f} MB/s |")
     print(

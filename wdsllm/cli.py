@@ -81,16 +81,16 @@ class ProgressLine:
     def clear(self) -> None:
         """Make room for a message line on a terminal."""
         if self.tty and not self.quiet:
-            click.echo("\r\033[K", err=True, nl=False)
+            _echo("\r\033[K", err=True, nl=False)
 
     def show(self, text: str, final: bool = False) -> None:
         if self.quiet:
             return
         if self.tty:
-            click.echo("\r\033[K" + text, err=True, nl=final)
+            _echo("\r\033[K" + text, err=True, nl=final)
         elif final or time.monotonic() - self.last_plain > 10:
             self.last_plain = time.monotonic()
-            click.echo(text, err=True)
+            _echo(text, err=True)
 
 
 def _setup_logging(verbose: int, quiet: bool) -> None:
@@ -142,25 +142,25 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     except click.exceptions.Abort as exc:
         if isinstance(exc.__context__, KeyboardInterrupt) or isinstance(exc.__cause__, KeyboardInterrupt):
-            click.echo("interrupted", err=True)
+            _echo("interrupted", err=True)
             sys.exit(INTERRUPTED)
-        click.echo("aborted", err=True)
+        _echo("aborted", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
+        _echo("interrupted", err=True)
         sys.exit(INTERRUPTED)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
     except WdsllmError as exc:
-        click.echo(f"Error: {_message(exc)}", err=True)
+        _echo(f"Error: {_message(exc)}", err=True)
         sys.exit(1)
     except Exception as exc:  # a bug: one line, and the traceback only when asked for
         if obj.get("verbose", 0) >= 2:
             import traceback
 
             traceback.print_exc()
-        click.echo(
+        _echo(
             f"Error: unexpected {type(exc).__name__}: {_message(exc)} (a bug in wdsllm: please report it with the "
             "command; -vv shows the traceback)",
             err=True,
@@ -179,11 +179,20 @@ def _quiet_stdout() -> None:
 
 
 def _message(exc: BaseException) -> str:
-    """An exception's message, never blank."""
+    """An exception's message, never blank, with every URL redacted."""
+    from .storage.urls import redact_text
+
     text = str(exc).strip()
     if not text or text in ("None", "''"):
         return type(exc).__name__
-    return text
+    return redact_text(text)
+
+
+def _echo(message: object = None, **kwargs: object) -> None:
+    """click.echo with every URL redacted: no password or query token reaches a terminal or a log."""
+    from .storage.urls import redact_text
+
+    click.echo(redact_text(message) if isinstance(message, str) else message, **kwargs)
 
 
 def _fail(exc: Exception) -> None:
@@ -316,7 +325,7 @@ def pack(
 
     _setup_logging(ctx.obj["verbose"], quiet)
     if on_error == "stop":
-        click.echo("warning: --on-error stop is deprecated; it is now called --on-error raise", err=True)
+        _echo("warning: --on-error stop is deprecated; it is now called --on-error raise", err=True)
         on_error = "raise"
     if (num_tasks is None) != (task_index is None):
         raise click.UsageError("--num-tasks and --task-index go together")
@@ -326,7 +335,7 @@ def pack(
         except WdsllmError as exc:
             _fail(exc)
         if source and not quiet:
-            click.echo(
+            _echo(
                 f"task {task_index} of {num_tasks} (from {source}); writes {output.rstrip('/')}/task-{task_index:05d}",
                 err=True,
             )
@@ -372,12 +381,12 @@ def pack(
         result = run_pack(cfg, on_progress=on_progress)
     except KeyboardInterrupt:
         line.clear()
-        click.echo(f"interrupted; the finished shards are kept. To continue:\n  {_resume_command(ctx)}", err=True)
+        _echo(f"interrupted; the finished shards are kept. To continue:\n  {_resume_command(ctx)}", err=True)
         raise SystemExit(INTERRUPTED) from None
     except (WdsllmError, OSError) as exc:
         _fail(exc)
     if as_json:
-        click.echo(json.dumps(_pack_json(result)))
+        _echo(json.dumps(_pack_json(result)))
     elif not quiet:
         _pack_summary(result)
 
@@ -419,18 +428,18 @@ def _pack_summary(result) -> None:
     idx = result.index
     t = idx.totals()
     p = result.progress
-    click.echo(
+    _echo(
         f"packed {t['documents']:,} documents, {t['tokens']:,} tokens into {_plural(t['shards'], 'shard')} "
         f"({human_bytes(t['bytes'])}) at {result.output}"
     )
-    click.echo(
+    _echo(
         f"  {p.tokens / max(p.elapsed, 1e-9):,.0f} tokens/s over {p.elapsed:.1f} s; "
         f"{t['bytes'] / max(t['tokens'], 1):.3f} bytes/token; "
         f"dtype {idx.dtype}; mode {idx.mode}"
         + (f" seq_len {idx.seq_len}, {t.get('rows', 0):,} rows" if idx.seq_len else "")
     )
     if result.resumed_shards:
-        click.echo(f"  resumed after {_plural(result.resumed_shards, 'finished shard')}")
+        _echo(f"  resumed after {_plural(result.resumed_shards, 'finished shard')}")
     _print_skipped(idx.skipped)
 
 
@@ -438,12 +447,12 @@ def _print_skipped(skipped: dict, limit: int = 10) -> None:
     if not skipped.get("total"):
         return
     counts = ", ".join(f"{k} {v:,}" for k, v in skipped["counts"].items())
-    click.echo(f"  skipped {skipped['total']:,}: {counts}")
+    _echo(f"  skipped {skipped['total']:,}: {counts}")
     for rec in skipped["records"][:limit]:
-        click.echo(f"    {rec['file']}:{rec['line']}: {rec['reason']} {rec['detail']}".rstrip())
+        _echo(f"    {rec['file']}:{rec['line']}: {rec['reason']} {rec['detail']}".rstrip())
     more = sum(v for k, v in skipped["counts"].items() if k != "empty") - min(limit, len(skipped["records"]))
     if more > 0:
-        click.echo(
+        _echo(
             f"    ... {more:,} more listed in index.json"
             if len(skipped["records"]) > limit
             else f"    ... {more:,} more (not listed)"
@@ -496,7 +505,7 @@ def merge(ctx, parts, output, copy, overwrite, allow_partial, quiet):
         _fail(exc)
     if not quiet:
         t = index.totals()
-        click.echo(
+        _echo(
             f"merged {_plural(len(used), 'task')} ({'copied' if copy else 'moved'}): {_plural(t['shards'], 'shard')}, "
             f"{t['documents']:,} documents, {t['tokens']:,} tokens at {output}"
         )
@@ -525,10 +534,10 @@ def info(dataset, as_json):
     except (WdsllmError, OSError, ValueError) as exc:  # storage, format and JSON errors: no usable index
         _fail(exc)
     if as_json:
-        click.echo(json.dumps(raw, indent=1))
+        _echo(json.dumps(raw, indent=1))
         return
     for text in info_lines(root, index):
-        click.echo(text)
+        _echo(text)
 
 
 def info_lines(root: str, index) -> list[str]:
@@ -632,7 +641,7 @@ def verify(ctx, dataset, jobs, quiet, as_json):
         seen["tokens"] += check.tokens
         for error in [] if as_json else check.errors:
             line.clear()
-            click.echo(f"FAIL {error if error.startswith(check.name) else f'{check.name}: {error}'}")
+            _echo(f"FAIL {error if error.startswith(check.name) else f'{check.name}: {error}'}")
         line.show(
             f"verify {_bar(done / total)} {done}/{total} shards, {human(seen['documents'])} documents, "
             f"{human(seen['tokens'])} tokens",
@@ -645,7 +654,7 @@ def verify(ctx, dataset, jobs, quiet, as_json):
         _fail(exc)
     t = report.index.totals()
     if as_json:
-        click.echo(
+        _echo(
             json.dumps(
                 {
                     "dataset": report.root,
@@ -662,14 +671,12 @@ def verify(ctx, dataset, jobs, quiet, as_json):
             ctx.exit(1)
         return
     for error in report.errors:
-        click.echo(f"FAIL {error}")
+        _echo(f"FAIL {error}")
     if report.ok:
-        click.echo(
-            f"OK: {_plural(t['shards'], 'shard')}, {t['documents']:,} documents, {t['tokens']:,} tokens verified"
-        )
+        _echo(f"OK: {_plural(t['shards'], 'shard')}, {t['documents']:,} documents, {t['tokens']:,} tokens verified")
         return
     bad = sum(1 for s in report.shards if s.errors)
-    click.echo(f"FAILED: {len(report.failures)} problems; {bad} of {_plural(t['shards'], 'shard')} bad", err=True)
+    _echo(f"FAILED: {len(report.failures)} problems; {bad} of {_plural(t['shards'], 'shard')} bad", err=True)
     ctx.exit(1)
 
 
@@ -720,11 +727,11 @@ def head(dataset, count, tokenizer, as_json, ids, skip_special_tokens):
     except (WdsllmError, OSError) as exc:
         raise click.ClickException(f"cannot load the dataset's tokenizer: {exc}; pass --tokenizer PATH") from None
     if tok.sha256 != index.tokenizer.sha256:
-        click.echo(f"warning: {spec} is not the tokenizer this dataset was packed with (sha256 differs)", err=True)
+        _echo(f"warning: {spec} is not the tokenizer this dataset was packed with (sha256 differs)", err=True)
     try:
         for item in islice(iter_items(root, index), max(0, count)):
             text = tok.tokenizer.decode(item.tokens.tolist(), skip_special_tokens=skip_special_tokens)
-            click.echo(_head_json(item, text, ids) if as_json else _head_text(item, text, ids, index.mode))
+            _echo(_head_json(item, text, ids) if as_json else _head_text(item, text, ids, index.mode))
     except (WdsllmError, OSError) as exc:  # a broken shard: say which (the message has the offset)
         _fail(exc)
 
@@ -837,7 +844,7 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
         _fail(exc)
     hist = catalog.index.doc_lengths or {}
     if as_json:
-        click.echo(
+        _echo(
             json.dumps(
                 {
                     "doc_lengths": hist,
@@ -863,21 +870,21 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
         )
     else:
         for text in histogram_lines(hist):
-            click.echo(text)
-        click.echo("")
+            _echo(text)
+        _echo("")
         if sample is not None:
-            click.echo(
+            _echo(
                 f"simulated on a seeded sample: {sample.runs:,} runs of windows, {sample.documents:,} of "
                 f"{sample.total_documents:,} documents; batches extrapolated, padding ± its 95% confidence bound"
             )
-        click.echo(f"{'mode':<20} {'settings':<30} {'batches':>11} {'padding':>16} {'truncated':>10}")
+        _echo(f"{'mode':<20} {'settings':<30} {'batches':>11} {'padding':>16} {'truncated':>10}")
         for c in costs:
             padding = f"{c.padding_pct:.2f}%" + (f" ± {c.padding_ci:.2f}" if c.padding_ci is not None else "")
-            click.echo(f"{c.mode:<20} {c.settings:<30} {c.batches:>11,} {padding:>16} {c.truncation_pct:>9.2f}%")
+            _echo(f"{c.mode:<20} {c.settings:<30} {c.batches:>11,} {padding:>16} {c.truncation_pct:>9.2f}%")
     if plot:
         _plot_histogram(hist, plot, dataset)
         if not as_json:
-            click.echo(f"\nhistogram drawn to {plot}")
+            _echo(f"\nhistogram drawn to {plot}")
 
 
 def _plot_histogram(hist: dict, path: str, title: str) -> None:

@@ -15,7 +15,18 @@ _OLD_ON_ERROR = {"stop": "raise"}
 
 
 class WdsllmError(Exception):
-    """The root of wdsllm's errors."""
+    """The root of wdsllm's errors.
+
+    Its message never carries a secret: URLs in it lose their password and query string
+    (``storage.redact_text``), whatever code wrote the message.
+    """
+
+    def __init__(self, *args: object) -> None:
+        if args and isinstance(args[0], str) and "://" in args[0]:
+            from .storage.urls import redact_text  # storage imports this module
+
+            args = (redact_text(args[0]), *args[1:])
+        super().__init__(*args)
 
 
 class ConfigError(WdsllmError, ValueError):

@@ -108,7 +108,8 @@ class _HashingReader:
 
 def load(source: str) -> tuple[str, fmt.Index, dict]:
     """(root, index, the raw index JSON) of a dataset directory, URL, or index.json URL."""
-    root = storage.dirname_url(source) if source.rstrip("/").endswith(fmt.INDEX_NAME) else source
+    path = storage.split_query(source)[0] if storage.is_remote(source) else source
+    root = storage.dirname_url(source) if path.rstrip("/").endswith(fmt.INDEX_NAME) else source
     url = storage.join_url(root, fmt.INDEX_NAME)
     try:
         data = storage.read_bytes(url)

@@ -307,9 +307,10 @@ def open_catalog(source: Any, *, index_for_shards: bool = True, retry: storage.R
             _expand([os.fspath(s) if isinstance(s, os.PathLike) else str(s) for s in source]), index_for_shards, retry
         )
     source = str(source)
-    if source.endswith(fmt.INDEX_NAME) and not source.startswith("pipe:"):
+    path = storage.split_query(source)[0]  # a query string (a SAS token) is not part of the name
+    if path.endswith(fmt.INDEX_NAME) and not source.startswith("pipe:"):
         return _from_root(storage.dirname_url(source), retry)
-    if _looks_like_shards(source):
+    if _looks_like_shards(path):
         return _from_shards(_expand([source]), index_for_shards, retry)
     return _from_root(source, retry)
 
@@ -332,7 +333,7 @@ def _from_root(root: str, retry: storage.RetryPolicy | None = None) -> Catalog:
                 log.warning(
                     "%s has no index.json: reading %d shards without one (equal batches and exact counts are not "
                     "available)",
-                    root,
+                    storage.redact(root),
                     len(names),
                 )
                 urls = [storage.join_url(root, n) for n in names]
@@ -356,7 +357,9 @@ def _note_unchecked(root: str, index: fmt.Index | None) -> None:
         return
     _told_unchecked.add(root)
     what = "reading shards without an index" if index is None else f"format {index.version} has no group checksums"
-    log.warning("%s: %s: its content is not checked as it is read; `wdsllm verify` checks it whole", root, what)
+    log.warning(
+        "%s: %s: its content is not checked as it is read; `wdsllm verify` checks it whole", storage.redact(root), what
+    )
 
 
 def _from_shards(urls: list[str], index_for_shards: bool, retry: storage.RetryPolicy | None = None) -> Catalog:
@@ -376,10 +379,11 @@ def _from_shards(urls: list[str], index_for_shards: bool, retry: storage.RetryPo
         return catalog
     if index is None:
         return catalog
-    positions = [index.shards.position(u.rstrip("/").rsplit("/", 1)[-1]) for u in urls]
+    positions = [index.shards.position(storage.split_query(u)[0].rstrip("/").rsplit("/", 1)[-1]) for u in urls]
     if any(p is None for p in positions):
         log.warning(
-            "%s does not list every given shard; reading them without an index", storage.join_url(root, fmt.INDEX_NAME)
+            "%s does not list every given shard; reading them without an index",
+            storage.redact(storage.join_url(root, fmt.INDEX_NAME)),
         )
         return catalog
     catalog.index = index

@@ -102,6 +102,27 @@ def _set_group_segments(
     block.set_segments(seg_ptr, seg_pos - np.repeat(starts, np.diff(seg_ptr)), seg_ids)
 
 
+class _SpooledShard(tario.MappedReader):
+    """A remote shard (or share of one) downloading into a :class:`storage.Spool`, read in place
+    as a mapped local shard is: each read waits until its bytes have arrived."""
+
+    def __init__(self, spool: storage.Spool) -> None:
+        super().__init__(spool.mm, spool.offset)
+        self.spool = spool
+
+    def read(self, n: int = -1) -> bytes | memoryview:
+        self.spool.wait(self.spool.end if n < 0 else self.pos + n)
+        return super().read(n)
+
+
+def _in_place(stream: Any, url: str) -> tario.MappedReader | None:
+    """The stream as a reader over a buffer (a mapped local file, a spooled remote one), or None."""
+    if isinstance(stream, storage.Spool):
+        return _SpooledShard(stream)
+    local = storage.local_path(url) if storage.scheme_of(url) == "file" else None
+    return tario.mapped(stream, local)
+
+
 def open_kwargs(catalog: Catalog, shard: int, options: ReadOptions, start: GroupStart | None = None) -> dict:
     """How ``storage.open_stream`` opens shard ``shard``: with the index's size, with its sha256
     where a cache will keep the bytes (a cache entry must match the index's checksum), and at a
@@ -207,8 +228,7 @@ def read_slice(
     if own:
         stream = storage.open_stream(url, **open_kwargs(catalog, sl.shard, options, start))
     try:
-        local = storage.local_path(url) if storage.scheme_of(url) == "file" else None
-        source = tario.mapped(stream, local) or stream
+        source = _in_place(stream, url) or stream
         checked = options.check_groups and catalog.index is not None and catalog.index.checks_groups
         groups = group_range(catalog, sl, skip) if checked else None
         if groups is not None:
@@ -238,8 +258,17 @@ def _checked_groups(
         with storage.open_stream(url, offset=offset, length=length, retry=options.retry) as fresh:
             return fresh.read(length)
 
+    fetch = sequential_fetch(source, position, again)
+    if isinstance(source, _SpooledShard):
+        plain = fetch
+
+        def fetch(offset: int, length: int, attempt: int) -> bytes | memoryview | None:
+            if not attempt:
+                source.spool.wait(offset + length)  # the group's bytes have arrived
+            return plain(offset, length, attempt)
+
     return read_checked(
-        sequential_fetch(source, position, again),
+        fetch,
         table,
         first,
         after,

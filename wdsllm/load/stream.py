@@ -282,7 +282,8 @@ def plan_items(
     if options.prefetch:
         work, ahead = itertools.tee(work)
         streams = storage.prefetch_iter(
-            (catalog.urls[sl.shard], open_kwargs(catalog, sl.shard, options, at)) for sl, _, _, at in ahead
+            ((catalog.urls[sl.shard], open_kwargs(catalog, sl.shard, options, at)) for sl, _, _, at in ahead),
+            spool=True,  # remote shards of known size are read in place, as mapped local ones are
         )
     else:
         streams = None
@@ -311,7 +312,7 @@ def plan_items(
             if options.on_error != "skip":
                 raise
             url = catalog.urls[sl.shard]
-            log.warning("skipping unreadable shard %s: %s", url, exc)
+            log.warning("skipping unreadable shard %s: %s", storage.redact(url), exc)
             if stats is not None:
                 stats.skipped_shards.append(url)
         leftover = drop

@@ -79,7 +79,8 @@ class OutputLock:
             held = self.out.get_bytes(LOCK_NAME)
             if held is not None:
                 try:
-                    beat = float(json.loads(held).get("heartbeat", 0))
+                    holder = json.loads(held)
+                    beat = float(holder.get("heartbeat", 0))
                 except (ValueError, AttributeError, TypeError):
                     beat = 0.0
                 if time.time() - beat < STALE_AFTER and not _dead_here(held):

@@ -243,10 +243,30 @@ def _transfer(move: Move, out: storage.Output, copy: bool) -> None:
         else:
             out.put_file(local, move.target)  # a rename when both are on one file system
         return
-    _copy_checked(source, staging, move.entry)
-    out.put_file(staging, move.target)
+    if out.copy_in(source, move.target):  # server-side: no byte is downloaded and uploaded again
+        _check_copy(out, move)
+    else:
+        _copy_checked(source, staging, move.entry)
+        out.put_file(staging, move.target)
     if not copy:
         storage.Output(move.part.url).delete(move.entry.name)
+
+
+def _check_copy(out: storage.Output, move: Move) -> None:
+    """A server-side copy is checked against the index's sha256 as a copy through this machine is
+    (a corrupt part's shard must not be carried into the merged dataset): the copy is read back
+    once (downloaded, never uploaded again) and removed when it does not match."""
+    target = out.url_of(move.target)
+    sha = hashlib.sha256()
+    with storage.open_stream(target, expected_size=move.entry.bytes) as src:
+        while chunk := src.read(1 << 20):
+            sha.update(chunk)
+    if sha.hexdigest() != move.entry.sha256:
+        out.delete(move.target)
+        source = storage.redact(storage.join_url(move.part.url, move.entry.name))
+        raise MergeError(
+            f"{source} does not match the sha256 its index gives; the part is damaged (run wdsllm verify on it)"
+        )
 
 
 def _copy_checked(source: str, staging: str, entry: fmt.ShardEntry) -> None:

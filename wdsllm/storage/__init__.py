@@ -1,6 +1,7 @@
-"""Storage: reading and writing datasets on local disks, http(s), s3 and ``pipe:``.
+"""Storage: reading and writing datasets on local disks, http(s), s3, gs, az, hf and ``pipe:``.
 
-Every store is one backend module behind one table (:mod:`.backends`); above them,
+Every store is one backend module behind one table (:mod:`.backends`), each a thin layer over
+a maintained client (fsspec's HTTP filesystem, s3fs, gcsfs, adlfs, huggingface_hub); above them,
 :mod:`.resumable` turns faults into either exactly an object's bytes or a named error,
 :mod:`.cache` keeps verified local copies, :mod:`.prefetch` overlaps the next shard's latency,
 and :mod:`.output` writes datasets atomically. This package moves bytes; it never decodes them.
@@ -12,6 +13,9 @@ each such module drops it in a forked child (``os.register_at_fork``).
 from __future__ import annotations
 
 from ..errors import NotFoundError, StorageError, TransientError
+from . import azure as _azure  # noqa: F401 - registers az://, abfs://, abfss://
+from . import gcs as _gcs  # noqa: F401 - registers gs://
+from . import hf as _hf  # noqa: F401 - registers hf://
 from . import http as _http  # noqa: F401 - registers http(s)://
 from . import local as _local  # noqa: F401 - registers local paths, file:// and pipe:
 from . import s3 as _s3  # noqa: F401 - registers s3://
@@ -19,11 +23,21 @@ from .backends import CHUNK_SIZE, backend_for, is_remote
 from .cache import ShardCache
 from .counters import reset_stats, stats
 from .output import Output
-from .prefetch import ReadAhead, prefetch_iter
+from .prefetch import ReadAhead, Spool, prefetch_iter
 from .resumable import STREAM_BUFFER, exists, open_stream, read_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .s3 import MULTIPART_THRESHOLD, s3_endpoint
-from .urls import check_name, dirname_url, expand_urls, join_url, local_path, scheme_of
+from .urls import (
+    check_name,
+    dirname_url,
+    expand_urls,
+    join_url,
+    local_path,
+    redact,
+    redact_text,
+    scheme_of,
+    split_query,
+)
 
 __all__ = [
     "CHUNK_SIZE",
@@ -35,6 +49,7 @@ __all__ = [
     "ReadAhead",
     "RetryPolicy",
     "ShardCache",
+    "Spool",
     "StorageError",
     "TransientError",
     "backend_for",
@@ -48,8 +63,11 @@ __all__ = [
     "open_stream",
     "prefetch_iter",
     "read_bytes",
+    "redact",
+    "redact_text",
     "reset_stats",
     "s3_endpoint",
     "scheme_of",
+    "split_query",
     "stats",
 ]

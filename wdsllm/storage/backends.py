@@ -9,6 +9,7 @@ store is one module that calls :func:`register`; no caller changes (as mosaic st
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Protocol
 
@@ -65,8 +66,17 @@ def backend_for(url: str) -> Backend:
     return backend
 
 
+def anonymous(scheme: str) -> bool:
+    """Whether ``WDSLLM_ANONYMOUS`` asks for unsigned requests to ``scheme``'s store (public
+    buckets): ``1``/``true`` for every store, or a comma-separated list (``s3,gs``)."""
+    value = os.environ.get("WDSLLM_ANONYMOUS", "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    return value in ("1", "true", "yes", "all") or scheme in {v.strip() for v in value.split(",")}
+
+
 def is_remote(url: str) -> bool:
-    """True for URLs read over the network (http, https, s3): the ones worth caching."""
+    """True for URLs read over the network (http(s), s3, gs, az, hf): the ones worth caching."""
     backend = _backends.get(scheme_of(url))
     return backend is not None and backend.remote
 

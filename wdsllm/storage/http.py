@@ -1,176 +1,106 @@
-"""http(s): a small HTTP/1.1 client with keep-alive connections pooled per process, redirects and
-Range handling (to be replaced by a maintained client, issue #13)."""
+"""http(s)://: ranged GETs through fsspec's HTTP filesystem (aiohttp), read only.
+
+The aiohttp session of ``fsspec.implementations.http.HTTPFileSystem`` answers each request
+(keep-alive pool, redirects, TLS, and ``HTTP(S)_PROXY`` / ``NO_PROXY`` with ``trust_env``); this
+module turns the answer into a streaming body. Userinfo in a URL (``https://user:pw@host/ds/``)
+is sent as HTTP basic auth and never as part of the URL, so it reaches no log or message. The hf
+backend reads the Hub's file URLs through :func:`open_url` with a bearer token.
+"""
 
 from __future__ import annotations
 
-import http.client
+import base64
 import logging
-import os
-import threading
 from typing import Any
-from urllib.parse import urljoin, urlsplit
 
-from ..errors import StorageError
-from .backends import EmptyBody, discard, parse_content_range, register
+from .aio import aiohttp_open, client_timeout, instance, range_header, run, status_error
+from .backends import EmptyBody, discard, register
 from .counters import count
 from .retry import make_error
+from .urls import redact, split_userinfo
 
 log = logging.getLogger(__name__)
 
-USER_AGENT = "wdsllm-storage/1"
-_MAX_REDIRECTS = 5
-_REDIRECTS = (301, 302, 303, 307, 308)
-_POOL_MAX = 8  # idle keep-alive connections kept per (scheme, host)
+USER_AGENT = "wdsllm-storage/2"
 
 
-_http_pool: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
-_http_lock = threading.Lock()
+def filesystem() -> Any:
+    """This process's HTTP filesystem; ``trust_env`` makes aiohttp honour the proxy variables."""
+
+    def make() -> Any:
+        from fsspec.implementations.http import HTTPFileSystem
+
+        return HTTPFileSystem(skip_instance_cache=True, client_kwargs={"trust_env": True, "auto_decompress": False})
+
+    return instance("http", make)
 
 
-def _http_connection(scheme: str, netloc: str, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
-    with _http_lock:
-        idle = _http_pool.get((scheme, netloc))
-        conn = idle.pop() if idle else None
-    if conn is not None:
-        conn.timeout = timeout
-        if conn.sock is not None:
-            conn.sock.settimeout(timeout)
-        return conn, True
-    cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-    return cls(netloc, timeout=timeout), False
+async def _session() -> Any:
+    return await filesystem().set_session()
 
 
-def _http_release(scheme: str, netloc: str, conn: http.client.HTTPConnection) -> None:
-    with _http_lock:
-        idle = _http_pool.setdefault((scheme, netloc), [])
-        if len(idle) < _POOL_MAX:
-            idle.append(conn)
-            return
-    conn.close()
+def _request(url: str, headers: dict[str, str] | None) -> tuple[str, dict[str, str]]:
+    """(the URL to send, headers): userinfo becomes an Authorization header."""
+    target, auth = split_userinfo(url)
+    hdrs = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity", **(headers or {})}
+    if auth is not None:
+        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        hdrs["Authorization"] = f"Basic {token}"
+    return target, hdrs
 
 
-def _http_request(method: str, url: str, headers: dict[str, str], timeout: float):
-    """Send one request; a pooled connection that the server closed while idle is replaced once,
-    silently, because that is the normal end of keep-alive and not a fault."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise make_error(url, "not an http(s) URL")
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    conn, reused = _http_connection(parts.scheme, parts.netloc, timeout)
-    while True:
+def open_url(
+    url: str,
+    start: int,
+    end: int | None,
+    timeout: float,
+    etag: str | None = None,
+    headers: dict[str, str] | None = None,
+    shown: str | None = None,
+) -> Any:
+    """Bytes ``[start, end)`` of an http(s) URL as a streaming body. ``shown``: the URL messages name."""
+    shown = shown or url
+    target, hdrs = _request(url, headers)
+    rng = range_header(start, end)
+    if rng:
+        hdrs["Range"] = rng
+
+    async def go() -> Any:
+        return await aiohttp_open(await _session(), target, shown, start, end, hdrs, timeout)
+
+    resp, body = run(go, timeout=timeout + 5)
+    if resp.status == 200 and start > 0:
+        log.warning("%s: server ignored Range and sent the whole object; skipping %d bytes", redact(shown), start)
+        if body.total is not None and start >= body.total:
+            body.close()
+            return EmptyBody(body.total, body.etag)
         try:
-            conn.request(method, path, headers=headers)
-            return conn.getresponse(), conn
-        except (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, http.client.BadStatusLine):
-            conn.close()
-            if not reused:
-                raise
-            reused = False
+            discard(shown, body, start)
         except BaseException:
-            conn.close()
+            body.close()
             raise
+        count("skipped_bytes", start)
+    return body
 
 
-def _http_reason(resp) -> str:
-    return f"HTTP {resp.status} {resp.reason}".rstrip()
+def head(url: str, timeout: float, headers: dict[str, str] | None = None, shown: str | None = None) -> bool:
+    """Whether ``url`` exists (HEAD, redirects followed); 404/410 is False, other failures raise."""
+    shown = shown or url
+    target, hdrs = _request(url, headers)
 
+    async def go() -> Any:
+        session = await _session()
+        resp = await session.head(target, headers=hdrs, allow_redirects=True, timeout=client_timeout(timeout))
+        try:
+            if 200 <= resp.status < 300:
+                return True
+            if resp.status in (404, 410):
+                return False
+            raise await status_error(shown, resp)
+        finally:
+            resp.release()
 
-def _http_status_error(url: str, resp) -> StorageError:
-    transient = resp.status in (408, 429) or resp.status >= 500
-    return make_error(url, _http_reason(resp), transient=transient, missing=resp.status in (404, 410))
-
-
-class _HttpBody:
-    def __init__(self, url: str, resp, conn, total: int | None, etag: str | None) -> None:
-        self.url, self.resp, self.conn, self.total, self.etag = url, resp, conn, total, etag
-
-    def readinto(self, b: Any) -> int:
-        # read1 makes one socket read: bytes that arrived before a reset are delivered and count
-        # as progress, where readinto would wait to fill b and lose them with the exception.
-        data = self.resp.read1(len(b))
-        n = len(data)
-        b[:n] = data
-        count("received_bytes", n)
-        return n
-
-    def close(self) -> None:
-        if self.conn is None:
-            return
-        conn, self.conn = self.conn, None
-        resp = self.resp
-        if resp.isclosed() or (not resp.chunked and resp.length == 0):
-            resp.close()  # fully read: the connection can carry the next request
-            parts = urlsplit(self.url)
-            _http_release(parts.scheme, parts.netloc, conn)
-        else:
-            self.resp.close()
-            conn.close()
-
-
-def _http_open(url: str, start: int, end: int | None, timeout: float) -> _HttpBody | EmptyBody:
-    headers = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
-    if start > 0 or end is not None:
-        headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-    target = url
-    for _ in range(_MAX_REDIRECTS + 1):
-        resp, conn = _http_request("GET", target, headers, timeout)
-        location = resp.getheader("Location")
-        if resp.status not in _REDIRECTS or not location:
-            break
-        resp.close()
-        conn.close()
-        target = urljoin(target, location)
-    else:
-        raise make_error(url, f"more than {_MAX_REDIRECTS} redirects")
-    try:
-        etag = resp.getheader("ETag")
-        if resp.status == 206:
-            first, total = parse_content_range(url, resp.getheader("Content-Range"))
-            if first != start:
-                raise make_error(url, f"asked for bytes from {start}, the server sent from {first}")
-            return _HttpBody(url, resp, conn, total, etag)
-        if resp.status == 200:
-            length = resp.getheader("Content-Length")
-            total = int(length) if length and length.isdigit() else None
-            if start > 0:
-                log.warning("%s: server ignored Range and sent the whole object; skipping %d bytes", url, start)
-                if total is not None and start >= total:
-                    resp.close()
-                    conn.close()
-                    return EmptyBody(total, etag)
-                discard(url, resp, start)
-                count("skipped_bytes", start)
-            return _HttpBody(url, resp, conn, total, etag)
-        if resp.status == 416:
-            _, total = parse_content_range(url, resp.getheader("Content-Range"))
-            resp.close()
-            conn.close()
-            if total is not None and start >= total:
-                return EmptyBody(total)
-            raise make_error(url, f"{_http_reason(resp)} for bytes from {start}")
-        resp.close()
-        conn.close()
-        raise _http_status_error(url, resp)
-    except BaseException:
-        resp.close()
-        conn.close()
-        raise
-
-
-def _http_exists(url: str, timeout: float, redirects: int = _MAX_REDIRECTS) -> bool:
-    resp, conn = _http_request("HEAD", url, {"User-Agent": USER_AGENT}, timeout)
-    resp.read()
-    location = resp.getheader("Location")
-    if resp.status in _REDIRECTS and location and redirects > 0:
-        conn.close()
-        return _http_exists(urljoin(url, location), timeout, redirects - 1)
-    parts = urlsplit(url)
-    _http_release(parts.scheme, parts.netloc, conn)
-    if 200 <= resp.status < 300:
-        return True
-    if resp.status in (404, 410):
-        return False
-    raise _http_status_error(url, resp)
+    return run(go, timeout=timeout + 5)
 
 
 class HttpBackend:
@@ -178,23 +108,15 @@ class HttpBackend:
     remote = True
 
     def open(self, url: str, start: int, end: int | None, timeout: float, etag: str | None) -> Any:
-        return _http_open(url, start, end, timeout)
+        return open_url(url, start, end, timeout, etag)
 
     def exists(self, url: str, timeout: float) -> bool:
-        return _http_exists(url, timeout)
+        return head(url, timeout)
 
     def output_class(self, url: str) -> Any:
-        raise make_error(url, "datasets can only be written to a local directory or s3://bucket/prefix/")
+        raise make_error(
+            url, "datasets cannot be written over http(s); write to a local directory, s3://, gs:// or az://"
+        )
 
 
 register(HttpBackend())
-
-
-def _after_fork_in_child() -> None:
-    """Sockets of the parent are not ours to use: start with an empty pool."""
-    global _http_lock
-    _http_lock = threading.Lock()
-    _http_pool.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

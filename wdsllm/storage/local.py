@@ -212,7 +212,7 @@ class PipeBackend:
         raise make_error(url, "cannot tell whether a pipe: URL exists")
 
     def output_class(self, url: str) -> type[Output]:
-        raise make_error(url, "datasets can only be written to a local directory or s3://bucket/prefix/")
+        raise make_error(url, "datasets are written to a local directory, s3://, gs:// or az://, not to pipe:")
 
 
 register(LocalBackend())

@@ -16,10 +16,10 @@ def is_control(name: str) -> bool:
 
 
 class Output:
-    """A dataset directory being written: a local directory or ``s3://bucket/prefix/``.
+    """A dataset directory being written: a local directory, or a prefix in S3, GCS or Azure.
 
     The packer relies on the atomicity contract: a name appears only when its content is complete
-    (local: temp file, fsync, rename; s3: an object becomes visible only when its upload
+    (local: temp file, fsync, rename; object stores: an object becomes visible only when its upload
     completes), so putting ``index.json`` last means an interrupted job never leaves an index that
     points at missing shards. ``Output(url)`` returns the subclass for the URL's scheme.
     """
@@ -62,6 +62,11 @@ class Output:
 
     def delete(self, name: str) -> None:
         raise NotImplementedError
+
+    def copy_in(self, source_url: str, name: str) -> bool:
+        """Copy ``source_url`` to ``name`` without the bytes passing through this machine (a
+        server-side copy); False when this output cannot (another store), and the caller copies."""
+        return False
 
     def local_staging_dir(self) -> str:
         raise NotImplementedError

@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import io
 import logging
+import mmap
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -17,6 +19,9 @@ log = logging.getLogger(__name__)
 
 
 _EOF = object()
+#: The largest remote read held whole in memory by a :class:`Spool` (``WDSLLM_SPOOL_MAX``, bytes);
+#: larger ones stream through a :class:`ReadAhead`.
+SPOOL_MAX = int(os.environ.get("WDSLLM_SPOOL_MAX") or 1 << 30)
 
 
 class ReadAhead(io.RawIOBase):
@@ -138,6 +143,163 @@ class ReadAhead(io.RawIOBase):
         super().close()
 
 
+class Spool(io.RawIOBase):
+    """A remote object's bytes ``[offset, end)`` downloaded into one anonymous mapping, so that a
+    reader can use them in place as it uses a mapped local shard.
+
+    The mapping is ``end`` bytes long and the bytes sit at their offsets in the object (pages
+    before ``offset`` are never touched and cost nothing), so a reader views a group at its
+    offset with no copy, and every group's tokens share one buffer. The range is fetched as blocks
+    of ``block_size`` bytes, ``in_flight`` ranged GETs at a time (``open_range(offset, length)``
+    opens one: a resumable stream), each written straight to its place in the mapping.
+    :meth:`wait` blocks until the bytes up to a position have arrived, or raises the error that
+    stopped them; bytes that arrived before an error stay usable. Every block must come from the
+    same version of the object (ETag and size compared). As a stream it reads in order from
+    ``offset``. Closing stops the download; the mapping lives as long as arrays view it.
+    """
+
+    def __init__(
+        self,
+        open_range: Callable[[int, int], BinaryIO],
+        offset: int,
+        end: int,
+        *,
+        name: str = "",
+        block_size: int | None = None,
+        in_flight: int | None = None,
+    ) -> None:
+        super().__init__()
+        from . import parallel
+
+        self.name = name
+        self.offset, self.end = offset, end
+        self.mm = mmap.mmap(-1, max(end, 1))
+        size = max(1, block_size or parallel.BLOCK_SIZE)
+        self._blocks = [(o, min(size, end - o)) for o in range(offset, end, size)]
+        self._got = [0] * len(self._blocks)
+        self._finished = [False] * len(self._blocks)
+        self._errors: list[BaseException | None] = [None] * len(self._blocks)
+        self._versions: list[tuple[str | None, int | None]] = [(None, None)] * len(self._blocks)
+        self._first = 0  # the first block not yet complete
+        self._version: tuple[str | None, int | None] = (None, None)
+        self._open_range = open_range
+        self._pos = offset
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._executor = parallel.executor()
+        self._next = 0
+        with self._cond:
+            for _ in range(max(1, in_flight or parallel.IN_FLIGHT)):
+                self._submit_next()
+
+    def _submit_next(self) -> None:
+        """Start the next block (the caller holds the condition)."""
+        if self._next < len(self._blocks) and not self._stop.is_set():
+            self._executor.submit(self._fetch, self._next)
+            self._next += 1
+
+    def _fetch(self, i: int) -> None:
+        offset, length = self._blocks[i]
+        error: BaseException | None = None
+        try:
+            view = memoryview(self.mm)[offset : offset + length]
+            try:
+                src = self._open_range(offset, length)
+                try:
+                    fill = getattr(src, "readinto1", None) or src.readinto
+                    got = 0
+                    while got < length and not self._stop.is_set():
+                        n = fill(view[got : min(length, got + 4 * CHUNK_SIZE)])
+                        if not n:
+                            break
+                        got += n
+                        with self._cond:
+                            self._got[i] = got
+                            self._cond.notify_all()
+                    raw = getattr(src, "raw", src)
+                    self._versions[i] = (getattr(raw, "_etag", None), getattr(raw, "_total", None))
+                finally:
+                    src.close()
+            finally:
+                view.release()
+        except BaseException as exc:  # handed to the reader, who decides
+            error = exc
+        with self._cond:
+            self._errors[i] = error
+            self._finished[i] = True
+            self._submit_next()
+            self._cond.notify_all()
+
+    def _filled(self) -> int:
+        """Bytes arrived in order from ``offset`` (the caller holds the condition)."""
+        while self._first < len(self._blocks) and self._finished[self._first] and not self._errors[self._first]:
+            offset, length = self._blocks[self._first]
+            if self._got[self._first] < length:
+                break
+            self._check(self._versions[self._first])
+            self._first += 1
+        if self._first == len(self._blocks):
+            return self.end
+        offset, _ = self._blocks[self._first]
+        return offset + self._got[self._first]
+
+    def _check(self, version: tuple[str | None, int | None]) -> None:
+        from .retry import make_error
+
+        etag, total = version
+        known_etag, known_total = self._version
+        if etag and known_etag and etag != known_etag:
+            raise make_error(self.name, f"object changed during the read (ETag {known_etag} -> {etag})")
+        if total is not None and known_total is not None and total != known_total:
+            raise make_error(self.name, f"object size changed from {known_total} to {total} during the read")
+        self._version = (etag or known_etag, total if total is not None else known_total)
+
+    def wait(self, upto: int) -> None:
+        """Return once the bytes before ``upto`` (clipped to the end) have arrived."""
+        upto = min(upto, self.end)
+        with self._cond:
+            while True:
+                filled = self._filled()
+                if filled >= upto:
+                    return
+                i = self._first
+                if self._finished[i]:
+                    if self._errors[i] is not None:
+                        raise self._errors[i]
+                    from .retry import make_error
+
+                    raise make_error(self.name, f"the object ended at byte {filled}, expected {self.end}")
+                self._cond.wait()
+
+    def available(self) -> int:
+        with self._cond:
+            return self._filled()
+
+    # io.RawIOBase: reading in order, for readers that do not use the mapping
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        if self.closed:
+            raise ValueError(f"{self.name}: read from a closed stream")
+        view = memoryview(b).cast("B")
+        if not len(view) or self._pos >= self.end:
+            return 0
+        self.wait(self._pos + 1)
+        n = min(len(view), self.available() - self._pos)
+        view[:n] = self.mm[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._stop.set()
+        super().close()
+
+
 class _Failed(io.RawIOBase):
     """An object that could not be opened: its error comes out of its first read."""
 
@@ -156,7 +318,12 @@ StreamSpec = Union[str, "tuple[str, dict[str, Any]]"]
 
 
 def prefetch_iter(
-    urls_and_kwargs: Iterable[StreamSpec], depth: int = 1, *, chunk_size: int = CHUNK_SIZE, max_chunks: int = 4
+    urls_and_kwargs: Iterable[StreamSpec],
+    depth: int = 1,
+    *,
+    chunk_size: int = CHUNK_SIZE,
+    max_chunks: int = 4,
+    spool: bool = False,
 ) -> Iterator[BinaryIO]:
     """Streams of the given objects in order, each remote one started ``depth`` shards early.
 
@@ -164,6 +331,8 @@ def prefetch_iter(
     :class:`ReadAhead`, so while the consumer reads one shard the next ``depth`` are being opened
     (downloaded into the cache, when one is given) and read ahead by at most
     ``max_chunks * chunk_size`` bytes each. Local files and pipes open at once and need no thread.
+    With ``spool``, a remote object whose size is known (``expected_size`` or ``length``) is read
+    whole into a :class:`Spool` instead, which a reader can use in place like a mapped shard.
     A yielded stream belongs to the consumer until it asks for the next one; then it is closed.
     Stopping the iteration early closes every stream it started.
     """
@@ -175,6 +344,14 @@ def prefetch_iter(
                 return open_stream(url, **kwargs)
             except Exception as exc:  # raised where this object is read, not while another one is
                 return _Failed(url, exc)
+        offset, length = kwargs.get("offset", 0), kwargs.get("length")
+        end = offset + length if length is not None else kwargs.get("expected_size")
+        if spool and end is not None and end - offset <= SPOOL_MAX and kwargs.get("cache") is None:
+
+            def open_range(start: int, size: int, url: str = url, kwargs: dict = kwargs) -> BinaryIO:
+                return open_stream(url, **{**kwargs, "offset": start, "length": size})
+
+            return Spool(open_range, offset, end, name=url)  # type: ignore[return-value]
         ahead = ReadAhead(lambda: open_stream(url, **kwargs), name=url, chunk_size=chunk_size, max_chunks=max_chunks)
         return io.BufferedReader(ahead, buffer_size=STREAM_BUFFER)
 

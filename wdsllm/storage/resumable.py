@@ -22,10 +22,11 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from ..errors import StorageError
+from . import parallel
 from .backends import backend_for
 from .counters import count
-from .retry import DEFAULT_RETRY, RetryPolicy, classify, is_missing, make_error, retrying
-from .urls import scheme_of
+from .retry import DEFAULT_RETRY, RetryPolicy, classification, is_missing, make_error, retrying
+from .urls import redact, scheme_of
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,8 @@ class ResumableStream(io.RawIOBase):
     ) -> None:
         super().__init__()
         if offset < 0 or (length is not None and length < 0):
-            raise ValueError(f"{url}: negative offset or length ({offset}, {length})")
-        self.name = url
+            raise ValueError(f"{redact(url)}: negative offset or length ({offset}, {length})")
+        self.name = redact(url)
         self._opener = opener
         self._policy = policy
         self._start = self._pos = offset
@@ -166,10 +167,10 @@ class ResumableStream(io.RawIOBase):
 
     def _failed(self, exc: Exception) -> None:
         """Back off and return if ``exc`` is worth another try; raise otherwise."""
-        kind = classify(exc)
+        kind = classification(exc)
         if kind is None:
             raise exc
-        transient, reason = kind
+        transient, reason, after = kind
         if not transient:
             if isinstance(exc, StorageError):
                 raise exc
@@ -179,10 +180,10 @@ class ResumableStream(io.RawIOBase):
             raise make_error(
                 self.name, f"giving up after {self._failures} attempts at byte {self._pos}: {reason}"
             ) from exc
-        delay = self._policy.delay(self.name, self._failures - 1)
+        delay = self._policy.delay(self.name, self._failures - 1, after)
         log.warning(
             "%s: %s; retry %d/%d at byte %d in %.2fs",
-            self.name,
+            redact(self.name),
             reason,
             self._failures,
             self._policy.attempts - 1,
@@ -259,6 +260,30 @@ def open_stream(
             )
         policy = RetryPolicy(attempts=1, timeout=policy.timeout)
     timeout = policy.timeout
+    end = offset + length if length is not None else expected_size
+    if backend.remote and end is not None and end - offset > parallel.BLOCK_SIZE:
+        # several ranged GETs in flight: the network's wait overlaps the consumer's work
+        def open_block(start: int, size: int) -> ResumableStream:
+            return ResumableStream(
+                url,
+                lambda s, e, etag: backend.open(url, s, e, timeout, etag),
+                offset=start,
+                length=size,
+                policy=policy,
+                expected_size=expected_size,
+            )
+
+        whole = offset == 0 and length is None
+        blocks = parallel.ParallelStream(
+            url,
+            open_block,
+            offset,
+            end,
+            block_size=parallel.BLOCK_SIZE,
+            in_flight=parallel.IN_FLIGHT,
+            expected_sha256=expected_sha256 if whole else None,
+        )
+        return io.BufferedReader(blocks, buffer_size=STREAM_BUFFER)
     raw = ResumableStream(
         url,
         lambda start, end, etag: backend.open(url, start, end, timeout, etag),

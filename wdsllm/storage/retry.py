@@ -17,14 +17,42 @@ from typing import Any
 
 from ..errors import NotFoundError, StorageError, TransientError
 from .counters import count
+from .urls import redact, redact_text
 
 log = logging.getLogger(__name__)
 
 
-def make_error(url: str, reason: str, transient: bool = False, missing: bool = False) -> StorageError:
-    """The StorageError subclass for a failure: transient (retried), missing, or permanent."""
+def make_error(
+    url: str, reason: str, transient: bool = False, missing: bool = False, retry_after: float | None = None
+) -> StorageError:
+    """The StorageError subclass for a failure: transient (retried), missing, or permanent.
+
+    The URL and the reason are redacted (no password, no query token reaches a message);
+    ``retry_after``: the seconds a server asked the client to wait (429/503 ``Retry-After``).
+    """
+    url, reason = redact(url), redact_text(reason)
     cls = TransientError if transient else (NotFoundError if missing else StorageError)
-    return cls(f"{url}: {reason}", url=url, reason=reason)
+    error = cls(f"{url}: {reason}", url=url, reason=reason)
+    error.retry_after = retry_after
+    return error
+
+
+def parse_retry_after(value: Any) -> float | None:
+    """Seconds from a ``Retry-After`` header: delta-seconds or an HTTP date; None if absent or bad."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        pass
+    try:
+        from email.utils import parsedate_to_datetime
+
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 @dataclass
@@ -42,16 +70,22 @@ class RetryPolicy:
     base_delay: float = 0.1
     max_delay: float = 5.0
     timeout: float = 30.0
+    #: the longest ``Retry-After`` (429/503/SlowDown) that is honoured; longer asks wait this long
+    max_retry_after: float = 60.0
 
-    def delay(self, url: str, retry: int) -> float:
+    def delay(self, url: str, retry: int, retry_after: float | None = None) -> float:
         jitter = random.Random(f"{url}#{retry}").uniform(0.5, 1.0)
-        return min(self.max_delay, self.base_delay * 2**retry) * jitter
+        backoff = min(self.max_delay, self.base_delay * 2**retry) * jitter
+        if retry_after is not None:  # the server said when: wait at least that long
+            return max(backoff, min(retry_after, self.max_retry_after))
+        return backoff
 
 
 DEFAULT_RETRY = RetryPolicy()
 
-#: (exception) -> (transient, reason) or None, one per backend with exceptions of its own
-Classifier = Callable[[BaseException], "tuple[bool, str] | None"]
+#: (exception) -> (transient, reason) or (transient, reason, retry_after seconds) or None, one per
+#: backend with exceptions of its own
+Classifier = Callable[[BaseException], "tuple[bool, str] | tuple[bool, str, float | None] | None"]
 _classifiers: list[Classifier] = []
 #: (exception) -> whether it says the object does not exist, one per backend
 _missing_tests: list[Callable[[BaseException], bool]] = []
@@ -73,12 +107,40 @@ def is_missing(exc: BaseException) -> bool:
 
 def classify(exc: BaseException) -> tuple[bool, str] | None:
     """(transient, reason) for the errors we know, None for the rest (bugs propagate unchanged)."""
+    kind = classification(exc)
+    return None if kind is None else kind[:2]
+
+
+def retry_after(exc: BaseException) -> float | None:
+    """The wait the server asked for with the failure ``exc`` (Retry-After), if it did."""
+    kind = classification(exc)
+    return None if kind is None else kind[2]
+
+
+def classification(exc: BaseException) -> tuple[bool, str, float | None] | None:
     if isinstance(exc, StorageError):
-        return isinstance(exc, TransientError), exc.reason
+        return isinstance(exc, TransientError), exc.reason, getattr(exc, "retry_after", None)
     for classify_exc in _classifiers:
         kind = classify_exc(exc)
         if kind is not None:
-            return kind
+            transient, reason, *after = kind
+            return transient, redact_text(reason), (after[0] if after else None)
+    return _classify_builtin(exc)
+
+
+def _classify_builtin(exc: BaseException) -> tuple[bool, str, None] | None:
+    kind = _builtin(exc)
+    return None if kind is None else (kind[0], redact_text(kind[1]), None)
+
+
+def _builtin(exc: BaseException) -> tuple[bool, str] | None:
+    # the fsspec clients' public calls say 404 and 403 with these (the store's code in __cause__)
+    if isinstance(exc, FileNotFoundError):
+        return False, f"not found ({exc})"
+    if isinstance(exc, PermissionError):
+        return False, f"permission denied ({exc})"
+    if isinstance(exc, (FileExistsError, IsADirectoryError, NotADirectoryError)):
+        return False, f"{type(exc).__name__}: {exc}"
     if isinstance(exc, TimeoutError):
         return True, f"timed out ({exc or 'no data'})"
     if isinstance(exc, http.client.IncompleteRead):
@@ -97,18 +159,18 @@ def retrying(url: str, policy: RetryPolicy, op: Callable[[], Any]) -> Any:
         try:
             return op()
         except Exception as exc:
-            kind = classify(exc)
+            kind = classification(exc)
             if kind is None:
                 raise
-            transient, reason = kind
+            transient, reason, after = kind
             if not transient:
                 if isinstance(exc, StorageError):
                     raise
                 raise make_error(url, reason, missing=is_missing(exc)) from exc
             if attempt == policy.attempts:
                 raise make_error(url, f"giving up after {attempt} attempts: {reason}") from exc
-            delay = policy.delay(url, attempt - 1)
-            log.warning("%s: %s; retry %d/%d in %.2fs", url, reason, attempt, policy.attempts - 1, delay)
+            delay = policy.delay(url, attempt - 1, after)
+            log.warning("%s: %s; retry %d/%d in %.2fs", redact(url), reason, attempt, policy.attempts - 1, delay)
             count("retries")
             time.sleep(delay)
     raise AssertionError("unreachable")

@@ -1,42 +1,38 @@
-"""s3:// (and S3-compatible endpoints): boto3 imported lazily, clients cached per process; the
-S3 output (multipart uploads) (to be replaced by a maintained fsspec client, issue #13)."""
+"""s3:// (and S3-compatible endpoints) through s3fs: ranged GETs with its aiobotocore client, and
+the S3 output (multipart uploads, server-side copy).
+
+Credentials, region and endpoint come from botocore's own chain (``AWS_PROFILE``, the
+``AWS_ACCESS_KEY_ID`` family, ``~/.aws``, SSO, container and instance roles, ``AWS_ENDPOINT_URL``
+/ ``AWS_ENDPOINT_URL_S3``), so an environment set up for the ``aws`` CLI needs nothing more.
+``WDSLLM_ANONYMOUS=1`` (or ``=s3``) sends unsigned requests, for public buckets. botocore's and
+s3fs's retries are off: :class:`~wdsllm.storage.retry.RetryPolicy` alone decides.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
-import tempfile
-import threading
 from typing import Any
 
-from ..errors import NotFoundError
-from .backends import EmptyBody, discard, parse_content_range, register
+from .aio import LoopBody, instance, range_header, run, salvaging_reader
+from .backends import EmptyBody, anonymous, discard, parse_content_range, register
 from .counters import count
-from .output import Output, is_control
-from .resumable import read_bytes
-from .retry import DEFAULT_RETRY, RetryPolicy, add_classifier, classify, make_error, retrying
-from .urls import check_name
+from .fsoutput import FsspecOutput, bucket_path
+from .output import Output
+from .retry import DEFAULT_RETRY, add_classifier, classification, make_error, parse_retry_after
+from .urls import split_query
 
 log = logging.getLogger(__name__)
 
-#: Files above this size go to S3 as multipart uploads (``WDSLLM_S3_MULTIPART_THRESHOLD``, in
-#: bytes, overrides it, e.g. for tests that run ``wdsllm pack`` in a subprocess).
+#: Files of at least this size go to S3 as multipart uploads, in parts of half of it (at least
+#: 5 MiB, S3's smallest part). ``WDSLLM_S3_MULTIPART_THRESHOLD`` (bytes) overrides it, e.g. for
+#: tests that run ``wdsllm pack`` in a subprocess.
 MULTIPART_THRESHOLD = int(os.environ.get("WDSLLM_S3_MULTIPART_THRESHOLD") or 64 * 2**20)
+_MIN_PART = 5 * 2**20
 _S3_MISSING = {"NoSuchKey", "NoSuchBucket", "NotFound", "404"}
-
-_s3_clients: dict[tuple[Any, ...], Any] = {}
-_s3_lock = threading.Lock()
-_S3_PERMANENT = {
-    "NoSuchKey",
-    "NoSuchBucket",
-    "AccessDenied",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "NotFound",
-    "PreconditionFailed",
-}
+_S3_AUTH = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "ExpiredToken", "InvalidToken"}
+_S3_PERMANENT = {*_S3_MISSING, *_S3_AUTH, "PreconditionFailed", "InvalidBucketName"}
 _S3_TRANSIENT = {
     "SlowDown",
     "Throttling",
@@ -52,281 +48,251 @@ _S3_TRANSIENT = {
 }
 
 
-def _import_boto3(url: str):
-    try:
-        import boto3
-    except ImportError as exc:
-        raise make_error(url, "s3:// URLs need boto3, which is not installed: pip install wdsllm[s3]") from exc
-    return boto3
-
-
 def s3_endpoint() -> str | None:
-    """The S3-compatible endpoint from ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``, if set.
-
-    Recent botocore reads these variables itself; passing the value explicitly also works with
-    older versions and lets the client cache notice a change.
-    """
+    """The S3-compatible endpoint from ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``, if set."""
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
-_boto_loader: Any = None  # botocore's parsed service models, kept across fork (see _boto_session)
+_boto_loader: Any = None  # botocore's parsed service models, kept across fork (see _session)
 
 
-def _boto_session(boto3):
-    """A new boto3 session that shares this process's parsed service models.
+def _session() -> Any:
+    """A new aiobotocore session that shares this process's parsed service models.
 
-    Sessions and clients are per process (credentials may refresh under locks, connections are
+    Sessions and clients are per process (credentials refresh under locks, connections are
     sockets), but the models are plain data: a DataLoader worker forked from a process that has
-    used S3 then makes its client in about 20 ms instead of 80 ms, once per worker and epoch.
+    used S3 then makes its client without parsing botocore's S3 model again (about a second).
     """
     global _boto_loader
-    import botocore.session
+    from aiobotocore.session import AioSession
 
-    core = botocore.session.get_session()
+    session = AioSession()
     if _boto_loader is None:
-        _boto_loader = core.get_component("data_loader")
+        _boto_loader = session.get_component("data_loader")
     else:
-        core.register_component("data_loader", _boto_loader)
-    return boto3.session.Session(botocore_session=core)
+        session.register_component("data_loader", _boto_loader)
+    return session
 
 
-def _s3_client(timeout: float = DEFAULT_RETRY.timeout, url: str = "s3://"):
-    """A client for this process. botocore's own retries are off: :class:`RetryPolicy` is the one
-    place that decides how often to try, so ``attempts`` means what it says."""
-    endpoint = s3_endpoint()
-    key = (os.getpid(), endpoint, timeout)
-    with _s3_lock:
-        client = _s3_clients.get(key)
-        if client is None:
-            boto3 = _import_boto3(url)
-            from botocore.config import Config
+def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "s3://") -> Any:
+    """This process's S3FileSystem for the current endpoint, timeout and anonymity."""
+    endpoint, anon = s3_endpoint(), anonymous("s3")
 
-            config = Config(
-                connect_timeout=timeout,
-                read_timeout=timeout,
-                retries={"total_max_attempts": 1, "mode": "standard"},
-                max_pool_connections=32,
-                # S3-compatible stores (MinIO, Ceph, moto) rarely resolve bucket subdomains.
-                s3={"addressing_style": "path"} if endpoint else None,
-            )
-            client = _boto_session(boto3).client("s3", endpoint_url=endpoint, config=config)
-            _s3_clients[key] = client
-    return client
+    def make() -> Any:
+        try:
+            import s3fs
+        except ImportError as exc:
+            raise make_error(url, "s3:// URLs need s3fs, which is not installed: pip install 'wdsllm[s3]'") from exc
+        config: dict[str, Any] = {
+            "connect_timeout": timeout,
+            "read_timeout": timeout,
+            "retries": {"total_max_attempts": 1, "mode": "standard"},
+            "max_pool_connections": 32,
+        }
+        if endpoint:  # S3-compatible stores (MinIO, Ceph, moto) rarely resolve bucket subdomains
+            config["s3"] = {"addressing_style": "path"}
+        fs = s3fs.S3FileSystem(
+            anon=anon, endpoint_url=endpoint, config_kwargs=config, session=_session(), skip_instance_cache=True
+        )
+        fs.retries = 1  # a class attribute (5 by default), not an argument
+        return fs
 
-
-def _classify_boto(exc: BaseException) -> tuple[bool, str] | None:
-    # Only look at botocore if something imported it: reading local files must not import boto3.
-    be = sys.modules.get("botocore.exceptions")
-    if be is None:
-        return None
-    upload_failed = getattr(sys.modules.get("boto3.exceptions"), "S3UploadFailedError", None)
-    if upload_failed is not None and isinstance(exc, upload_failed):
-        cause = exc.__cause__ or exc.__context__
-        kind = classify(cause) if cause is not None else None
-        return kind if kind is not None else (False, str(exc))
-    if isinstance(exc, be.ClientError):
-        err = exc.response.get("Error", {})
-        code = str(err.get("Code", "?"))
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0
-        message = err.get("Message") or ""
-        reason = f"S3 {code}" + (f" (HTTP {status})" if status else "") + (f": {message}" if message else "")
-        if code in _S3_PERMANENT:
-            return False, reason
-        transient = code in _S3_TRANSIENT or status >= 500 or status in (408, 429)
-        return transient, reason
-    if isinstance(exc, (be.ConnectionError, be.HTTPClientError, be.IncompleteReadError)):
-        return True, f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, be.NoCredentialsError):
-        return False, f"no AWS credentials found ({exc})"
-    if isinstance(exc, be.BotoCoreError):
-        return False, f"{type(exc).__name__}: {exc}"
-    urllib3 = sys.modules.get("urllib3.exceptions")
-    if urllib3 is not None and isinstance(exc, urllib3.HTTPError):
-        return True, f"{type(exc).__name__}: {exc}"
-    return None
-
-
-class _S3Body:
-    def __init__(self, body, total: int | None, etag: str | None) -> None:
-        self.body, self.total, self.etag = body, total, etag
-
-    def readinto(self, b: Any) -> int:
-        # urllib3 reads until `amt` is filled; small reads bound what a reset can throw away.
-        data = self.body.read(min(len(b), 64 * 1024))
-        n = len(data)
-        b[:n] = data
-        count("received_bytes", n)
-        return n
-
-    def close(self) -> None:
-        self.body.close()
-
-
-def _s3_open(url: str, start: int, end: int | None, timeout: float, etag: str | None) -> _S3Body | EmptyBody:
-    bucket, key = split_s3(url)
-    client = _s3_client(timeout, url)
-    kwargs: dict[str, Any] = {}
-    if start > 0 or end is not None:
-        kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-    if etag:  # a resumed read must see the same object version, or fail
-        kwargs["IfMatch"] = etag
-    try:
-        resp = client.get_object(Bucket=bucket, Key=key, **kwargs)
-    except Exception as exc:
-        response = getattr(exc, "response", None)
-        code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
-        if code != "InvalidRange":
-            raise
-        size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
-        if start >= size:
-            return EmptyBody(size, etag)
-        raise
-    content_range = resp.get("ContentRange")
-    if content_range:
-        first, total = parse_content_range(url, content_range)
-        if first != start:
-            resp["Body"].close()
-            raise make_error(url, f"asked for bytes from {start}, S3 sent from {first}")
-    else:
-        total = resp.get("ContentLength")
-        if start > 0:  # a store that ignored Range
-            log.warning("%s: store ignored Range and sent the whole object; skipping %d bytes", url, start)
-            body = _S3Body(resp["Body"], total, resp.get("ETag"))
-            try:
-                discard(url, body, start)
-            except BaseException:
-                body.close()
-                raise
-            count("skipped_bytes", start)
-            return body
-    return _S3Body(resp["Body"], total, resp.get("ETag"))
-
-
-def _s3_exists(url: str, timeout: float) -> bool:
-    bucket, key = split_s3(url)
-    try:
-        _s3_client(timeout, url).head_object(Bucket=bucket, Key=key)
-    except Exception as exc:
-        resp = getattr(exc, "response", None)
-        if resp and (resp.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")):
-            return False
-        raise
-    return True
+    # a new client when the credentials in the environment change (a test, a refreshed profile)
+    creds = tuple(os.environ.get(v) for v in ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE"))
+    return instance(("s3", endpoint, anon, timeout, creds), make)
 
 
 def split_s3(url: str) -> tuple[str, str]:
-    rest = url[len("s3://") :]
-    bucket, _, key = rest.partition("/")
+    bucket, _, key = bucket_path(url, len("s3://")).partition("/")
     if not bucket:
         raise make_error(url, "s3 URL has no bucket")
     return bucket, key
 
 
-class S3Output(Output):
-    def __init__(
-        self, url: str, *, retry: RetryPolicy | None = None, multipart_threshold: int | None = None, **kwargs: Any
-    ) -> None:
-        super().__init__(url)
-        self.bucket, prefix = split_s3(url)
-        self.prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
-        self.retry = retry or DEFAULT_RETRY
-        self.multipart_threshold = multipart_threshold or MULTIPART_THRESHOLD
-        self._staging: str | None = None
+def credential_source(fs: Any) -> str:
+    """Which credentials botocore found, for messages about permission failures."""
+    if fs.anon:
+        return "none: unsigned requests (WDSLLM_ANONYMOUS)"
 
-    def _key(self, name: str) -> str:
-        return self.prefix + check_name(name)
+    async def go() -> Any:
+        await fs.set_session()
+        return await fs.session.get_credentials()
 
-    def _client(self):
-        return _s3_client(self.retry.timeout, self.url)
-
-    def _keys(self, limit: int | None = None) -> list[str]:
-        def op() -> list[str]:
-            keys: list[str] = []
-            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix}
-            if limit:
-                kwargs["MaxKeys"] = limit
-            while True:
-                resp = self._client().list_objects_v2(**kwargs)
-                keys.extend(o["Key"] for o in resp.get("Contents", []))
-                if (limit and len(keys) >= limit) or not resp.get("IsTruncated"):
-                    return keys
-                kwargs["ContinuationToken"] = resp["NextContinuationToken"]
-
-        return retrying(self.url, self.retry, op)
-
-    def is_empty(self) -> bool:
-        return not self.list_names()
-
-    def list_names(self) -> list[str]:
-        return sorted(n for n in (k[len(self.prefix) :] for k in self._keys()) if not is_control(n))
-
-    def put_file(self, local_path: str, name: str) -> None:
-        from boto3.s3.transfer import TransferConfig
-
-        key = self._key(name)
-        config = TransferConfig(
-            multipart_threshold=self.multipart_threshold,
-            # S3 parts are at least 5 MiB; 16 MiB parts upload in parallel without many requests.
-            multipart_chunksize=max(5 * 2**20, min(self.multipart_threshold, 16 * 2**20)),
-            max_concurrency=4,
+    try:
+        creds = run(go, timeout=10)
+    except Exception:
+        creds = None
+    if creds is None:
+        return (
+            "none found (tried AWS_ACCESS_KEY_ID, AWS_PROFILE and ~/.aws, SSO, container and instance roles); "
+            "for a public bucket set WDSLLM_ANONYMOUS=1"
         )
-        retrying(
-            self.url_of(name),
-            self.retry,
-            lambda: self._client().upload_file(local_path, self.bucket, key, Config=config),
-        )
-        os.unlink(local_path)
+    return f"botocore's {getattr(creds, 'method', 'unknown')!r} source"
 
-    def put_bytes(self, name: str, data: bytes) -> None:
-        key = self._key(name)
-        retrying(
-            self.url_of(name),
-            self.retry,
-            lambda: self._client().put_object(Bucket=self.bucket, Key=key, Body=data),
-        )
 
-    def get_bytes(self, name: str) -> bytes | None:
-        url = self.url_of(name)
-        try:
-            return read_bytes(url, retry=self.retry)
-        except NotFoundError:
-            return None
+def _auth_error(exc: BaseException) -> bool:
+    be = sys.modules.get("botocore.exceptions")
+    if be is None:
+        return False
+    if isinstance(exc, be.NoCredentialsError):
+        return True
+    return isinstance(exc, be.ClientError) and _code(exc) in _S3_AUTH
 
-    def delete(self, name: str) -> None:
-        key = self._key(name)
-        retrying(self.url_of(name), self.retry, lambda: self._client().delete_object(Bucket=self.bucket, Key=key))
 
-    def local_staging_dir(self) -> str:
-        if self._staging is None:
-            self._staging = tempfile.mkdtemp(prefix="wdsllm-stage-")
-        return self._staging
+def _code(exc: Any) -> str:
+    response = getattr(exc, "response", None)
+    return str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
 
-    def clear(self) -> None:
-        keys = [k for k in self._keys() if not is_control(k[len(self.prefix) :])]
-        for i in range(0, len(keys), 1000):
-            batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
 
-            def op(batch: dict = batch) -> None:
-                resp = self._client().delete_objects(Bucket=self.bucket, Delete=batch)
-                if resp.get("Errors"):
-                    first = resp["Errors"][0]
-                    raise make_error(self.url, f"cannot delete {first.get('Key')}: S3 {first.get('Code')}")
+def explained(url: str, exc: BaseException, fs: Any) -> BaseException:
+    """``exc``, or a permanent error that also says which credentials were used when it is a
+    permission failure (the first thing a user needs to know about a 403)."""
+    if not _auth_error(exc):
+        return exc
+    kind = classification(exc)
+    reason = kind[1] if kind else str(exc)
+    error = make_error(url, f"{reason}; credentials: {credential_source(fs)}")
+    error.__cause__ = exc
+    return error
 
-            retrying(self.url, self.retry, op)
 
-    def close(self) -> None:
-        if self._staging is not None:
-            shutil.rmtree(self._staging, ignore_errors=True)
-            self._staging = None
+def _classify_boto(exc: BaseException) -> tuple[bool, str, float | None] | None:
+    # Only look at botocore if something imported it: reading local files must not import it.
+    be = sys.modules.get("botocore.exceptions")
+    if be is None:
+        return None
+    if isinstance(exc, be.ClientError):
+        response = exc.response
+        err = response.get("Error", {})
+        code = str(err.get("Code", "?"))
+        meta = response.get("ResponseMetadata", {})
+        status = meta.get("HTTPStatusCode", 0) or 0
+        message = err.get("Message") or ""
+        reason = f"S3 {code}" + (f" (HTTP {status})" if status else "") + (f": {message}" if message else "")
+        if code in _S3_PERMANENT:
+            return False, reason, None
+        transient = code in _S3_TRANSIENT or status >= 500 or status in (408, 429)
+        after = parse_retry_after((meta.get("HTTPHeaders") or {}).get("retry-after")) if transient else None
+        return transient, reason, after
+    if isinstance(exc, be.NoCredentialsError):
+        return False, f"no AWS credentials found ({exc})", None
+    if isinstance(exc, (be.ConnectionError, be.HTTPClientError, be.IncompleteReadError)):
+        return True, f"{type(exc).__name__}: {exc}", None
+    if isinstance(exc, be.BotoCoreError):
+        return False, f"{type(exc).__name__}: {exc}", None
+    return None
 
 
 def _is_missing(exc: BaseException) -> bool:
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
-        code = str(response.get("Error", {}).get("Code", ""))
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return code in _S3_MISSING or status == 404
+        return _code(exc) in _S3_MISSING or status == 404
     return False
+
+
+def _open(url: str, start: int, end: int | None, timeout: float, etag: str | None) -> Any:
+    bucket, key = split_s3(url)
+    fs = filesystem(timeout, url)
+    kwargs: dict[str, Any] = {}
+    rng = range_header(start, end)
+    if rng:
+        kwargs["Range"] = rng
+    if etag:  # a resumed read must see the same object version, or fail (412 PreconditionFailed)
+        kwargs["IfMatch"] = etag
+
+    async def go() -> Any:
+        # The aiobotocore client itself, not fs._call_s3: that one retries on its own and turns
+        # S3's error codes (SlowDown, NoSuchBucket, PreconditionFailed) into bare OSErrors.
+        await fs.set_session()
+        client = await fs.get_s3(bucket)
+        try:
+            return await client.get_object(Bucket=bucket, Key=key, **kwargs)
+        except Exception as exc:
+            if _code(exc) != "InvalidRange":
+                raise
+            size = (await client.head_object(Bucket=bucket, Key=key))["ContentLength"]
+            if start >= size:
+                return EmptyBody(size, etag)
+            raise
+
+    try:
+        resp = run(go, timeout=timeout + 5)
+    except Exception as exc:
+        raise explained(url, exc, fs) from exc
+    if isinstance(resp, EmptyBody):
+        return resp
+    stream = resp["Body"]
+
+    async def aclose() -> None:
+        stream.close()
+
+    content_range = resp.get("ContentRange")
+    total = resp.get("ContentLength")
+    first = start
+    if content_range:
+        first, total = parse_content_range(url, content_range)
+    elif start > 0:
+        first = 0
+    raw = getattr(stream, "_raw_stream", None)  # the aiohttp response under aiobotocore's body
+    read = salvaging_reader(raw.content) if raw is not None else stream.read
+    body = LoopBody(read, aclose, total, resp.get("ETag"), timeout)
+    if first != start:
+        if first != 0:
+            body.close()
+            raise make_error(url, f"asked for bytes from {start}, S3 sent from {first}")
+        log.warning("%s: store ignored Range and sent the whole object; skipping %d bytes", url, start)
+        try:
+            discard(url, body, start)
+        except BaseException:
+            body.close()
+            raise
+        count("skipped_bytes", start)
+    return body
+
+
+def _exists(url: str, timeout: float) -> bool:
+    bucket, key = split_s3(url)
+    fs = filesystem(timeout, url)
+
+    async def go() -> bool:
+        await fs.set_session()
+        client = await fs.get_s3(bucket)
+        try:
+            await client.head_object(Bucket=bucket, Key=key)
+        except Exception as exc:
+            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        return True
+
+    try:
+        return run(go, timeout=timeout + 5)
+    except Exception as exc:
+        raise explained(url, exc, fs) from exc
+
+
+class S3Output(FsspecOutput):
+    """``s3://bucket/prefix/``: uploads through s3fs, multipart above :data:`MULTIPART_THRESHOLD`."""
+
+    def __init__(self, url: str, *, multipart_threshold: int | None = None, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        self.bucket, prefix = split_s3(url)
+        self.prefix = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
+        self.multipart_threshold = multipart_threshold or MULTIPART_THRESHOLD
+
+    def filesystem(self) -> Any:
+        return filesystem(self.retry.timeout, self.url)
+
+    def path_of(self, url: str) -> str:
+        return bucket_path(url, len("s3://"))
+
+    def put_options(self, size: int) -> dict[str, Any]:
+        # s3fs uploads in parts of `chunksize` when the file is at least twice that
+        return {"chunksize": max(_MIN_PART, self.multipart_threshold // 2)}
+
+    def same_store(self, url: str) -> bool:
+        return url.startswith("s3://") and not split_query(url)[1]
 
 
 class S3Backend:
@@ -334,10 +300,10 @@ class S3Backend:
     remote = True
 
     def open(self, url: str, start: int, end: int | None, timeout: float, etag: str | None) -> Any:
-        return _s3_open(url, start, end, timeout, etag)
+        return _open(url, start, end, timeout, etag)
 
     def exists(self, url: str, timeout: float) -> bool:
-        return _s3_exists(url, timeout)
+        return _exists(url, timeout)
 
     def output_class(self, url: str) -> type[Output]:
         return S3Output
@@ -345,13 +311,3 @@ class S3Backend:
 
 add_classifier(_classify_boto, _is_missing)
 register(S3Backend())
-
-
-def _after_fork_in_child() -> None:
-    """Clients and locks of the parent are not ours to use: start empty."""
-    global _s3_lock
-    _s3_lock = threading.Lock()
-    _s3_clients.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

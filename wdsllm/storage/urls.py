@@ -1,15 +1,22 @@
-"""URLs: schemes, local paths, brace expansion, and joining names to a dataset root safely."""
+"""URLs: schemes, local paths, brace expansion, joining names to a dataset root safely, and keeping
+secrets out of messages.
+
+A URL may carry secrets: a password in its userinfo (``https://user:pa55@host/ds/``) or a token in
+its query string (an Azure SAS, a signed CDN URL). :func:`redact` removes both from a URL and
+:func:`redact_text` from any text that embeds URLs; every message, log line and error that names a
+URL goes through them. A query string on a root is part of how that root is reached, so
+:func:`join_url` and :func:`dirname_url` carry it to every object URL made from the root.
+"""
 
 from __future__ import annotations
 
 import os
 import re
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import braceexpand
 
 from ..errors import StorageError
-from .retry import make_error
 
 
 def scheme_of(url: str) -> str:
@@ -20,6 +27,71 @@ def scheme_of(url: str) -> str:
     if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", head):
         return head.lower()
     return "file"
+
+
+_HIDDEN = "***"
+#: URLs inside text: a scheme, "://", then anything up to whitespace or a quote.
+_URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def redact(url: str) -> str:
+    """``url`` with its userinfo password and its query string replaced by ``***``.
+
+    ``https://user:pa55@host/ds/?sig=x`` becomes ``https://user:***@host/ds/?***``: the user name
+    and the path stay (they say which dataset), the secrets do not. Local paths and ``pipe:``
+    commands come back unchanged (the user typed them; a command is not a URL).
+    """
+    if not isinstance(url, str) or "://" not in url or url.startswith("pipe:"):
+        return url
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return _HIDDEN
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, host = netloc.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}{':' + _HIDDEN if colon else ''}@{host}"
+    query = _HIDDEN if parts.query else ""
+    if netloc == parts.netloc and not query:
+        return url
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every URL in it redacted (library messages quote the URLs they fetched)."""
+    if not isinstance(text, str) or "://" not in text:
+        return text
+    return _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
+
+
+def split_userinfo(url: str) -> tuple[str, tuple[str, str] | None]:
+    """(the URL without userinfo, (user, password) or None): userinfo becomes basic auth, never
+    part of a request line or a message."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url, None
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment)), (unquote(user), unquote(password))
+
+
+def split_query(url: str) -> tuple[str, str]:
+    """(the URL without its query string, the query string without "?")."""
+    if scheme_of(url) in ("file", "pipe") and not url.startswith("file://"):
+        return url, ""
+    head, _sep, query = url.partition("?")
+    return head, query
+
+
+def _with_query(url: str, query: str) -> str:
+    return f"{url}?{query}" if query else url
+
+
+def make_error(url: str, reason: str) -> StorageError:
+    from .retry import make_error as make  # retry.py imports this module for redact()
+
+    return make(url, reason)
 
 
 def local_path(url: str) -> str:
@@ -54,12 +126,17 @@ def check_name(name: str) -> str:
     return name
 
 
+#: Schemes whose object names are literal keys (no percent-decoding on the way to the store).
+_LITERAL_KEYS = ("s3", "gs", "gcs", "az", "abfs", "abfss")
+
+
 def join_url(base: str, name: str) -> str:
     """The URL of ``name`` inside the dataset root ``base`` (with or without a trailing slash).
 
-    In http(s) and ``file://`` URLs the name is percent-encoded, so that it stays one literal
+    In http(s), hf and ``file://`` URLs the name is percent-encoded, so that it stays one literal
     name: a name such as ``%2e%2e%2fsecret`` from an untrusted index must not be decoded into a
-    path that leaves the root (s3 keys and local paths are literal already).
+    path that leaves the root (object-store keys and local paths are literal already). A query
+    string on the base (a SAS token, a signed URL) is carried to the joined URL.
     """
     check_name(name)
     scheme = scheme_of(base)
@@ -67,9 +144,10 @@ def join_url(base: str, name: str) -> str:
         raise make_error(base, "a pipe: URL has no directory to join names to")
     if scheme == "file" and not base.startswith("file://"):
         return os.path.join(base, name) if base else name
-    if scheme != "s3":
+    base, query = split_query(base)
+    if scheme not in _LITERAL_KEYS:
         name = quote(name, safe="/")
-    return base.rstrip("/") + "/" + name
+    return _with_query(base.rstrip("/") + "/" + name, query)
 
 
 def dirname_url(url: str) -> str:
@@ -82,9 +160,10 @@ def dirname_url(url: str) -> str:
         if url.endswith("/"):
             return url.rstrip("/") or "/"
         return os.path.dirname(url) or "."
+    url, query = split_query(url)
     if url.endswith("/"):
-        return url.rstrip("/")
+        return _with_query(url.rstrip("/"), query)
     head, _, _ = url.rpartition("/")
     if head.endswith(":/"):  # "s3://bucket" has no parent inside the store
-        return url
-    return head
+        return _with_query(url, query)
+    return _with_query(head, query)

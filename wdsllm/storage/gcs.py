@@ -1,0 +1,142 @@
+"""gs:// (Google Cloud Storage) through gcsfs: ranged media GETs on its authorised aiohttp session,
+and the GCS output (resumable uploads, server-side ``rewriteTo`` copies).
+
+Credentials come from google-auth's chain (``GOOGLE_APPLICATION_CREDENTIALS``, the gcloud ADC file,
+the metadata server), so an environment set up for ``gcloud`` needs nothing more;
+``STORAGE_EMULATOR_HOST`` points it at an emulator. ``WDSLLM_ANONYMOUS=1`` (or ``=gs``) reads public
+buckets without credentials. gcsfs on its own falls back to anonymous access silently when it
+finds no credentials; a permission failure then says so.
+
+A resumed read pins the object's generation: GCS serves exactly that version or 404, never a
+splice of two versions.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import StorageError
+from .aio import aiohttp_open, instance, range_header, run
+from .backends import anonymous, register
+from .fsoutput import FsspecOutput, bucket_path
+from .output import Output
+from .retry import DEFAULT_RETRY, make_error
+from .urls import scheme_of, split_query
+
+# Read by gcsfs when it is imported (default "true"): the experimental class first probes a gRPC
+# API, which waits ~60 s behind emulators and proxies. wdsllm uses the plain class either way.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+_SCHEMES = ("gs", "gcs")
+
+
+def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "gs://") -> Any:
+    anon = anonymous("gs")
+
+    def make() -> Any:
+        try:
+            from gcsfs.core import GCSFileSystem
+        except ImportError as exc:
+            raise make_error(url, "gs:// URLs need gcsfs, which is not installed: pip install 'wdsllm[gcs]'") from exc
+        return GCSFileSystem(
+            token="anon" if anon else None,
+            session_kwargs={"trust_env": True},  # HTTP(S)_PROXY / NO_PROXY
+            skip_instance_cache=True,
+        )
+
+    env = tuple(os.environ.get(v) for v in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"))
+    return instance(("gs", env, anon), make)
+
+
+def gs_path(url: str) -> str:
+    return bucket_path(url, len(scheme_of(url)) + 3)
+
+
+def credential_source(fs: Any) -> str:
+    method = getattr(getattr(fs, "credentials", None), "method", None)
+    if anonymous("gs"):
+        return "none: anonymous requests (WDSLLM_ANONYMOUS)"
+    if method == "anon":
+        return (
+            "none found (tried GOOGLE_APPLICATION_CREDENTIALS, the gcloud ADC file and the metadata server), so "
+            "the request was anonymous"
+        )
+    return f"google-auth's {method!r} source"
+
+
+def _explained(url: str, exc: StorageError, fs: Any) -> StorageError:
+    if exc.reason.startswith(("HTTP 401", "HTTP 403")):
+        error = make_error(url, f"{exc.reason}; credentials: {credential_source(fs)}")
+        error.__cause__ = exc
+        return error
+    return exc
+
+
+def _open(url: str, start: int, end: int | None, timeout: float, etag: str | None) -> Any:
+    fs = filesystem(timeout, url)
+    bucket, key, generation = fs.split_path(gs_path(url))
+    pinned = etag[4:] if etag and etag.startswith("gen:") else generation
+    headers: dict[str, str] = {"Accept-Encoding": "identity"}
+    rng = range_header(start, end)
+    if rng:
+        headers["Range"] = rng
+
+    async def go() -> Any:
+        await fs._set_session()
+        target = fs.url(f"{bucket}/{key}", generation=pinned) if pinned else fs.url(f"{bucket}/{key}")
+        resp, body = await aiohttp_open(fs.session, target, url, start, end, fs._get_headers(headers), timeout)
+        gen = resp.headers.get("x-goog-generation")
+        if gen is None:  # emulators send no generation (and ignore generation=): ask the metadata
+            gen = (await fs._info(f"{bucket}/{key}", refresh=True)).get("generation")
+        if gen is not None:
+            body.etag = f"gen:{gen}"
+        return body
+
+    try:
+        return run(go, timeout=timeout + 5)
+    except StorageError as exc:
+        raise _explained(url, exc, fs) from exc.__cause__
+
+
+def _exists(url: str, timeout: float) -> bool:
+    fs = filesystem(timeout, url)
+
+    async def go() -> bool:
+        try:
+            await fs._info(gs_path(url))
+        except FileNotFoundError:
+            return False
+        return True
+
+    return run(go, timeout=timeout + 5)
+
+
+class GcsOutput(FsspecOutput):
+    """``gs://bucket/prefix/``: resumable uploads through gcsfs."""
+
+    def filesystem(self) -> Any:
+        return filesystem(self.retry.timeout, self.url)
+
+    def path_of(self, url: str) -> str:
+        return gs_path(url)
+
+    def same_store(self, url: str) -> bool:
+        return scheme_of(url) in _SCHEMES and not split_query(url)[1]
+
+
+class GcsBackend:
+    schemes = _SCHEMES
+    remote = True
+
+    def open(self, url: str, start: int, end: int | None, timeout: float, etag: str | None) -> Any:
+        return _open(url, start, end, timeout, etag)
+
+    def exists(self, url: str, timeout: float) -> bool:
+        return _exists(url, timeout)
+
+    def output_class(self, url: str) -> type[Output]:
+        return GcsOutput
+
+
+register(GcsBackend())

@@ -1,0 +1,139 @@
+"""hf:// (the Hugging Face Hub): ``hf://datasets/ORG/NAME@REV/path`` read through the Hub's file URLs.
+
+A revision (a branch such as ``main``, a tag, ``refs/convert/parquet`` written ``refs%2Fconvert%2Fparquet``)
+is resolved to its commit once per process with huggingface_hub's ``HfApi.repo_info``, and every
+object is then read at that commit: a push to ``main`` during a run cannot mix two versions of a
+dataset, and DataLoader workers forked from the process read the commit it resolved. The bytes
+come from ``{endpoint}/datasets/ORG/NAME/resolve/{commit}/path`` over the http backend (ranged
+GETs, resumes), with the token of ``HF_TOKEN`` or ``huggingface-cli login`` as a bearer token;
+aiohttp drops it on the Hub's redirect to its CDN. ``HF_ENDPOINT`` selects another Hub. Reading
+through ``HfFileSystem`` was measured and not used: its ranged reads buffer whole ranges and its
+streaming file cannot seek.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from typing import Any
+from urllib.parse import quote, unquote
+
+from .backends import register
+from .http import head, open_url
+from .output import Output
+from .retry import make_error
+from .urls import split_query
+
+_KINDS = {"datasets": "dataset", "spaces": "space", "models": "model"}
+_SHA = re.compile(r"[0-9a-f]{40}")
+
+_revisions: dict[tuple[str, str, str, str], str] = {}  # kept across fork: children read the same commit
+_lock = threading.Lock()
+
+
+def parse(url: str) -> tuple[str, str, str, str]:
+    """(repo type, repo id, revision, path in the repo) of an hf:// URL."""
+    rest = split_query(url)[0][len("hf://") :]
+    parts = rest.split("/")
+    kind = "model"
+    if parts and parts[0] in _KINDS:
+        kind = _KINDS[parts.pop(0)]
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise make_error(url, "an hf:// URL names a repository: hf://datasets/ORG/NAME[@REVISION]/path")
+    org, name = parts[0], parts[1]
+    name, _, revision = name.partition("@")
+    return kind, f"{org}/{name}", unquote(revision) or "main", "/".join(parts[2:])
+
+
+def endpoint() -> str:
+    """The Hub's address: ``HF_ENDPOINT`` as it is now (huggingface_hub reads it once, at import)."""
+    value = os.environ.get("HF_ENDPOINT")
+    if not value:
+        from huggingface_hub import constants
+
+        value = constants.ENDPOINT
+    return value.rstrip("/")
+
+
+def token() -> str | None:
+    if os.environ.get("HF_TOKEN"):
+        return os.environ["HF_TOKEN"]
+    try:
+        from huggingface_hub import get_token
+    except ImportError:
+        return None
+    return get_token()
+
+
+def commit_of(url: str, timeout: float) -> str:
+    """The commit that the URL's revision names, resolved once per process."""
+    kind, repo, revision, _ = parse(url)
+    if _SHA.fullmatch(revision):
+        return revision
+    key = (endpoint(), kind, repo, revision)
+    with _lock:
+        sha = _revisions.get(key)
+    if sha is not None:
+        return sha
+    try:
+        from huggingface_hub import HfApi
+        from huggingface_hub.utils import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+    except ImportError as exc:
+        raise make_error(url, "hf:// URLs need huggingface_hub, which is not installed") from exc
+    try:
+        info = HfApi(endpoint=key[0], token=token()).repo_info(repo, repo_type=kind, revision=revision, timeout=timeout)
+    except RepositoryNotFoundError as exc:
+        how = "HF_TOKEN is set" if token() else "no token: set HF_TOKEN or run `huggingface-cli login`"
+        raise make_error(
+            url, f"repository {repo} not found, or private and not readable ({how})", missing=True
+        ) from exc
+    except RevisionNotFoundError as exc:
+        raise make_error(url, f"revision {revision!r} not found in {repo}", missing=True) from exc
+    except HfHubHTTPError as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", 0) or 0
+        raise make_error(
+            url, f"the Hub answered HTTP {status}", transient=status in (408, 429) or status >= 500
+        ) from exc
+    with _lock:
+        _revisions[key] = sha = info.sha
+    return sha
+
+
+def file_url(url: str, timeout: float) -> str:
+    """The Hub's resolve URL of an hf:// object, pinned to the commit of its revision."""
+    kind, repo, _, path = parse(url)
+    prefix = "" if kind == "model" else f"{kind}s/"
+    return f"{endpoint()}/{prefix}{repo}/resolve/{commit_of(url, timeout)}/{quote(path, safe='/')}"
+
+
+def _headers() -> dict[str, str]:
+    value = token()
+    return {"Authorization": f"Bearer {value}"} if value else {}
+
+
+class HfBackend:
+    schemes = ("hf",)
+    remote = True
+
+    def open(self, url: str, start: int, end: int | None, timeout: float, etag: str | None) -> Any:
+        return open_url(file_url(url, timeout), start, end, timeout, etag, headers=_headers(), shown=url)
+
+    def exists(self, url: str, timeout: float) -> bool:
+        return head(file_url(url, timeout), timeout, headers=_headers(), shown=url)
+
+    def output_class(self, url: str) -> type[Output]:
+        raise make_error(
+            url,
+            "datasets are not written to hf:// directly; pack to a local directory and upload it with "
+            "`huggingface-cli upload`",
+        )
+
+
+def _after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+register(HfBackend())
