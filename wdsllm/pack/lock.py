@@ -5,7 +5,8 @@ is writing would delete its temporary files under it; it is refused instead, nam
 local output is locked with ``flock`` on a control file inside it (released by the kernel when the
 holder dies, however it dies). An object store has no locks: there the lock is an object holding
 the holder and a heartbeat refreshed after every shard; one whose heartbeat is older than
-``STALE_AFTER`` seconds belongs to a pack that died, and is taken over.
+``STALE_AFTER`` seconds, or whose holder was a process of this host that is gone (a pack killed,
+then resumed), belongs to a pack that died, and is taken over.
 """
 
 from __future__ import annotations
@@ -27,6 +28,24 @@ log = logging.getLogger(__name__)
 LOCK_NAME = CONTROL_PREFIX + "lock"
 #: seconds after which a remote lock whose heartbeat stopped is considered abandoned
 STALE_AFTER = 600.0
+
+
+def _holder_gone(held: bytes) -> bool:
+    """Whether a lock's holder was a process on this host that no longer runs."""
+    try:
+        info = json.loads(held)
+        pid, host = int(info["pid"]), info["host"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False
+    if host != socket.gethostname() or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 class OutputLock:
@@ -63,7 +82,7 @@ class OutputLock:
                     beat = float(json.loads(held).get("heartbeat", 0))
                 except (ValueError, AttributeError, TypeError):
                     beat = 0.0
-                if time.time() - beat < STALE_AFTER:
+                if time.time() - beat < STALE_AFTER and not _holder_gone(held):
                     raise self._refuse(held)
                 log.warning(
                     "%s: taking over a lock whose holder stopped beating %.0f s ago", self.out.url, time.time() - beat
