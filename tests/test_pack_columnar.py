@@ -9,10 +9,12 @@ import shutil
 
 import pytest
 from pack_helpers import (
+    GPT2,
     cached,
     cli,
     documents,
     encode_texts,
+    load_index,
     pack_api,
     provenance,
     wiki_records,
@@ -141,22 +143,30 @@ def test_corrupt_parquet_files(tmp_path):
 
 def test_head_and_the_summary_show_rows(tmp_path):
     out = tmp_path / "out"
-    run = cli("pack", parquet(), "-o", out, "-t", pack_helpers_gpt2(), "-j", "1", "--on-error", "skip")
+    run = cli("pack", parquet(), "-o", out, "-t", GPT2, "-j", "1", "--on-error", "skip")
     assert "wiki.parquet:6: missing_field 'text' null" in run.stdout
     head = cli("head", out, "-n", "1", "--json")
     first = json.loads(head.stdout.splitlines()[0])
     assert first["input"] == str(parquet()) and first["line"] == 1
 
 
-def pack_helpers_gpt2():
-    from pack_helpers import GPT2
-
-    return GPT2
-
-
 def test_compressed_or_stdin_columnar_inputs_are_refused(tmp_path):
     shutil.copy(parquet(), tmp_path / "x.parquet.gz")
     with pytest.raises(SourceError, match="compressed parquet file cannot be read"):
         pack_api([tmp_path / "x.parquet.gz"], tmp_path / "out")
-    failed = cli("pack", "-", "--input-format", "parquet", "-o", tmp_path / "o", "-t", pack_helpers_gpt2(), check=False)
+    failed = cli("pack", "-", "--input-format", "parquet", "-o", tmp_path / "o", "-t", GPT2, check=False)
     assert failed.returncode == 2 or "stdin" in failed.stderr
+
+
+def test_command_line_where_and_max_doc_bytes(tmp_path):
+    args = ["--text-field", "meta.body", "--where", WHERE, "--max-doc-bytes", "8KiB", "--on-error", "skip"]
+    run = cli("pack", parquet(), "-o", tmp_path / "out", "-t", GPT2, "-j", "1", *args)
+    assert "filtered" in run.stdout and "too_long" in run.stdout
+    index = load_index(tmp_path / "out")
+    assert index.options["max_doc_bytes"] == 8192 and index.options["where"] == WHERE
+    bad = cli("pack", parquet(), "-o", tmp_path / "bad", "-t", GPT2, "--where", "score >=", check=False)
+    assert bad.returncode == 1 and "Error: --where 'score >='" in bad.stderr and "Traceback" not in bad.stderr
+    txt = tmp_path / "a.txt"
+    txt.write_text("x\n")
+    refused = cli("pack", txt, "-o", tmp_path / "t", "-t", GPT2, "--where", "a > 1", check=False)
+    assert refused.returncode == 1 and "plain text" in refused.stderr

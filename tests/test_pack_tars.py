@@ -23,6 +23,7 @@ from pack_helpers import (
 )
 
 from wdsllm.errors import SourceError
+from wdsllm.format.verify import verify
 
 SAMPLES = 400
 
@@ -98,6 +99,7 @@ def test_tars_round_trip_with_keys(tmp_path):
     assert provenance(out) == [(tar, n, 0) for tar, n, _, _ in want]
     keys = [k for g in groups(out) for k in g.meta["source_keys"]]
     assert keys == [k for _, _, k, _ in want]
+    assert verify(str(out)).ok
     counts = result.index.skipped["counts"]
     assert counts["missing_field"] == sum(1 for s in samples() if not ({"txt", "json"} & set(s)))
     assert counts["decode_error"] == sum(isinstance(s.get("txt"), bytes) for s in samples())
@@ -126,6 +128,7 @@ def test_packed_mode_keeps_keys_of_the_documents_that_start_in_a_group(tmp_path)
     pack_api(tars(), out, text_field="body.text", on_error="skip", mode="packed", seq_len=256, sample_tokens=2048)
     keys = [k for g in groups(out) for k in g.meta["source_keys"]]
     assert keys == [k for _, _, k, _ in expected()]
+    assert verify(str(out)).ok
 
 
 def test_bad_samples_stop_the_pack_naming_the_sample(tmp_path):

