@@ -152,3 +152,50 @@ def jsonl(path: Path, records: list) -> Path:
             else:
                 f.write(json.dumps(r).encode() + b"\n")
     return path
+
+
+# ----------------------------------------------------------------------------------------------
+# Columnar inputs written from the wiki corpus (Parquet, Arrow), with nulls, a struct and numbers.
+
+LANGS = ("en", "de", "fr")
+
+
+def wiki_records(n: int, file_number: int = 0) -> list[dict]:
+    """n wiki documents as records: every 97th text null, every 89th empty; a struct ``meta`` with
+    the text again (``body``), a ``score`` and a ``lang``; and non-text columns ``id`` and ``n``."""
+    out = []
+    for i, line in enumerate(wiki_lines(n, file_number)):
+        text = json.loads(line)["text"]
+        text = None if i % 97 == 5 else ("" if i % 89 == 7 else text)
+        meta = {"body": text, "score": (i * 37 % 100) / 100, "lang": LANGS[i % 3]}
+        out.append({"id": i, "title": f"doc {i}", "text": text, "meta": meta, "n": i * 2})
+    return out
+
+
+def write_parquet(path: Path, records: list[dict], row_group_size: int) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(records), path, row_group_size=row_group_size)
+    return path
+
+
+def write_arrow(path: Path, records: list[dict], batch_rows: int, stream: bool = False) -> Path:
+    """An Arrow IPC file (Feather v2), or an IPC stream, of record batches of batch_rows rows."""
+    import pyarrow as pa
+
+    table = pa.Table.from_pylist(records)
+    opener = pa.ipc.new_stream if stream else pa.ipc.new_file
+    with pa.OSFile(str(path), "wb") as sink, opener(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=batch_rows):
+            writer.write_batch(batch)
+    return path
+
+
+def encode_texts(texts: list[str], tokenizer: Path = GPT2, eos: int | None = 50256) -> list[list[int]]:
+    """Direct tokenization, as pack does it (no specials from the tokenizer, EOS appended)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    tail = [eos] if eos is not None else []
+    return [[*e.ids, *tail] for e in tok.encode_batch(texts, add_special_tokens=False)]

@@ -3,10 +3,11 @@ messages of the command line."""
 
 from __future__ import annotations
 
+import gzip
 import time
 
 import pytest
-from pack_helpers import GPT2, cli, dataset_files, documents, jsonl, load_index, pack_api, wiki_subset
+from pack_helpers import GPT2, cli, dataset_files, documents, jsonl, load_index, pack_api, wiki_lines, wiki_subset
 from tokenizers import Tokenizer
 
 from wdsllm.errors import TokenizerError
@@ -145,3 +146,21 @@ def test_progress_on_stderr_summary_on_stdout_and_quiet(tmp_path):
     quiet = cli("pack", path, "-o", tmp_path / "b", "-t", GPT2, "-j", "1", "--quiet")
     assert quiet.stdout == "" and quiet.stderr == ""
     assert dataset_files(tmp_path / "a") == dataset_files(tmp_path / "b")
+
+
+def test_a_damaged_compressed_file_keeps_what_came_before_whatever_the_chunking(tmp_path):
+    """A truncated .jsonl.gz: an error naming the line with --on-error raise; with skip, the
+    documents before the damage are kept (the same ones for any chunking) and the rest is one
+    `unreadable` record."""
+    data = gzip.compress(("\n".join(wiki_lines(3000)) + "\n").encode())
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(SourceError, match=r"cut.jsonl.gz:\d+: cannot decompress after line \d+"):
+        pack_api([tmp_path / "cut.jsonl.gz"], tmp_path / "raise")
+    outputs = []
+    for chunk_bytes in (4 << 10, 100 << 10, 1 << 20):
+        out = tmp_path / f"skip{chunk_bytes}"
+        result = pack_api([tmp_path / "cut.jsonl.gz"], out, on_error="skip", chunk_bytes=chunk_bytes)
+        outputs.append(dataset_files(out))
+    (record,) = result.index.skipped["records"]
+    assert record["reason"] == "unreadable" and result.index.documents == record["line"] - 1 > 1000
+    assert outputs[0] == outputs[1] == outputs[2]

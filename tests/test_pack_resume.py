@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -13,7 +14,19 @@ import time
 from pathlib import Path
 
 import pytest
-from pack_helpers import GPT2, REPO, cached, cli, dataset_files, load_index, pack_api, wiki_lines, wiki_subset
+from pack_helpers import (
+    GPT2,
+    REPO,
+    cached,
+    cli,
+    dataset_files,
+    load_index,
+    pack_api,
+    wiki_lines,
+    wiki_records,
+    wiki_subset,
+    write_parquet,
+)
 
 from wdsllm.pack.job import PackError
 
@@ -138,6 +151,22 @@ def test_skip_mode_resume_counts_each_skip_once(tmp_path):
     index = load_index(out)
     assert set(index.skipped["counts"]) == {"decode_error", "empty", "invalid_json", "missing_field"}
     assert index.skipped["total"] == index.inputs[0]["skipped"] == sum(index.skipped["counts"].values())
+
+
+@pytest.mark.parametrize("seed", [14])
+def test_parquet_resume_after_a_kill_at_a_random_point_equals_uninterrupted(tmp_path, seed):
+    """Row groups are where a resumed Parquet input restarts; skips and --where tallies count once."""
+    rng = random.Random(seed)
+    source = cached("resume-parquet", lambda d: write_parquet(d / "wiki.parquet", wiki_records(LINES), 500))
+    options = {"on_error": "skip", "where": "meta.lang != 'fr'"}
+    expected = reference("resume-parquet-docs", [source], **options)
+    out = tmp_path / "out"
+    args = [source, "-t", GPT2, *SMALL, "--on-error", "skip", "--where", options["where"]]
+    kill_midway(args, out, expected, min_shards=rng.randint(2, 12), whole_group=rng.random() < 0.5)
+    cli("pack", *args, "-o", out, "--resume", "-q")
+    assert dataset_files(out) == expected
+    counts = load_index(out).skipped["counts"]
+    assert counts["filtered"] == LINES // 3 and counts["missing_field"] > 0
 
 
 def test_resume_refuses_other_options_and_finished_output(tmp_path):

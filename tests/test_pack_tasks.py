@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import itertools
 import shutil
@@ -9,9 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pack_helpers import (
     GPT2,
     LLAMA,
+    all_tokens,
     cached,
     cli,
     dataset_files,
@@ -21,6 +25,8 @@ from pack_helpers import (
     pack_api,
     provenance,
     wiki_lines,
+    wiki_records,
+    write_parquet,
 )
 
 from wdsllm import format as fmt
@@ -28,7 +34,8 @@ from wdsllm.format.verify import verify
 from wdsllm.pack import merge as merge_mod
 from wdsllm.pack.job import assign_tasks, task_from_env
 from wdsllm.pack.merge import MergeError, merge
-from wdsllm.pack.sources import expand_inputs
+from wdsllm.pack.sources import Part, expand_inputs
+from wdsllm.pack.text import read_chunks
 
 TASKS = 3
 OPTIONS = {"sample_tokens": 3000, "shard_size": 40 * 1024}
@@ -90,20 +97,25 @@ def test_tasks_are_disjoint_and_together_hold_every_document():
         union.update(docs)
         inputs_seen += [i["index"] for i in index.inputs]
         assert {f for f, _, _ in docs} <= {i["index"] for i in index.inputs}
-    assert sorted(inputs_seen) == list(range(len(corpus())))
+    assert sorted(set(inputs_seen)) == list(range(len(corpus())))
     assert union == everything
 
 
-def test_assignment_is_balanced_deterministic_and_in_input_order():
+def test_assignment_is_contiguous_balanced_and_deterministic():
+    """Task t takes the units that start in its 1/K of the input bytes, in input order."""
     inputs = expand_inputs([str(p) for p in corpus()])
-    parts = assign_tasks(inputs, TASKS)
-    assert parts == assign_tasks(list(reversed(inputs)), TASKS)  # depends on the inputs, not their listing
-    assert sorted(i.index for p in parts for i in p) == list(range(len(inputs)))
-    for p in parts:
-        assert [i.index for i in p] == sorted(i.index for i in p)
-    sizes = [sum(i.size for i in p) for p in parts]
-    assert max(sizes) - min(sizes) <= max(i.size for i in inputs)
-    assert assign_tasks(inputs, 10)[9] == []  # more tasks than files: some get nothing
+    total = sum(i.size for i in inputs)
+    for tasks in (2, 3, 10):
+        parts = assign_tasks(inputs, tasks)
+        assert parts == assign_tasks(inputs, tasks)
+        flat = [(p.input.index, p.start, p.stop if not p.whole else p.input.size) for task in parts for p in task]
+        assert flat == sorted(flat)  # task order is input order: merged tasks read like one pack
+        for i in inputs:  # each file's shares tile it
+            shares = sorted((s, e) for f, s, e in flat if f == i.index)
+            assert shares[0][0] == 0 and shares[-1][1] == i.size
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(shares))
+        sizes = [sum(p.size for p in task) for task in parts]
+        assert sum(sizes) == total and max(sizes) - min(sizes) <= 2  # byte ranges: even to the byte
 
 
 def test_task_defaults_come_from_slurm_arrays_and_torchrun():
@@ -258,11 +270,14 @@ def test_merge_on_s3_in_place(tmp_path, s3_server, s3_bucket):
 
 
 def test_single_task_packs_with_empty_task(tmp_path):
-    """More tasks than inputs: a task with nothing to do writes an empty, valid dataset."""
-    files = corpus()[:2]
+    """More tasks than (unsplittable) inputs: a task with nothing to do writes an empty, valid dataset."""
+    files = []
+    for path in corpus()[:2]:
+        files.append(tmp_path / (path.name + ".gz"))
+        files[-1].write_bytes(gzip.compress(path.read_bytes()))
     for t in range(3):
         pack_api(files, tmp_path / "out", num_tasks=3, task_index=t)
-    assert load_index(tmp_path / "out" / "task-00002").shards == []
+    assert sum(load_index(tmp_path / "out" / f"task-{t:05d}").shards == [] for t in range(3)) == 1
     index, _ = merge([str(tmp_path / "out")], str(tmp_path / "merged"))
     assert index.documents == sum(1 for _ in documents(tmp_path / "merged")) > 0
     assert np.array_equal(
@@ -270,3 +285,127 @@ def test_single_task_packs_with_empty_task(tmp_path):
         [len(d) for d in documents(tmp_path / "merged")],
     )
     assert verify(str(tmp_path / "merged")).ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Fewer files than tasks: the work is divided inside files, and merge equals a single-task pack.
+
+SPLIT_TASKS = 8
+
+
+def few_big_files() -> list[Path]:
+    """Three inputs for eight tasks: an uncompressed jsonl with bad lines (divided by byte ranges),
+    a Parquet file of 12 row groups (divided by row groups) and a small jsonl.gz (whole)."""
+
+    def build(d: Path) -> list[Path]:
+        lines = wiki_lines(1200)
+        for n in (57, 300, 301, 888):
+            lines[n] = "{broken" if n % 2 else '{"text": null}'
+        (d / "big.jsonl").write_text("\n".join(lines) + "\n")
+        write_parquet(d / "rows.parquet", wiki_records(1200, file_number=1), 100)
+        (d / "small.jsonl.gz").write_bytes(gzip.compress(("\n".join(wiki_lines(150, 2)) + "\n").encode()))
+        return [d / "big.jsonl", d / "rows.parquet", d / "small.jsonl.gz"]
+
+    return cached("tasks-few-big", build)
+
+
+@pytest.mark.parametrize("mode", [{"mode": "docs"}, {"mode": "packed", "seq_len": 300}])
+def test_eight_tasks_over_three_files_merge_to_the_single_task_pack(tmp_path, mode):
+    files = few_big_files()
+    options = {"on_error": "skip", "sample_tokens": 4000, "shard_size": 64 * 1024, **mode}
+    single = tmp_path / "single"
+    pack_api(files, single, **options)
+    parts = tmp_path / "parts"
+    per_task = []
+    for t in range(SPLIT_TASKS):
+        result = pack_api(files, parts, num_tasks=SPLIT_TASKS, task_index=t, **options)
+        per_task.append(sum(p.size for p in assign_tasks(expand_inputs(list(map(str, files))), SPLIT_TASKS)[t]))
+        assert result.index.documents > 0
+    assert min(per_task) > 0.5 * max(per_task)  # every task had a fair share of the input bytes
+    index, _ = merge([str(parts)], str(tmp_path / "merged"))
+    merged, one = tmp_path / "merged", load_index(single)
+    # What is equal: the token stream and each document's tokens, lengths.npy, the provenance of
+    # every document, the totals of documents and tokens, every skip count and record, and each
+    # input's documents and skips.
+    assert np.array_equal(all_tokens(merged), all_tokens(single))
+    assert (merged / "lengths.npy").read_bytes() == (single / "lengths.npy").read_bytes()
+    assert provenance(merged) == provenance(single)
+    if mode["mode"] == "docs":
+        assert [d.tolist() for d in documents(merged)] == [d.tolist() for d in documents(single)]
+    assert (index.documents, index.tokens) == (one.documents, one.tokens)
+    assert index.skipped == one.skipped and index.skipped["counts"]["invalid_json"] == 2
+    assert index.inputs == one.inputs
+    assert index.doc_lengths == one.doc_lengths
+    assert verify(str(merged)).ok
+    # What differs: shard and group boundaries (each task closes its own), so keys, shard names
+    # and sizes, groups.npy, and in packed mode the rows (each task ends with its own short row).
+    if mode["mode"] == "packed":
+        assert index.packed["short_rows"] >= one.packed["short_rows"]
+
+
+def test_a_task_of_a_divided_file_resumes_byte_identically(tmp_path):
+    """A task that starts inside a file (counting the lines before it) and is interrupted."""
+    files = few_big_files()
+    options = {"sample_tokens": 2000, "shard_size": 16 * 1024, "on_error": "skip"}
+    reference = tmp_path / "reference"
+    pack_api(files, reference, num_tasks=SPLIT_TASKS, task_index=3, **options)
+    task = reference / "task-00003"
+    index = load_index(task)
+    assert index.inputs[0]["part"]["unit"] == "bytes" and index.inputs[0]["part"]["start"] > 0
+    assert len(index.shards) >= 3
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    # Interrupt it after the first shard: drop the index and what came later, keep the journal.
+    _interrupt_after(out / "task-00003", index, keep=1, options=options, files=files)
+    pack_api(files, out, num_tasks=SPLIT_TASKS, task_index=3, resume=True, **options)
+    assert dataset_files(out / "task-00003") == dataset_files(task)
+
+
+def _interrupt_after(task_dir: Path, index, keep: int, options: dict, files) -> None:
+    """Make a finished task look killed after ``keep`` shards: re-run it with a sink that stops."""
+    from wdsllm.pack import writer
+
+    shutil.rmtree(task_dir)
+    real = writer.ShardSink.finish_shard
+    count = {"n": 0}
+
+    def stopping(self, final=False):
+        entry = real(self, final)
+        count["n"] += entry is not None
+        if count["n"] >= keep and not final:
+            raise KeyboardInterrupt
+        return entry
+
+    writer.ShardSink.finish_shard = stopping
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pack_api(files, task_dir.parent, num_tasks=SPLIT_TASKS, task_index=3, **options)
+    finally:
+        writer.ShardSink.finish_shard = real
+    assert not (task_dir / "index.json").exists() and len(list(task_dir.glob("*.tar"))) == keep
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lines=st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")), min_size=0, max_size=30),
+    final_newline=st.booleans(),
+    cuts=st.lists(st.integers(0, 2000), max_size=6),
+)
+def test_byte_parts_tile_a_file_by_lines(tmp_path_factory, lines, final_newline, cuts):
+    """Parts cut anywhere hold every line once, numbered as in the whole file, whatever the chunking."""
+    data = b"\n".join(lines) + (b"\n" if final_newline and lines else b"")
+    path = tmp_path_factory.mktemp("tile") / "f.jsonl"
+    path.write_bytes(data)
+    inp = expand_inputs([str(path)])[0]
+    bounds = sorted({0, inp.size, *(c % (inp.size + 1) for c in cuts)})
+    got = []
+    for lo, hi in itertools.pairwise(bounds):
+        for chunk in read_chunks(Part(inp, "bytes", lo, hi, hi - lo), "line", chunk_bytes=7):
+            numbered = chunk.data.split(b"\n")
+            if chunk.data.endswith(b"\n"):
+                numbered.pop()
+            got += list(enumerate(numbered, chunk.first_line))
+    whole = data.split(b"\n") if data else []
+    if data.endswith(b"\n"):
+        whole.pop()
+    assert got == list(enumerate(whole, 1))

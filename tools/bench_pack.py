@@ -14,7 +14,14 @@ pool) say how much work each does whatever the contention.
     python tools/bench_pack.py                 # full corpus, 3 rounds
     python tools/bench_pack.py --rounds 1 --files 2
 
+With ``--parquet`` each round also packs the same corpus written as Parquet (one file per wiki
+file, the JSON fields as columns, row groups of ``--row-group`` rows, snappy, written once into
+the git-ignored ``bench-out/wiki-parquet/``), so the same tokens arrive by another road: the
+shards of the two packs must be byte-identical (checked), and the ratio jsonl.gz time / Parquet
+time is printed per round and best against best.
+
 Targets (issue #2, 2-core machine): ratio >= 0.9, peak RSS < 1 GiB, bytes/token <= 2.1.
+Issue #14: the Parquet pack at >= 0.9x the jsonl.gz pack of the same text.
 """
 
 from __future__ import annotations
@@ -52,6 +59,30 @@ print(json.dumps({"pack_seconds": wall, "tokens": result.index.tokens, "bytes": 
                   "documents": result.index.documents, "shards": len(result.index.shards), "main_rss_kib": hwm,
                   "main_cpu": own.ru_utime + own.ru_stime, "worker_cpu": kids.ru_utime + kids.ru_stime}))
 """
+
+
+def write_parquet_corpus(files: list[Path], row_group: int) -> list[Path]:
+    """The wiki files as Parquet files of the same records, in bench-out/ (written once)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out_dir = REPO / "bench-out" / f"wiki-parquet-{row_group}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for path in files:
+        target = out_dir / (path.name.split(".")[0] + ".parquet")
+        if not target.exists():
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                table = pa.Table.from_pylist([json.loads(line) for line in f])
+            pq.write_table(table, str(target) + ".tmp", row_group_size=row_group, compression="snappy")
+            os.replace(str(target) + ".tmp", target)
+        paths.append(target)
+    return paths
+
+
+def shard_hashes(out: Path) -> list[str]:
+    index = json.loads((out / "index.json").read_text())
+    return [s["sha256"] for s in index["shards"]]
 
 
 def load_documents(files: list[Path]) -> list[str]:
@@ -97,7 +128,7 @@ def _tree_rss_kib(pid: int) -> dict[int, int]:
     return found
 
 
-def run_pack(files: list[Path], tokenizer: Path, out: Path, workers: int) -> dict:
+def run_pack(files: list[Path], tokenizer: Path, out: Path, workers: int, **options) -> dict:
     """One pack in a fresh process; adds the peak summed RSS of its process tree, sampled."""
     cfg = {
         "inputs": [str(f) for f in files],
@@ -105,6 +136,7 @@ def run_pack(files: list[Path], tokenizer: Path, out: Path, workers: int) -> dic
         "tokenizer": str(tokenizer),
         "workers": workers,
         "overwrite": True,
+        **options,
     }
     env = dict(os.environ)
     env.pop("TOKENIZERS_PARALLELISM", None)
@@ -146,6 +178,8 @@ def main() -> None:
     )
     ap.add_argument("--out", type=Path, help="pack output directory (default: a temporary one, removed)")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    ap.add_argument("--parquet", action="store_true", help="also pack the corpus written as Parquet, each round")
+    ap.add_argument("--row-group", type=int, default=5000, help="rows per Parquet row group (--parquet)")
     args = ap.parse_args()
 
     os.environ.pop("TOKENIZERS_PARALLELISM", None)  # raw encode_batch runs with its default parallelism
@@ -157,6 +191,7 @@ def main() -> None:
     if not files:
         raise SystemExit(f"no wiki-*.jsonl.gz in {args.corpus}")
     docs = load_documents(files)
+    parquet_files = write_parquet_corpus(files, args.row_group) if args.parquet else []
     tokenizer = Tokenizer.from_file(str(args.tokenizer))
     time_encode(tokenizer, docs[:2000], "encode_batch")  # warm up the rayon pool
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-pack-"))
@@ -167,6 +202,13 @@ def main() -> None:
             raw_s, raw_cpu, raw_tokens = time_encode(tokenizer, docs, "encode_batch")
             fast_s, fast_cpu, _ = time_encode(tokenizer, docs, "encode_batch_fast")
             packed = run_pack(files, args.tokenizer, out, args.workers)
+            extra = {}
+            if parquet_files:
+                jsonl_shards = shard_hashes(out)
+                pq_run = run_pack(parquet_files, args.tokenizer, out, args.workers)
+                if shard_hashes(out) != jsonl_shards:
+                    raise SystemExit("the Parquet pack's shards differ from the jsonl.gz pack's")
+                extra = {f"parquet_{k}": v for k, v in pq_run.items()}
             rounds.append(
                 {
                     "raw_seconds": raw_s,
@@ -175,14 +217,22 @@ def main() -> None:
                     "fast_cpu": fast_cpu,
                     "raw_tokens": raw_tokens,
                     **packed,
+                    **extra,
                 }
             )
             print(
                 f"round {r + 1}: encode_batch {raw_tokens / raw_s:,.0f} tok/s, encode_batch_fast "
                 f"{raw_tokens / fast_s:,.0f} tok/s, "
                 f"pack {raw_tokens / packed['process_seconds']:,.0f} text tok/s -> ratio "
-                f"{raw_s / packed['process_seconds']:.3f} "
-                f"(load average {os.getloadavg()[0]:.2f})",
+                f"{raw_s / packed['process_seconds']:.3f}"
+                + (
+                    f"; parquet pack {extra['parquet_process_seconds']:.2f} s vs jsonl.gz "
+                    f"{packed['process_seconds']:.2f} s -> "
+                    f"{packed['process_seconds'] / extra['parquet_process_seconds']:.3f}x"
+                    if extra
+                    else ""
+                )
+                + f" (load average {os.getloadavg()[0]:.2f})",
                 file=sys.stderr,
             )
     finally:
@@ -219,6 +269,24 @@ def main() -> None:
         "cpu_seconds_workers": round(min(r["worker_cpu"] for r in rounds), 2),
         "cpus": os.cpu_count(),
     }
+    if parquet_files:
+        figures.update(
+            {
+                "parquet_files": len(parquet_files),
+                "parquet_bytes": sum(p.stat().st_size for p in parquet_files),
+                "parquet_row_group": args.row_group,
+                "parquet_pack_seconds": round(best("parquet_process_seconds"), 2),
+                "parquet_pack_tokens_per_s": round(last["tokens"] / best("parquet_process_seconds")),
+                "ratio_parquet_to_jsonl_gz": round(best("process_seconds") / best("parquet_process_seconds"), 3),
+                "ratios_parquet_each_round": [
+                    round(r["process_seconds"] / r["parquet_process_seconds"], 3) for r in rounds
+                ],
+                "parquet_cpu_s_main": round(min(r["parquet_main_cpu"] for r in rounds), 2),
+                "parquet_cpu_s_workers": round(min(r["parquet_worker_cpu"] for r in rounds), 2),
+                "parquet_peak_rss_main_mib": round(max(r["parquet_main_rss_kib"] for r in rounds) * mib, 1),
+                "parquet_peak_rss_tree_mib": round(max(r["parquet_tree_rss_kib"] for r in rounds) * mib, 1),
+            }
+        )
     if args.json:
         print(json.dumps(figures, indent=1))
         return
@@ -252,6 +320,18 @@ def main() -> None:
         f"{figures['peak_rss_worker_mib']} MiB (sampled), "
         f"whole process tree {figures['peak_rss_tree_mib']} MiB (sampled sum), on {figures['cpus']} cores"
     )
+    if parquet_files:
+        print(
+            f"parquet: {figures['parquet_files']} files, {figures['parquet_bytes']:,} bytes, row groups of "
+            f"{figures['parquet_row_group']:,} rows: pack {figures['parquet_pack_tokens_per_s']:,} tokens/s "
+            f"({figures['parquet_pack_seconds']} s); ratio jsonl.gz/parquet time "
+            f"{figures['ratio_parquet_to_jsonl_gz']:.3f} "
+            f"(each round: {figures['ratios_parquet_each_round']}); CPU s packing process "
+            f"{figures['parquet_cpu_s_main']} (jsonl.gz {figures['cpu_seconds_main']}), workers "
+            f"{figures['parquet_cpu_s_workers']} (jsonl.gz {figures['cpu_seconds_workers']}); peak RSS packing process "
+            f"{figures['parquet_peak_rss_main_mib']} MiB, tree {figures['parquet_peak_rss_tree_mib']} MiB; shards "
+            "byte-identical to the jsonl.gz pack's"
+        )
 
 
 if __name__ == "__main__":

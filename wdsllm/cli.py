@@ -234,10 +234,26 @@ def _fail(exc: Exception) -> None:
     "--text-field",
     default="text",
     show_default=True,
-    help="JSON field with the text; dots reach nested keys (meta.body).",
+    help="JSON field or Parquet/Arrow column with the text; dots reach nested keys and struct fields (meta.body).",
 )
 @click.option(
-    "--input-format", type=click.Choice(["txt", "jsonl"]), help="Treat every input as this type (needed for stdin)."
+    "--input-format",
+    type=click.Choice(["txt", "jsonl", "parquet", "arrow", "wds"]),
+    help="Treat every input as this type (needed for stdin: txt, jsonl or wds).",
+)
+@click.option(
+    "--where",
+    metavar="EXPR",
+    help="Keep only the documents this holds for, e.g. \"score >= 0.9 and lang in ('en', 'de')\": comparisons, in, "
+    "is [not] null, and/or/not over JSON fields, Parquet/Arrow columns or a tar sample's .json. Others are counted "
+    "as filtered.",
+)
+@click.option(
+    "--max-doc-bytes",
+    type=SizeType(),
+    default="16MiB",
+    show_default=True,
+    help="A longer document (line, paragraph, row, sample) is bad input: an error, or skipped with --on-error skip.",
 )
 @click.option(
     "--bos/--no-bos",
@@ -292,6 +308,8 @@ def pack(
     split,
     text_field,
     input_format,
+    where,
+    max_doc_bytes,
     bos,
     eos,
     bos_token,
@@ -349,6 +367,8 @@ def pack(
         split=split,
         text_field=text_field,
         input_format=input_format,
+        where=where,
+        max_doc_bytes=max_doc_bytes,
         bos=bos,
         eos=eos,
         bos_token=bos_token,
@@ -444,13 +464,18 @@ def _pack_summary(result) -> None:
 
 
 def _print_skipped(skipped: dict, limit: int = 10) -> None:
+    from .pack.sources import UNLISTED
+
     if not skipped.get("total"):
         return
     counts = ", ".join(f"{k} {v:,}" for k, v in skipped["counts"].items())
     _echo(f"  skipped {skipped['total']:,}: {counts}")
     for rec in skipped["records"][:limit]:
-        _echo(f"    {rec['file']}:{rec['line']}: {rec['reason']} {rec['detail']}".rstrip())
-    more = sum(v for k, v in skipped["counts"].items() if k != "empty") - min(limit, len(skipped["records"]))
+        where = f"{rec['file']}:{rec['line']}" + (f" ({rec['key']})" if rec.get("key") else "")
+        many = f" (x{rec['count']:,})" if rec.get("count", 1) != 1 else ""
+        _echo(f"    {where}: {rec['reason']}{many} {rec['detail']}".rstrip())
+    listed = sum(v for k, v in skipped["counts"].items() if k not in UNLISTED)
+    more = listed - sum(r.get("count", 1) for r in skipped["records"][:limit])
     if more > 0:
         _echo(
             f"    ... {more:,} more listed in index.json"
@@ -747,6 +772,8 @@ def _head_json(item, text: str, ids: bool) -> str:
         "tokens": len(item.tokens),
         "text": text,
     }
+    if item.source_key is not None:
+        record["source_key"] = item.source_key
     if item.segments:
         record["segments"] = item.segments
     if ids:
@@ -756,7 +783,8 @@ def _head_json(item, text: str, ids: bool) -> str:
 
 def _head_text(item, text: str, ids: bool, mode: str) -> str:
     what = "row" if mode == "packed" else "#"
-    where = f"{item.input}:{item.line}" + (f" piece {item.piece}" if item.piece else "")
+    where = f"{item.input}:{item.line}" + (f" ({item.source_key})" if item.source_key else "")
+    where += f" piece {item.piece}" if item.piece else ""
     head = (
         f"==> {item.key} {what}{'' if what == '#' else ' '}{item.index}  {where}  ({item.shard}, "
         f"{len(item.tokens):,} tokens)"

@@ -28,6 +28,7 @@ class Item:
     line: int | None
     piece: int = 0
     segments: list[dict] = field(default_factory=list)  # packed: the documents in the row
+    source_key: str | None = None  # the input sample's key (tar inputs)
 
 
 def iter_items(root: str, index: fmt.Index) -> Iterator[Item]:
@@ -45,9 +46,11 @@ def iter_items(root: str, index: fmt.Index) -> Iterator[Item]:
                 files, lines, pieces = fmt.expand_provenance(
                     group.meta.get("provenance", []), group.documents, entry.name
                 )
+                keys = _source_keys(group.meta, group.documents)
                 origins = [
                     {"input": paths.get(int(f), f"#{int(f)}"), "line": int(ln), "piece": int(p)}
-                    for f, ln, p in zip(files, lines, pieces)
+                    | ({"key": keys[k]} if keys[k] is not None else {})
+                    for k, (f, ln, p) in enumerate(zip(files, lines, pieces))
                 ]
                 if index.mode == "docs":
                     yield from _documents(entry.name, group, origins)
@@ -55,6 +58,15 @@ def iter_items(root: str, index: fmt.Index) -> Iterator[Item]:
                     for item in _rows(entry.name, group, origins, index.seq_len, carry):
                         carry = item.segments[-1] if item.segments else carry
                         yield item
+
+
+def _source_keys(meta: dict, documents: int) -> list[str | None]:
+    """The documents' input sample keys (``source_keys``, tar inputs), None where there are none.
+    The metadata comes from a shard, which may be a stranger's: anything malformed is ignored."""
+    keys = meta.get("source_keys")
+    if not isinstance(keys, list) or len(keys) != documents:
+        return [None] * documents
+    return [k[:200] if isinstance(k, str) else None for k in keys]
 
 
 def _groups(stream: BinaryIO, entry: fmt.ShardEntry, index: fmt.Index, tables: dict | None) -> Iterator[fmt.Group]:
@@ -83,7 +95,9 @@ def _documents(shard: str, group: fmt.Group, origins: list[dict]) -> Iterator[It
     ends = np.cumsum(group.lengths.astype(np.int64))
     for i, (start, end) in enumerate(zip(np.concatenate([[0], ends[:-1]]), ends)):
         o = origins[i] if i < len(origins) else {"input": None, "line": None, "piece": 0}
-        yield Item(shard, group.key, i, group.tokens[start:end], o["input"], o["line"], o["piece"])
+        yield Item(
+            shard, group.key, i, group.tokens[start:end], o["input"], o["line"], o["piece"], source_key=o.get("key")
+        )
 
 
 def _rows(shard: str, group: fmt.Group, origins: list[dict], seq_len: int, carry: dict | None) -> Iterator[Item]:
@@ -98,7 +112,15 @@ def _rows(shard: str, group: fmt.Group, origins: list[dict], seq_len: int, carry
             segments.append({**origins[k], "offset": int(starts[k] - lo), "continues": False})
         first = segments[0] if segments else {"input": None, "line": None, "piece": 0}
         yield Item(
-            shard, group.key, r, group.tokens[lo:hi], first["input"], first["line"], first.get("piece", 0), segments
+            shard,
+            group.key,
+            r,
+            group.tokens[lo:hi],
+            first["input"],
+            first["line"],
+            first.get("piece", 0),
+            segments,
+            source_key=first.get("key"),
         )
         if segments:
             carry = {k: v for k, v in segments[-1].items() if k not in ("offset", "continues")}

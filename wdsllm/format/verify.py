@@ -178,6 +178,11 @@ def _check_sample(check: ShardCheck, raw: tario.RawSample, index: fmt.Index, dat
         fmt.expand_provenance(group.meta.get("provenance"), docs, where)
     except fmt.FormatError as exc:
         check.fail(str(exc))
+    keys = group.meta.get("source_keys")
+    if keys is not None and not (
+        isinstance(keys, list) and len(keys) == docs and all(k is None or isinstance(k, str) for k in keys)
+    ):
+        check.fail(f"{where}: source_keys is not one key (or null) per document")
     if index.mode == "docs":
         _check_docs_group(check, group, where)
     else:

@@ -31,9 +31,20 @@ from .. import format as fmt
 from ..errors import PackError, normalize_on_error
 from .lock import OutputLock
 from .shaping import DocGrouper, EncodedChunk, Position, RowPacker
-from .sources import SPLITS, STDIN, InputFile, expand_inputs, read_chunks
+from .sources import (
+    DEFAULT_MAX_DOC_BYTES,
+    SPLITS,
+    STDIN,
+    InputFile,
+    ParseOptions,
+    Part,
+    expand_inputs,
+    reader_for,
+)
+from .tasks import assign_tasks
 from .tokenizer import LoadedTokenizer, encode_chunk, init_worker, load_tokenizer
-from .writer import JOURNAL_PREFIX, JOURNAL_START, Counters, ShardSink, read_journal
+from .where import parse_where
+from .writer import JOURNAL_PREFIX, JOURNAL_START, Counters, ShardSink, read_journal, records_truncated
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +75,8 @@ class PackConfig:
     sample_tokens: int = DEFAULT_SAMPLE_TOKENS
     prefix: str = "shard"
     on_error: str = "raise"  # bad input: "raise" a SourceError, or "skip" it (counted and listed)
+    where: str | None = None  # keep only the documents this --where expression holds for
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES  # a longer document is bad input (too_long)
     num_tasks: int = 1
     task_index: int = 0
     # how the job runs; none of these change the output
@@ -76,6 +89,16 @@ class PackConfig:
 
     def __post_init__(self) -> None:
         self.on_error = normalize_on_error(self.on_error)
+
+    def parse_options(self) -> ParseOptions:
+        """What readers and the tokenizer workers need to know of the options."""
+        return ParseOptions(
+            split=self.split,
+            text_field=self.text_field,
+            on_error=self.on_error,
+            where=parse_where(self.where),
+            max_doc_bytes=self.max_doc_bytes,
+        )
 
     def output_options(self) -> dict:
         """The options that determine the output bytes (stored in the index)."""
@@ -130,17 +153,6 @@ def task_from_env(env: Mapping[str, str] = os.environ) -> tuple[int, int, str | 
     return 1, 0, None
 
 
-def assign_tasks(inputs: list[InputFile], num_tasks: int) -> list[list[InputFile]]:
-    """Split inputs into disjoint parts balanced by size (largest first), each kept in input order."""
-    loads = [0] * num_tasks
-    parts: list[list[InputFile]] = [[] for _ in range(num_tasks)]
-    for inp in sorted(inputs, key=lambda i: (-i.size, i.index)):
-        task = min(range(num_tasks), key=lambda t: (loads[t], t))
-        loads[task] += max(1, inp.size)
-        parts[task].append(inp)
-    return [sorted(p, key=lambda i: i.index) for p in parts]
-
-
 def task_output(output: str, num_tasks: int, task_index: int) -> str:
     return storage.join_url(output, f"task-{task_index:05d}") if num_tasks > 1 else output
 
@@ -149,11 +161,15 @@ def task_output(output: str, num_tasks: int, task_index: int) -> str:
 # The job.
 
 
-def _fingerprint(cfg: PackConfig, inputs: list[InputFile], tok_sha: str) -> str:
+def _fingerprint(cfg: PackConfig, parts: list[Part], tok_sha: str) -> str:
     ident = {
         "options": cfg.output_options(),
         "tokenizer": tok_sha,
-        "inputs": [(i.path, i.size, os.path.getmtime(i.path) if i.path != "-" else 0) for i in inputs],
+        "inputs": [
+            (p.input.path, p.input.size, os.path.getmtime(p.input.path) if p.input.path != "-" else 0)
+            + ((p.unit, p.start, p.stop) if not p.whole else ())
+            for p in parts
+        ],
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
@@ -192,6 +208,9 @@ def _validate(cfg: PackConfig) -> None:
         raise PackError(f"--prefix {cfg.prefix!r}: use letters, digits, '_' and inner '-' only")
     if cfg.resume and cfg.overwrite:
         raise PackError("--resume and --overwrite contradict each other: pick one")
+    if cfg.max_doc_bytes < 1:
+        raise PackError("--max-doc-bytes must be positive")
+    cfg.parse_options()  # a --where that does not parse is refused here, before any work
 
 
 def _resolve_specials(cfg: PackConfig, tok: LoadedTokenizer) -> tuple[bool, int | None, int | None]:
@@ -204,15 +223,21 @@ def _resolve_specials(cfg: PackConfig, tok: LoadedTokenizer) -> tuple[bool, int 
     return use_bos, (tok.bos_id if use_bos else None), (tok.eos_id if cfg.eos else None)
 
 
-def _task_inputs(cfg: PackConfig) -> tuple[list[InputFile], list[InputFile]]:
-    """(every input of the job, this task's inputs)."""
+def _task_inputs(cfg: PackConfig) -> tuple[list[InputFile], list[Part]]:
+    """(every input of the job, this task's parts of them)."""
     all_inputs = _outside_output(expand_inputs(cfg.inputs, cfg.input_format), cfg.output)
     if cfg.num_tasks > 1 and any(i.path == STDIN for i in all_inputs):
         raise PackError("stdin cannot be split between tasks; pack it with --num-tasks 1")
-    inputs = assign_tasks(all_inputs, cfg.num_tasks)[cfg.task_index] if cfg.num_tasks > 1 else all_inputs
-    if cfg.resume and any(i.path == STDIN for i in inputs):
+    if cfg.where and any(i.kind == "txt" for i in all_inputs):
+        txt = next(i for i in all_inputs if i.kind == "txt")
+        raise PackError(f"--where reads fields, and {txt.display} is plain text: use JSON lines, Parquet, Arrow, tars")
+    if cfg.num_tasks > 1:
+        parts = assign_tasks(all_inputs, cfg.num_tasks, cfg.parse_options())[cfg.task_index]
+    else:
+        parts = [Part(i, size=i.size) for i in all_inputs]
+    if cfg.resume and any(p.input.path == STDIN for p in parts):
         raise PackError("--resume cannot re-read stdin; pack from files to be able to resume")
-    return all_inputs, inputs
+    return all_inputs, parts
 
 
 def _outside_output(inputs: list[InputFile], output: str) -> list[InputFile]:
@@ -297,14 +322,16 @@ def _make_shaper(cfg: PackConfig, dtype: np.dtype, position: Position | None):
     return DocGrouper(cfg.sample_tokens, cfg.max_doc_tokens, dtype, resume=position, max_items=cfg.shard_samples)
 
 
-def _chunk_jobs(inputs: list[InputFile], cfg: PackConfig, position: Position | None) -> Iterator[tuple]:
-    """(chunk, kind, display) for every chunk still to pack, in input order."""
-    for inp in inputs:
+def _chunk_jobs(parts: list[Part], cfg: PackConfig, position: Position | None) -> Iterator[tuple]:
+    """(chunk, display) for every chunk still to pack, in input order."""
+    opts = cfg.parse_options()
+    for part in parts:
+        inp = part.input
         if position is not None and inp.index < position.file:
             continue
         start_line = position.line if position is not None and inp.index == position.file else 1
-        for chunk in read_chunks(inp, cfg.split, cfg.chunk_bytes, start_line=start_line):
-            yield chunk, inp.kind, inp.display
+        for chunk in reader_for(inp.kind).chunks(part, opts, cfg.chunk_bytes, start_line):
+            yield chunk, inp.display
 
 
 def _encoded_in_order(pool: ProcessPoolExecutor, jobs: Iterator[tuple], limit: int) -> Iterator[EncodedChunk]:
@@ -335,7 +362,7 @@ def _start_pool(
     tok_path = os.path.join(tmpdir, "tokenizer.json")
     with open(tok_path, "w", encoding="utf-8") as f:
         f.write(tok.json_text)
-    parse_opts = {"split": cfg.split, "text_field": cfg.text_field, "on_error": cfg.on_error}
+    parse_opts = cfg.parse_options()
     threads = max(1, cpus // workers)
     return ProcessPoolExecutor(
         max_workers=workers,
@@ -356,11 +383,11 @@ def pack(cfg: PackConfig, on_progress: Callable[[PackProgress], None] | None = N
     start_time = time.monotonic()
     tok = load_tokenizer(cfg.tokenizer, bos_token=cfg.bos_token, eos_token=cfg.eos_token)
     use_bos, bos_id, eos_id = _resolve_specials(cfg, tok)
-    all_inputs, inputs = _task_inputs(cfg)
+    all_inputs, parts = _task_inputs(cfg)
     out = storage.Output(task_output(cfg.output, cfg.num_tasks, cfg.task_index))
     with OutputLock(out, "pack") as lock:
         try:
-            return _pack_into(out, lock, cfg, tok, use_bos, bos_id, eos_id, all_inputs, inputs, start_time, on_progress)
+            return _pack_into(out, lock, cfg, tok, use_bos, bos_id, eos_id, all_inputs, parts, start_time, on_progress)
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
@@ -379,11 +406,11 @@ def _pack_into(
     bos_id: int | None,
     eos_id: int | None,
     all_inputs: list[InputFile],
-    inputs: list[InputFile],
+    parts: list[Part],
     start_time: float,
     on_progress: Callable[[PackProgress], None] | None,
 ) -> PackResult:
-    records = _prepare_output(out, cfg, _fingerprint(cfg, inputs, tok.sha256))
+    records = _prepare_output(out, cfg, _fingerprint(cfg, parts, tok.sha256))
 
     entries = [fmt.ShardEntry(**rec["entry"]) for rec in records]
     position = Position.from_json(records[-1]["position"]) if records and records[-1]["position"] else None
@@ -413,13 +440,13 @@ def _pack_into(
         tokens=sum(e.tokens for e in entries),
         shards=len(entries),
         skipped=sum(sum(rec["counters"]["skipped"].values()) for rec in records),
-        input_total=sum(i.size for i in inputs),
+        input_total=sum(p.size for p in parts),
     )
     bytes_before = {}
     running = 0
-    for inp in inputs:
-        bytes_before[inp.index] = running
-        running += inp.size
+    for part in parts:
+        bytes_before[part.input.index] = running
+        running += part.size
     last_report = 0.0
 
     def write_groups(groups) -> None:
@@ -430,11 +457,12 @@ def _pack_into(
 
     def consume(chunk: EncodedChunk) -> None:
         nonlocal last_report
-        skips = chunk.skips
-        if position is not None and chunk.file_index == position.file:
-            skips = [s for s in skips if s.line > position.line]  # counted before the interruption
-        sink.add_skips(skips)
-        progress.skipped += len(skips)
+        skips, tallies = chunk.skips, chunk.tallies
+        if position is not None and chunk.file_index == position.file:  # counted before the interruption
+            skips = [s for s in skips if s.line > position.line]
+            tallies = {reason: lines[lines > position.line] for reason, lines in tallies.items()}
+        sink.add_skips(skips, [(chunk.file_index, reason, lines) for reason, lines in tallies.items()])
+        progress.skipped += sum(s.count for s in skips) + sum(len(lines) for lines in tallies.values())
         write_groups(shaper.feed(chunk))
         if len(sink.entries) != progress.shards:
             lock.refresh()
@@ -453,7 +481,7 @@ def _pack_into(
         with tempfile.TemporaryDirectory(prefix="wdsllm-pack-") as tmpdir:
             pool = _start_pool(workers, cpus, tok, dtype, bos_id, eos_id, cfg, tmpdir)
             try:
-                for chunk in _encoded_in_order(pool, _chunk_jobs(inputs, cfg, position), 2 * workers + 1):
+                for chunk in _encoded_in_order(pool, _chunk_jobs(parts, cfg, position), 2 * workers + 1):
                     consume(chunk)
             except BrokenProcessPool as exc:
                 raise PackError(
@@ -468,7 +496,7 @@ def _pack_into(
         sink.abort()
         raise
 
-    index = _write_index(out, cfg, tok, use_bos, eos_id is not None, sink.entries, inputs, sink)
+    index = _write_index(out, cfg, tok, use_bos, eos_id is not None, sink.entries, parts, sink)
     progress.shards = len(sink.entries)
     progress.elapsed = time.monotonic() - start_time
     progress.input_bytes = progress.input_total
@@ -480,7 +508,21 @@ def _pack_into(
     )
 
 
-def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSink) -> fmt.Index:
+def _input_entry(part: Part, totals: Counters) -> dict:
+    i = part.input
+    entry = {
+        "index": i.index,
+        "path": i.display,
+        "bytes": i.size,
+        "documents": totals.documents_by_input.get(i.index, 0),
+        "skipped": totals.skipped_by_input.get(i.index, 0),
+    }
+    if not part.whole:  # this task's share of the file (a multi-task pack)
+        entry["part"] = part.to_json()
+    return entry
+
+
+def _write_index(out, cfg, tok, use_bos, use_eos, entries, parts: list[Part], sink: ShardSink) -> fmt.Index:
     """lengths.npy, groups.npy, tokenizer.json, then index.json (last: its presence means complete),
     then drop the journal."""
     totals = Counters()  # the journal holds every finished shard's tallies, this run's included
@@ -505,7 +547,6 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSi
     options = cfg.output_options()
     options["bos"] = use_bos
     options["eos"] = use_eos
-    non_empty = sum(v for k, v in totals.skipped.items() if k != "empty")
     index = fmt.Index(
         mode=cfg.mode,
         dtype=tok.dtype.name,
@@ -514,21 +555,12 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, inputs, sink: ShardSi
         shards=list(entries),
         doc_lengths=fmt.length_histogram(lengths),
         options=options,
-        inputs=[
-            {
-                "index": i.index,
-                "path": i.display,
-                "bytes": i.size,
-                "documents": totals.documents_by_input.get(i.index, 0),
-                "skipped": totals.skipped_by_input.get(i.index, 0),
-            }
-            for i in inputs
-        ],
+        inputs=[_input_entry(p, totals) for p in parts],
         skipped={
             "counts": dict(sorted(totals.skipped.items())),
             "total": sum(totals.skipped.values()),
             "records": totals.skip_records,
-            "records_truncated": non_empty > len(totals.skip_records),
+            "records_truncated": records_truncated(totals.skipped, totals.skip_records),
         },
         lengths_file=fmt.SideFile.of(fmt.LENGTHS_NAME, lengths_bytes),
         packed={"max_row_segments": sink.max_row_segments, "short_rows": sink.short_rows}

@@ -5,7 +5,8 @@ is writing would delete its temporary files under it; it is refused instead, nam
 local output is locked with ``flock`` on a control file inside it (released by the kernel when the
 holder dies, however it dies). An object store has no locks: there the lock is an object holding
 the holder and a heartbeat refreshed after every shard; one whose heartbeat is older than
-``STALE_AFTER`` seconds belongs to a pack that died, and is taken over.
+``STALE_AFTER`` seconds, or whose holder was a process of this host that is gone (a pack killed,
+then resumed), belongs to a pack that died, and is taken over.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _dead_here(held: bytes) -> bool:
     try:
         info = json.loads(held)
         pid, host = int(info["pid"]), info["host"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return False
     if host != socket.gethostname() or pid == os.getpid():
         return False

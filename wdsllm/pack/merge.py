@@ -24,7 +24,7 @@ from .. import __version__, storage
 from .. import format as fmt
 from ..errors import MergeError
 from .lock import OutputLock
-from .writer import MAX_SKIP_RECORDS
+from .writer import MAX_SKIP_RECORDS, records_truncated
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +140,49 @@ def check_compatible(parts: list[Part], allow_partial: bool = False) -> None:
             f"tasks {missing} of {num_tasks} are missing, so their documents would be; pass them too, or "
             "--allow-partial"
         )
-    seen: dict[int, str] = {}
+    seen: dict[int, list[tuple[dict, str]]] = {}
     for part in parts:
         for inp in part.index.inputs:
-            if inp["index"] in seen:
-                raise MergeError(f"input {inp['index']} ({inp['path']}) is in both {seen[inp['index']]} and {part.url}")
-            seen[inp["index"]] = part.url
+            for other, url in seen.get(inp["index"], []):
+                if not _disjoint(inp.get("part"), other.get("part")):
+                    raise MergeError(f"input {inp['index']} ({inp['path']}) is in both {url} and {part.url}")
+            seen.setdefault(inp["index"], []).append((inp, part.url))
+
+
+def _disjoint(a: dict | None, b: dict | None) -> bool:
+    """Whether two tasks' shares of one input (``inputs[].part``) do not overlap."""
+    if a is None or b is None or a.get("unit") != b.get("unit"):
+        return False
+    return a["stop"] <= b["start"] or b["stop"] <= a["start"]
+
+
+def merged_inputs(parts: list[Part]) -> list[dict]:
+    """The parts' input entries, one per input: a file divided between tasks sums its shares' counts."""
+    by_index: dict[int, dict] = {}
+    for p in parts:
+        for inp in p.index.inputs:
+            entry = by_index.get(inp["index"])
+            if entry is None:
+                by_index[inp["index"]] = entry = {k: v for k, v in inp.items() if k != "part"}
+                if "part" in inp:
+                    entry["parts"] = [inp["part"]]
+                continue
+            entry["documents"] += inp["documents"]
+            entry["skipped"] += inp["skipped"]
+            if "part" in inp:
+                entry.setdefault("parts", []).append(inp["part"])
+    for entry in by_index.values():
+        shares = sorted(entry.pop("parts", []), key=lambda s: s["start"])
+        contiguous = all(a["stop"] == b["start"] for a, b in itertools.pairwise(shares))
+        if shares and not (contiguous and shares[0]["start"] == 0 and _covers_file(shares[-1], entry)):
+            entry["parts"] = shares  # some shares of it were not merged (--allow-partial)
+    return [by_index[k] for k in sorted(by_index)]
+
+
+def _covers_file(last: dict, entry: dict) -> bool:
+    """Whether a share reaches the end of its file (bytes; row groups and batches are only known
+    to end there when every task was merged, which check_compatible ensures without --allow-partial)."""
+    return last["unit"] != "bytes" or last["stop"] >= entry["bytes"]
 
 
 def _shard_format(version: int) -> int:
@@ -289,7 +326,7 @@ def merged_index(
 ) -> fmt.Index:
     first = parts[0].index
     options = {k: v for k, v in first.options.items() if k not in PER_TASK_OPTIONS}
-    inputs = sorted((inp for p in parts for inp in p.index.inputs), key=lambda i: i["index"])
+    inputs = merged_inputs(parts)
     counts: dict[str, int] = {}
     for p in parts:
         for reason, n in p.index.skipped.get("counts", {}).items():
@@ -299,7 +336,6 @@ def merged_index(
         (r for p in parts for r in p.index.skipped.get("records", [])),
         key=lambda r: (order.get(r["file"], -1), r["line"]),
     )
-    bad = sum(n for reason, n in counts.items() if reason != "empty")
     packed = None
     if first.mode == "packed":
         packed = {
@@ -319,7 +355,7 @@ def merged_index(
             "counts": dict(sorted(counts.items())),
             "total": sum(counts.values()),
             "records": records[:MAX_SKIP_RECORDS],
-            "records_truncated": bad > min(len(records), MAX_SKIP_RECORDS),
+            "records_truncated": records_truncated(counts, records[:MAX_SKIP_RECORDS]),
         },
         lengths_file=fmt.SideFile.of(fmt.LENGTHS_NAME, lengths_bytes),
         packed=packed,

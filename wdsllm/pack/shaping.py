@@ -22,9 +22,11 @@ class EncodedChunk:
     tokens: np.ndarray  # all documents' ids concatenated, specials included
     lengths: np.ndarray  # int64, one per document
     lines: np.ndarray  # int64, 1-based line of each document
-    skips: list = field(default_factory=list)  # sources.Skip records
+    skips: list = field(default_factory=list)  # sources.Skip records (bad input, listed)
     raw_offset: int = 0
     text_bytes: int = 0
+    tallies: dict = field(default_factory=dict)  # unlisted skips: reason -> int64 array of lines
+    keys: list | None = None  # tar inputs: each document's sample key
 
 
 @dataclass(frozen=True)
@@ -60,10 +62,26 @@ class GroupData:
     doc_lengths: np.ndarray | None = None  # full token length of each document that starts here
     rows: int = 0
     position: Position | None = None
+    keys: np.ndarray | None = None  # object array: each document's source key (tar inputs), else None
 
     @property
     def documents(self) -> int:
         return len(self.files)
+
+
+def _keys_of(chunk: EncodedChunk) -> np.ndarray | None:
+    if chunk.keys is None:
+        return None
+    keys = np.empty(len(chunk.keys), object)
+    keys[:] = chunk.keys
+    return keys
+
+
+def concat_keys(parts: list[np.ndarray | None], lengths: list[int]) -> np.ndarray | None:
+    """Source keys of concatenated parts (None where a part has none), or None if no part has any."""
+    if all(p is None for p in parts):
+        return None
+    return np.concatenate([np.full(n, None, object) if p is None else p for p, n in zip(parts, lengths)])
 
 
 class DocGrouper:
@@ -87,7 +105,7 @@ class DocGrouper:
         self.dtype = dtype
         self.resume = resume
         self.max_items = max_items
-        self._parts: list[tuple] = []  # (tokens, lengths, files, lines, pieces, last_done)
+        self._parts: list[tuple] = []  # (tokens, lengths, files, lines, pieces, last_done, keys)
         self._tokens = 0
         self._items = 0
 
@@ -113,6 +131,7 @@ class DocGrouper:
             starts = offsets[:-1]
             item_lengths = lengths
             last = np.ones(n, bool)
+        keys = _keys_of(chunk)
         r = self.resume
         if r is not None:
             if chunk.file_index < r.file:
@@ -137,6 +156,7 @@ class DocGrouper:
         item_tokens = tokens[first:end]
         files = np.full(len(doc_of), chunk.file_index, np.int64)
         item_lines = lines[doc_of]
+        item_keys = keys[doc_of] if keys is not None else None
         groups: list[GroupData] = []
         cum = np.cumsum(item_lengths)
         base = 0  # items consumed from this chunk
@@ -164,6 +184,7 @@ class DocGrouper:
                     item_lines[base:stop],
                     piece[base:stop],
                     bool(last[stop - 1]),
+                    item_keys[base:stop] if item_keys is not None else None,
                 )
             )
             self._tokens += tok_stop - tok_base
@@ -181,6 +202,7 @@ class DocGrouper:
         lines = np.concatenate([p[3] for p in parts])
         pieces = np.concatenate([p[4] for p in parts])
         position = Position(int(files[-1]), int(lines[-1]), piece=int(pieces[-1]), done=parts[-1][5])
+        keys = concat_keys([p[6] for p in parts], [len(p[1]) for p in parts])
         return GroupData(
             tokens=np.concatenate([p[0] for p in parts]).astype(self.dtype, copy=False),
             files=files,
@@ -189,6 +211,7 @@ class DocGrouper:
             lengths=lengths,
             doc_lengths=lengths,
             position=position,
+            keys=keys,
         )
 
     def finish(self) -> list[GroupData]:
@@ -210,8 +233,8 @@ class RowPacker:
         self._buf: list[np.ndarray] = []
         self._n = 0  # tokens in the buffer
         # Documents overlapping the buffer: offset of their first token relative to the buffer
-        # (negative when it was written in an earlier group), file, line, full length.
-        self._spans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        # (negative when it was written in an earlier group), file, line, full length, source key.
+        self._spans: list[tuple] = []
 
     def feed(self, chunk: EncodedChunk) -> list[GroupData]:
         tokens, lengths, lines = chunk.tokens, chunk.lengths, chunk.lines
@@ -238,12 +261,14 @@ class RowPacker:
             if first_doc >= n:
                 return []
         drop = int(offsets[first_doc]) + lead
+        keys = _keys_of(chunk)
         self._spans.append(
             (
                 offsets[first_doc:-1] - drop + self._n,
                 np.full(n - first_doc, chunk.file_index, np.int64),
                 lines[first_doc:],
                 lengths[first_doc:],
+                keys[first_doc:] if keys is not None else None,
             )
         )
         data = tokens[drop:]
@@ -259,14 +284,19 @@ class RowPacker:
         group_tokens, rest = buf[:size], buf[size:]
         self._buf = [rest] if len(rest) else []
         self._n = len(rest)
-        offs, files, lines, lens = (np.concatenate(parts) for parts in zip(*self._spans))
+        offs, files, lines, lens = (np.concatenate(parts) for parts in list(zip(*self._spans))[:4])
+        keys = concat_keys([span[4] for span in self._spans], [len(span[0]) for span in self._spans])
         new = (offs >= 0) & (offs < size)
         # The document covering the group's last token says where the input stands.
         last = int(np.searchsorted(offs, size - 1, side="right")) - 1
         written = size - int(offs[last])
         position = Position(int(files[last]), int(lines[last]), offset=written, done=written >= int(lens[last]))
         carry = offs + lens > size
-        self._spans = [(offs[carry] - size, files[carry], lines[carry], lens[carry])] if carry.any() else []
+        if carry.any():
+            carried = None if keys is None else keys[carry]
+            self._spans = [(offs[carry] - size, files[carry], lines[carry], lens[carry], carried)]
+        else:
+            self._spans = []
         return GroupData(
             tokens=group_tokens.astype(self.dtype, copy=False),
             files=files[new],
@@ -276,6 +306,7 @@ class RowPacker:
             doc_lengths=lens[new],
             rows=(size + self.seq_len - 1) // self.seq_len,
             position=position,
+            keys=None if keys is None else keys[new],
         )
 
     def finish(self) -> list[GroupData]:

@@ -1,8 +1,18 @@
-"""Input files: expanding patterns, reading them in chunks, and parsing chunks into documents.
+"""Inputs of a pack: patterns into files, the seam to the reader of each input kind, and what the
+readers hand to the tokenizer workers.
 
-Reading (decompression, cutting at line or paragraph boundaries) happens in the packing process;
-parsing (JSON, text fields, decoding) happens in the tokenizer workers together with encoding, so
-that it runs in parallel. Every document keeps its provenance: input file index and 1-based line.
+**An input kind is one reader class** (:class:`Reader`), registered in :data:`READERS`: text
+(`.txt`, `.jsonl`, plain or compressed) in :mod:`.text`, Parquet and Arrow in :mod:`.columns`,
+raw-text WebDataset tars in :mod:`.tarinput`. A reader says how a file may be divided between the
+tasks of a pack (its units) and turns its share of a file (a :class:`Part`) into chunks, in input
+order. A chunk is the unit of parallel work: the packing process reads (I/O, decompression,
+columnar decoding) and the tokenizer workers call ``chunk.parse`` (JSON, text fields, UTF-8,
+``--where`` on JSON) and encode, so that reading stays off the tokenizer's critical path.
+
+Every document keeps its provenance: the input's index and a 1-based position in it, the
+"line" (a text line, a Parquet/Arrow row, a tar sample). Bad input becomes a :class:`Skip`
+(listed in the index, or raised with ``--on-error raise``); empty and filtered documents are only
+counted (tallies).
 """
 
 from __future__ import annotations
@@ -10,15 +20,13 @@ from __future__ import annotations
 import bz2
 import glob
 import gzip
-import json
 import logging
 import lzma
 import os
-import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import braceexpand
 
@@ -26,19 +34,36 @@ from ..errors import SourceError
 
 log = logging.getLogger(__name__)
 
-COMPRESSIONS = {".gz": "gz", ".zst": "zst", ".zstd": "zst", ".bz2": "bz2", ".xz": "xz"}
-KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".txt": "txt", ".text": "txt"}
+COMPRESSIONS = {".gz": "gz", ".tgz": "gz", ".zst": "zst", ".zstd": "zst", ".bz2": "bz2", ".xz": "xz"}
+KINDS = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "jsonl",
+    ".txt": "txt",
+    ".text": "txt",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".arrow": "arrow",
+    ".arrows": "arrow",
+    ".feather": "arrow",
+    ".ipc": "arrow",
+    ".tar": "wds",
+}
+INPUT_FORMATS = ("txt", "jsonl", "parquet", "arrow", "wds")
+#: Kinds read as a stream from the start (so also from stdin); the others need random access.
+STREAMED = ("txt", "jsonl", "wds")
 SPLITS = ("line", "paragraph", "file")
 STDIN = "-"
-_BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
-_BOM = b"\xef\xbb\xbf"
+DEFAULT_MAX_DOC_BYTES = 16 << 20
+#: Skip reasons that are counted but never listed in the index, nor an error.
+UNLISTED = ("empty", "filtered")
 
 
 @dataclass(frozen=True)
 class InputFile:
     index: int  # position in the full expanded input list; provenance refers to it
     path: str  # as expanded ("-" for stdin)
-    kind: str  # "txt" or "jsonl"
+    kind: str  # one of INPUT_FORMATS
     compression: str | None
     size: int  # bytes on disk (compressed), 0 for stdin
 
@@ -53,7 +78,7 @@ def _kind_and_compression(path: str, input_format: str | None) -> tuple[str | No
     for suffix, comp in COMPRESSIONS.items():
         if name.endswith(suffix):
             compression = comp
-            name = name[: -len(suffix)]
+            name = name[: -len(suffix)] + (".tar" if suffix == ".tgz" else "")
             break
     kind = input_format
     if kind is None:
@@ -103,26 +128,50 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
             continue
         seen.add(key)
         if path == STDIN:
-            if input_format is None:
-                raise SourceError("reading stdin needs --input-format txt or jsonl")
+            if input_format not in STREAMED:
+                raise SourceError(f"reading stdin needs --input-format {', '.join(STREAMED)}")
             inputs.append(InputFile(len(inputs), STDIN, input_format, None, 0))
             continue
         kind, compression = _kind_and_compression(path, input_format)
         if kind is None:
             raise SourceError(
-                f"{path}: unknown input type; name it .txt or .jsonl (optionally compressed), or pass --input-format"
+                f"{path}: unknown input type; name it .txt, .jsonl (optionally compressed), .parquet, .arrow or .tar, "
+                "or pass --input-format"
             )
+        if compression and kind not in STREAMED:
+            raise SourceError(f"{path}: a compressed {kind} file cannot be read; {kind} files compress inside")
         inputs.append(InputFile(len(inputs), path, kind, compression, os.path.getsize(path)))
     if sum(p == STDIN for p in paths) > 1:
         raise SourceError("stdin ('-') can be read only once")
     return inputs
 
 
-def _open_with_raw(inp: InputFile) -> tuple[BinaryIO, BinaryIO | None]:
-    """The decompressed stream and the raw file under it (whose position tells the progress)."""
-    if inp.path == STDIN:
-        return sys.stdin.buffer, None
-    raw = open(inp.path, "rb")  # noqa: SIM115 - returned to the caller, who closes it
+# ----------------------------------------------------------------------------------------------
+# Opening inputs: the one place that knows where bytes come from (local files and stdin today;
+# remote URLs will come through wdsllm.storage here).
+
+
+def open_input(path: str) -> BinaryIO:
+    """A binary stream of the input's bytes from its start."""
+    if path == STDIN:
+        return sys.stdin.buffer
+    try:
+        return open(path, "rb")
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot open: {exc.strerror or exc}") from None
+
+
+def open_seekable(path: str) -> BinaryIO:
+    """A seekable binary file of the input, for readers that read ranges (Parquet's footer and
+    column chunks, Arrow's record batches)."""
+    if path == STDIN:
+        raise SourceError("stdin cannot be read as Parquet or Arrow: they need random access")
+    return open_input(path)
+
+
+def open_decompressed(inp: InputFile) -> tuple[BinaryIO, BinaryIO]:
+    """The decompressed stream and the raw one under it (whose position tells the progress)."""
+    raw = open_input(inp.path)
     try:
         if inp.compression == "gz":
             return gzip.GzipFile(fileobj=raw, mode="rb"), raw
@@ -140,110 +189,78 @@ def _open_with_raw(inp: InputFile) -> tuple[BinaryIO, BinaryIO | None]:
     return raw, raw
 
 
-@dataclass
-class RawChunk:
-    """A piece of one input that ends at a document boundary."""
-
-    file_index: int
-    first_line: int  # 1-based line number of the chunk's first byte
-    data: bytes
-    raw_offset: int = 0  # compressed bytes consumed so far, for progress
+def close_input(inp: InputFile, *streams: BinaryIO | None) -> None:
+    if inp.path == STDIN:
+        return
+    for s in streams:
+        if s is not None:
+            s.close()
 
 
-def _cut(data: bytes, split: str, final: bool) -> int:
-    """Where a chunk may end: after the last newline, blank line, or nowhere (whole file)."""
-    if final:
-        return len(data)
-    if split == "file":
-        return 0
-    if split == "paragraph":
-        last = None
-        # Search only the tail first: blank lines are frequent in paragraph text.
-        tail_start = max(0, len(data) - 65536)
-        for m in _BLANK_LINE.finditer(data, tail_start):
-            last = m
-        if last is None and tail_start:
-            for m in _BLANK_LINE.finditer(data):
-                last = m
-        return last.end() if last else 0
-    return data.rfind(b"\n") + 1
-
-
-def read_chunks(inp: InputFile, split: str, chunk_bytes: int = 1 << 20, start_line: int = 1) -> Iterator[RawChunk]:
-    """Decompressed chunks of ~chunk_bytes that end on document boundaries, from start_line on."""
-    split = "line" if inp.kind == "jsonl" else split
-    chunk_bytes = max(16, chunk_bytes)
-    stream, raw = _open_with_raw(inp)
-    line = 1
-    pending = b""
-    first = True
-    try:
-        while True:
-            try:
-                block = stream.read(chunk_bytes)
-            except (OSError, EOFError, lzma.LZMAError, ValueError) as exc:
-                where = line + pending.count(b"\n")
-                raise SourceError(f"{inp.display}: cannot decompress after line {where}: {exc}") from exc
-            except Exception as exc:  # zstandard raises its own ZstdError
-                if type(exc).__name__ != "ZstdError":
-                    raise
-                where = line + pending.count(b"\n")
-                raise SourceError(f"{inp.display}: cannot decompress after line {where}: {exc}") from exc
-            if first:
-                first = False
-                if block.startswith(_BOM):  # editors on Windows write one; json.loads refuses it
-                    block = block[len(_BOM) :]
-            final = not block
-            data = pending + block if pending else block
-            cut = _cut(data, split, final)
-            if cut == 0 and not final:
-                pending = data
-                continue
-            piece, pending = data[:cut], data[cut:]
-            if piece:
-                piece, line = _skip_to(piece, line, start_line)
-                if piece:
-                    yield RawChunk(inp.index, line, piece, _tell(raw))
-                    line += piece.count(b"\n")
-            if final:
-                break
-    finally:
-        if inp.path != STDIN:
-            stream.close()
-            if raw is not None:
-                raw.close()
-
-
-def _skip_to(piece: bytes, line: int, start_line: int) -> tuple[bytes, int]:
-    """Drop the whole lines of ``piece`` (which starts at ``line``) before ``start_line`` (--resume)."""
-    if line >= start_line:
-        return piece, line
-    lines_in_piece = piece.count(b"\n")
-    if line + lines_in_piece < start_line:
-        return b"", line + lines_in_piece
-    pos = 0
-    for _ in range(start_line - line):
-        pos = piece.index(b"\n", pos) + 1
-    return piece[pos:], start_line
-
-
-def _tell(raw) -> int:
+def tell(raw: BinaryIO | None) -> int:
     try:
         return raw.tell() if raw is not None else 0
     except (OSError, ValueError, AttributeError):
         return 0
 
 
+#: Exceptions that mean "the compressed stream is damaged" (zstandard's ZstdError is matched by name).
+READ_ERRORS = (OSError, EOFError, lzma.LZMAError, ValueError)
+
+
+def is_read_error(exc: BaseException) -> bool:
+    return isinstance(exc, READ_ERRORS) or type(exc).__name__ == "ZstdError"
+
+
 # ----------------------------------------------------------------------------------------------
-# Parsing (runs in worker processes).
+# Shares of inputs between tasks.
+
+
+@dataclass(frozen=True)
+class Part:
+    """A task's share of one input: all of it, or its units ``[start, stop)`` of kind ``unit``
+    ("bytes": lines that start in that byte range; "row_groups"; "batches")."""
+
+    input: InputFile
+    unit: str | None = None  # None: the whole file
+    start: int = 0
+    stop: int = 0
+    size: int = 0  # bytes of input it covers (progress)
+
+    @property
+    def whole(self) -> bool:
+        return self.unit is None
+
+    def to_json(self) -> dict | None:
+        return None if self.whole else {"unit": self.unit, "start": self.start, "stop": self.stop}
+
+
+# ----------------------------------------------------------------------------------------------
+# What readers give the workers, and what the workers give back.
 
 
 @dataclass
 class Skip:
+    """Bad input at a line (row, sample): listed in the index, or an error with --on-error raise."""
+
     file_index: int
-    line: int
-    reason: str  # "invalid_json", "missing_field", "decode_error", "empty"
+    line: int  # 0: the whole file
+    reason: str  # invalid_json, missing_field, decode_error, too_long, unreadable
     detail: str = ""
+    message: str = ""  # the error's text, without the place
+    count: int = 1  # documents it stands for (a missing column skips every row of the file)
+    key: str | None = None  # a tar sample's key
+
+
+@dataclass(frozen=True)
+class ParseOptions:
+    """What the workers need to turn a chunk into documents (set once per worker)."""
+
+    split: str = "line"
+    text_field: str = "text"
+    on_error: str = "raise"
+    where: Any = None  # a where.Where, or None
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
 
 
 @dataclass
@@ -251,12 +268,109 @@ class ParsedChunk:
     texts: list[str] = field(default_factory=list)
     lines: list[int] = field(default_factory=list)
     skips: list[Skip] = field(default_factory=list)
+    tallies: dict[str, list[int]] = field(default_factory=dict)  # unlisted reason -> lines
+    keys: list[str] | None = None  # tar inputs: the sample key of each text
+
+    def tally(self, reason: str, line: int) -> None:
+        self.tallies.setdefault(reason, []).append(line)
+
+
+class Chunk(Protocol):
+    """A piece of one input that holds whole documents; parsed in a worker."""
+
+    file_index: int
+    raw_offset: int  # input bytes consumed up to it, relative to the part (progress)
+
+    @property
+    def text_bytes(self) -> int: ...
+
+    def parse(self, opts: ParseOptions, display: str) -> ParsedChunk: ...
+
+
+@dataclass(frozen=True)
+class Units:
+    """How a file divides between tasks: ``name`` ("bytes", "row_groups", "batches") and the byte
+    offset where each unit starts (None for "bytes": any line start is one)."""
+
+    name: str
+    starts: list[int] | None = None
+
+
+class Reader(Protocol):
+    """One input kind."""
+
+    def units(self, inp: InputFile, opts: ParseOptions) -> Units | None:
+        """How the file divides between tasks; None: whole files only."""
+        ...
+
+    def chunks(self, part: Part, opts: ParseOptions, chunk_bytes: int, start_line: int) -> Iterator[Chunk]:
+        """The part's documents in chunks of about ``chunk_bytes``, from ``start_line`` on (--resume)."""
+        ...
+
+
+def reader_for(kind: str) -> Reader:
+    """The reader of an input kind (imported on first use: pyarrow only when Parquet is read)."""
+    if kind in ("txt", "jsonl"):
+        from .text import TextReader
+
+        return TextReader()
+    if kind == "parquet":
+        from .columns import ParquetReader
+
+        return ParquetReader()
+    if kind == "arrow":
+        from .columns import ArrowReader
+
+        return ArrowReader()
+    if kind == "wds":
+        from .tarinput import TarReader
+
+        return TarReader()
+    raise SourceError(f"unknown input kind {kind!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers shared by the parsers.
+
+
+def place(display: str, unit: str, line: int, key: str | None = None) -> str:
+    """Where a problem is, as messages say it: ``FILE:LINE``, ``FILE: row N``, ``FILE: sample N (KEY)``."""
+    if line == 0:
+        return display
+    if unit == "line":
+        return f"{display}:{line}"
+    return f"{display}: {unit} {line}" + (f" ({key})" if key else "")
+
+
+def settle(out: ParsedChunk, opts: ParseOptions, display: str, unit: str) -> ParsedChunk:
+    """Skips in input order (whatever the chunking); with --on-error raise, the first one raises."""
+    out.skips.sort(key=lambda s: s.line)
+    if out.skips and opts.on_error != "skip":
+        s = out.skips[0]
+        raise SourceError(f"{place(display, unit, s.line, s.key)}: {s.message or s.reason}")
+    return out
+
+
+def too_long(file_index: int, line: int, size: int, limit: int, key: str | None = None) -> Skip:
+    return Skip(
+        file_index,
+        line,
+        "too_long",
+        f"{size} bytes",
+        f"document of {size} bytes is longer than --max-doc-bytes {limit}",
+        key=key,
+    )
+
+
+def not_text(value: Any) -> str:
+    return "missing" if value is _MISSING else f"not a string ({'null' if value is None else type(value).__name__})"
 
 
 _MISSING = object()
 
 
-def _field(obj, path: list[str]):
+def json_field(obj: Any, path: list[str]) -> Any:
+    """The value at a dotted path of a JSON object, or :data:`_MISSING`."""
     for part in path:
         if not isinstance(obj, dict) or part not in obj:
             return _MISSING
@@ -264,92 +378,12 @@ def _field(obj, path: list[str]):
     return obj
 
 
-def _decode_lines(chunk: RawChunk, display: str, on_error: str, skips: list[Skip]) -> list[tuple[int, str]]:
-    """(line number, text) per line; undecodable lines raise or are skipped."""
-    try:
-        text = chunk.data.decode("utf-8")
-        return list(enumerate(text.split("\n"), chunk.first_line))
-    except UnicodeDecodeError:
-        pass
-    out = []
-    for number, raw in enumerate(chunk.data.split(b"\n"), chunk.first_line):
-        try:
-            out.append((number, raw.decode("utf-8")))
-        except UnicodeDecodeError as exc:
-            if on_error != "skip":
-                raise SourceError(f"{display}:{number}: invalid UTF-8 at byte {exc.start} of the line") from None
-            skips.append(Skip(chunk.file_index, number, "decode_error", str(exc.reason)))
-    return out
-
-
-def parse_chunk(chunk: RawChunk, *, kind: str, split: str, text_field: str, on_error: str, display: str) -> ParsedChunk:
-    """Documents of a chunk with their line numbers; bad input raises or is skipped and counted."""
-    out = ParsedChunk()
-    numbered = _decode_lines(chunk, display, on_error, out.skips)
-    if numbered and numbered[-1][1] == "":
-        numbered.pop()  # the text after the final newline
-    if kind == "jsonl":
-        path = text_field.split(".")
-        loads = json.loads
-        for number, line in numbered:
-            if not line.strip():
-                out.skips.append(Skip(chunk.file_index, number, "empty", "blank line"))
-                continue
-            try:
-                obj = loads(line)
-            except ValueError as exc:
-                if on_error != "skip":
-                    raise SourceError(f"{display}:{number}: invalid JSON: {exc}") from None
-                out.skips.append(Skip(chunk.file_index, number, "invalid_json", str(exc)))
-                continue
-            text = _field(obj, path)
-            if not isinstance(text, str):
-                problem = (
-                    "missing"
-                    if text is _MISSING
-                    else f"not a string ({'null' if text is None else type(text).__name__})"
-                )
-                if on_error != "skip":
-                    raise SourceError(f"{display}:{number}: text field {text_field!r} is {problem}")
-                out.skips.append(Skip(chunk.file_index, number, "missing_field", f"{text_field!r} {problem}"))
-                continue
-            _add(out, chunk.file_index, number, text)
-        return _in_line_order(out)
-    if split == "line":
-        for number, line in numbered:
-            _add(out, chunk.file_index, number, line[:-1] if line.endswith("\r") else line)
-    elif split == "paragraph":
-        para: list[str] = []
-        start = 0
-        for number, line in numbered:
-            line = line[:-1] if line.endswith("\r") else line
-            if line.strip():
-                if not para:
-                    start = number
-                para.append(line)
-            elif para:
-                _add(out, chunk.file_index, start, "\n".join(para))
-                para = []
-        if para:
-            _add(out, chunk.file_index, start, "\n".join(para))
-    else:  # whole file
-        text = "\n".join(line for _, line in numbered)
-        if chunk.data.endswith(b"\n"):
-            text += "\n"
-        _add(out, chunk.file_index, chunk.first_line, text.replace("\r\n", "\n"))
-    return _in_line_order(out)
-
-
-def _in_line_order(out: ParsedChunk) -> ParsedChunk:
-    """Decode errors are found before the other skips; the index lists skips in input order
-    whatever the chunking, so sort them (stable: one line never has two skips)."""
-    out.skips.sort(key=lambda s: s.line)
-    return out
-
-
-def _add(out: ParsedChunk, file_index: int, line: int, text: str) -> None:
+def add_text(out: ParsedChunk, line: int, text: str, key: str | None = None) -> None:
+    """A document, unless it is only whitespace (then counted as empty)."""
     if text.strip():
         out.texts.append(text)
         out.lines.append(line)
+        if out.keys is not None:
+            out.keys.append(key)
     else:
-        out.skips.append(Skip(file_index, line, "empty"))
+        out.tally("empty", line)

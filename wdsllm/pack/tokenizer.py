@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from ..errors import TokenizerError
 from ..format import TokenizerInfo, token_dtype
 from .shaping import EncodedChunk
-from .sources import RawChunk, Skip, parse_chunk
+from .sources import Chunk, ParseOptions
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ _worker: dict = {}
 
 
 def init_worker(
-    tokenizer_path: str, dtype: str, bos_id, eos_id, parse_opts: dict, threads: int, parent_pid: int
+    tokenizer_path: str, dtype: str, bos_id, eos_id, parse_opts: ParseOptions, threads: int, parent_pid: int
 ) -> None:
     """Set up one tokenizer worker: its rayon threads, the encoder, and a watch on the parent."""
     if threads <= 1:
@@ -247,29 +247,29 @@ def _watch_parent(parent_pid: int, interval: float = 1.0) -> None:
     threading.Thread(target=watch, name="wdsllm-parent-watch", daemon=True).start()
 
 
-def encode_chunk(chunk: RawChunk, kind: str, display: str) -> EncodedChunk:
+def encode_chunk(chunk: Chunk, display: str) -> EncodedChunk:
     """Parse and encode one chunk (in a worker): the unit of parallel work of a pack."""
-    opts = _worker["parse"]
-    parsed = parse_chunk(
-        chunk, kind=kind, split=opts["split"], text_field=opts["text_field"], on_error=opts["on_error"], display=display
-    )
+    parsed = chunk.parse(_worker["parse"], display)
     tokens, lengths = _worker["encoder"].encode(parsed.texts)
     lines = np.asarray(parsed.lines, dtype=np.int64)
-    skips = parsed.skips
+    keys = parsed.keys
+    tallies = parsed.tallies
     if len(lengths) and not lengths.all():
         # Only possible without BOS and EOS: text the tokenizer maps to nothing is an empty document.
         empty = lengths == 0
-        skips = sorted(
-            skips + [Skip(chunk.file_index, int(n), "empty", "no tokens") for n in lines[empty]], key=lambda s: s.line
-        )
+        tallies.setdefault("empty", []).extend(lines[empty].tolist())
         lines, lengths = lines[~empty], lengths[~empty]
+        if keys is not None:
+            keys = [k for k, e in zip(keys, empty.tolist()) if not e]
     return EncodedChunk(
         file_index=chunk.file_index,
-        first_line=chunk.first_line,
+        first_line=int(lines[0]) if len(lines) else 0,
         tokens=tokens,
         lengths=lengths,
         lines=lines,
-        skips=skips,
+        skips=parsed.skips,
         raw_offset=chunk.raw_offset,
-        text_bytes=len(chunk.data),
+        text_bytes=chunk.text_bytes,
+        tallies={reason: np.asarray(found, np.int64) for reason, found in tallies.items() if found},
+        keys=keys,
     )

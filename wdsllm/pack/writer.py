@@ -24,6 +24,7 @@ from .. import format as fmt
 from ..format.tar import SampleTarWriter, member_bytes, tar_file_bytes
 from ..storage import Output
 from .shaping import GroupData, Position
+from .sources import UNLISTED
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,12 @@ MAX_SKIP_RECORDS = 10_000
 
 
 JOURNAL_RECORD_SUFFIX = ".rec"
+
+
+def records_truncated(counts: dict, records: list) -> bool:
+    """Whether the skip records leave out some listed skips (the index keeps MAX_SKIP_RECORDS)."""
+    listed = sum(n for reason, n in counts.items() if reason not in UNLISTED)
+    return listed > sum(r.get("count", 1) for r in records)
 
 
 def journal_record_name(number: int) -> str:
@@ -95,13 +102,23 @@ class Counters:
     skip_records: list = field(default_factory=list)
 
     def add_skips(self, skips: Iterable[Any], inputs_display: dict) -> None:
+        """Listed skips (sources.Skip): counted, and recorded up to MAX_SKIP_RECORDS."""
         for s in skips:
-            self.skipped[s.reason] += 1
-            self.skipped_by_input[s.file_index] += 1
-            if s.reason != "empty" and len(self.skip_records) < MAX_SKIP_RECORDS:
-                self.skip_records.append(
-                    {"file": inputs_display[s.file_index], "line": s.line, "reason": s.reason, "detail": s.detail}
-                )
+            self.skipped[s.reason] += s.count
+            self.skipped_by_input[s.file_index] += s.count
+            if len(self.skip_records) < MAX_SKIP_RECORDS:
+                record = {"file": inputs_display[s.file_index], "line": s.line, "reason": s.reason, "detail": s.detail}
+                if s.count != 1:
+                    record["count"] = s.count
+                if s.key is not None:
+                    record["key"] = s.key
+                self.skip_records.append(record)
+
+    def add_tally(self, file_index: int, reason: str, count: int) -> None:
+        """Unlisted skips (empty, filtered): only counted."""
+        if count:
+            self.skipped[reason] += count
+            self.skipped_by_input[file_index] += count
 
     def to_json(self) -> dict:
         return {
@@ -149,6 +166,7 @@ class ShardSink:
         self.inputs_display = inputs_display or {}
         self.pending = Counters()  # documents written since the last finished shard
         self.pending_skips: list = []  # skipped input not yet vouched for by a shard record
+        self.pending_tallies: list[tuple[int, str, np.ndarray]] = []  # (file, reason, lines), the same for tallies
         self._tar = None
         self._file: _HashingFile | None = None
         self._tmp_path = ""
@@ -163,6 +181,8 @@ class ShardSink:
     def write(self, group: GroupData) -> None:
         key = fmt.group_key(self.task, self.group_counter)
         meta = {"documents": group.documents, "provenance": fmt.provenance_runs(group.files, group.lines, group.pieces)}
+        if group.keys is not None:
+            meta["source_keys"] = group.keys.tolist()
         if self.mode == "packed":
             meta["rows"] = group.rows
             sample = fmt.encode_group(key, group.tokens, starts=group.starts, meta=meta)
@@ -213,8 +233,9 @@ class ShardSink:
         self.max_row_segments = max(self.max_row_segments, int((per_row + continues).max()))
         self.short_rows += int(len(group.tokens) % seq_len != 0)
 
-    def add_skips(self, skips: Iterable[Any]) -> None:
+    def add_skips(self, skips: Iterable[Any], tallies: Iterable[tuple[int, str, np.ndarray]] = ()) -> None:
         self.pending_skips.extend(skips)
+        self.pending_tallies.extend(t for t in tallies if len(t[2]))
 
     def _take_skips(self, final: bool) -> None:
         """Move skips at or before the written position into the pending counters.
@@ -222,15 +243,30 @@ class ShardSink:
         Chunks are parsed ahead of the groups being written, so a skip may lie past the last
         written document; it must then be counted by a later record, or --resume counts it twice.
         """
-        if final or self._position is None:
-            taken, self.pending_skips = self.pending_skips, ([] if final else self.pending_skips)
-            if not final:
-                return
+        if final:
+            taken, self.pending_skips = self.pending_skips, []
+            tallies, self.pending_tallies = self.pending_tallies, []
+        elif self._position is None:
+            return
         else:
             p = (self._position.file, self._position.line)
             taken = [s for s in self.pending_skips if (s.file_index, s.line) <= p]
             self.pending_skips = [s for s in self.pending_skips if (s.file_index, s.line) > p]
+            tallies, later = [], []
+            for file_index, reason, lines in self.pending_tallies:
+                if file_index < p[0]:
+                    tallies.append((file_index, reason, lines))
+                elif file_index > p[0]:
+                    later.append((file_index, reason, lines))
+                else:
+                    at = lines <= p[1]
+                    tallies.append((file_index, reason, lines[at]))
+                    if not at.all():
+                        later.append((file_index, reason, lines[~at]))
+            self.pending_tallies = later
         self.pending.add_skips(taken, self.inputs_display)
+        for file_index, reason, lines in tallies:
+            self.pending.add_tally(file_index, reason, len(lines))
 
     def leftover_counters(self) -> Counters:
         """Tallies not in any shard record (a pack with no documents at all)."""
