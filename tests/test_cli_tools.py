@@ -191,8 +191,9 @@ def test_head_decodes_documents_with_identity_and_provenance():
 
 
 def test_head_needs_a_tokenizer_it_can_find(tmp_path):
-    """head decodes with the dataset's own tokenizer.json; without it, with the tokenizer the index
-    names as given to pack (a relative path here); --tokenizer overrides."""
+    """head decodes with the dataset's own tokenizer.json; without it, only with --tokenizer: the
+    tokenizer source the index names (a path or a Hub name from a stranger's dataset) is never
+    opened unless asked (#19), even where it exists; --tokenizer overrides."""
     shutil.copytree(docs_pack(), tmp_path / "ds")
     import subprocess
     import sys
@@ -208,8 +209,17 @@ def test_head_needs_a_tokenizer_it_can_find(tmp_path):
     carried = run()
     assert carried.returncode == 0 and "0000-000000000 #0" in carried.stdout and not carried.stderr
     (tmp_path / "ds" / "tokenizer.json").unlink()
+    missing = run()
+    assert missing.returncode == 1 and "tokenizer.json" in missing.stderr and "pass --tokenizer" in missing.stderr
+    index = json.loads((tmp_path / "ds" / "index.json").read_text())
+    named = tmp_path / "named-by-the-index.json"
+    named.write_bytes(GPT2.read_bytes())
+    del index["tokenizer_file"]  # packed before datasets carried their tokenizer
+    index["tokenizer"]["source"] = str(named)  # exists and is the right tokenizer: a decode would succeed
+    (tmp_path / "ds" / "index.json").write_text(json.dumps(index))
     failed = run()
-    assert failed.returncode == 1 and "pass --tokenizer" in failed.stderr
+    assert failed.returncode == 1 and "carries no tokenizer.json" in failed.stderr
+    assert "pass --tokenizer" in failed.stderr and "Traceback" not in failed.stderr
     ok = run("--tokenizer", str(GPT2))
     assert ok.returncode == 0 and "0000-000000000 #0" in ok.stdout
     other = run("--tokenizer", str(REPO.parent / "shared" / "data" / "tokenizers" / "gpt-neox-20b.json"))

@@ -717,7 +717,7 @@ def verify(ctx, dataset, jobs, quiet, as_json):
 @click.option(
     "--tokenizer",
     "-t",
-    help="Tokenizer to decode with [default: the dataset's tokenizer.json, else the index's tokenizer source].",
+    help="Tokenizer to decode with [default: the dataset's own tokenizer.json; a dataset without one needs this].",
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--ids", is_flag=True, help="Also show the token ids.")
@@ -737,20 +737,27 @@ def head(dataset, count, tokenizer, as_json, ids, skip_special_tokens):
     from .format.head import iter_items
     from .format.verify import load
     from .pack.tokenizer import load_tokenizer, tokenizer_from_json
+    from .storage import redact
 
     try:
         root, index, _ = load(dataset)
     except (WdsllmError, OSError, ValueError) as exc:
         _fail(exc)
+    if tokenizer is None and index.tokenizer_file is None:
+        # The index's tokenizer source is a stranger's path or Hub name: never opened unless asked.
+        raise click.ClickException(
+            f"{redact(root)} carries no {fmt.TOKENIZER_NAME} (packed by an older wdsllm); pass --tokenizer PATH "
+            f"(it was packed with {redact(index.tokenizer.source)!r}, sha256 {index.tokenizer.sha256[:16]}…)"
+        )
     try:
-        if tokenizer is None and index.tokenizer_file is not None:  # the dataset's own tokenizer.json
+        if tokenizer is None:  # the dataset's own tokenizer.json, checked against the index
             spec = f"{root.rstrip('/')}/{index.tokenizer_file.name}"
             tok = tokenizer_from_json(fmt.read_tokenizer_json(root, index), spec)
         else:
-            spec = tokenizer or index.tokenizer.source
+            spec = tokenizer
             tok = load_tokenizer(spec)
     except (WdsllmError, OSError) as exc:
-        raise click.ClickException(f"cannot load the dataset's tokenizer: {exc}; pass --tokenizer PATH") from None
+        raise click.ClickException(f"cannot load the tokenizer: {_message(exc)}; pass --tokenizer PATH") from None
     if tok.sha256 != index.tokenizer.sha256:
         _echo(f"warning: {spec} is not the tokenizer this dataset was packed with (sha256 differs)", err=True)
     try:
