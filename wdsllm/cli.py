@@ -464,7 +464,7 @@ def _pack_summary(result) -> None:
 
 
 def _print_skipped(skipped: dict, limit: int = 10) -> None:
-    from .pack.sources import UNLISTED
+    from .inputs.sources import UNLISTED
 
     if not skipped.get("total"):
         return
