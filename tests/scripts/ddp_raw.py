@@ -25,7 +25,7 @@ def main() -> None:
         args.data,
         tokenizer=args.tokenizer,
         counts=args.counts,
-        unit_bytes=20_000,
+        unit_bytes=40_000,
         batch_size=4,
         num_workers=2,
         seed=5,
