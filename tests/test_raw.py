@@ -211,3 +211,16 @@ def test_torchrun_two_ranks_raw_text_with_counts(corpus, tmp_path):
     assert len(ids) >= len(corpus["texts"]) - 4 * 2 * 2 * max(1, dropped)  # what is dropped is reported
     assert set(ids) <= set(corpus["texts"])
     np.testing.assert_array_equal(reports[0]["len"], reports[1]["len"])
+
+
+def test_remote_inputs_over_http_with_faults(corpus, http_server):
+    import shutil
+
+    for name in ("b.jsonl", "c.parquet"):
+        shutil.copy(corpus["dir"] / name, http_server.root / name)
+    urls = [http_server.url_for("b.jsonl"), http_server.url_for("c.parquet")]
+    local = _docs(wdsllm.loader(corpus["inputs"][1:], tokenizer=TOK, batch_size=4, unit_bytes=40_000, num_workers=2))
+    http_server.faults.add("*/b.jsonl", "drop_after", bytes=9000, times=3)  # bodies that break: reads resume
+    http_server.faults.add("*/c.parquet", "status", status=503, times=2)  # transient answers: retried
+    remote = _docs(wdsllm.loader(urls, tokenizer=TOK, batch_size=4, unit_bytes=40_000, num_workers=2))
+    assert remote == local
