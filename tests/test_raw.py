@@ -224,3 +224,33 @@ def test_remote_inputs_over_http_with_faults(corpus, http_server):
     http_server.faults.add("*/c.parquet", "status", status=503, times=2)  # transient answers: retried
     remote = _docs(wdsllm.loader(urls, tokenizer=TOK, batch_size=4, unit_bytes=40_000, num_workers=2))
     assert remote == local
+
+
+def test_resume_without_counts_reads_again_and_is_exact(corpus):
+    full = [b["input_ids"].tolist() for b in _loader(corpus, num_workers=2)]
+    first = _loader(corpus, num_workers=2)
+    it = iter(first)
+    for _ in range(len(full) // 2):
+        next(it)
+    second = _loader(corpus, num_workers=2)
+    second.load_state_dict(first.state_dict())
+    assert [b["input_ids"].tolist() for b in second] == full[len(full) // 2 :]
+
+
+def test_elastic_resume_with_counts_three_ranks_to_two(corpus):
+    kw = dict(counts=corpus["counts"], num_workers=2, workers_in_process=True)
+    consumed, states = [], []
+    for r in range(3):
+        loader = _loader(corpus, rank=r, world_size=3, **kw)
+        it = iter(loader)
+        for _ in range(5):
+            consumed += _docs([next(it)])
+        states.append(loader.state_dict())
+    rest = []
+    for r in range(2):
+        loader = _loader(corpus, rank=r, world_size=2, **{**kw, "num_workers": 3})
+        loader.load_state_dict(states[2])
+        rest += _docs(loader)
+    seen = Counter(consumed + rest)
+    assert max(seen.values()) == 1
+    assert len(set(corpus["texts"]) - set(seen)) < 2 * 3 * 4  # at most the equal-batches remainder
