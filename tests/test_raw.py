@@ -71,6 +71,7 @@ def test_units_divide_files_and_every_document_comes_once_with_its_tokens(corpus
     places = sorted(expected)[:40:3]
     direct = encode_texts([corpus["texts"][p] for p in places])
     assert [expected[p] for p in places] == direct  # pack's tokenization: no specials, EOS appended
+    assert loader.tokenizer.decode(direct[0][:-1]) == corpus["texts"][places[0]]
 
 
 @pytest.mark.parametrize(("world", "workers"), [(1, 3), (2, 2), (3, 1)])

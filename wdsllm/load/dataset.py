@@ -34,7 +34,7 @@ from .config import Config, read_options, resolve_world
 from .counts import EpochLimits, EpochPlan, WorkerLimit, epoch_limits, slices_for
 from .guard import refuse_rewrapping
 from .plan import resampled_slices
-from .raw import RAW_OPTIONS, check_world, take_raw_options
+from .raw import RAW_OPTIONS, RawCatalog, check_world, take_raw_options
 from .read import ReadOptions
 from .stream import StreamSpec, StreamStats, plan_items, shuffle_lengths, shuffled_items, slice_item_lengths
 from .transport import RingHolder, send_bundles
@@ -379,6 +379,8 @@ def dataset_tokenizer(catalog: Catalog) -> Any:
     (checked against the index's sha256)."""
     from tokenizers import Tokenizer
 
+    if isinstance(catalog, RawCatalog):  # raw text: the tokenizer it is tokenized with
+        return Tokenizer.from_str(catalog.text.tokenizer_json)
     index, root = catalog.index, catalog.root
     if index is None or root is None:
         raise TokenizerError("a dataset without index.json names no tokenizer")
