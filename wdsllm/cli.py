@@ -509,8 +509,11 @@ def count(ctx, inputs, output, tokenizer, text_field, split, where, bos, eos, un
 
     \b
     Pass the loader's own inputs and options: the sidecar is refused for any other.
-    Example:
+
+    \b
+    Examples:
       wdsllm count "data/*.jsonl.zst" -t tok.json -o data.counts.npz -j 8
+      wdsllm count s3://b/fineweb/*.parquet -t tok.json --unit-bytes 64MiB -o fw.counts.npz
     """
     from .load.raw import open_raw
     from .load.rawcount import count_raw, save_counts
