@@ -14,7 +14,7 @@ import time
 import pytest
 from pack_helpers import GPT2, REPO, SHAKESPEARE, WIKI, cached, cli, pack_api
 
-COMMANDS = ["pack", "info", "verify", "head", "merge", "stats"]
+COMMANDS = ["pack", "info", "verify", "head", "merge", "count", "stats"]
 
 
 def _dataset():

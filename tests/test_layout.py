@@ -1,5 +1,6 @@
-"""The layout holds: the packer and the loader share only the format and storage, the packing side
-and the loader's core never import torch, and every error derives from WdsllmError."""
+"""The layout holds: the packer and the loader share only the format, storage and the input readers
+(``inputs/``, which imports neither), the packing side and the loader's core never import torch,
+and every error derives from WdsllmError."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ def _imports(path: Path) -> set[str]:
     [
         ("pack", "wdsllm.load"),
         ("load", "wdsllm.pack"),
+        ("inputs", "wdsllm.load"),
+        ("inputs", "wdsllm.pack"),
+        ("inputs", "wdsllm.integrations"),
         ("format", "wdsllm.load"),
         ("format", "wdsllm.pack"),
         ("storage", "wdsllm.load"),
@@ -60,6 +64,8 @@ def test_rooms_import_only_what_the_layout_allows(room, never):
         "from wdsllm.cli import main\nsys.argv = ['wdsllm', 'pack', '--help']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass",
         "import wdsllm.pack.job, wdsllm.pack.merge, wdsllm.format.verify, wdsllm.format.head",
+        "import wdsllm.inputs.sources, wdsllm.inputs.tasks, wdsllm.inputs.tokenizer, wdsllm.inputs.text",
+        "import wdsllm.load.raw, wdsllm.load.rawread, wdsllm.load.rawcount",
         "import wdsllm.load.stats, wdsllm.load.counts, wdsllm.load.catalog, wdsllm.load.state",
         "import wdsllm.integrations\nassert wdsllm.integrations.model_inputs({'epoch': 0}) == {}",
     ],

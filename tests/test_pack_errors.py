@@ -11,8 +11,8 @@ from pack_helpers import GPT2, cli, dataset_files, documents, jsonl, load_index,
 from tokenizers import Tokenizer
 
 from wdsllm.errors import TokenizerError
+from wdsllm.inputs.sources import SourceError
 from wdsllm.pack.job import PackError
-from wdsllm.pack.sources import SourceError
 
 BAD_LINES = [
     (b"{not json", "invalid_json", "invalid JSON"),

@@ -13,7 +13,7 @@ import zstandard
 from pack_helpers import GPT2, cli, documents, load_index, pack_api, provenance, wiki_lines
 from tokenizers import Tokenizer
 
-from wdsllm.pack.sources import SourceError, expand_inputs
+from wdsllm.inputs.sources import SourceError, expand_inputs
 
 EOS = 50256
 _tok = Tokenizer.from_file(str(GPT2))

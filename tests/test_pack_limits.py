@@ -9,8 +9,8 @@ import pytest
 from pack_helpers import dataset_files, documents, encode_texts, jsonl, load_index, pack_api, provenance, write_parquet
 
 from wdsllm.errors import SourceError
-from wdsllm.pack.sources import Part, expand_inputs
-from wdsllm.pack.text import read_chunks
+from wdsllm.inputs.sources import Part, expand_inputs
+from wdsllm.inputs.text import read_chunks
 
 LIMIT = 64 << 10
 

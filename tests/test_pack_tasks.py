@@ -31,11 +31,11 @@ from pack_helpers import (
 
 from wdsllm import format as fmt
 from wdsllm.format.verify import verify
+from wdsllm.inputs.sources import Part, expand_inputs
+from wdsllm.inputs.text import read_chunks
 from wdsllm.pack import merge as merge_mod
 from wdsllm.pack.job import assign_tasks, task_from_env
 from wdsllm.pack.merge import MergeError, merge
-from wdsllm.pack.sources import Part, expand_inputs
-from wdsllm.pack.text import read_chunks
 
 TASKS = 3
 OPTIONS = {"sample_tokens": 3000, "shard_size": 40 * 1024}

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wdsllm.errors import ConfigError
-from wdsllm.pack.columns import resolve
-from wdsllm.pack.where import parse_where
+from wdsllm.inputs.columns import resolve
+from wdsllm.inputs.where import parse_where
 
 
 def keeps(expr: str, obj: dict) -> bool:

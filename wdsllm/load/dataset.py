@@ -24,6 +24,7 @@ from .. import format as fmt
 from .. import storage
 from ..errors import ConfigError, ShardError, StateError, TokenizerError, WdsllmError
 from ..format.tar import changed_file
+from ..inputs.sources import DEFAULT_MAX_DOC_BYTES
 from . import resume as resumemod
 from . import state as statemod
 from .batching import Batch
@@ -33,6 +34,7 @@ from .config import Config, read_options, resolve_world
 from .counts import EpochLimits, EpochPlan, WorkerLimit, epoch_limits, slices_for
 from .guard import refuse_rewrapping
 from .plan import resampled_slices
+from .raw import RAW_OPTIONS, RawCatalog, check_world, take_raw_options
 from .read import ReadOptions
 from .stream import StreamSpec, StreamStats, plan_items, shuffle_lengths, shuffled_items, slice_item_lengths
 from .transport import RingHolder, send_bundles
@@ -190,14 +192,16 @@ def _epoch_batches(
             worker=spec.worker,
             hint=hint,
         )
-        if stats.truncated_tokens or stats.skipped_shards or refill:  # most batches have nothing to report
+        if stats.truncated_tokens or stats.skipped_shards or stats.skipped_docs or refill:  # mostly nothing
             batch.stats = {
                 "truncated_tokens": stats.truncated_tokens,
                 "skipped_shards": stats.skipped_shards,
+                "skipped_docs": stats.skipped_docs,
                 "refilled": int(refill),
             }
             stats.truncated_tokens = 0
             stats.skipped_shards = []
+            stats.skipped_docs = 0
         return batch
 
     for task in tasks:
@@ -243,7 +247,11 @@ def _epoch_batches(
         yield EndOfWorker(
             worker=last.worker,
             epoch=last.epoch,
-            stats={"truncated_tokens": stats.truncated_tokens, "skipped_shards": stats.skipped_shards},
+            stats={
+                "truncated_tokens": stats.truncated_tokens,
+                "skipped_shards": stats.skipped_shards,
+                "skipped_docs": stats.skipped_docs,
+            },
         )
 
 
@@ -371,6 +379,8 @@ def dataset_tokenizer(catalog: Catalog) -> Any:
     (checked against the index's sha256)."""
     from tokenizers import Tokenizer
 
+    if isinstance(catalog, RawCatalog):  # raw text: the tokenizer it is tokenized with
+        return Tokenizer.from_str(catalog.text.tokenizer_json)
     index, root = catalog.index, catalog.root
     if index is None or root is None:
         raise TokenizerError("a dataset without index.json names no tokenizer")
@@ -575,12 +585,27 @@ def dataset(
     cache_size: int = 64 << 30,
     on_error: str = "raise",
     check_groups: bool = True,
+    tokenizer: Any = None,
+    text_field: str = "text",
+    counts: str | None = None,
+    where: str | None = None,
+    split: str = "line",
+    bos: bool | None = None,
+    eos: bool = True,
+    input_format: str | None = None,
+    unit_bytes: int | None = None,
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
 ) -> WdsPipeline:
     """A webdataset.DataPipeline that yields collated batches (dicts of tensors).
 
     ``source`` is a dataset directory or URL holding index.json, the URL of an index.json, or
-    shard URLs / brace patterns. See docs/loader.md for every option and guarantee.
+    shard URLs / brace patterns; with ``tokenizer=``, raw text files or patterns (txt, jsonl,
+    Parquet, Arrow, raw-text tars) tokenized in the workers (``load/raw.py``). See docs/loader.md
+    for every option and guarantee.
     """
+    raw_args = {k: v for k, v in locals().items() if k in (*RAW_OPTIONS, "source", "on_error", "pad_id")}
+    source = take_raw_options(raw_args)
+    pad_id = raw_args["pad_id"]
     catalog = open_catalog(source, retry=retry)
     r, w = resolve_world(rank, world_size)
     cfg = Config(
@@ -606,6 +631,7 @@ def dataset(
         docs=docs,
     )
     read = read_options(retry, cache_dir, cache_size, on_error, check_groups)
+    check_world(catalog, cfg.keeps_equal_batches(w), steps_per_epoch)
     return build_pipeline(
         catalog,
         cfg.resolved(catalog),

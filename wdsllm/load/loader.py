@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from .. import storage
 from ..errors import ConfigError, NotADatasetError, StateError, UsageError
+from ..inputs.sources import DEFAULT_MAX_DOC_BYTES
 from . import resume as resumemod
 from . import state as statemod
 from .batching import Batch
@@ -34,6 +35,7 @@ from .collate import CollateOptions, collate_docs, collate_rows
 from .config import Config, read_options, resolve_world
 from .counts import EpochCounts, EpochPlan, batch_counts, equalised, round_robin_share
 from .dataset import EndOfWorker, build_pipeline, dataset_tokenizer
+from .raw import check_world, take_raw_options
 from .transport import RingHolder, TokenRing, received
 
 log = logging.getLogger(__name__)
@@ -187,6 +189,8 @@ class Loader:
         #: tokens cut by max_len_mode="truncate", and shards skipped as unreadable (on_error="skip")
         self.truncated_tokens = 0
         self.skipped_shards: list[str] = []
+        #: raw text: bad lines or rows skipped (on_error="skip"), counted once each
+        self.skipped_docs = 0
         #: batches repeated to keep counts equal after shards were skipped (on_error="skip")
         self.refilled_batches = 0
 
@@ -402,6 +406,7 @@ class Loader:
     def _note_stats(self, stats: dict) -> None:
         self.truncated_tokens += stats.get("truncated_tokens", 0)
         self.skipped_shards.extend(stats.get("skipped_shards", ()))
+        self.skipped_docs += stats.get("skipped_docs", 0)
         self.refilled_batches += stats.get("refilled", 0)
 
     def _hand_out(self, batch: Batch) -> dict:
@@ -658,9 +663,23 @@ def loader(
     check_groups: bool = True,
     multiprocessing_context: Any = None,
     workers_in_process: bool = False,
+    tokenizer: Any = None,
+    text_field: str = "text",
+    counts: str | None = None,
+    where: str | None = None,
+    split: str = "line",
+    bos: bool | None = None,
+    eos: bool = True,
+    input_format: str | None = None,
+    unit_bytes: int | None = None,
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
 ) -> Loader:
     """Batches of ``source`` for this rank, with DataLoader workers, ``set_epoch`` and an exact
     ``state_dict``. Every option is described in docs/loader.md; the batching options are those of
     ``wdsllm.dataset``."""
     args = dict(locals())
-    return Loader(args.pop("source"), **args)
+    source = take_raw_options(args)  # with tokenizer=: raw text, tokenized in the workers (raw.py)
+    del args["source"]
+    out = Loader(source, **args)
+    check_world(out.catalog, out.cfg.keeps_equal_batches(out.world_size), out.cfg.steps_per_epoch)
+    return out

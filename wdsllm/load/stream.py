@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .. import storage
+from ..errors import SourceError
 from ..format import FormatError
 from . import plan as planmod
 from .block import Block, windows
@@ -256,6 +257,7 @@ class StreamStats:
     def __init__(self) -> None:
         self.truncated_tokens = 0
         self.skipped_shards: list[str] = []
+        self.skipped_docs = 0  # raw text: bad lines or rows skipped (on_error="skip")
 
 
 def plan_items(
@@ -274,12 +276,13 @@ def plan_items(
     The next shard is opened (and, when remote, read ahead) while the current one is consumed.
     """
     options = options or ReadOptions()
+    raw = getattr(catalog, "read_unit", None)  # raw text: units read and tokenized here (load/raw.py)
     # each slice with where a ranged read can enter its shard (remote shards, groups.npy)
     work = (
-        (sl, skip, drop, ranged_start(catalog, sl, skip, options))
+        (sl, skip, drop, None if raw else ranged_start(catalog, sl, skip, options))
         for sl, skip, drop in _slice_work(catalog, slices, spec, start)
     )
-    if options.prefetch:
+    if options.prefetch and not raw:
         work, ahead = itertools.tee(work)
         streams = storage.prefetch_iter(
             ((catalog.urls[sl.shard], open_kwargs(catalog, sl.shard, options, at)) for sl, _, _, at in ahead),
@@ -293,7 +296,11 @@ def plan_items(
         position = _items_of_docs(catalog, sl, spec, skip_docs) if sl.pick is not None else 0
         try:
             stream = next(streams) if streams is not None else None
-            for block in read_slice(catalog, sl, skip=skip_docs, options=options, stream=stream, start=at):
+            if raw:
+                blocks = raw(sl.shard, sl.start, sl.stop, sl.stride, skip_docs, stats)
+            else:
+                blocks = read_slice(catalog, sl, skip=skip_docs, options=options, stream=stream, start=at)
+            for block in blocks:
                 if catalog.mode == "docs":
                     block, cut = _apply_max_len(block, spec)
                     if stats is not None:
@@ -308,7 +315,7 @@ def plan_items(
                     block = block.slice(take, len(block))
                 if len(block):
                     yield block
-        except (storage.StorageError, FormatError) as exc:
+        except (storage.StorageError, FormatError, SourceError) as exc:
             if options.on_error != "skip":
                 raise
             url = catalog.urls[sl.shard]

@@ -29,9 +29,7 @@ import numpy as np
 from .. import __version__, storage
 from .. import format as fmt
 from ..errors import PackError, normalize_on_error
-from .lock import OutputLock
-from .shaping import DocGrouper, EncodedChunk, Position, RowPacker
-from .sources import (
+from ..inputs.sources import (
     DEFAULT_MAX_DOC_BYTES,
     SPLITS,
     STDIN,
@@ -41,9 +39,12 @@ from .sources import (
     expand_inputs,
     reader_for,
 )
-from .tasks import assign_tasks
+from ..inputs.tasks import assign_tasks
+from ..inputs.tokenizer import resolve_specials
+from ..inputs.where import parse_where
+from .lock import OutputLock
+from .shaping import DocGrouper, EncodedChunk, Position, RowPacker
 from .tokenizer import LoadedTokenizer, encode_chunk, init_worker, load_tokenizer
-from .where import parse_where
 from .writer import JOURNAL_PREFIX, JOURNAL_START, Counters, ShardSink, read_journal, records_truncated
 
 log = logging.getLogger(__name__)
@@ -215,12 +216,7 @@ def _validate(cfg: PackConfig) -> None:
 
 def _resolve_specials(cfg: PackConfig, tok: LoadedTokenizer) -> tuple[bool, int | None, int | None]:
     """(use_bos, bos_id, eos_id) to add, from the options and what the tokenizer defines."""
-    use_bos = tok.adds_bos if cfg.bos is None else cfg.bos
-    if use_bos and tok.bos_id is None:
-        raise PackError(f"tokenizer {cfg.tokenizer} has no BOS token; pass --bos-token TEXT or --no-bos")
-    if cfg.eos and tok.eos_id is None:
-        raise PackError(f"tokenizer {cfg.tokenizer} has no EOS token; pass --eos-token TEXT or --no-eos")
-    return use_bos, (tok.bos_id if use_bos else None), (tok.eos_id if cfg.eos else None)
+    return resolve_specials(tok, cfg.bos, cfg.eos, cfg.tokenizer, PackError)
 
 
 def _task_inputs(cfg: PackConfig) -> tuple[list[InputFile], list[Part]]:

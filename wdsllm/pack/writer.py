@@ -22,9 +22,9 @@ import numpy as np
 
 from .. import format as fmt
 from ..format.tar import SampleTarWriter, member_bytes, tar_file_bytes
+from ..inputs.sources import UNLISTED
 from ..storage import Output
 from .shaping import GroupData, Position
-from .sources import UNLISTED
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,10 @@ counted (tallies).
 from __future__ import annotations
 
 import bz2
+import fnmatch
 import glob
 import gzip
+import io
 import logging
 import lzma
 import os
@@ -30,6 +32,7 @@ from typing import Any, BinaryIO, Protocol
 
 import braceexpand
 
+from .. import storage
 from ..errors import SourceError
 
 log = logging.getLogger(__name__)
@@ -69,7 +72,7 @@ class InputFile:
 
     @property
     def display(self) -> str:
-        return "<stdin>" if self.path == STDIN else self.path
+        return "<stdin>" if self.path == STDIN else storage.redact(self.path)
 
 
 def _kind_and_compression(path: str, input_format: str | None) -> tuple[str | None, str | None]:
@@ -102,7 +105,9 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
             continue
         found: list[str] = []
         for expanded in braceexpand.braceexpand(pattern):
-            if os.path.isdir(expanded):
+            if storage.is_remote(expanded):
+                found.extend(_remote_matches(expanded))
+            elif os.path.isdir(expanded):
                 for root, dirs, files in os.walk(expanded):
                     dirs.sort()
                     for f in sorted(files):
@@ -122,7 +127,7 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
     seen: set[str] = set()
     inputs: list[InputFile] = []
     for path in paths:
-        key = path if path == STDIN else os.path.realpath(path)
+        key = path if path == STDIN or storage.is_remote(path) else os.path.realpath(path)
         if key in seen:
             log.warning("input %s is named more than once; reading it once", path)
             continue
@@ -140,21 +145,88 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
             )
         if compression and kind not in STREAMED:
             raise SourceError(f"{path}: a compressed {kind} file cannot be read; {kind} files compress inside")
-        inputs.append(InputFile(len(inputs), path, kind, compression, os.path.getsize(path)))
+        size = remote_size(path) if storage.is_remote(path) else os.path.getsize(path)
+        inputs.append(InputFile(len(inputs), path, kind, compression, size))
     if sum(p == STDIN for p in paths) > 1:
         raise SourceError("stdin ('-') can be read only once")
     return inputs
 
 
+def _remote_matches(pattern: str) -> list[str]:
+    """A remote URL, or a glob over one folder of a store (listed through storage), sorted."""
+    if not glob.has_magic(pattern):
+        return [pattern]
+    folder = storage.dirname_url(pattern)
+    if glob.has_magic(folder):
+        raise SourceError(f"{storage.redact(pattern)}: a remote glob may only match names in one folder")
+    rest = pattern[len(folder) :].lstrip("/")
+    try:
+        names = storage.Output(folder).list_names()
+    except storage.StorageError as exc:
+        raise SourceError(f"{storage.redact(pattern)}: cannot list {storage.redact(folder)}: {exc}") from None
+    return [storage.join_url(folder, n) for n in names if fnmatch.fnmatchcase(n, rest)]
+
+
+def remote_size(url: str) -> int:
+    """An object's size, from the answer to a one-byte ranged read."""
+    try:
+        with storage.open_stream(url, offset=0, length=1) as s:
+            s.read(1)
+            size = s.raw.size
+    except storage.StorageError as exc:
+        raise SourceError(f"{storage.redact(url)}: {exc}") from None
+    if size is None:
+        raise SourceError(f"{storage.redact(url)}: the store did not report the object's size")
+    return int(size)
+
+
+class RangedFile(io.RawIOBase):
+    """A seekable read-only file over a remote object: each read is one ranged GET (retried and
+    resumed by storage). What Parquet and Arrow need: a footer, then the column chunks asked for."""
+
+    def __init__(self, url: str, size: int):
+        super().__init__()
+        self.url, self._size, self._pos = url, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = min(len(b), self._size - self._pos)
+        if n <= 0:
+            return 0
+        with storage.open_stream(self.url, offset=self._pos, length=n) as s:
+            data = s.read(n)
+        b[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
 # ----------------------------------------------------------------------------------------------
-# Opening inputs: the one place that knows where bytes come from (local files and stdin today;
-# remote URLs will come through wdsllm.storage here).
+# Opening inputs: the one place that knows where bytes come from (local files, stdin, and every
+# URL wdsllm.storage serves: streamed, retried and resumed where a body broke).
 
 
 def open_input(path: str) -> BinaryIO:
     """A binary stream of the input's bytes from its start."""
     if path == STDIN:
         return sys.stdin.buffer
+    if storage.is_remote(path):
+        try:
+            return storage.open_stream(path)
+        except storage.StorageError as exc:
+            raise SourceError(f"{storage.redact(path)}: cannot open: {exc}") from None
     try:
         return open(path, "rb")
     except OSError as exc:
@@ -166,6 +238,8 @@ def open_seekable(path: str) -> BinaryIO:
     column chunks, Arrow's record batches)."""
     if path == STDIN:
         raise SourceError("stdin cannot be read as Parquet or Arrow: they need random access")
+    if storage.is_remote(path):
+        return io.BufferedReader(RangedFile(path, remote_size(path)), buffer_size=1 << 20)
     return open_input(path)
 
 

@@ -1,0 +1,106 @@
+"""Reading a unit of raw text in a DataLoader worker: parse, select, tokenize, as blocks.
+
+The unit's chunks come from its input kind's reader (``inputs.sources.reader_for``), are parsed
+here (JSON, text field, ``where``, UTF-8; bad input raises naming file and line, or is skipped and
+counted), and only the documents this consumer takes are tokenized: documents of a unit that
+another consumer reads, and those before a resume position, are parsed and passed over. The
+tokenizer runs on one thread per worker (``TOKENIZERS_PARALLELISM=false``): workers are the
+parallelism, as in a pack.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..inputs.sources import ParsedChunk, reader_for
+from ..inputs.tokenizer import Encoder
+from .block import ID_SHIFT, Block
+
+log = logging.getLogger(__name__)
+
+#: decompressed bytes per chunk a unit is parsed in
+CHUNK_BYTES = 1 << 20
+
+_encoders: dict[tuple, Encoder] = {}
+
+
+def encoder_for(text: Any) -> Encoder:
+    """One encoder per process and tokenizer (a forked worker makes its own: the Rust tokenizer's
+    thread pool does not survive a fork)."""
+    key = (os.getpid(), text.tokenizer_sha256, text.dtype, text.bos_id, text.eos_id)
+    enc = _encoders.get(key)
+    if enc is None:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        _encoders.clear()
+        enc = _encoders[key] = Encoder(text.tokenizer_json, text.dtype, text.bos_id, text.eos_id)
+    return enc
+
+
+def parsed_chunks(catalog: Any, unit: int) -> Iterator[ParsedChunk]:
+    """The unit's documents, a chunk at a time, in input order (bad input raised or listed)."""
+    part = catalog.units[unit]
+    opts = catalog.text.parse
+    display = part.input.display
+    for chunk in reader_for(part.input.kind).chunks(part, opts, CHUNK_BYTES, 1):
+        yield chunk.parse(opts, display)
+
+
+def _note_skips(parsed: ParsedChunk, display: str, stats: Any) -> None:
+    for s in parsed.skips:
+        log.warning("skipping %s:%d: %s", display, s.line, s.message or s.reason)
+        if stats is not None:
+            stats.skipped_docs += s.count
+
+
+def read_unit(
+    catalog: Any, unit: int, first: int, stop: int | None, stride: int, skip: int, stats: Any = None
+) -> Iterator[Block]:
+    """Documents ``first, first+stride, ...`` (before ``stop``) of the unit, less the first
+    ``skip`` of them, tokenized, one block per chunk. Ids are ``file << 32 | line``."""
+    text = catalog.text
+    part = catalog.units[unit]
+    encoder = encoder_for(text)
+    file_id = np.int64(part.input.index) << ID_SHIFT
+    owns_skips = first == 0 and skip == 0  # bad input is counted once, by the consumer that reads the unit's start
+    ordinal = 0  # the unit's document number of the chunk's first document
+    for parsed in parsed_chunks(catalog, unit):
+        if owns_skips and parsed.skips:
+            _note_skips(parsed, part.input.display, stats)
+        n = len(parsed.texts)
+        if n == 0:
+            continue
+        j = np.arange(ordinal, ordinal + n)
+        ordinal += n
+        keep = j >= first
+        if stop is not None:
+            keep &= j < stop
+        if stride > 1:
+            keep &= (j - first) % stride == 0
+        if skip:
+            keep &= (j - first) // stride >= skip
+        picked = np.nonzero(keep)[0]
+        if len(picked):
+            texts = parsed.texts if len(picked) == n else [parsed.texts[i] for i in picked.tolist()]
+            tokens, lengths = encoder.encode(texts)
+            lines = np.asarray(parsed.lines, np.int64)[picked]
+            starts = np.cumsum(lengths) - lengths
+            yield Block(tokens, starts.astype(np.int64), lengths.astype(np.int64), file_id | lines)
+        if stop is not None and ordinal >= stop:
+            return
+
+
+def unit_lengths(catalog: Any, unit: int) -> tuple[np.ndarray, int]:
+    """(every document's token length, bad documents skipped) of a unit: what ``wdsllm count`` records."""
+    encoder = encoder_for(catalog.text)
+    parts, skipped = [], 0
+    for parsed in parsed_chunks(catalog, unit):
+        skipped += sum(s.count for s in parsed.skips)
+        if parsed.texts:
+            parts.append(encoder.encode(parsed.texts)[1])
+    lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return lengths.astype(np.uint32), skipped
