@@ -58,6 +58,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import scale_data  # noqa: E402 - the builder the test suite uses too
+from scale_data import fmt  # noqa: E402
 
 SHARED = os.environ.get("WDSLLM_SHARED", os.path.normpath(os.path.join(HERE, "..", "..", "shared", "data")))
 if not os.path.isdir(SHARED):
@@ -103,7 +104,9 @@ def pack_base(work: str, code: str | None) -> str:
     """The one real shard everything is copied from (packed once)."""
     base = os.path.join(work, "base")
     if os.path.exists(os.path.join(base, "index.json")):
-        return base
+        with open(os.path.join(base, "index.json")) as f:
+            if json.load(f).get("version") == fmt.FORMAT_VERSION:
+                return base
     if os.path.exists(base):
         shutil.rmtree(base)
     cmd = [sys.executable, "-m", "wdsllm.cli", "pack", *CORPUS, "-o", base, "-t", TOKENIZER, "-q", "--overwrite"]

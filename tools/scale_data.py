@@ -54,7 +54,13 @@ def build(base: str, out: str, shards: int, *, table_limit: int = fmt.INLINE_SHA
     if index.mode != "docs" or len(index.shards) != 1:
         raise ValueError(f"{base}: a docs-mode dataset of one shard is needed")
     entry = index.shards[0]
-    want = {"version": BUILD_VERSION, "shards": shards, "base_sha256": entry.sha256, "table_limit": table_limit}
+    want = {
+        "version": BUILD_VERSION,
+        "format": index.version,  # a dataset built for another format version is built again
+        "shards": shards,
+        "base_sha256": entry.sha256,
+        "table_limit": table_limit,
+    }
     marker = os.path.join(out, MARKER)
     if os.path.exists(marker) and os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
         with open(marker) as f:
