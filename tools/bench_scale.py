@@ -315,8 +315,7 @@ def child_cli(spec: dict) -> None:
     t0 = time.perf_counter()
     code = 0
     try:
-        rv = main.main(args=spec["args"], prog_name="wdsllm", standalone_mode=False)
-        code = rv if isinstance(rv, int) else 0
+        main(spec["args"])  # the `wdsllm` command's own entry point (exits with its status)
     except SystemExit as exc:
         code = exc.code or 0
     except Exception as exc:
