@@ -3,7 +3,7 @@
 
 Builds, once, a synthetic docs-mode dataset of N hardlinked copies of one real shard (the wiki
 files wiki-00 and wiki-01 packed with the GPT-2 tokenizer: 24,959 documents, 6.9 MB) with
-``tools/scale_data.py``: a consistent format-3 index, ``lengths.npy`` (uint32), ``groups.npy``
+``tools/scale_data.py``: a consistent format-4 index, ``lengths.npy`` (uint32), ``groups.npy``
 and, beyond 10,000 shards, ``shards.npy``, written a chunk at a time. N is chosen to reach
 ``--docs`` documents (1e9: 40,066 shards, a 3.7 GiB lengths.npy). Datasets are kept under
 ``--work``; reruns reuse them.

@@ -2,7 +2,7 @@
 loader on (1e9 documents) and what ``tests/test_scale.py`` checks it on (hundreds of shards).
 
 A docs-mode dataset of one shard is copied into N shards that are hardlinks of one file (a new
-copy every MAX_LINKS links: ext4 allows 65,000 per inode), with a consistent format-3 index:
+copy every MAX_LINKS links: ext4 allows 65,000 per inode), with a consistent index (the base's format):
 ``lengths.npy`` and ``groups.npy`` are the shard's own rows repeated N times, written a chunk at a
 time (nothing of the dataset's size is ever in memory), every per-document count of the index is
 scaled by N, and the shard table goes to ``shards.npy`` beyond ``table_limit`` shards, as a
