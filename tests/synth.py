@@ -35,11 +35,14 @@ def write_dataset(
     rows_per_group: int = 3,
     write_index: bool = True,
     version: int = fmt.FORMAT_VERSION,
+    task: int = 0,
+    options: dict | None = None,
 ) -> dict:
     """Write shards; return {"ids": composite item ids per shard, "lengths": ..., "tokens": {id: array}}.
 
     In packed mode ``docs_per_shard`` gives the number of *rows* per shard (the last shard may end
-    with a short row).
+    with a short row). ``task`` qualifies the sample keys and ``options`` are the index's (a pack
+    task's output, for ``wdsllm merge``).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,7 +84,7 @@ def write_dataset(
                         expect[(s << 32) | (gstart + i)] = doc_tokens(g + i, int(n_tok))
                     g += len(ls)
                     meta = {"documents": len(ls), "provenance": [[0, gstart + 1, len(ls)]]}
-                    tw.write(fmt.encode_group(fmt.group_key(0, samples + 1000 * s), toks, lengths=ls, meta=meta))
+                    tw.write(fmt.encode_group(fmt.group_key(task, samples + 1000 * s), toks, lengths=ls, meta=meta))
                     samples += 1
                     tokens_total += len(toks)
                     docs_total += len(ls)
@@ -103,7 +106,7 @@ def write_dataset(
                         "rows": r1 - r0,
                         "provenance": [[0, 1, len(starts)]] if len(starts) else [],
                     }
-                    tw.write(fmt.encode_group(fmt.group_key(0, samples + 1000 * s), toks, starts=starts, meta=meta))
+                    tw.write(fmt.encode_group(fmt.group_key(task, samples + 1000 * s), toks, starts=starts, meta=meta))
                     samples += 1
                     tokens_total += len(toks)
                     docs_total += len(starts)
@@ -138,7 +141,7 @@ def write_dataset(
             ),
             shards=entries,
             doc_lengths=fmt.length_histogram(np.asarray(all_lengths)),
-            options={},
+            options=dict(options or {}),
             inputs=[],
             skipped={},
             lengths_file=fmt.SideFile.of(fmt.LENGTHS_NAME, lengths_bytes),

@@ -293,3 +293,149 @@ def test_stats_on_a_sample_agree_with_the_whole_stream(scale_root):
             continue
         assert abs(w.padding_pct - s.padding_pct) <= max(3 * s.padding_ci, 0.5), (w, s)
         assert abs(w.batches - s.batches) <= 0.1 * w.batches + 2, (w, s)
+
+
+# ----------------------------------------------------------------------------------------------
+# Writers: pack and merge write lengths.npy and groups.npy a piece at a time
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.int64])
+def test_a_side_file_written_in_pieces_is_the_one_written_whole(tmp_path, dtype):
+    from wdsllm.format.side import SideWriter
+
+    rng = np.random.default_rng(3)
+    values = rng.integers(0, 1 << 30, (fmt.CHUNK_BYTES * 5) // (2 * np.dtype(dtype).itemsize)).astype(dtype)
+    path = str(tmp_path / "side.npy")
+    writer = SideWriter(path, "side.npy", dtype, len(values))
+    cuts = np.sort(rng.integers(0, len(values), 9))
+    for a, b in zip([0, *cuts], [*cuts, len(values)]):  # pieces across chunk edges, some empty
+        writer.write(values[a:b])
+    ref = writer.finish()
+    whole = fmt.npy_bytes(values)
+    expect = fmt.SideFile.of("side.npy", whole)
+    assert Path(path).read_bytes() == whole
+    assert (ref, ref.chunks) == (expect, expect.chunks) and len(ref.chunks) == 3
+    assert fmt.SideFile.of_file("side.npy", path).chunks == ref.chunks
+
+    short = SideWriter(path + "2", "short.npy", dtype, 3)
+    short.write(np.ones(2, dtype))
+    with pytest.raises(fmt.FormatError, match="2 values written, its header announces 3"):
+        short.finish()
+    assert not os.path.exists(path + "2")  # nothing half-written is left
+    narrow = SideWriter(path + "3", "narrow.npy", np.uint32, 2)
+    with pytest.raises(fmt.FormatError, match="does not fit uint32"):
+        narrow.write(np.array([1, -1]))
+    narrow.abort()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3_000_000), max_size=40), min_size=1, max_size=5))
+def test_the_length_summary_of_pieces_is_the_histogram_of_the_whole(pieces):
+    """Summarised a piece at a time (lengths below and above the per-value counts' range), the
+    index's doc_lengths are what numpy computes over the whole array."""
+    whole = np.asarray([v for p in pieces for v in p], np.int64)
+    summary = fmt.LengthSummary()
+    for p in pieces:
+        summary.add(np.asarray(p, np.uint32))
+    got = summary.to_json()
+    if not len(whole):
+        assert got == {"edges": [], "counts": [], "count": 0}
+        return
+    edges = [0] + [1 << k for k in range(max(1, int(whole.max()).bit_length()) + 1)]
+    assert got["edges"] == edges and got["counts"] == np.histogram(whole, bins=edges)[0].tolist()
+    assert (got["count"], got["min"], got["max"]) == (len(whole), whole.min(), whole.max())
+    assert got["mean"] == round(float(whole.mean()), 3)
+    assert [got["p50"], got["p90"], got["p99"]] == np.percentile(whole, [50, 90, 99]).tolist()
+
+
+def test_side_files_are_written_in_bounded_memory(tmp_path):
+    """What pack and merge use: 16 MB of lengths through SideFiles, never held."""
+    import tracemalloc
+
+    from wdsllm import storage
+    from wdsllm.pack.sidefiles import SideFiles
+
+    n, step = 4_000_000, 100_000
+    out = storage.Output(str(tmp_path / "ds"))
+    tracemalloc.start()
+    try:
+        with SideFiles(out, n, 0) as sides:
+            for a in range(0, n, step):
+                sides.add_lengths((np.arange(a, a + step) % 5000).astype(np.uint32))
+            lengths_file, groups_file = sides.put()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * n // 4  # a quarter of the file's size: pieces, never the whole
+    assert lengths_file == fmt.SideFile.of_file(fmt.LENGTHS_NAME, str(tmp_path / "ds" / fmt.LENGTHS_NAME))
+    assert np.array_equal(np.load(tmp_path / "ds" / fmt.LENGTHS_NAME), np.arange(n) % 5000)
+    assert groups_file.bytes == len(fmt.npy_bytes(np.zeros(0, np.int64)))
+    assert sides.summary.to_json() == fmt.length_histogram(np.arange(n) % 5000)
+    assert sorted(os.listdir(tmp_path / "ds")) == [fmt.GROUPS_NAME, fmt.LENGTHS_NAME]  # no staging left
+
+
+def _part(root: Path, task: int, docs: int, shards: int, version: int, seed: int) -> Path:
+    """A pack task's output of ``shards`` hardlinked copies of one synthetic shard, in ``version``
+    (format 3: no chunk digests; format 4: shards.npy past 10,000 shards)."""
+    base = root / f"base-{task}"
+    write_dataset(base, [docs], seed=seed, version=version, task=task, options={"task_index": task, "num_tasks": 2})
+    part = root / "parts" / f"task-{task:05d}"
+    scale_data.build(str(base), str(part), shards)
+    if version < 4:  # what a format-3 writer wrote: side files vouched for by their sha256 alone
+        body = json.loads((part / fmt.INDEX_NAME).read_text())
+        for key in ("lengths_file", "groups_file"):
+            body[key] = {k: body[key][k] for k in ("name", "bytes", "sha256")}
+        (part / fmt.INDEX_NAME).write_text(json.dumps(body))
+    return part
+
+
+@pytest.mark.slow  # 10,061 shards moved, each fsynced
+def test_a_format_3_and_a_format_4_part_merge_into_format_4_with_shards_npy(tmp_path):
+    """Format 4 changed only the index and how side files are vouched for, so the parts of one
+    pack written by both merge (into format 4); a merged table of more than 10,000 shards goes to
+    shards.npy, and the merged side files carry chunk digests."""
+    from wdsllm.pack.merge import merge
+
+    a = _part(tmp_path, 0, 7, 60, 3, seed=1)
+    b = _part(tmp_path, 1, 5, fmt.INLINE_SHARDS_MAX + 1, 4, seed=2)
+    index_a, _ = fmt.read_index(str(a))
+    index_b, _ = fmt.read_index(str(b))
+    assert (index_a.version, index_a.shards_file, index_b.version) == (3, None, 4) and index_b.shards_file
+    lengths = np.concatenate([np.load(a / fmt.LENGTHS_NAME), np.load(b / fmt.LENGTHS_NAME)])
+    groups = np.concatenate([np.load(a / fmt.GROUPS_NAME), np.load(b / fmt.GROUPS_NAME)])
+    first, last = (a / "shard-000000.tar").read_bytes(), (b / "shard-000000.tar").read_bytes()
+
+    out = tmp_path / "merged"
+    index, parts = merge([str(tmp_path / "parts")], str(out))
+    assert len(parts) == 2 and not list((tmp_path / "parts").glob("*/*.tar"))  # moved
+    shards = 60 + fmt.INLINE_SHARDS_MAX + 1
+    index, body = fmt.read_index(str(out))
+    assert index.version == fmt.FORMAT_VERSION == 4 and "shards" not in body and index.shards_file is not None
+    assert len(index.shards) == shards and index.shards.name(shards - 1) == fmt.shard_name("shard", shards - 1)
+    assert index.documents == 60 * 7 + (shards - 60) * 5 == len(lengths)
+    assert np.array_equal(np.load(out / fmt.LENGTHS_NAME), lengths)
+    assert np.array_equal(np.load(out / fmt.GROUPS_NAME), groups)
+    assert index.doc_lengths == fmt.length_histogram(lengths)
+    for ref in (index.lengths_file, index.groups_file, index.shards_file):
+        assert ref.chunks and ref == fmt.SideFile.of_file(ref.name, str(out / ref.name))
+        assert ref.chunks == fmt.SideFile.of_file(ref.name, str(out / ref.name)).chunks
+    assert (out / "shard-000059.tar").read_bytes() == first and (out / "shard-000060.tar").read_bytes() == last
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    # the loader reads it: every document of the last shard, through shards.npy
+    catalog = open_catalog(str(out))
+    assert catalog.index.shards_file is not None and len(catalog.index.shards) == shards
+
+
+def test_a_part_whose_lengths_are_damaged_stops_the_merge_before_a_shard_moves(tmp_path):
+    from wdsllm.pack.merge import merge
+
+    a = _part(tmp_path, 0, 7, 3, 4, seed=1)
+    _part(tmp_path, 1, 5, 4, 3, seed=2)
+    data = bytearray((a / fmt.LENGTHS_NAME).read_bytes())
+    data[-1] ^= 1
+    (a / fmt.LENGTHS_NAME).write_bytes(bytes(data))
+    with pytest.raises(fmt.FormatError, match="lengths.npy"):
+        merge([str(tmp_path / "parts")], str(tmp_path / "merged"))
+    assert sorted(n for n in os.listdir(a) if n.endswith(".tar")) == [fmt.shard_name("shard", i) for i in range(3)]
+    left = os.listdir(tmp_path / "merged")  # its plan stays, for a run once the part is repaired
+    assert fmt.INDEX_NAME not in left and not [n for n in left if n.endswith((".tar", ".npy", ".tmp"))]

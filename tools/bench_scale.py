@@ -3,7 +3,7 @@
 
 Builds, once, a synthetic docs-mode dataset of N hardlinked copies of one real shard (the wiki
 files wiki-00 and wiki-01 packed with the GPT-2 tokenizer: 24,959 documents, 6.9 MB) with
-``tools/scale_data.py``: a consistent format-3 index, ``lengths.npy`` (uint32), ``groups.npy``
+``tools/scale_data.py``: a consistent format-4 index, ``lengths.npy`` (uint32), ``groups.npy``
 and, beyond 10,000 shards, ``shards.npy``, written a chunk at a time. N is chosen to reach
 ``--docs`` documents (1e9: 40,066 shards, a 3.7 GiB lengths.npy). Datasets are kept under
 ``--work``; reruns reuse them.
@@ -58,6 +58,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import scale_data  # noqa: E402 - the builder the test suite uses too
+from scale_data import fmt  # noqa: E402
 
 SHARED = os.environ.get("WDSLLM_SHARED", os.path.normpath(os.path.join(HERE, "..", "..", "shared", "data")))
 if not os.path.isdir(SHARED):
@@ -103,7 +104,9 @@ def pack_base(work: str, code: str | None) -> str:
     """The one real shard everything is copied from (packed once)."""
     base = os.path.join(work, "base")
     if os.path.exists(os.path.join(base, "index.json")):
-        return base
+        with open(os.path.join(base, "index.json")) as f:
+            if json.load(f).get("version") == fmt.FORMAT_VERSION:
+                return base
     if os.path.exists(base):
         shutil.rmtree(base)
     cmd = [sys.executable, "-m", "wdsllm.cli", "pack", *CORPUS, "-o", base, "-t", TOKENIZER, "-q", "--overwrite"]
@@ -312,8 +315,7 @@ def child_cli(spec: dict) -> None:
     t0 = time.perf_counter()
     code = 0
     try:
-        rv = main.main(args=spec["args"], prog_name="wdsllm", standalone_mode=False)
-        code = rv if isinstance(rv, int) else 0
+        main(spec["args"])  # the `wdsllm` command's own entry point (exits with its status)
     except SystemExit as exc:
         code = exc.code or 0
     except Exception as exc:

@@ -2,7 +2,7 @@
 loader on (1e9 documents) and what ``tests/test_scale.py`` checks it on (hundreds of shards).
 
 A docs-mode dataset of one shard is copied into N shards that are hardlinks of one file (a new
-copy every MAX_LINKS links: ext4 allows 65,000 per inode), with a consistent format-3 index:
+copy every MAX_LINKS links: ext4 allows 65,000 per inode), with a consistent index (the base's format):
 ``lengths.npy`` and ``groups.npy`` are the shard's own rows repeated N times, written a chunk at a
 time (nothing of the dataset's size is ever in memory), every per-document count of the index is
 scaled by N, and the shard table goes to ``shards.npy`` beyond ``table_limit`` shards, as a
@@ -54,7 +54,13 @@ def build(base: str, out: str, shards: int, *, table_limit: int = fmt.INLINE_SHA
     if index.mode != "docs" or len(index.shards) != 1:
         raise ValueError(f"{base}: a docs-mode dataset of one shard is needed")
     entry = index.shards[0]
-    want = {"version": BUILD_VERSION, "shards": shards, "base_sha256": entry.sha256, "table_limit": table_limit}
+    want = {
+        "version": BUILD_VERSION,
+        "format": index.version,  # a dataset built for another format version is built again
+        "shards": shards,
+        "base_sha256": entry.sha256,
+        "table_limit": table_limit,
+    }
     marker = os.path.join(out, MARKER)
     if os.path.exists(marker) and os.path.exists(os.path.join(out, fmt.INDEX_NAME)):
         with open(marker) as f:

@@ -6,6 +6,7 @@ file is read through :func:`read_side_file`, which checks its size and sha256 ag
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -583,22 +584,74 @@ def check_shard_name(name: str, where: str = INDEX_NAME) -> str:
 
 def length_histogram(lengths: np.ndarray) -> dict[str, Any]:
     """Counts per power-of-two bucket [2^k, 2^(k+1)), plus summary statistics."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if len(lengths) == 0:
-        return {"edges": [], "counts": [], "count": 0}
-    top = int(lengths.max())
-    nb = max(1, int(top).bit_length())
-    edges = [0] + [1 << k for k in range(nb + 1)]
-    counts, _ = np.histogram(lengths, bins=edges)
-    qs = np.percentile(lengths, [50, 90, 99]).tolist()
-    return {
-        "edges": edges,
-        "counts": counts.tolist(),
-        "count": len(lengths),
-        "min": int(lengths.min()),
-        "max": top,
-        "mean": round(float(lengths.mean()), 3),
-        "p50": qs[0],
-        "p90": qs[1],
-        "p99": qs[2],
-    }
+    return LengthSummary().add(lengths).to_json()
+
+
+class LengthSummary:
+    """``length_histogram`` of lengths given a piece at a time: a writer of lengths.npy summarises
+    a billion documents without holding them. Lengths below ``SMALL`` are counted per value (their
+    percentiles are exact order statistics of those counts); the rare longer ones are kept."""
+
+    SMALL = 1 << 20
+
+    def __init__(self) -> None:
+        self._small = np.zeros(0, np.int64)  # documents per length, lengths < SMALL
+        self._large: list[np.ndarray] = []
+        self.count = 0
+        self.total = 0
+
+    def add(self, lengths: np.ndarray) -> LengthSummary:
+        values = np.asarray(lengths)
+        if not len(values):
+            return self
+        if values.dtype.kind not in "iu":
+            values = values.astype(np.int64)
+        small = values if int(values.max()) < self.SMALL else values[values < self.SMALL]
+        if len(small) < len(values):
+            self._large.append(np.asarray(values[values >= self.SMALL], np.int64))
+        counts = np.bincount(small)
+        if len(counts) > len(self._small):
+            self._small = np.concatenate([self._small, np.zeros(len(counts) - len(self._small), np.int64)])
+        self._small[: len(counts)] += counts
+        self.count += len(values)
+        self.total += int(values.sum(dtype=np.int64))
+        return self
+
+    def _ordered(self, ranks: list[int]) -> list[int]:
+        """The values at these 0-based ranks of the sorted lengths."""
+        below = np.cumsum(self._small)
+        large = np.sort(np.concatenate(self._large)) if self._large else np.zeros(0, np.int64)
+        n_small = int(below[-1]) if len(below) else 0
+        return [int(np.searchsorted(below, r, side="right")) if r < n_small else int(large[r - n_small]) for r in ranks]
+
+    def _percentile(self, q: float) -> float:
+        """np.percentile's default (linear) method, from the order statistics."""
+        virtual = (self.count - 1) * np.true_divide(q, 100)
+        lo = int(np.floor(virtual))
+        gamma = np.float64(virtual - lo)
+        a, b = (np.int64(v) for v in self._ordered([lo, min(lo + 1, self.count - 1)]))
+        diff = b - a
+        return float(b - diff * (1 - gamma) if gamma >= 0.5 else a + diff * gamma)
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.count:
+            return {"edges": [], "counts": [], "count": 0}
+        large = np.concatenate(self._large) if self._large else np.zeros(0, np.int64)
+        present = np.flatnonzero(self._small)
+        low = int(present[0]) if len(present) else int(large.min())
+        top = int(large.max()) if len(large) else int(present[-1])
+        nb = max(1, top.bit_length())
+        edges = [0] + [1 << k for k in range(nb + 1)]
+        counts = [int(self._small[a:b].sum()) for a, b in itertools.pairwise(edges)]
+        counts = (np.asarray(counts, np.int64) + np.histogram(large, bins=edges)[0]).tolist()
+        return {
+            "edges": edges,
+            "counts": counts,
+            "count": self.count,
+            "min": low,
+            "max": top,
+            "mean": round(self.total / self.count, 3),
+            "p50": self._percentile(50),
+            "p90": self._percentile(90),
+            "p99": self._percentile(99),
+        }

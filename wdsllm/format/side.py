@@ -13,6 +13,7 @@ there is one (downloaded and checked once per node, then mapped), else into memo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -20,9 +21,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ..errors import FormatError
-from .index import SideFile, chunk_digest
+from .index import CHUNK_BYTES, SideFile, chunk_digest
 
 #: bytes read at a time by passes (whole-file checks, ``chunks``)
 READ_BYTES = 1 << 24
@@ -108,9 +110,10 @@ class SideArray:
         state["_fd"] = state["_map"] = None
         return state
 
-    def __del__(self) -> None:
+    def __del__(self, _close: Any = os.close) -> None:
+        # os.close bound now: at interpreter exit the module's globals may already be gone
         if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
+            _close(self._fd)
 
     # -- reading ----------------------------------------------------------------------------
     def _read_bytes(self, a: int, b: int) -> bytes | memoryview:
@@ -164,6 +167,36 @@ class SideArray:
         data = self._read_bytes(lo, hi)
         return np.frombuffer(bytearray(data) if self._data is not None else data, self.dtype)
 
+    def range_sums(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """The int64 sum of elements [a[i], b[i]) for every i, read unchecked (the caller checks
+        them with ``check_range`` before it acts on them): one read a range into one buffer."""
+        sums = np.zeros(len(a), np.int64)
+        size = self.dtype.itemsize
+        if self._data is not None:
+            values = np.frombuffer(self._data, self.dtype, self.count, self.offset)
+            for i, (lo, hi) in enumerate(zip(np.asarray(a).tolist(), np.asarray(b).tolist())):
+                sums[i] = values[lo:hi].sum(dtype=np.int64)
+            return sums
+        fd = self._file()
+        widest = int(np.max(np.asarray(b) - np.asarray(a), initial=0))
+        buffer = bytearray(widest * size)
+        view = memoryview(buffer)
+        ranges = [(lo, hi) for lo, hi in zip(np.asarray(a).tolist(), np.asarray(b).tolist())]
+        if hasattr(os, "posix_fadvise"):
+            # ranges scattered over a file of gigabytes, not yet in the page cache: ask for all of
+            # them first, so the disk reads them in parallel rather than one wait per range
+            for lo, hi in ranges:
+                if hi > lo:
+                    os.posix_fadvise(fd, self.offset + lo * size, (hi - lo) * size, os.POSIX_FADV_WILLNEED)
+        for i, (lo, hi) in enumerate(ranges):
+            if hi <= lo:
+                continue
+            got = os.preadv(fd, [view[: (hi - lo) * size]], self.offset + lo * size)
+            if got != (hi - lo) * size:
+                raise FormatError(f"{self.url}: ends before element {hi} (truncated after it was opened)")
+            sums[i] = np.frombuffer(buffer, self.dtype, hi - lo).sum(dtype=np.int64)
+        return sums
+
     def check_range(self, a: int, b: int) -> None:
         """Check elements [a, b) against the index (FormatError if they differ)."""
         a, b = max(0, int(a)), min(self.count, int(b))
@@ -208,6 +241,70 @@ class SideArray:
             self._file()  # the file is still the one checked
             self._map = np.memmap(self.path, self.dtype, mode="r", offset=self.offset, shape=(self.count,))
         return self._map
+
+
+class SideWriter:
+    """A 1-D .npy side file written a piece at a time to a local file, hashed as it is written
+    (the sha256 and the chunk digests a ``SideFile`` holds): a pack or merge of a billion
+    documents writes lengths.npy without holding it. The number of values is given first (the
+    .npy header holds it); ``finish`` refuses a file that did not get them all."""
+
+    def __init__(self, path: str, name: str, dtype: Any, count: int):
+        self.path, self.name, self.dtype, self.count = path, name, np.dtype(dtype), int(count)
+        self.written = 0
+        self._sha = hashlib.sha256()
+        self._chunks: list[str] = []
+        self._chunk = xxhash.xxh3_64()
+        self._in_chunk = 0
+        self._file = open(path, "wb")  # noqa: SIM115 - closed by finish or abort
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            header, {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": (self.count,)}
+        )
+        self._put(header.getvalue())
+
+    def _put(self, data: bytes | memoryview) -> None:
+        self._file.write(data)
+        self._sha.update(data)
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), CHUNK_BYTES - self._in_chunk)
+            self._chunk.update(view[:take])
+            self._in_chunk += take
+            view = view[take:]
+            if self._in_chunk == CHUNK_BYTES:
+                self._chunks.append(self._chunk.hexdigest())
+                self._chunk, self._in_chunk = xxhash.xxh3_64(), 0
+
+    def write(self, values: np.ndarray) -> None:
+        """Append values (cast to the file's dtype; a value that does not fit is refused)."""
+        values = np.asarray(values)
+        out = np.ascontiguousarray(values, self.dtype)
+        if len(out) and values.dtype != self.dtype and not np.array_equal(out, values):
+            raise FormatError(f"{self.name}: a value does not fit {self.dtype}")
+        if self.written + len(out) > self.count:
+            raise FormatError(f"{self.name}: more than the {self.count} values its header announces")
+        self._put(memoryview(out).cast("B"))
+        self.written += len(out)
+
+    def finish(self) -> SideFile:
+        """Close the file; the reference an index stores for it."""
+        if self.written != self.count:
+            self.abort()
+            raise FormatError(f"{self.name}: {self.written} values written, its header announces {self.count}")
+        if self._in_chunk:
+            self._chunks.append(self._chunk.hexdigest())
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        size = self._file.tell()
+        self._file.close()
+        return SideFile(self.name, size, self._sha.hexdigest(), tuple(self._chunks))
+
+    def abort(self) -> None:
+        """Close and remove the unfinished file."""
+        self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
 
 
 def _npy_header(head: bytes | memoryview, where: str) -> tuple[np.dtype, int, int]:

@@ -178,6 +178,17 @@ class Catalog:
         base = int(self._starts("documents")[shard])
         return base + max(0, int(start)), base + stop
 
+    def lengths_sums(
+        self, shards: np.ndarray, starts: np.ndarray, stops: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, a, b): the sum of the lengths of documents [starts, stops) of each catalog
+        shard in ``shards``, and where those are in lengths.npy, read now and checked later
+        (``check_lengths``); one read per range, no Python object per document."""
+        side = self.lengths_file()
+        a = self._starts("documents")[shards] + np.asarray(starts, np.int64)
+        b = self._starts("documents")[shards] + np.asarray(stops, np.int64)
+        return side.range_sums(a, b), a, b
+
     def check_lengths(self, ranges: list[tuple[int, int]]) -> None:
         """Check ranges of lengths.npy read with ``check=False`` (each chunk once per process)."""
         side = self.lengths_file()

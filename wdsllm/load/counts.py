@@ -296,24 +296,17 @@ def _share_tokens(catalog: Catalog, layout: EpochLayout) -> tuple[np.ndarray, li
     token_ends = np.concatenate([[0], np.cumsum(tokens)])
     points = np.unique(np.concatenate([layout.starts.reshape(-1), layout.stops.reshape(-1)]))
     at = np.searchsorted(layout.ends, points, side="right")  # the shard (in epoch order) holding each
-    before = np.empty(len(points), np.int64)
-    read = []
-    for j, (p, i) in enumerate(zip(points.tolist(), at.tolist())):
-        if i >= len(layout.order):
-            before[j] = token_ends[-1]
-            continue
-        n, shard = int(layout.counts[i]), int(layout.order[i])
-        k = p - (int(layout.ends[i]) - n)
-        if k == 0:
-            before[j] = token_ends[i]
-            continue
-        a, b = catalog.lengths_range(shard, 0, k) if k <= n - k else catalog.lengths_range(shard, k, n)
-        part = int(catalog.shard_lengths(shard, *((0, k) if k <= n - k else (k, n)), check=False).sum())
-        before[j] = token_ends[i] + (part if k <= n - k else int(tokens[i]) - part)
-        read.append((a, b))
-    index = {p: j for j, p in enumerate(points.tolist())}
-    starts = before[np.vectorize(index.__getitem__, otypes=[np.int64])(layout.starts)]
-    stops = before[np.vectorize(index.__getitem__, otypes=[np.int64])(layout.stops)]
+    before = np.full(len(points), token_ends[-1], np.int64)  # points past the last shard
+    inside = at < len(layout.order)
+    i = at[inside]
+    n = layout.counts[i].astype(np.int64)
+    k = points[inside] - (layout.ends[i] - n)  # documents of the shard before the point
+    head = k <= n - k  # read the nearer end: the first k documents, else the last n - k
+    part, a, b = catalog.lengths_sums(layout.order[i], np.where(head, 0, k), np.where(head, k, n))
+    before[inside] = token_ends[i] + np.where(head, part, tokens[i] - part)
+    read = [(lo, hi) for lo, hi in zip(a.tolist(), b.tolist()) if hi > lo]
+    starts = before[np.searchsorted(points, layout.starts)]
+    stops = before[np.searchsorted(points, layout.stops)]
     return stops - starts, read
 
 

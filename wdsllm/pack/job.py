@@ -44,8 +44,9 @@ from ..inputs.tokenizer import resolve_specials
 from ..inputs.where import parse_where
 from .lock import OutputLock
 from .shaping import DocGrouper, EncodedChunk, Position, RowPacker
+from .sidefiles import SideFiles
 from .tokenizer import LoadedTokenizer, encode_chunk, init_worker, load_tokenizer
-from .writer import JOURNAL_PREFIX, JOURNAL_START, Counters, ShardSink, read_journal, records_truncated
+from .writer import JOURNAL_PREFIX, JOURNAL_START, Counters, ShardSink, iter_journal, read_journal, records_truncated
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,7 @@ def _prepare_output(out: storage.Output, cfg: PackConfig, fingerprint: str) -> l
                     f"{out.url}: the inputs, tokenizer or options differ from the interrupted pack; "
                     "resume with the same command, or start again with --overwrite"
                 )
-            records = _present_records(out, read_journal(out))
+            records = _present_records(out, read_journal(out, lengths=False))
             if any(len(row) != fmt.GROUP_COLUMNS for rec in records for row in rec.get("groups", [[]])):
                 raise PackError(
                     f"{out.url}: the interrupted pack was started by an older wdsllm (format 2 journal); "
@@ -522,21 +523,18 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, parts: list[Part], si
     """lengths.npy, groups.npy, tokenizer.json, then index.json (last: its presence means complete),
     then drop the journal."""
     totals = Counters()  # the journal holds every finished shard's tallies, this run's included
-    records = read_journal(out)
-    if len(records) != len(entries):
-        raise PackError(f"{out.url}: the journal lists {len(records)} finished shards, this pack wrote {len(entries)}")
-    for rec in records:
-        totals.add_json(rec["counters"])
-    lengths_parts = [rec["lengths"] for rec in records]
+    documents, groups = sum(e.documents for e in entries), sum(e.samples for e in entries)
+    with SideFiles(out, documents, groups) as sides:
+        read = 0
+        for rec in iter_journal(out):
+            totals.add_json(rec["counters"])
+            sides.add_lengths(rec["lengths"])
+            sides.add_groups(rec.get("groups"))
+            read += 1
+        if read != len(entries):
+            raise PackError(f"{out.url}: the journal lists {read} finished shards, this pack wrote {len(entries)}")
+        lengths_file, groups_file = sides.put()
     totals.add_json(sink.leftover_counters().to_json())
-    lengths = np.concatenate(lengths_parts) if lengths_parts else np.zeros(0, np.uint32)
-    lengths_bytes = fmt.npy_bytes(lengths.astype(np.uint32))
-    out.put_bytes(fmt.LENGTHS_NAME, lengths_bytes)
-    groups_file = None
-    if all("groups" in rec for rec in records):
-        groups_bytes = fmt.group_table_bytes([np.asarray(rec["groups"], np.int64) for rec in records])
-        out.put_bytes(fmt.GROUPS_NAME, groups_bytes)
-        groups_file = fmt.SideFile.of(fmt.GROUPS_NAME, groups_bytes)
     # the dataset carries its tokenizer: the exact text whose sha256 the index holds
     tokenizer_bytes = tok.json_text.encode("utf-8")
     out.put_bytes(fmt.TOKENIZER_NAME, tokenizer_bytes)
@@ -549,7 +547,7 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, parts: list[Part], si
         seq_len=cfg.seq_len,
         tokenizer=tok.info(),
         shards=list(entries),
-        doc_lengths=fmt.length_histogram(lengths),
+        doc_lengths=sides.summary.to_json(),
         options=options,
         inputs=[_input_entry(p, totals) for p in parts],
         skipped={
@@ -558,7 +556,7 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, parts: list[Part], si
             "records": totals.skip_records,
             "records_truncated": records_truncated(totals.skipped, totals.skip_records),
         },
-        lengths_file=fmt.SideFile.of(fmt.LENGTHS_NAME, lengths_bytes),
+        lengths_file=lengths_file,
         packed={"max_row_segments": sink.max_row_segments, "short_rows": sink.short_rows}
         if cfg.mode == "packed"
         else None,

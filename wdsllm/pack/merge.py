@@ -18,12 +18,12 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import numpy as np
-
 from .. import __version__, storage
 from .. import format as fmt
 from ..errors import MergeError
+from ..format.side import SideArray
 from .lock import OutputLock
+from .sidefiles import SideFiles
 from .writer import MAX_SKIP_RECORDS, records_truncated
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,6 @@ class Part:
 
     url: str
     index: fmt.Index
-    lengths: np.ndarray
-    groups: np.ndarray | None = None  # groups.npy (format 2 on)
 
     @property
     def task(self) -> int | None:
@@ -101,20 +99,41 @@ def _load_part(url: str) -> Part:
     index, _ = fmt.read_index(url)
     if index.lengths_file is None:
         raise MergeError(f"{index_url} names no {fmt.LENGTHS_NAME}: not the output of a pack")
-    lengths = fmt.read_side_file(url, index.lengths_file)
-    if len(lengths) != index.documents:
-        raise MergeError(
-            f"{storage.join_url(url, fmt.LENGTHS_NAME)} has {len(lengths)} lengths, {index_url} counts "
-            f"{index.documents} documents"
-        )
-    groups = None
-    if index.groups_file:
-        groups = fmt.read_side_file(url, index.groups_file)
-        if len(groups) != index.group_columns * sum(s.samples for s in index.shards):
-            raise MergeError(
-                f"{storage.join_url(url, fmt.GROUPS_NAME)} does not list every group that {index_url} counts"
-            )
-    return Part(url=url, index=index, lengths=lengths, groups=groups)
+    return Part(url=url, index=index)
+
+
+def _stage_side_files(parts: list[Part], out: storage.Output) -> SideFiles:
+    """The merged lengths.npy and groups.npy, staged a piece at a time from the parts' (each part
+    checked against its index as it is read): shards keep their order (parts in task order, each
+    part's shards in order), so the parts' files concatenate. A part from before format 2 has no
+    groups.npy, and then neither has the merged dataset. Done before any shard moves, so a part
+    whose side files are damaged stops the merge while the parts are intact."""
+    documents = sum(p.index.documents for p in parts)
+    groups = sum(int(p.index.shards.column("samples").sum()) for p in parts)
+    sides = SideFiles(out, documents, groups, parts[0].index.group_columns if parts else fmt.GROUP_COLUMNS)
+    try:
+        for part in parts:
+            index_url = storage.join_url(part.url, fmt.INDEX_NAME)
+            lengths = SideArray.open(part.url, part.index.lengths_file)
+            if lengths.count != part.index.documents:
+                raise MergeError(
+                    f"{lengths.url} has {lengths.count} lengths, {index_url} counts {part.index.documents} documents"
+                )
+            table = None
+            if part.index.groups_file:
+                table = SideArray.open(part.url, part.index.groups_file)
+                if table.count != part.index.group_columns * int(part.index.shards.column("samples").sum()):
+                    raise MergeError(f"{table.url} does not list every group that {index_url} counts")
+            for _, piece in lengths.chunks():
+                sides.add_lengths(piece)
+            if table is None:
+                sides.add_groups(None)
+            for _, rows in table.chunks() if table is not None else ():
+                sides.add_groups(rows)
+    except BaseException:
+        sides.abort()
+        raise
+    return sides
 
 
 def check_compatible(parts: list[Part], allow_partial: bool = False) -> None:
@@ -322,7 +341,11 @@ def _copy_checked(source: str, staging: str, entry: fmt.ShardEntry) -> None:
 
 
 def merged_index(
-    parts: list[Part], moves: list[Move], lengths: np.ndarray, lengths_bytes: bytes, groups_bytes: bytes | None = None
+    parts: list[Part],
+    moves: list[Move],
+    doc_lengths: dict,
+    lengths_file: fmt.SideFile,
+    groups_file: fmt.SideFile | None = None,
 ) -> fmt.Index:
     first = parts[0].index
     options = {k: v for k, v in first.options.items() if k not in PER_TASK_OPTIONS}
@@ -348,7 +371,7 @@ def merged_index(
         seq_len=first.seq_len,
         tokenizer=first.tokenizer,
         shards=[replace(m.entry, name=m.target) for m in moves],
-        doc_lengths=fmt.length_histogram(lengths),
+        doc_lengths=doc_lengths,
         options=options,
         inputs=inputs,
         skipped={
@@ -357,9 +380,9 @@ def merged_index(
             "records": records[:MAX_SKIP_RECORDS],
             "records_truncated": records_truncated(counts, records[:MAX_SKIP_RECORDS]),
         },
-        lengths_file=fmt.SideFile.of(fmt.LENGTHS_NAME, lengths_bytes),
+        lengths_file=lengths_file,
         packed=packed,
-        groups_file=None if groups_bytes is None else fmt.SideFile.of(fmt.GROUPS_NAME, groups_bytes),
+        groups_file=groups_file,
         checksum=first.checksum,
         # The shards are not rewritten: they keep the parts' format. Versions 3 and 4 differ only in
         # the index and its side files, which a merge writes anew, so their parts merge into 4.
@@ -386,26 +409,21 @@ def merge(
     try:
         lock.acquire()
         _prepare_output(out, parts, _plan_json(moves, copy), overwrite)
-        lengths = np.concatenate([p.lengths for p in parts]).astype(np.uint32) if parts else np.zeros(0, np.uint32)
-        for i, move in enumerate(moves):
-            _transfer(move, out, copy)
-            if on_shard:
-                on_shard(i + 1, len(moves))
-        lengths_bytes = fmt.npy_bytes(lengths)
-        # shards keep their order (parts in task order, each part's shards in order), so the
-        # parts' group tables concatenate; a part from before format 2 has none, and then neither
-        # has the merged dataset
-        groups_bytes = None
-        if parts and all(p.groups is not None for p in parts):
-            groups_bytes = fmt.group_table_bytes([p.groups for p in parts])
+        sides = _stage_side_files(parts, out)
+        try:
+            for i, move in enumerate(moves):
+                _transfer(move, out, copy)
+                if on_shard:
+                    on_shard(i + 1, len(moves))
+            lengths_file, groups_file = sides.put()
+        except BaseException:
+            sides.abort()
+            raise
         tokenizer_bytes = _tokenizer_bytes(parts)
-        index = merged_index(parts, moves, lengths, lengths_bytes, groups_bytes)
+        index = merged_index(parts, moves, sides.summary.to_json(), lengths_file, groups_file)
         if tokenizer_bytes is not None:
             out.put_bytes(fmt.TOKENIZER_NAME, tokenizer_bytes)
             index.tokenizer_file = fmt.SideFile.of(fmt.TOKENIZER_NAME, tokenizer_bytes)
-        out.put_bytes(fmt.LENGTHS_NAME, lengths_bytes)
-        if groups_bytes is not None:
-            out.put_bytes(fmt.GROUPS_NAME, groups_bytes)
         for name, data in index.move_shard_table():  # a large dataset's shard table: shards.npy
             out.put_bytes(name, data)
         out.put_bytes(fmt.INDEX_NAME, index.to_json().encode())

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -324,14 +324,14 @@ class ShardSink:
             os.remove(self._tmp_path)
 
 
-def read_journal(output: Output) -> list[dict]:
-    """Journal records of finished shards, in order, stopping at the first gap."""
+def iter_journal(output: Output, *, lengths: bool = True) -> Iterator[dict]:
+    """Journal records of finished shards, in order, stopping at the first gap, read one at a time
+    (``lengths=False``: without their document lengths, which only the final lengths.npy needs)."""
     numbers = sorted(
         int(n[len(JOURNAL_PREFIX) + 6 : len(JOURNAL_PREFIX) + 12])
         for n in output.list_names()
         if n.startswith(JOURNAL_PREFIX + "shard-") and n.endswith(JOURNAL_RECORD_SUFFIX)
     )
-    records = []
     for expected, number in enumerate(numbers):
         if number != expected:
             break
@@ -339,5 +339,12 @@ def read_journal(output: Output) -> list[dict]:
         data = output.get_bytes(name)
         if data is None:
             break
-        records.append(decode_record(data, name))
-    return records
+        record = decode_record(data, name)
+        if not lengths:
+            del record["lengths"]
+        yield record
+
+
+def read_journal(output: Output, *, lengths: bool = True) -> list[dict]:
+    """Every record of ``iter_journal``."""
+    return list(iter_journal(output, lengths=lengths))
