@@ -31,6 +31,8 @@ from typing import Any, BinaryIO, Protocol
 import braceexpand
 
 from ..errors import SourceError
+from ..storage.urls import redact
+from . import remote
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +68,13 @@ class InputFile:
     kind: str  # one of INPUT_FORMATS
     compression: str | None
     size: int  # bytes on disk (compressed), 0 for stdin
+    version: str = ""  # a remote object's version (ETag, generation, commit); local files: ""
 
     @property
     def display(self) -> str:
-        return "<stdin>" if self.path == STDIN else self.path
+        if self.path == STDIN:
+            return "<stdin>"
+        return redact(self.path) if "://" in self.path else self.path
 
 
 def _kind_and_compression(path: str, input_format: str | None) -> tuple[str | None, str | None]:
@@ -96,9 +101,19 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
     depend on the file system's listing order.
     """
     paths: list[str] = []
+    objects: dict[str, remote.ObjectInfo] = {}  # remote inputs: size and version from the store
     for pattern in patterns:
         if pattern == STDIN:
             paths.append(STDIN)
+            continue
+        if remote.is_remote_input(pattern):
+            listed = remote.expand_remote(
+                pattern, lambda url: _kind_and_compression(remote.name_of(url), input_format)[0] is not None
+            )
+            if not listed:
+                raise SourceError(f"no input files match {redact(pattern)!r}")
+            objects.update((o.url, o) for o in listed)
+            paths.extend(o.url for o in listed)
             continue
         found: list[str] = []
         for expanded in braceexpand.braceexpand(pattern):
@@ -122,9 +137,9 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
     seen: set[str] = set()
     inputs: list[InputFile] = []
     for path in paths:
-        key = path if path == STDIN else os.path.realpath(path)
+        key = path if path == STDIN or path in objects else os.path.realpath(path)
         if key in seen:
-            log.warning("input %s is named more than once; reading it once", path)
+            log.warning("input %s is named more than once; reading it once", redact(path))
             continue
         seen.add(key)
         if path == STDIN:
@@ -132,14 +147,18 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
                 raise SourceError(f"reading stdin needs --input-format {', '.join(STREAMED)}")
             inputs.append(InputFile(len(inputs), STDIN, input_format, None, 0))
             continue
-        kind, compression = _kind_and_compression(path, input_format)
+        kind, compression = _kind_and_compression(remote.name_of(path), input_format)
         if kind is None:
             raise SourceError(
-                f"{path}: unknown input type; name it .txt, .jsonl (optionally compressed), .parquet, .arrow or .tar, "
-                "or pass --input-format"
+                f"{redact(path)}: unknown input type; name it .txt, .jsonl (optionally compressed), .parquet, "
+                ".arrow or .tar, or pass --input-format"
             )
         if compression and kind not in STREAMED:
-            raise SourceError(f"{path}: a compressed {kind} file cannot be read; {kind} files compress inside")
+            raise SourceError(f"{redact(path)}: a compressed {kind} file cannot be read; {kind} files compress inside")
+        if path in objects:
+            obj = objects[path]
+            inputs.append(InputFile(len(inputs), path, kind, compression, obj.size, obj.version))
+            continue
         inputs.append(InputFile(len(inputs), path, kind, compression, os.path.getsize(path)))
     if sum(p == STDIN for p in paths) > 1:
         raise SourceError("stdin ('-') can be read only once")
@@ -147,31 +166,35 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
 
 
 # ----------------------------------------------------------------------------------------------
-# Opening inputs: the one place that knows where bytes come from (local files and stdin today;
-# remote URLs will come through wdsllm.storage here).
+# Opening inputs: the one place that knows where bytes come from (local files, stdin, and objects
+# in stores through wdsllm.storage: see .remote).
 
 
-def open_input(path: str) -> BinaryIO:
-    """A binary stream of the input's bytes from its start."""
+def open_input(path: str, size: int | None = None) -> BinaryIO:
+    """A binary stream of the input's bytes from its start (``size``: a remote object's, if known)."""
     if path == STDIN:
         return sys.stdin.buffer
+    if remote.is_remote_input(path):
+        return remote.open_remote_stream(path, size)
     try:
         return open(path, "rb")
     except OSError as exc:
         raise SourceError(f"{path}: cannot open: {exc.strerror or exc}") from None
 
 
-def open_seekable(path: str) -> BinaryIO:
+def open_seekable(path: str, size: int | None = None) -> BinaryIO:
     """A seekable binary file of the input, for readers that read ranges (Parquet's footer and
-    column chunks, Arrow's record batches)."""
+    column chunks, Arrow's record batches); a remote one reads each range with a ranged request."""
     if path == STDIN:
         raise SourceError("stdin cannot be read as Parquet or Arrow: they need random access")
+    if remote.is_remote_input(path):
+        return remote.open_remote_seekable(path, size if size is not None else remote.stat_object(path).size)
     return open_input(path)
 
 
 def open_decompressed(inp: InputFile) -> tuple[BinaryIO, BinaryIO]:
     """The decompressed stream and the raw one under it (whose position tells the progress)."""
-    raw = open_input(inp.path)
+    raw = open_input(inp.path, inp.size)
     try:
         if inp.compression == "gz":
             return gzip.GzipFile(fileobj=raw, mode="rb"), raw
