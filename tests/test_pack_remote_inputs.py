@@ -144,6 +144,24 @@ def test_hf_glob_of_parquet_at_the_revisions_commit(fake_hub, tmp_path):
     assert [i["path"] for i in index.inputs] == ["hf://datasets/org/corpus/data/train-0.parquet"]
 
 
+def test_the_issues_example_hf_glob_packed_into_s3_by_the_cli(fake_hub, s3_server, s3_bucket):
+    """`wdsllm pack "hf://datasets/ORG/NAME/data/*.parquet" -o s3://b/fw/ -t tok.json`."""
+    fake_hub.add_repo("org/fineweb", {f"sample/10BT/{n:03d}.parquet": parquet_file().read_bytes() for n in range(2)})
+    inputs = "hf://datasets/org/fineweb/sample/10BT/*.parquet"
+    cli("pack", inputs, "-o", f"{s3_bucket}/fw/", "-t", GPT2, "--on-error", "skip", "--workers", "1", "-q")
+    twice = cached(
+        "remote-parquet-twice", lambda d: [shutil.copy(parquet_file(), d / f"{n:03d}.parquet") for n in range(2)]
+    )
+    reference = local_pack("parquet-twice", twice, on_error="skip")
+    index = json.loads(s3_server.get(f"{s3_bucket}/fw/index.json"))
+    assert [i["path"] for i in index["inputs"]] == [
+        f"hf://datasets/org/fineweb/sample/10BT/{n:03d}.parquet" for n in range(2)
+    ]
+    assert index["totals"] == json.loads((reference / "index.json").read_text())["totals"]
+    for shard in load_index(reference).shards:
+        assert s3_server.get(f"{s3_bucket}/fw/{shard.name}") == (reference / shard.name).read_bytes()
+
+
 # ----------------------------------------------------------------------------------------------
 # http(s): ranged reads, retries, the work divided by row groups, errors, secrets.
 
