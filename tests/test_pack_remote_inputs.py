@@ -288,3 +288,27 @@ def _range_bytes(value: str | None, size: int) -> int:
     if not lo:
         return int(hi)
     return (int(hi) + 1 if hi else size) - int(lo)
+
+
+def test_a_killed_pack_of_remote_parquet_resumes_byte_identically_unless_the_input_changed(served, tmp_path):
+    from test_pack_resume import SMALL, SMALL_API, kill_midway
+
+    expected = cached(
+        "remote-resume-ref",
+        lambda d: (pack_api([parquet_file()], d / "out", on_error="skip", **SMALL_API), dataset_files(d / "out"))[1],
+    )
+    url = served.url_for("pq/wiki.parquet")
+    args = [url, "-t", GPT2, *SMALL, "--on-error", "skip"]
+    out = tmp_path / "out"
+    kill_midway(args, out, expected, min_shards=3)
+    cli("pack", *args, "-o", out, "--resume", "-q")
+    got = dataset_files(out)
+    assert got.pop("index.json") != expected["index.json"]  # it names the URL
+    assert got == {k: v for k, v in expected.items() if k != "index.json"}
+
+    again = tmp_path / "again"
+    kill_midway(args, again, expected, min_shards=3)
+    served_file = served.root / "pq" / "wiki.parquet"
+    served_file.write_bytes(served_file.read_bytes())  # a new version (ETag) of the same bytes
+    refused = cli("pack", *args, "-o", again, "--resume", "-q", check=False)
+    assert refused.returncode != 0 and "differ from the interrupted pack" in refused.stderr
