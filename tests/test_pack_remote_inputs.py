@@ -312,3 +312,27 @@ def test_a_killed_pack_of_remote_parquet_resumes_byte_identically_unless_the_inp
     served_file.write_bytes(served_file.read_bytes())  # a new version (ETag) of the same bytes
     refused = cli("pack", *args, "-o", again, "--resume", "-q", check=False)
     assert refused.returncode != 0 and "differ from the interrupted pack" in refused.stderr
+
+
+def test_arrow_files_and_raw_text_tars_over_http_equal_the_local_pack(http_server, tmp_path):
+    from pack_helpers import write_arrow
+    from test_pack_tars import tars
+
+    local = [
+        *tars(),
+        cached("remote-arrow", lambda d: write_arrow(d / "wiki.arrow", wiki_records(400), 90)),
+    ]
+    www = tmp_path / "www"
+    for f in local:
+        shutil.copy(f, www / f.name)
+    http_server.root = www
+    options = {"on_error": "skip", "text_field": "body.text"}
+    pack_api([http_server.url_for(f.name) for f in local[:2]], tmp_path / "tars", **options)
+    same_dataset(tmp_path / "tars", local_pack("tars", local[:2], **options))
+    pack_api([http_server.url_for("wiki.arrow")], tmp_path / "arrow", on_error="skip", num_tasks=2, task_index=1)
+    reference = cached(
+        "remote-arrow-ref",
+        lambda d: pack_api(local[2:], d / "out", on_error="skip", num_tasks=2, task_index=1) and d / "out",
+    )
+    same_dataset(tmp_path / "arrow" / "task-00001", reference / "task-00001")
+    assert all(r.range for r in http_server.log("*/wiki.arrow"))
