@@ -336,3 +336,18 @@ def test_arrow_files_and_raw_text_tars_over_http_equal_the_local_pack(http_serve
     )
     same_dataset(tmp_path / "arrow" / "task-00001", reference / "task-00001")
     assert all(r.range for r in http_server.log("*/wiki.arrow"))
+
+
+def test_tasks_over_one_remote_jsonl_file_split_it_by_byte_ranges(http_server, tmp_path):
+    data = ("\n".join(wiki_lines(600)) + "\n").encode()
+    (http_server.root / "wiki.jsonl").write_bytes(data)
+    local = tmp_path / "wiki.jsonl"
+    local.write_bytes(data)
+    whole = pack_api([local], tmp_path / "whole")
+    lines = []
+    for t in range(3):
+        pack_api([http_server.url_for("wiki.jsonl")], tmp_path / f"t{t}", num_tasks=3, task_index=t)
+        part = [p[1] for p in provenance(tmp_path / f"t{t}" / f"task-{t:05d}")]
+        assert part and (not lines or part[0] > lines[-1])
+        lines.extend(part)
+    assert lines == [p[1] for p in provenance(whole.output)]
