@@ -20,6 +20,13 @@ the git-ignored ``bench-out/wiki-parquet/``), so the same tokens arrive by anoth
 shards of the two packs must be byte-identical (checked), and the ratio jsonl.gz time / Parquet
 time is printed per round and best against best.
 
+With ``--remote`` (implies ``--parquet``) each round also packs that Parquet corpus from object
+stores started on 127.0.0.1 for the run: a moto S3 server (``s3://bucket/wiki-parquet/*.parquet``,
+a glob listed from the store) and the HTTP server of the tests (the file URLs), read by ranged
+requests; their shards must be byte-identical too, and each ratio jsonl.gz time / remote time is
+printed. The servers share the machine's cores with the pack (no network latency: this measures
+what the remote road costs in CPU and requests, not a WAN).
+
 Targets (issue #2, 2-core machine): ratio >= 0.9, peak RSS < 1 GiB, bytes/token <= 2.1.
 Issue #14: the Parquet pack at >= 0.9x the jsonl.gz pack of the same text.
 """
@@ -78,6 +85,25 @@ def write_parquet_corpus(files: list[Path], row_group: int) -> list[Path]:
             os.replace(str(target) + ".tmp", target)
         paths.append(target)
     return paths
+
+
+def serve_remote(parquet_files: list[Path]) -> tuple[dict[str, list[str]], list]:
+    """The Parquet corpus in a moto S3 bucket and behind the tests' HTTP server: {store: input URLs}."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from remote_fixtures import HttpServer, S3Server
+
+    s3 = S3Server()
+    s3.install_env()  # os.environ: the pack subprocesses inherit the endpoint and test credentials
+    bucket = s3.new_bucket("bench")
+    client = s3.client()
+    for path in parquet_files:
+        client.upload_file(str(path), bucket, f"wiki-parquet/{path.name}")
+    http = HttpServer()
+    http.root = parquet_files[0].parent
+    return {"s3": [f"s3://{bucket}/wiki-parquet/*.parquet"], "http": [http.url_for(p.name) for p in parquet_files]}, [
+        s3,
+        http,
+    ]
 
 
 def shard_hashes(out: Path) -> list[str]:
@@ -180,7 +206,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     ap.add_argument("--parquet", action="store_true", help="also pack the corpus written as Parquet, each round")
     ap.add_argument("--row-group", type=int, default=5000, help="rows per Parquet row group (--parquet)")
+    ap.add_argument("--remote", action="store_true", help="also pack the Parquet corpus over S3 (moto) and HTTP")
     args = ap.parse_args()
+    args.parquet = args.parquet or args.remote
 
     os.environ.pop("TOKENIZERS_PARALLELISM", None)  # raw encode_batch runs with its default parallelism
     from tokenizers import Tokenizer
@@ -192,6 +220,7 @@ def main() -> None:
         raise SystemExit(f"no wiki-*.jsonl.gz in {args.corpus}")
     docs = load_documents(files)
     parquet_files = write_parquet_corpus(files, args.row_group) if args.parquet else []
+    remotes, servers = serve_remote(parquet_files) if args.remote else ({}, [])
     tokenizer = Tokenizer.from_file(str(args.tokenizer))
     time_encode(tokenizer, docs[:2000], "encode_batch")  # warm up the rayon pool
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-pack-"))
@@ -209,6 +238,11 @@ def main() -> None:
                 if shard_hashes(out) != jsonl_shards:
                     raise SystemExit("the Parquet pack's shards differ from the jsonl.gz pack's")
                 extra = {f"parquet_{k}": v for k, v in pq_run.items()}
+                for name, urls in remotes.items():
+                    remote_run = run_pack(urls, args.tokenizer, out, args.workers)
+                    if shard_hashes(out) != jsonl_shards:
+                        raise SystemExit(f"the Parquet pack over {name}'s shards differ from the jsonl.gz pack's")
+                    extra.update({f"{name}_{k}": v for k, v in remote_run.items()})
             rounds.append(
                 {
                     "raw_seconds": raw_s,
@@ -232,12 +266,19 @@ def main() -> None:
                     if extra
                     else ""
                 )
+                + "".join(
+                    f"; {name} {extra[f'{name}_process_seconds']:.2f} s -> "
+                    f"{packed['process_seconds'] / extra[f'{name}_process_seconds']:.3f}x"
+                    for name in remotes
+                )
                 + f" (load average {os.getloadavg()[0]:.2f})",
                 file=sys.stderr,
             )
     finally:
         if args.out is None:
             shutil.rmtree(out, ignore_errors=True)
+        for server in servers:
+            server.close()
 
     best = lambda key: min(r[key] for r in rounds)  # noqa: E731
     last = rounds[-1]
@@ -287,6 +328,20 @@ def main() -> None:
                 "parquet_peak_rss_tree_mib": round(max(r["parquet_tree_rss_kib"] for r in rounds) * mib, 1),
             }
         )
+    for name in remotes:
+        figures.update(
+            {
+                f"{name}_pack_seconds": round(best(f"{name}_process_seconds"), 2),
+                f"ratio_{name}_parquet_to_jsonl_gz": round(
+                    best("process_seconds") / best(f"{name}_process_seconds"), 3
+                ),
+                f"ratios_{name}_each_round": [
+                    round(r["process_seconds"] / r[f"{name}_process_seconds"], 3) for r in rounds
+                ],
+                f"{name}_cpu_s_main": round(min(r[f"{name}_main_cpu"] for r in rounds), 2),
+                f"{name}_peak_rss_main_mib": round(max(r[f"{name}_main_rss_kib"] for r in rounds) * mib, 1),
+            }
+        )
     if args.json:
         print(json.dumps(figures, indent=1))
         return
@@ -331,6 +386,13 @@ def main() -> None:
             f"{figures['parquet_cpu_s_workers']} (jsonl.gz {figures['cpu_seconds_workers']}); peak RSS packing process "
             f"{figures['parquet_peak_rss_main_mib']} MiB, tree {figures['parquet_peak_rss_tree_mib']} MiB; shards "
             "byte-identical to the jsonl.gz pack's"
+        )
+    for name in remotes:
+        print(
+            f"parquet over {name}: {figures[f'{name}_pack_seconds']} s; ratio jsonl.gz/{name} time "
+            f"{figures[f'ratio_{name}_parquet_to_jsonl_gz']:.3f} (each round: {figures[f'ratios_{name}_each_round']}); "
+            f"CPU s packing process {figures[f'{name}_cpu_s_main']}, peak RSS packing process "
+            f"{figures[f'{name}_peak_rss_main_mib']} MiB; shards byte-identical to the jsonl.gz pack's"
         )
 
 

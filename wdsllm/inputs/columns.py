@@ -241,7 +241,7 @@ class ParquetReader:
     def _open(self, inp: InputFile):
         import pyarrow.parquet as pq
 
-        f = open_seekable(inp.path)
+        f = open_seekable(inp.path, inp.size)
         try:
             return f, pq.ParquetFile(f)
         except BaseException:
@@ -332,7 +332,7 @@ def _open_ipc(inp: InputFile):
     pa, _ = _pa()
     if inp.path == STDIN:
         raise SourceError("stdin cannot be read as Arrow here; write it to a file")
-    source = pa.memory_map(inp.path) if _local(inp.path) else open_seekable(inp.path)
+    source = pa.memory_map(inp.path) if _local(inp.path) else open_seekable(inp.path, inp.size)
     try:
         try:
             return source, pa.ipc.open_file(source), True

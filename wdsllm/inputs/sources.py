@@ -18,10 +18,8 @@ counted (tallies).
 from __future__ import annotations
 
 import bz2
-import fnmatch
 import glob
 import gzip
-import io
 import logging
 import lzma
 import os
@@ -32,8 +30,9 @@ from typing import Any, BinaryIO, Protocol
 
 import braceexpand
 
-from .. import storage
 from ..errors import SourceError
+from ..storage.urls import redact
+from . import remote
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +68,13 @@ class InputFile:
     kind: str  # one of INPUT_FORMATS
     compression: str | None
     size: int  # bytes on disk (compressed), 0 for stdin
+    version: str = ""  # a remote object's version (ETag, generation, commit); local files: ""
 
     @property
     def display(self) -> str:
-        return "<stdin>" if self.path == STDIN else storage.redact(self.path)
+        if self.path == STDIN:
+            return "<stdin>"
+        return redact(self.path) if "://" in self.path else self.path
 
 
 def _kind_and_compression(path: str, input_format: str | None) -> tuple[str | None, str | None]:
@@ -99,15 +101,23 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
     depend on the file system's listing order.
     """
     paths: list[str] = []
+    objects: dict[str, remote.ObjectInfo] = {}  # remote inputs: size and version from the store
     for pattern in patterns:
         if pattern == STDIN:
             paths.append(STDIN)
             continue
+        if remote.is_remote_input(pattern):
+            listed = remote.expand_remote(
+                pattern, lambda url: _kind_and_compression(remote.name_of(url), input_format)[0] is not None
+            )
+            if not listed:
+                raise SourceError(f"no input files match {redact(pattern)!r}")
+            objects.update((o.url, o) for o in listed)
+            paths.extend(o.url for o in listed)
+            continue
         found: list[str] = []
         for expanded in braceexpand.braceexpand(pattern):
-            if storage.is_remote(expanded):
-                found.extend(_remote_matches(expanded))
-            elif os.path.isdir(expanded):
+            if os.path.isdir(expanded):
                 for root, dirs, files in os.walk(expanded):
                     dirs.sort()
                     for f in sorted(files):
@@ -127,9 +137,9 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
     seen: set[str] = set()
     inputs: list[InputFile] = []
     for path in paths:
-        key = path if path == STDIN or storage.is_remote(path) else os.path.realpath(path)
+        key = path if path == STDIN or path in objects else os.path.realpath(path)
         if key in seen:
-            log.warning("input %s is named more than once; reading it once", path)
+            log.warning("input %s is named more than once; reading it once", redact(path))
             continue
         seen.add(key)
         if path == STDIN:
@@ -137,80 +147,22 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
                 raise SourceError(f"reading stdin needs --input-format {', '.join(STREAMED)}")
             inputs.append(InputFile(len(inputs), STDIN, input_format, None, 0))
             continue
-        kind, compression = _kind_and_compression(path, input_format)
+        kind, compression = _kind_and_compression(remote.name_of(path), input_format)
         if kind is None:
             raise SourceError(
-                f"{path}: unknown input type; name it .txt, .jsonl (optionally compressed), .parquet, .arrow or .tar, "
-                "or pass --input-format"
+                f"{redact(path)}: unknown input type; name it .txt, .jsonl (optionally compressed), .parquet, "
+                ".arrow or .tar, or pass --input-format"
             )
         if compression and kind not in STREAMED:
-            raise SourceError(f"{path}: a compressed {kind} file cannot be read; {kind} files compress inside")
-        size = remote_size(path) if storage.is_remote(path) else os.path.getsize(path)
-        inputs.append(InputFile(len(inputs), path, kind, compression, size))
+            raise SourceError(f"{redact(path)}: a compressed {kind} file cannot be read; {kind} files compress inside")
+        if path in objects:
+            obj = objects[path]
+            inputs.append(InputFile(len(inputs), path, kind, compression, obj.size, obj.version))
+            continue
+        inputs.append(InputFile(len(inputs), path, kind, compression, os.path.getsize(path)))
     if sum(p == STDIN for p in paths) > 1:
         raise SourceError("stdin ('-') can be read only once")
     return inputs
-
-
-def _remote_matches(pattern: str) -> list[str]:
-    """A remote URL, or a glob over one folder of a store (listed through storage), sorted."""
-    if not glob.has_magic(pattern):
-        return [pattern]
-    folder = storage.dirname_url(pattern)
-    if glob.has_magic(folder):
-        raise SourceError(f"{storage.redact(pattern)}: a remote glob may only match names in one folder")
-    rest = pattern[len(folder) :].lstrip("/")
-    try:
-        names = storage.Output(folder).list_names()
-    except storage.StorageError as exc:
-        raise SourceError(f"{storage.redact(pattern)}: cannot list {storage.redact(folder)}: {exc}") from None
-    return [storage.join_url(folder, n) for n in names if fnmatch.fnmatchcase(n, rest)]
-
-
-def remote_size(url: str) -> int:
-    """An object's size, from the answer to a one-byte ranged read."""
-    try:
-        with storage.open_stream(url, offset=0, length=1) as s:
-            s.read(1)
-            size = s.raw.size
-    except storage.StorageError as exc:
-        raise SourceError(f"{storage.redact(url)}: {exc}") from None
-    if size is None:
-        raise SourceError(f"{storage.redact(url)}: the store did not report the object's size")
-    return int(size)
-
-
-class RangedFile(io.RawIOBase):
-    """A seekable read-only file over a remote object: each read is one ranged GET (retried and
-    resumed by storage). What Parquet and Arrow need: a footer, then the column chunks asked for."""
-
-    def __init__(self, url: str, size: int):
-        super().__init__()
-        self.url, self._size, self._pos = url, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b) -> int:
-        n = min(len(b), self._size - self._pos)
-        if n <= 0:
-            return 0
-        with storage.open_stream(self.url, offset=self._pos, length=n) as s:
-            data = s.read(n)
-        b[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,34 +170,31 @@ class RangedFile(io.RawIOBase):
 # URL wdsllm.storage serves: streamed, retried and resumed where a body broke).
 
 
-def open_input(path: str) -> BinaryIO:
-    """A binary stream of the input's bytes from its start."""
+def open_input(path: str, size: int | None = None) -> BinaryIO:
+    """A binary stream of the input's bytes from its start (``size``: a remote object's, if known)."""
     if path == STDIN:
         return sys.stdin.buffer
-    if storage.is_remote(path):
-        try:
-            return storage.open_stream(path)
-        except storage.StorageError as exc:
-            raise SourceError(f"{storage.redact(path)}: cannot open: {exc}") from None
+    if remote.is_remote_input(path):
+        return remote.open_remote_stream(path, size)
     try:
         return open(path, "rb")
     except OSError as exc:
         raise SourceError(f"{path}: cannot open: {exc.strerror or exc}") from None
 
 
-def open_seekable(path: str) -> BinaryIO:
+def open_seekable(path: str, size: int | None = None) -> BinaryIO:
     """A seekable binary file of the input, for readers that read ranges (Parquet's footer and
-    column chunks, Arrow's record batches)."""
+    column chunks, Arrow's record batches); a remote one reads each range with a ranged request."""
     if path == STDIN:
         raise SourceError("stdin cannot be read as Parquet or Arrow: they need random access")
-    if storage.is_remote(path):
-        return io.BufferedReader(RangedFile(path, remote_size(path)), buffer_size=1 << 20)
+    if remote.is_remote_input(path):
+        return remote.open_remote_seekable(path, size if size is not None else remote.stat_object(path).size)
     return open_input(path)
 
 
 def open_decompressed(inp: InputFile) -> tuple[BinaryIO, BinaryIO]:
     """The decompressed stream and the raw one under it (whose position tells the progress)."""
-    raw = open_input(inp.path)
+    raw = open_input(inp.path, inp.size)
     try:
         if inp.compression == "gz":
             return gzip.GzipFile(fileobj=raw, mode="rb"), raw

@@ -103,10 +103,14 @@ class PackConfig:
         )
 
     def output_options(self) -> dict:
-        """The options that determine the output bytes (stored in the index)."""
+        """The options that determine the output bytes (stored in the index; URLs without their
+        secrets, so a rotated token or SAS does not stop a --resume either)."""
         d = asdict(self)
         for k in self.RUNTIME_ONLY:
             d.pop(k, None)
+        d["inputs"] = [storage.redact(i) for i in d.get("inputs", [])]
+        if isinstance(d.get("output"), str):
+            d["output"] = storage.redact(d["output"])
         return d
 
 
@@ -168,12 +172,19 @@ def _fingerprint(cfg: PackConfig, parts: list[Part], tok_sha: str) -> str:
         "options": cfg.output_options(),
         "tokenizer": tok_sha,
         "inputs": [
-            (p.input.path, p.input.size, os.path.getmtime(p.input.path) if p.input.path != "-" else 0)
-            + ((p.unit, p.start, p.stop) if not p.whole else ())
+            (p.input.path, p.input.size, _version(p.input)) + ((p.unit, p.start, p.stop) if not p.whole else ())
             for p in parts
         ],
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def _version(inp: InputFile) -> float | str:
+    """What says that an input changed since an interrupted pack: a remote object's version
+    (ETag, generation, commit), a local file's mtime."""
+    if inp.path == "-":
+        return 0
+    return inp.version if inp.version or "://" in inp.path else os.path.getmtime(inp.path)
 
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_]+(?:[A-Za-z0-9_-]*[A-Za-z0-9_])?$")
@@ -243,7 +254,7 @@ def _outside_output(inputs: list[InputFile], output: str) -> list[InputFile]:
     if storage.is_remote(output) or output.startswith("file://"):
         return inputs
     root = os.path.realpath(output) + os.sep
-    kept = [i for i in inputs if i.path == STDIN or not os.path.realpath(i.path).startswith(root)]
+    kept = [i for i in inputs if i.path == STDIN or "://" in i.path or not os.path.realpath(i.path).startswith(root)]
     if len(kept) != len(inputs):
         log.warning("ignoring %d input files inside the output directory %s", len(inputs) - len(kept), output)
         kept = [replace(i, index=n) for n, i in enumerate(kept)]

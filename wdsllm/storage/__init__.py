@@ -22,8 +22,10 @@ from . import s3 as _s3  # noqa: F401 - registers s3://
 from .backends import CHUNK_SIZE, backend_for, is_remote
 from .cache import ShardCache
 from .counters import reset_stats, stats
+from .listing import ObjectInfo, glob_objects, has_magic, list_prefix, stat_object
 from .output import Output
 from .prefetch import ReadAhead, Spool, prefetch_iter
+from .ranged import RangedFile, open_ranged
 from .resumable import STREAM_BUFFER, exists, open_stream, read_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .s3 import MULTIPART_THRESHOLD, s3_endpoint
@@ -45,7 +47,9 @@ __all__ = [
     "MULTIPART_THRESHOLD",
     "STREAM_BUFFER",
     "NotFoundError",
+    "ObjectInfo",
     "Output",
+    "RangedFile",
     "ReadAhead",
     "RetryPolicy",
     "ShardCache",
@@ -57,9 +61,13 @@ __all__ = [
     "dirname_url",
     "exists",
     "expand_urls",
+    "glob_objects",
+    "has_magic",
     "is_remote",
     "join_url",
+    "list_prefix",
     "local_path",
+    "open_ranged",
     "open_stream",
     "prefetch_iter",
     "read_bytes",
@@ -69,5 +77,6 @@ __all__ = [
     "s3_endpoint",
     "scheme_of",
     "split_query",
+    "stat_object",
     "stats",
 ]

@@ -289,6 +289,19 @@ class AzureBackend:
     def exists(self, url: str, timeout: float) -> bool:
         return _exists(url, timeout)
 
+    def list_objects(self, url: str, timeout: float) -> list:
+        from .listing import fsspec_objects
+
+        _, container, blob, sas = parse(url)
+        head = split_query(url)[0]
+        root = head[: len(head) - len(blob)]  # "az://container/" or "abfs://container@host/"
+        query = f"?{sas}" if sas else ""  # a SAS rides on every object's URL, as on the root's
+
+        def url_of(path: str) -> str:
+            return root + path[len(container) + 1 :] + query
+
+        return fsspec_objects(filesystem(url, timeout), f"{container}/{blob}", url_of, ("etag", "last_modified"))
+
     def output_class(self, url: str) -> type[Output]:
         return AzureOutput
 

@@ -135,6 +135,12 @@ class GcsBackend:
     def exists(self, url: str, timeout: float) -> bool:
         return _exists(url, timeout)
 
+    def list_objects(self, url: str, timeout: float) -> list:
+        from .listing import fsspec_objects
+
+        fs, scheme = filesystem(timeout, url), scheme_of(url)
+        return fsspec_objects(fs, gs_path(url), lambda p: f"{scheme}://{p}", ("generation", "etag", "md5Hash"))
+
     def output_class(self, url: str) -> type[Output]:
         return GcsOutput
 

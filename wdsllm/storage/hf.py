@@ -122,6 +122,32 @@ class HfBackend:
     def exists(self, url: str, timeout: float) -> bool:
         return head(file_url(url, timeout), timeout, headers=_headers(), shown=url)
 
+    def list_objects(self, url: str, timeout: float) -> list:
+        """The repository's files under the URL's directory, at the commit of its revision."""
+        from huggingface_hub import HfApi
+        from huggingface_hub.utils import EntryNotFoundError
+
+        from .listing import ObjectInfo
+
+        kind, repo, _, path = parse(url)
+        commit = commit_of(url, timeout)
+        root = split_query(url)[0][: len(split_query(url)[0]) - len(path)]  # "hf://datasets/ORG/NAME@REV/"
+        directory = path.rstrip("/")
+        api = HfApi(endpoint=endpoint(), token=token())
+        try:
+            entries = api.list_repo_tree(
+                repo, path_in_repo=directory or None, revision=commit, repo_type=kind, recursive=True
+            )
+            files = [e for e in entries if getattr(e, "size", None) is not None and not hasattr(e, "tree_id")]
+        except EntryNotFoundError:
+            return []
+        prefix = directory + "/" if directory else ""
+        return [
+            ObjectInfo(root + e.path, int(e.size), f"{commit}:{getattr(e, 'blob_id', '')}")
+            for e in files
+            if e.path.startswith(prefix)
+        ]
+
     def output_class(self, url: str) -> type[Output]:
         raise make_error(
             url,

@@ -305,6 +305,12 @@ class S3Backend:
     def exists(self, url: str, timeout: float) -> bool:
         return _exists(url, timeout)
 
+    def list_objects(self, url: str, timeout: float) -> list:
+        from .listing import fsspec_objects
+
+        fs = filesystem(timeout, url)
+        return fsspec_objects(fs, bucket_path(url, len("s3://")), lambda p: f"s3://{p}", ("ETag", "LastModified"))
+
     def output_class(self, url: str) -> type[Output]:
         return S3Output
 
