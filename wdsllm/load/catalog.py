@@ -185,9 +185,14 @@ class Catalog:
         shard in ``shards``, and where those are in lengths.npy, read now and checked later
         (``check_lengths``); one read per range, no Python object per document."""
         side = self.lengths_file()
-        a = self._starts("documents")[shards] + np.asarray(starts, np.int64)
-        b = self._starts("documents")[shards] + np.asarray(stops, np.int64)
+        first = self.document_starts()[shards]
+        a = first + np.asarray(starts, np.int64)
+        b = first + np.asarray(stops, np.int64)
         return side.range_sums(a, b), a, b
+
+    def document_starts(self) -> np.ndarray:
+        """Where each catalog shard's documents begin in lengths.npy."""
+        return self._starts("documents")
 
     def check_lengths(self, ranges: list[tuple[int, int]]) -> None:
         """Check ranges of lengths.npy read with ``check=False`` (each chunk once per process)."""

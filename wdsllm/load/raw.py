@@ -121,6 +121,12 @@ class _Lengths:
     def check_range(self, a: int, b: int) -> None:
         return None
 
+    def range_sums(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """The sum of lengths [a[i], b[i]) for every i (SideArray's, over the sidecar's array)."""
+        if not hasattr(self, "_cumsum"):
+            self._cumsum = np.concatenate([[0], np.cumsum(self._a, dtype=np.int64)])
+        return self._cumsum[np.asarray(b, np.int64)] - self._cumsum[np.asarray(a, np.int64)]
+
     def array(self) -> np.ndarray:
         return self._a
 
@@ -161,6 +167,9 @@ class RawCatalog(Catalog):
         if "lengths" not in self._sides:
             self._sides["lengths"] = _Lengths(self.counts.lengths)
         return self._sides["lengths"]
+
+    def document_starts(self) -> np.ndarray:
+        return self.counts.starts[:-1]
 
     def lengths_range(self, shard: int, start: int = 0, stop: int | None = None) -> tuple[int, int]:
         n = int(self.counts.documents[shard])
