@@ -12,6 +12,8 @@ import gzip
 import itertools
 import json
 import logging
+import os
+import random
 import shutil
 import subprocess
 import sys
@@ -116,8 +118,11 @@ class Store:
             self.server.add_repo(self.repo, {f"ds/{n}": d for n, d in files.items()})
         return self.url
 
-    def proxied(self, monkeypatch: pytest.MonkeyPatch, proxy) -> None:
-        """Route this store's traffic through ``proxy`` (a FaultProxy in front of the emulator)."""
+    def proxied(self, monkeypatch: pytest.MonkeyPatch, proxy) -> str:
+        """Route this store's traffic through ``proxy`` (a FaultProxy in front of the emulator or
+        server); returns the dataset's root URL to read (http: the proxy's own address)."""
+        if self.scheme == "http":
+            return proxy.url + "/ds"
         if self.scheme == "s3":
             monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         elif self.scheme == "gs":
@@ -127,6 +132,7 @@ class Store:
             monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", conn)
         elif self.scheme == "hf":  # the Hub's answers (its CDN's are direct)
             monkeypatch.setenv("HF_ENDPOINT", proxy.url)
+        return self.url
 
     def shard_pattern(self, name: str) -> str:
         """The fault proxy's pattern for the GETs of a shard's bytes (not of its metadata)."""
@@ -171,7 +177,9 @@ def test_cache_serves_the_second_epoch_on_every_scheme(store, synth, reference, 
     loader.set_epoch(1)
     documents(loader)
     assert storage.stats()["cache_misses"] == before["cache_misses"]
-    assert len(storage.ShardCache(str(tmp_path / "cache"), 10 << 20).entries()) == len(NAMES)
+    cached = [os.path.basename(path) for path, _, _ in storage.ShardCache(str(tmp_path / "cache"), 10 << 20).entries()]
+    assert sorted(name.split("-", 1)[1] for name in cached if name.endswith(".tar")) == NAMES
+    assert any(name.endswith("-groups.npy") for name in cached), "remote side files are cached too (#16)"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,22 +204,26 @@ def test_faults_on_every_shard_change_nothing(store, fault, workers, synth, refe
     proxy = fault_proxy(store.endpoint)
     store.proxied(monkeypatch, proxy)
     kind, params, times = FAULTS[fault]
-    faults = [proxy.add(store.shard_pattern(name), kind, times=times, **params) for name in NAMES]
+    faults = []
+    for name in NAMES:
+        if "bytes" in params:  # a cut at a random byte of each shard (seeded: the same in every run)
+            params = {**params, "bytes": random.Random(f"{fault}/{name}").randrange(1, (synth / name).stat().st_size)}
+        faults.append(proxy.add(store.shard_pattern(name), kind, times=times, **params))
     assert documents(wdsllm.loader(root, num_workers=workers, retry=FAST, **LOAD)) == reference[workers]
     if workers == 0:
         assert all(f.hits == times for f in faults), [f.hits for f in faults]
 
 
-@pytest.mark.parametrize("store", WRITABLE, indirect=True)
+@pytest.mark.parametrize("store", READABLE, indirect=True)
 def test_throttling_honours_retry_after(store, synth, fault_proxy, monkeypatch):
-    root = store.upload(synth)
-    proxy = fault_proxy(store.endpoint)
-    store.proxied(monkeypatch, proxy)
+    store.upload(synth)
+    proxy = fault_proxy(store.endpoint or store.server.url)
+    root = store.proxied(monkeypatch, proxy)
     body = {
         "s3": b"<?xml version='1.0'?><Error><Code>SlowDown</Code><Message>Reduce your request rate</Message></Error>",
         "az": b"<?xml version='1.0'?><Error><Code>ServerBusy</Code><Message>busy</Message></Error>",
         "gs": b'{"error": {"code": 503, "message": "slow down"}}',
-    }[store.scheme]
+    }.get(store.scheme, b"busy")
     ctype = "application/json" if store.scheme == "gs" else "application/xml"
     proxy.add(store.shard_pattern(NAMES[1]), "status", status=503, retry_after=1, body=body, content_type=ctype)
     t0 = time.monotonic()
@@ -287,6 +299,17 @@ def test_pack_verify_load_round_trip(store, wiki_input, wiki_local):
     assert {i: t for i, _, t in got} == expected
 
 
+@pytest.mark.parametrize("store", ["http", "hf"], indirect=True)
+def test_info_verify_head_on_read_only_schemes(store, wiki_local):
+    root = store.upload(wiki_local) + "/"
+    verified = cli("verify", root)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    for command in ("info", "head"):  # head detokenizes with the tokenizer.json the dataset carries
+        remote, local = cli(command, root), cli(command, str(wiki_local))
+        assert remote.returncode == 0, remote.stderr
+        assert remote.stdout.splitlines()[1:] == local.stdout.splitlines()[1:], command
+
+
 @pytest.mark.parametrize("store", WRITABLE, indirect=True)
 def test_merge_copies_server_side(store, wiki_input, wiki_local, fault_proxy, monkeypatch):
     parts = store.url + "/parts/"
@@ -359,18 +382,61 @@ def test_anonymous_reads_of_a_public_azure_container(azurite, synth, monkeypatch
     assert len(documents(wdsllm.loader(f"az://{container}/ds", **LOAD))) == sum(DOCS_PER_SHARD)
 
 
-@pytest.mark.parametrize("scheme", ["http", "s3"])
+def test_anonymous_reads_of_gcs_send_no_credentials(gcs_server, synth, fault_proxy, monkeypatch):
+    store = Store("gs", _FakeRequest(gcs_server), Path())
+    root = store.upload(synth)
+    proxy = fault_proxy(store.endpoint)
+    store.proxied(monkeypatch, proxy)
+    monkeypatch.setenv("WDSLLM_ANONYMOUS", "gs")
+    assert len(documents(wdsllm.loader(root, **LOAD))) == sum(DOCS_PER_SHARD)
+    gets = [h for m, p, h in proxy.log if m == "GET"]
+    assert gets and not any("authorization" in {k.lower() for k in h} for h in gets)
+    proxy.add("GET *", "status", status=403, times=None, body=b'{"error": {"code": 403}}')
+    with pytest.raises(StorageError, match="credentials: none: anonymous requests"):
+        storage.read_bytes(f"{root}/{NAMES[0]}")
+
+
+@pytest.mark.parametrize(
+    "url,reason",
+    [
+        ("s3://Not_A_Bucket!/ds/index.json", "Invalid bucket name"),
+        ("s3://no-such-bucket-here/ds/index.json", "NoSuchBucket"),
+        ("gs://no-such-bucket-here/ds/index.json", "404"),
+        ("az://no-such-container/ds/index.json", "ContainerNotFound"),
+        ("az://Not_A_Container!/ds/index.json", "HTTP 400"),
+    ],
+)
+def test_bad_or_missing_buckets_fail_at_once_naming_the_url(url, reason, request):
+    request.getfixturevalue({"s3": "s3_server", "gs": "gcs_server", "az": "azurite"}[url[:2]])
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as info:
+        wdsllm.loader(url.rsplit("/", 1)[0], retry=RetryPolicy(base_delay=1.0))
+    assert time.monotonic() - t0 < 5, "a permanent failure is not retried"
+    assert str(info.value).startswith(url + ":") and reason in str(info.value), info.value
+
+
+def test_missing_azure_account_fails_at_once_naming_what_to_set(azurite, monkeypatch):
+    for name in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_SAS_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as info:
+        storage.read_bytes(f"az://{azurite.new_container()}/ds/index.json", retry=RetryPolicy(base_delay=1.0))
+    assert time.monotonic() - t0 < 5
+    assert "AZURE_STORAGE_CONNECTION_STRING" in str(info.value) and "AZURE_STORAGE_ACCOUNT_NAME" in str(info.value)
+
+
+@pytest.mark.parametrize("scheme", READABLE)
 def test_http_proxy_is_honoured_and_no_proxy_bypasses_it(scheme, request, synth, fault_proxy, monkeypatch):
     store = Store(scheme, request, Path())
     root = store.upload(synth)
     proxy = fault_proxy()  # a forward proxy
+    for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HTTP_PROXY", proxy.url)
-    monkeypatch.delenv("NO_PROXY", raising=False)
-    monkeypatch.delenv("no_proxy", raising=False)
     assert storage.read_bytes(f"{root}/index.json") == (synth / "index.json").read_bytes()
     assert any(target.startswith("http://127.0.0.1") and "index.json" in target for _, target, _ in proxy.log)
     seen = len(proxy.log)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost,169.254.169.254")  # the Hub's CDN; gcsfs's GCE probe
     assert storage.read_bytes(f"{root}/{NAMES[0]}") == (synth / NAMES[0]).read_bytes()
     assert len(proxy.log) == seen
 

@@ -79,7 +79,15 @@ def filesystem(url: str, timeout: float = DEFAULT_RETRY.timeout) -> Any:
             from adlfs import AzureBlobFileSystem
         except ImportError as exc:
             raise make_error(url, "az:// URLs need adlfs, which is not installed: pip install 'wdsllm[azure]'") from exc
-        fs = AzureBlobFileSystem(skip_instance_cache=True, **opts)
+        try:
+            fs = AzureBlobFileSystem(skip_instance_cache=True, **opts)
+        except ValueError as exc:  # adlfs: "Must provide either a connection_string or account_name ..."
+            raise make_error(
+                url,
+                "no Azure storage account: set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME "
+                "(with AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN, a service principal's AZURE_CLIENT_ID... "
+                "or a managed identity), or name it in the URL: abfs://container@ACCOUNT.dfs.core.windows.net/path",
+            ) from exc
         config = fs.service_client._config
         config.connection_data_block_size = _BLOCK
         config.retry_policy.total_retries = 0  # every call: RetryPolicy is the one retry loop
