@@ -452,9 +452,14 @@ def test_hf_revision_is_pinned_for_the_run(fake_hub, synth):
     first = repo.refs["main"]
     url = f"hf://datasets/{store_name}@main/ds"
     assert storage.hf.commit_of(url, 5) == first
+    assert storage.hf.pinned(url) == f"hf://datasets/{store_name}@{first}/ds"
+    assert storage.hf.pinned(url + "/") == f"hf://datasets/{store_name}@{first}/ds/"
     before = storage.read_bytes(f"{url}/{NAMES[0]}")
     repo.commit({f"ds/{NAMES[0]}": b"a new commit on main"})
     assert storage.read_bytes(f"{url}/{NAMES[0]}") == before, "a push to main mid-run changes nothing"
+    storage.hf._revisions.clear()  # another process (a rank started later) resolves main again...
+    assert storage.read_bytes(f"hf://datasets/{store_name}@{first}/ds/{NAMES[0]}") == before  # ...the pinned URL not
+    assert storage.hf.commit_of(url, 5) == repo.refs["main"] != first
     assert (
         storage.read_bytes(f"hf://datasets/{store_name}@{repo.refs['main']}/ds/{NAMES[0]}") == b"a new commit on main"
     )

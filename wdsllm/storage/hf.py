@@ -100,6 +100,21 @@ def commit_of(url: str, timeout: float) -> str:
     return sha
 
 
+def pinned(url: str, timeout: float = 30.0) -> str:
+    """``url`` with its revision replaced by the commit that the revision names now.
+
+    Every process of a run resolves a branch on its own; ranks started apart can see a push land
+    between them. Resolve once (rank 0) and hand this URL to every rank (``docs/remote.md``)
+    to make them read one commit. The loader does not do it for you: a collective in its
+    constructor would hang a job that makes a loader on some ranks only.
+    """
+    kind, repo, _, path = parse(url)
+    query = split_query(url)[1]
+    prefix = {"dataset": "datasets/", "space": "spaces/", "model": ""}[kind]
+    tail = f"/{path}" if path else ""
+    return f"hf://{prefix}{repo}@{commit_of(url, timeout)}{tail}" + (f"?{query}" if query else "")
+
+
 def file_url(url: str, timeout: float) -> str:
     """The Hub's resolve URL of an hf:// object, pinned to the commit of its revision."""
     kind, repo, _, path = parse(url)
