@@ -469,6 +469,20 @@ def test_hf_revision_is_pinned_for_the_run(fake_hub, synth):
     assert all(h.get("Authorization") == f"Bearer {fake_hub.token}" for h in hub_gets)  # the CDN refuses it
 
 
+def test_hf_anonymous_reads_public_repositories_only(fake_hub, synth, monkeypatch):
+    files = {f"ds/{p.name}": p.read_bytes() for p in synth.iterdir()}
+    public, private = (f"org/{kind}-{uuid.uuid4().hex[:8]}" for kind in ("public", "private"))
+    fake_hub.add_repo(public, files)
+    fake_hub.add_repo(private, files, private=True)
+    assert storage.read_bytes(f"hf://datasets/{private}@main/ds/index.json") == (synth / "index.json").read_bytes()
+    monkeypatch.setenv("WDSLLM_ANONYMOUS", "hf")
+    assert len(documents(wdsllm.loader(f"hf://datasets/{public}@main/ds", **LOAD))) == sum(DOCS_PER_SHARD)
+    sent = [h for _, p, h in fake_hub.requests if public in p]
+    assert sent and not any("Authorization" in h for h in sent)
+    with pytest.raises(NotFoundError, match=f"repository {private} not found, or private"):
+        storage.read_bytes(f"hf://datasets/{private}@v1/ds/index.json")
+
+
 def test_hf_missing_repository_or_revision_is_named(fake_hub):
     with pytest.raises(NotFoundError, match="repository org/none-such not found"):
         storage.read_bytes("hf://datasets/org/none-such@main/ds/index.json")
