@@ -573,6 +573,23 @@ def test_azure_sas_on_the_url_is_carried_and_redacted(azurite, synth):
     _no_secret(sig, str(info.value))
 
 
+def test_abfs_urls_name_the_account(azurite, synth):
+    container = azurite.new_container()
+    client = azurite.service().get_container_client(container)
+    for path in synth.iterdir():
+        client.upload_blob(f"ds/{path.name}", path.read_bytes())
+    assert storage.azure.parse(f"abfss://{container}@devstoreaccount1.dfs.core.windows.net/ds/x.tar?sv=1") == (
+        "devstoreaccount1",
+        container,
+        "ds/x.tar",
+        "sv=1",
+    )
+    # the environment's connection string is for devstoreaccount1: it serves URLs naming that account
+    for scheme in ("abfs", "abfss", "az"):
+        url = f"{scheme}://{container}@devstoreaccount1.dfs.core.windows.net/ds"
+        assert len(documents(wdsllm.loader(url, **LOAD))) == sum(DOCS_PER_SHARD), url
+
+
 class _FakeRequest:
     """What Store needs of a pytest request when a test holds the server fixture already."""
 

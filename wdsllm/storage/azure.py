@@ -49,22 +49,22 @@ def parse(url: str) -> tuple[str | None, str, str, str]:
 def _options(account: str | None, sas: str) -> dict[str, Any]:
     """adlfs options for an account (None: the environment's) and a SAS from the URL."""
     conn = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
-    endpoint = None
-    if conn:
-        fields = dict(f.split("=", 1) for f in conn.split(";") if "=" in f)
-        endpoint = fields.get("BlobEndpoint")
+    fields = dict(f.split("=", 1) for f in conn.split(";") if "=" in f) if conn else {}
+    endpoint = fields.get("BlobEndpoint")
+    # the environment's connection string serves a URL that names its account (abfs://c@ACCOUNT...)
+    own = account is None or account == fields.get("AccountName")
     opts: dict[str, Any] = {}
     if anonymous("az"):
-        if endpoint and not account:
+        if endpoint and own:
             opts["connection_string"] = f"BlobEndpoint={endpoint};"
         else:
             opts.update(account_name=account or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME"), anon=True)
     elif sas:
-        if endpoint and not account:
+        if endpoint and own:
             opts["connection_string"] = f"BlobEndpoint={endpoint};SharedAccessSignature={sas}"
         else:
             opts.update(account_name=account or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME"), sas_token=sas)
-    elif account:
+    elif account and not (conn and own):
         opts["account_name"] = account
     return opts
 
