@@ -191,6 +191,7 @@ FAULTS = {
     "drop-rst": ("drop_after", dict(bytes=3000, reset=True), 1),
     "stall": ("stall", dict(bytes=3000, seconds=3.0), 1),
     "503": ("status", dict(status=503), 2),
+    "429": ("status", dict(status=429, retry_after=0), 2),  # throttled (S3 SlowDown is 503: see below)
 }
 # every fault on every emulator; the Hub answers with a redirect to its CDN, so only statuses there
 FAULT_RUNS = [(s, f, 0) for s in WRITABLE for f in FAULTS] + [(s, "drop", 2) for s in WRITABLE] + [("hf", "503", 0)]
