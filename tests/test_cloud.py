@@ -118,6 +118,15 @@ class Store:
             self.server.add_repo(self.repo, {f"ds/{n}": d for n, d in files.items()})
         return self.url
 
+    def upload_one(self, name: str, data: bytes) -> None:
+        """Put one object ``name`` (relative to the bucket) with the store's own client."""
+        if self.scheme == "s3":
+            self.server.client().put_object(Bucket=self.bucket, Key=name, Body=data)
+        elif self.scheme == "gs":
+            self.server.put(self.bucket, name, data)
+        elif self.scheme == "az":
+            self.server.service().get_container_client(self.bucket).upload_blob(name, data, overwrite=True)
+
     def proxied(self, monkeypatch: pytest.MonkeyPatch, proxy) -> str:
         """Route this store's traffic through ``proxy`` (a FaultProxy in front of the emulator or
         server); returns the dataset's root URL to read (http: the proxy's own address)."""
@@ -213,6 +222,27 @@ def test_faults_on_every_shard_change_nothing(store, fault, workers, synth, refe
     assert documents(wdsllm.loader(root, num_workers=workers, retry=FAST, **LOAD)) == reference[workers]
     if workers == 0:
         assert all(f.hits == times for f in faults), [f.hits for f in faults]
+
+
+@pytest.mark.parametrize("store", WRITABLE, indirect=True)
+def test_an_object_replaced_between_a_break_and_its_resume_is_an_error(store, synth, fault_proxy, monkeypatch):
+    """The resume of a broken body asks for the version it started on (S3 and Azure: If-Match,
+    GCS: the generation): a replaced object is a named error, never a splice of two versions."""
+    store.upload(synth)
+    proxy = fault_proxy(store.endpoint)
+    root = store.proxied(monkeypatch, proxy)
+    name, size = NAMES[2], (synth / NAMES[2]).stat().st_size
+    proxy.add(store.shard_pattern(name), "drop_after", bytes=size // 2)
+    with storage.open_stream(f"{root}/{name}", retry=FAST) as f:
+        first = f.raw.read(1000)  # the first GET is under way, and will break at size // 2
+        replacement = bytes(reversed((synth / name).read_bytes()))  # the same size, other bytes
+        monkeypatch.undo()  # straight to the store
+        Store.upload_one(store, f"ds/{name}", replacement)
+        with pytest.raises(StorageError, match="changed|412|ConditionNotMet|PreconditionFailed|404") as info:
+            while f.raw.read(1 << 16):
+                pass
+    assert first == (synth / name).read_bytes()[:1000]
+    assert str(info.value).startswith(f"{root}/{name}:"), info.value
 
 
 @pytest.mark.parametrize("store", READABLE, indirect=True)

@@ -20,7 +20,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from .aio import LoopBody, instance, range_header, run
+from .aio import LoopBody, instance, range_header, run, salvaging_reader
 from .backends import EmptyBody, anonymous, parse_content_range, register
 from .fsoutput import FsspecOutput
 from .output import Output
@@ -166,6 +166,25 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
     else:
         length = resp.headers.get("Content-Length")
         total = int(length) if length and length.isdigit() else None
+    raw = getattr(getattr(chunks, "response", None), "internal_response", None)  # azure-core's aiohttp answer
+    if raw is not None and hasattr(raw, "content") and not raw.headers.get("Content-Encoding"):
+        # aiohttp's stream itself: bytes that arrived before a cut are handed over (azure-core's
+        # iterator drops them with the error), and no chunk is copied on the way
+        read = salvaging_reader(raw.content)
+    else:
+        read = _chunk_reader(chunks)
+
+    async def aclose() -> None:
+        if raw is not None and hasattr(raw, "content") and raw.content.at_eof():
+            raw.release()  # read to its end: the connection carries the next request
+        else:
+            await resp.close()
+
+    return _AzureBody(url, fs, read, aclose, total, resp.headers.get("ETag"), timeout)
+
+
+def _chunk_reader(chunks: Any) -> Any:
+    """``read(n)`` over azure-core's chunk iterator (another transport than aiohttp)."""
     pending = bytearray()
 
     async def read(n: int) -> bytes:
@@ -179,10 +198,7 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
         del pending[:n]
         return out
 
-    async def aclose() -> None:
-        await resp.close()
-
-    return _AzureBody(url, fs, read, aclose, total, resp.headers.get("ETag"), timeout)
+    return read
 
 
 class _AzureBody(LoopBody):
