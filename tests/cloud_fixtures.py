@@ -276,11 +276,12 @@ AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1
 
 
 def find_azurite() -> str | None:
-    """The azurite-blob launcher: $WDSLLM_AZURITE, node_modules/.bin beside the repo, or PATH."""
+    """The azurite-blob launcher: $WDSLLM_AZURITE, node_modules/.bin in the running venv (a git
+    worktree runs the main checkout's venv) or beside the repo, or PATH."""
     if shutil.which("node") is None:
         return None
     candidates = [os.environ.get("WDSLLM_AZURITE")]
-    for base in (HERE.parent / ".venv", Path.cwd(), HERE, *HERE.parents):
+    for base in (Path(sys.prefix), HERE.parent / ".venv", Path.cwd(), HERE, *HERE.parents):
         candidates.append(str(base / "node_modules" / ".bin" / "azurite-blob"))
     candidates.append(shutil.which("azurite-blob"))
     for c in candidates:

@@ -12,6 +12,8 @@ import gzip
 import itertools
 import json
 import logging
+import os
+import random
 import shutil
 import subprocess
 import sys
@@ -116,8 +118,20 @@ class Store:
             self.server.add_repo(self.repo, {f"ds/{n}": d for n, d in files.items()})
         return self.url
 
-    def proxied(self, monkeypatch: pytest.MonkeyPatch, proxy) -> None:
-        """Route this store's traffic through ``proxy`` (a FaultProxy in front of the emulator)."""
+    def upload_one(self, name: str, data: bytes) -> None:
+        """Put one object ``name`` (relative to the bucket) with the store's own client."""
+        if self.scheme == "s3":
+            self.server.client().put_object(Bucket=self.bucket, Key=name, Body=data)
+        elif self.scheme == "gs":
+            self.server.put(self.bucket, name, data)
+        elif self.scheme == "az":
+            self.server.service().get_container_client(self.bucket).upload_blob(name, data, overwrite=True)
+
+    def proxied(self, monkeypatch: pytest.MonkeyPatch, proxy) -> str:
+        """Route this store's traffic through ``proxy`` (a FaultProxy in front of the emulator or
+        server); returns the dataset's root URL to read (http: the proxy's own address)."""
+        if self.scheme == "http":
+            return proxy.url + "/ds"
         if self.scheme == "s3":
             monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         elif self.scheme == "gs":
@@ -127,6 +141,7 @@ class Store:
             monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", conn)
         elif self.scheme == "hf":  # the Hub's answers (its CDN's are direct)
             monkeypatch.setenv("HF_ENDPOINT", proxy.url)
+        return self.url
 
     def shard_pattern(self, name: str) -> str:
         """The fault proxy's pattern for the GETs of a shard's bytes (not of its metadata)."""
@@ -171,7 +186,9 @@ def test_cache_serves_the_second_epoch_on_every_scheme(store, synth, reference, 
     loader.set_epoch(1)
     documents(loader)
     assert storage.stats()["cache_misses"] == before["cache_misses"]
-    assert len(storage.ShardCache(str(tmp_path / "cache"), 10 << 20).entries()) == len(NAMES)
+    cached = [os.path.basename(path) for path, _, _ in storage.ShardCache(str(tmp_path / "cache"), 10 << 20).entries()]
+    assert sorted(name.split("-", 1)[1] for name in cached if name.endswith(".tar")) == NAMES
+    assert any(name.endswith("-groups.npy") for name in cached), "remote side files are cached too (#16)"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,6 +200,7 @@ FAULTS = {
     "drop-rst": ("drop_after", dict(bytes=3000, reset=True), 1),
     "stall": ("stall", dict(bytes=3000, seconds=3.0), 1),
     "503": ("status", dict(status=503), 2),
+    "429": ("status", dict(status=429, retry_after=0), 2),  # throttled (S3 SlowDown is 503: see below)
 }
 # every fault on every emulator; the Hub answers with a redirect to its CDN, so only statuses there
 FAULT_RUNS = [(s, f, 0) for s in WRITABLE for f in FAULTS] + [(s, "drop", 2) for s in WRITABLE] + [("hf", "503", 0)]
@@ -196,22 +214,47 @@ def test_faults_on_every_shard_change_nothing(store, fault, workers, synth, refe
     proxy = fault_proxy(store.endpoint)
     store.proxied(monkeypatch, proxy)
     kind, params, times = FAULTS[fault]
-    faults = [proxy.add(store.shard_pattern(name), kind, times=times, **params) for name in NAMES]
+    faults = []
+    for name in NAMES:
+        if "bytes" in params:  # a cut at a random byte of each shard (seeded: the same in every run)
+            params = {**params, "bytes": random.Random(f"{fault}/{name}").randrange(1, (synth / name).stat().st_size)}
+        faults.append(proxy.add(store.shard_pattern(name), kind, times=times, **params))
     assert documents(wdsllm.loader(root, num_workers=workers, retry=FAST, **LOAD)) == reference[workers]
     if workers == 0:
         assert all(f.hits == times for f in faults), [f.hits for f in faults]
 
 
 @pytest.mark.parametrize("store", WRITABLE, indirect=True)
-def test_throttling_honours_retry_after(store, synth, fault_proxy, monkeypatch):
-    root = store.upload(synth)
+def test_an_object_replaced_between_a_break_and_its_resume_is_an_error(store, synth, fault_proxy, monkeypatch):
+    """The resume of a broken body asks for the version it started on (S3 and Azure: If-Match,
+    GCS: the generation): a replaced object is a named error, never a splice of two versions."""
+    store.upload(synth)
     proxy = fault_proxy(store.endpoint)
-    store.proxied(monkeypatch, proxy)
+    root = store.proxied(monkeypatch, proxy)
+    name, size = NAMES[2], (synth / NAMES[2]).stat().st_size
+    proxy.add(store.shard_pattern(name), "drop_after", bytes=size // 2)
+    with storage.open_stream(f"{root}/{name}", retry=FAST) as f:
+        first = f.raw.read(1000)  # the first GET is under way, and will break at size // 2
+        replacement = bytes(reversed((synth / name).read_bytes()))  # the same size, other bytes
+        monkeypatch.undo()  # straight to the store
+        Store.upload_one(store, f"ds/{name}", replacement)
+        with pytest.raises(StorageError, match="changed|412|ConditionNotMet|PreconditionFailed|404") as info:
+            while f.raw.read(1 << 16):
+                pass
+    assert first == (synth / name).read_bytes()[:1000]
+    assert str(info.value).startswith(f"{root}/{name}:"), info.value
+
+
+@pytest.mark.parametrize("store", READABLE, indirect=True)
+def test_throttling_honours_retry_after(store, synth, fault_proxy, monkeypatch):
+    store.upload(synth)
+    proxy = fault_proxy(store.endpoint or store.server.url)
+    root = store.proxied(monkeypatch, proxy)
     body = {
         "s3": b"<?xml version='1.0'?><Error><Code>SlowDown</Code><Message>Reduce your request rate</Message></Error>",
         "az": b"<?xml version='1.0'?><Error><Code>ServerBusy</Code><Message>busy</Message></Error>",
         "gs": b'{"error": {"code": 503, "message": "slow down"}}',
-    }[store.scheme]
+    }.get(store.scheme, b"busy")
     ctype = "application/json" if store.scheme == "gs" else "application/xml"
     proxy.add(store.shard_pattern(NAMES[1]), "status", status=503, retry_after=1, body=body, content_type=ctype)
     t0 = time.monotonic()
@@ -287,6 +330,17 @@ def test_pack_verify_load_round_trip(store, wiki_input, wiki_local):
     assert {i: t for i, _, t in got} == expected
 
 
+@pytest.mark.parametrize("store", ["http", "hf"], indirect=True)
+def test_info_verify_head_on_read_only_schemes(store, wiki_local):
+    root = store.upload(wiki_local) + "/"
+    verified = cli("verify", root)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    for command in ("info", "head"):  # head detokenizes with the tokenizer.json the dataset carries
+        remote, local = cli(command, root), cli(command, str(wiki_local))
+        assert remote.returncode == 0, remote.stderr
+        assert remote.stdout.splitlines()[1:] == local.stdout.splitlines()[1:], command
+
+
 @pytest.mark.parametrize("store", WRITABLE, indirect=True)
 def test_merge_copies_server_side(store, wiki_input, wiki_local, fault_proxy, monkeypatch):
     parts = store.url + "/parts/"
@@ -359,18 +413,61 @@ def test_anonymous_reads_of_a_public_azure_container(azurite, synth, monkeypatch
     assert len(documents(wdsllm.loader(f"az://{container}/ds", **LOAD))) == sum(DOCS_PER_SHARD)
 
 
-@pytest.mark.parametrize("scheme", ["http", "s3"])
+def test_anonymous_reads_of_gcs_send_no_credentials(gcs_server, synth, fault_proxy, monkeypatch):
+    store = Store("gs", _FakeRequest(gcs_server), Path())
+    root = store.upload(synth)
+    proxy = fault_proxy(store.endpoint)
+    store.proxied(monkeypatch, proxy)
+    monkeypatch.setenv("WDSLLM_ANONYMOUS", "gs")
+    assert len(documents(wdsllm.loader(root, **LOAD))) == sum(DOCS_PER_SHARD)
+    gets = [h for m, p, h in proxy.log if m == "GET"]
+    assert gets and not any("authorization" in {k.lower() for k in h} for h in gets)
+    proxy.add("GET *", "status", status=403, times=None, body=b'{"error": {"code": 403}}')
+    with pytest.raises(StorageError, match="credentials: none: anonymous requests"):
+        storage.read_bytes(f"{root}/{NAMES[0]}")
+
+
+@pytest.mark.parametrize(
+    "url,reason",
+    [
+        ("s3://Not_A_Bucket!/ds/index.json", "Invalid bucket name"),
+        ("s3://no-such-bucket-here/ds/index.json", "NoSuchBucket"),
+        ("gs://no-such-bucket-here/ds/index.json", "404"),
+        ("az://no-such-container/ds/index.json", "ContainerNotFound"),
+        ("az://Not_A_Container!/ds/index.json", "HTTP 400"),
+    ],
+)
+def test_bad_or_missing_buckets_fail_at_once_naming_the_url(url, reason, request):
+    request.getfixturevalue({"s3": "s3_server", "gs": "gcs_server", "az": "azurite"}[url[:2]])
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as info:
+        wdsllm.loader(url.rsplit("/", 1)[0], retry=RetryPolicy(base_delay=1.0))
+    assert time.monotonic() - t0 < 5, "a permanent failure is not retried"
+    assert str(info.value).startswith(url + ":") and reason in str(info.value), info.value
+
+
+def test_missing_azure_account_fails_at_once_naming_what_to_set(azurite, monkeypatch):
+    for name in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_SAS_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    t0 = time.monotonic()
+    with pytest.raises(StorageError) as info:
+        storage.read_bytes(f"az://{azurite.new_container()}/ds/index.json", retry=RetryPolicy(base_delay=1.0))
+    assert time.monotonic() - t0 < 5
+    assert "AZURE_STORAGE_CONNECTION_STRING" in str(info.value) and "AZURE_STORAGE_ACCOUNT_NAME" in str(info.value)
+
+
+@pytest.mark.parametrize("scheme", READABLE)
 def test_http_proxy_is_honoured_and_no_proxy_bypasses_it(scheme, request, synth, fault_proxy, monkeypatch):
     store = Store(scheme, request, Path())
     root = store.upload(synth)
     proxy = fault_proxy()  # a forward proxy
+    for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HTTP_PROXY", proxy.url)
-    monkeypatch.delenv("NO_PROXY", raising=False)
-    monkeypatch.delenv("no_proxy", raising=False)
     assert storage.read_bytes(f"{root}/index.json") == (synth / "index.json").read_bytes()
     assert any(target.startswith("http://127.0.0.1") and "index.json" in target for _, target, _ in proxy.log)
     seen = len(proxy.log)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost,169.254.169.254")  # the Hub's CDN; gcsfs's GCE probe
     assert storage.read_bytes(f"{root}/{NAMES[0]}") == (synth / NAMES[0]).read_bytes()
     assert len(proxy.log) == seen
 
@@ -386,9 +483,14 @@ def test_hf_revision_is_pinned_for_the_run(fake_hub, synth):
     first = repo.refs["main"]
     url = f"hf://datasets/{store_name}@main/ds"
     assert storage.hf.commit_of(url, 5) == first
+    assert storage.hf.pinned(url) == f"hf://datasets/{store_name}@{first}/ds"
+    assert storage.hf.pinned(url + "/") == f"hf://datasets/{store_name}@{first}/ds/"
     before = storage.read_bytes(f"{url}/{NAMES[0]}")
     repo.commit({f"ds/{NAMES[0]}": b"a new commit on main"})
     assert storage.read_bytes(f"{url}/{NAMES[0]}") == before, "a push to main mid-run changes nothing"
+    storage.hf._revisions.clear()  # another process (a rank started later) resolves main again...
+    assert storage.read_bytes(f"hf://datasets/{store_name}@{first}/ds/{NAMES[0]}") == before  # ...the pinned URL not
+    assert storage.hf.commit_of(url, 5) == repo.refs["main"] != first
     assert (
         storage.read_bytes(f"hf://datasets/{store_name}@{repo.refs['main']}/ds/{NAMES[0]}") == b"a new commit on main"
     )
@@ -396,6 +498,20 @@ def test_hf_revision_is_pinned_for_the_run(fake_hub, synth):
     assert resolves and all(f"/resolve/{first}/" in p or f"/resolve/{repo.refs['main']}/" in p for p in resolves)
     hub_gets = [h for m, p, h in fake_hub.requests if "/resolve/" in p and store_name in p]
     assert all(h.get("Authorization") == f"Bearer {fake_hub.token}" for h in hub_gets)  # the CDN refuses it
+
+
+def test_hf_anonymous_reads_public_repositories_only(fake_hub, synth, monkeypatch):
+    files = {f"ds/{p.name}": p.read_bytes() for p in synth.iterdir()}
+    public, private = (f"org/{kind}-{uuid.uuid4().hex[:8]}" for kind in ("public", "private"))
+    fake_hub.add_repo(public, files)
+    fake_hub.add_repo(private, files, private=True)
+    assert storage.read_bytes(f"hf://datasets/{private}@main/ds/index.json") == (synth / "index.json").read_bytes()
+    monkeypatch.setenv("WDSLLM_ANONYMOUS", "hf")
+    assert len(documents(wdsllm.loader(f"hf://datasets/{public}@main/ds", **LOAD))) == sum(DOCS_PER_SHARD)
+    sent = [h for _, p, h in fake_hub.requests if public in p]
+    assert sent and not any("Authorization" in h for h in sent)
+    with pytest.raises(NotFoundError, match=f"repository {private} not found, or private"):
+        storage.read_bytes(f"hf://datasets/{private}@v1/ds/index.json")
 
 
 def test_hf_missing_repository_or_revision_is_named(fake_hub):
@@ -486,6 +602,23 @@ def test_azure_sas_on_the_url_is_carried_and_redacted(azurite, synth):
         storage.read_bytes(f"az://{container}/ds/missing.tar?{sas}")
     sig = sas.split("sig=")[1].split("&")[0]
     _no_secret(sig, str(info.value))
+
+
+def test_abfs_urls_name_the_account(azurite, synth):
+    container = azurite.new_container()
+    client = azurite.service().get_container_client(container)
+    for path in synth.iterdir():
+        client.upload_blob(f"ds/{path.name}", path.read_bytes())
+    assert storage.azure.parse(f"abfss://{container}@devstoreaccount1.dfs.core.windows.net/ds/x.tar?sv=1") == (
+        "devstoreaccount1",
+        container,
+        "ds/x.tar",
+        "sv=1",
+    )
+    # the environment's connection string is for devstoreaccount1: it serves URLs naming that account
+    for scheme in ("abfs", "abfss", "az"):
+        url = f"{scheme}://{container}@devstoreaccount1.dfs.core.windows.net/ds"
+        assert len(documents(wdsllm.loader(url, **LOAD))) == sum(DOCS_PER_SHARD), url
 
 
 class _FakeRequest:

@@ -20,7 +20,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from .aio import LoopBody, instance, range_header, run
+from .aio import LoopBody, instance, range_header, run, salvaging_reader
 from .backends import EmptyBody, anonymous, parse_content_range, register
 from .fsoutput import FsspecOutput
 from .output import Output
@@ -49,22 +49,22 @@ def parse(url: str) -> tuple[str | None, str, str, str]:
 def _options(account: str | None, sas: str) -> dict[str, Any]:
     """adlfs options for an account (None: the environment's) and a SAS from the URL."""
     conn = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
-    endpoint = None
-    if conn:
-        fields = dict(f.split("=", 1) for f in conn.split(";") if "=" in f)
-        endpoint = fields.get("BlobEndpoint")
+    fields = dict(f.split("=", 1) for f in conn.split(";") if "=" in f) if conn else {}
+    endpoint = fields.get("BlobEndpoint")
+    # the environment's connection string serves a URL that names its account (abfs://c@ACCOUNT...)
+    own = account is None or account == fields.get("AccountName")
     opts: dict[str, Any] = {}
     if anonymous("az"):
-        if endpoint and not account:
+        if endpoint and own:
             opts["connection_string"] = f"BlobEndpoint={endpoint};"
         else:
             opts.update(account_name=account or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME"), anon=True)
     elif sas:
-        if endpoint and not account:
+        if endpoint and own:
             opts["connection_string"] = f"BlobEndpoint={endpoint};SharedAccessSignature={sas}"
         else:
             opts.update(account_name=account or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME"), sas_token=sas)
-    elif account:
+    elif account and not (conn and own):
         opts["account_name"] = account
     return opts
 
@@ -79,7 +79,15 @@ def filesystem(url: str, timeout: float = DEFAULT_RETRY.timeout) -> Any:
             from adlfs import AzureBlobFileSystem
         except ImportError as exc:
             raise make_error(url, "az:// URLs need adlfs, which is not installed: pip install 'wdsllm[azure]'") from exc
-        fs = AzureBlobFileSystem(skip_instance_cache=True, **opts)
+        try:
+            fs = AzureBlobFileSystem(skip_instance_cache=True, **opts)
+        except ValueError as exc:  # adlfs: "Must provide either a connection_string or account_name ..."
+            raise make_error(
+                url,
+                "no Azure storage account: set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME "
+                "(with AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN, a service principal's AZURE_CLIENT_ID... "
+                "or a managed identity), or name it in the URL: abfs://container@ACCOUNT.dfs.core.windows.net/path",
+            ) from exc
         config = fs.service_client._config
         config.connection_data_block_size = _BLOCK
         config.retry_policy.total_retries = 0  # every call: RetryPolicy is the one retry loop
@@ -158,6 +166,25 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
     else:
         length = resp.headers.get("Content-Length")
         total = int(length) if length and length.isdigit() else None
+    raw = getattr(getattr(chunks, "response", None), "internal_response", None)  # azure-core's aiohttp answer
+    if raw is not None and hasattr(raw, "content") and not raw.headers.get("Content-Encoding"):
+        # aiohttp's stream itself: bytes that arrived before a cut are handed over (azure-core's
+        # iterator drops them with the error), and no chunk is copied on the way
+        read = salvaging_reader(raw.content)
+    else:
+        read = _chunk_reader(chunks)
+
+    async def aclose() -> None:
+        if raw is not None and hasattr(raw, "content") and raw.content.at_eof():
+            raw.release()  # read to its end: the connection carries the next request
+        else:
+            await resp.close()
+
+    return _AzureBody(url, fs, read, aclose, total, resp.headers.get("ETag"), timeout)
+
+
+def _chunk_reader(chunks: Any) -> Any:
+    """``read(n)`` over azure-core's chunk iterator (another transport than aiohttp)."""
     pending = bytearray()
 
     async def read(n: int) -> bytes:
@@ -171,10 +198,7 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
         del pending[:n]
         return out
 
-    async def aclose() -> None:
-        await resp.close()
-
-    return _AzureBody(url, fs, read, aclose, total, resp.headers.get("ETag"), timeout)
+    return read
 
 
 class _AzureBody(LoopBody):

@@ -19,7 +19,7 @@ import threading
 from typing import Any
 from urllib.parse import quote, unquote
 
-from .backends import register
+from .backends import anonymous, register
 from .http import head, open_url
 from .output import Output
 from .retry import make_error
@@ -57,6 +57,9 @@ def endpoint() -> str:
 
 
 def token() -> str | None:
+    """``HF_TOKEN``, else the ``huggingface-cli login`` token; None with ``WDSLLM_ANONYMOUS`` (=1 or =hf)."""
+    if anonymous("hf"):
+        return None
     if os.environ.get("HF_TOKEN"):
         return os.environ["HF_TOKEN"]
     try:
@@ -82,9 +85,12 @@ def commit_of(url: str, timeout: float) -> str:
     except ImportError as exc:
         raise make_error(url, "hf:// URLs need huggingface_hub, which is not installed") from exc
     try:
-        info = HfApi(endpoint=key[0], token=token()).repo_info(repo, repo_type=kind, revision=revision, timeout=timeout)
+        api = HfApi(endpoint=key[0], token=token() or False)  # False: not even the login's token
+        info = api.repo_info(repo, repo_type=kind, revision=revision, timeout=timeout)
     except RepositoryNotFoundError as exc:
-        how = "HF_TOKEN is set" if token() else "no token: set HF_TOKEN or run `huggingface-cli login`"
+        how = "a token was sent" if token() else "no token: set HF_TOKEN or run `huggingface-cli login`"
+        if anonymous("hf"):
+            how = "anonymous requests: WDSLLM_ANONYMOUS"
         raise make_error(
             url, f"repository {repo} not found, or private and not readable ({how})", missing=True
         ) from exc
@@ -98,6 +104,21 @@ def commit_of(url: str, timeout: float) -> str:
     with _lock:
         _revisions[key] = sha = info.sha
     return sha
+
+
+def pinned(url: str, timeout: float = 30.0) -> str:
+    """``url`` with its revision replaced by the commit that the revision names now.
+
+    Every process of a run resolves a branch on its own; ranks started apart can see a push land
+    between them. Resolve once (rank 0) and hand this URL to every rank (``docs/remote.md``)
+    to make them read one commit. The loader does not do it for you: a collective in its
+    constructor would hang a job that makes a loader on some ranks only.
+    """
+    kind, repo, _, path = parse(url)
+    query = split_query(url)[1]
+    prefix = {"dataset": "datasets/", "space": "spaces/", "model": ""}[kind]
+    tail = f"/{path}" if path else ""
+    return f"hf://{prefix}{repo}@{commit_of(url, timeout)}{tail}" + (f"?{query}" if query else "")
 
 
 def file_url(url: str, timeout: float) -> str:
