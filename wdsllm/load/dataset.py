@@ -35,6 +35,7 @@ from .guard import refuse_rewrapping
 from .plan import resampled_slices
 from .read import ReadOptions
 from .stream import (
+    PlanLabels,
     StreamSpec,
     StreamStats,
     plan_items,
@@ -231,7 +232,9 @@ def _epoch_batches(
 
         index = task.first_batch
         for index, items, hint in batcher.batches(
-            shuffled_items(blocks_from, spec, start=start, mixing=catalog.mixing),
+            shuffled_items(
+                blocks_from, spec, start=start, mixing=catalog.mixing, labels=PlanLabels.of(catalog, slices, spec)
+            ),
             task.first_batch,
             spec,
             lengths,
@@ -279,7 +282,8 @@ def _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit, e
         def blocks_from(position: int):
             return plan_items(catalog, readable, spec, start=position, options=read, stats=stats)
 
-        shuffled = shuffled_items(blocks_from, spec, start=0, mixing=catalog.mixing)
+        labels = PlanLabels.of(catalog, readable, spec)
+        shuffled = shuffled_items(blocks_from, spec, start=0, mixing=catalog.mixing, labels=labels)
         for _, items, _ in batcher.batches(shuffled, 0, spec, None, None):
             if index >= limit:
                 return

@@ -122,6 +122,10 @@ class Mixing:
     def sources_of_shards(self, shards: np.ndarray) -> np.ndarray:
         return np.searchsorted(np.asarray(self.bases), np.asarray(shards, np.int64), side="right") - 1
 
+    @property
+    def sources(self) -> int:
+        return len(self.bases) - 1
+
     def sources_of_ids(self, ids: np.ndarray) -> np.ndarray:
         """Source of each item or document id (-1 stays -1)."""
         ids = np.asarray(ids, np.int64)
@@ -135,13 +139,21 @@ class Mixing:
         return size
 
     def permutation(self, spec: StreamSpec, block: int, labels: np.ndarray) -> np.ndarray:
-        """The order of a block's items (``labels``: their sources, plan order): slots follow the
-        even pattern of the block's counts; a source's items fill its slots in a random order
-        drawn from (seed, epoch, rank, worker, block), or in plan order when not shuffled."""
+        """The order of a block's items (``labels``: source + sources x part of the epoch, plan
+        order, parts rising): each part's slots keep their place and follow the even pattern of
+        its counts; a source's items fill its slots in a random order drawn from (seed, epoch,
+        rank, worker, block), or in plan order when not shuffled."""
         labels = np.asarray(labels, np.int64)
         n = len(labels)
-        counts = np.bincount(labels, minlength=len(self.bases) - 1) if n else np.zeros(0, np.int64)
-        pattern = stratified_pattern(counts, self.group) if self.group else smooth_pattern(counts)
+        k = self.sources
+        pattern = np.empty(n, np.int64)
+        parts = labels // k
+        cuts = [0, *(np.flatnonzero(np.diff(parts)) + 1).tolist(), n]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            if b > a:
+                counts = np.bincount(labels[a:b] % k, minlength=k)
+                order = stratified_pattern(counts, self.group) if self.group else smooth_pattern(counts)
+                pattern[a:b] = order + k * parts[a]
         if spec.shuffle_buffer > 1:
             keys = planmod.rng(
                 spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, block
@@ -296,7 +308,7 @@ class MixPlanner:
         """The slices (combined shard numbers) consumer (rank, worker) reads, in reading order:
         each segment's share in rounds of ``block`` items, the sources in turn inside a round."""
         out: list[Slice] = []
-        for seg in self.segments(epoch):
+        for group, seg in enumerate(self.segments(epoch)):
             firsts, counts = [], []
             for first, n in seg:
                 ra, rb = split_range(n, world, rank)
@@ -311,7 +323,7 @@ class MixPlanner:
                     if y > x:
                         base = int(self.bases[s])
                         for sl in self.streams[s].slices(firsts[s] + x, firsts[s] + y):
-                            out.append(Slice(sl.shard + base, sl.start, sl.stop))
+                            out.append(Slice(sl.shard + base, sl.start, sl.stop, group=group))
                 done = upto
         return out
 

@@ -77,13 +77,42 @@ def block_size(spec: StreamSpec, mixing=None) -> int:
 
 
 def plan_labels(catalog: Catalog, slices: list[Slice], spec: StreamSpec) -> np.ndarray | None:
-    """The source of each item of the plan stream (a mixture; None for one dataset)."""
-    mixing = catalog.mixing
-    if mixing is None:
-        return None
-    counts = slice_item_counts(catalog, slices, spec)
-    shards = np.asarray([sl.shard for sl in slices], np.int64)
-    return np.repeat(mixing.sources_of_shards(shards), counts)
+    """A mixture's label of each item of the plan stream (source + sources x part of the epoch:
+    what ``mixing.permutation`` orders by); None for one dataset."""
+    labels = PlanLabels.of(catalog, slices, spec)
+    return None if labels is None else labels.at(0, labels.total)
+
+
+class PlanLabels:
+    """A mixture's plan-stream labels, made for a range of positions at a time (memory: one
+    entry per slice)."""
+
+    def __init__(self, per_slice: np.ndarray, counts: np.ndarray):
+        self.per_slice = per_slice
+        self.ends = np.cumsum(counts)
+        self.counts = np.asarray(counts, np.int64)
+        self.total = int(self.ends[-1]) if len(self.ends) else 0
+
+    @classmethod
+    def of(cls, catalog: Catalog, slices: list[Slice], spec: StreamSpec) -> PlanLabels | None:
+        mixing = catalog.mixing
+        if mixing is None:
+            return None
+        counts = slice_item_counts(catalog, slices, spec)
+        shards = np.asarray([sl.shard for sl in slices], np.int64)
+        groups = np.asarray([sl.group for sl in slices], np.int64)
+        return cls(mixing.sources_of_shards(shards) + mixing.sources * groups, np.asarray(counts, np.int64))
+
+    def at(self, a: int, b: int) -> np.ndarray:
+        """Labels of plan positions [a, b)."""
+        b = min(b, self.total)
+        if b <= a:
+            return np.zeros(0, np.int64)
+        i, j = np.searchsorted(self.ends, [a, b - 1], side="right")
+        counts = self.counts[i : j + 1].copy()
+        counts[0] -= a - int(self.ends[i] - self.counts[i])
+        counts[-1] -= int(self.ends[j]) - b
+        return np.repeat(self.per_slice[i : j + 1], counts)
 
 
 def epoch_slices(catalog: Catalog, spec: StreamSpec) -> list[Slice]:
@@ -410,11 +439,12 @@ def shuffled_items(
     *,
     start: int = 0,
     mixing=None,
+    labels: PlanLabels | None = None,
 ) -> Iterator[tuple[int, Block]]:
     """(shuffled position of the block's first item, block) from shuffled position ``start``.
 
     ``blocks_from(plan_position)`` opens the plan stream at a plan position. A mixture's
-    ``mixing`` orders each block by its items' sources (from their ids).
+    ``mixing`` orders each block by its items' ``labels`` (``PlanLabels``).
     """
     size = block_size(spec, mixing)
     if size <= 1:
@@ -426,8 +456,8 @@ def shuffled_items(
     k = start // size
     skip = start - k * size
     for window in windows(blocks_from(k * size), size):
-        labels = None if mixing is None else mixing.sources_of_ids(window.ids)
-        out = window.take(block_order(spec, k, len(window), mixing, labels))
+        lab = None if mixing is None else labels.at(k * size, k * size + len(window))
+        out = window.take(block_order(spec, k, len(window), mixing, lab))
         if skip < len(out):
             yield k * size + skip, out.slice(skip, len(out)) if skip else out
         skip = 0
