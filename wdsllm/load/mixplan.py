@@ -20,6 +20,7 @@ window of a few batches holds the sources in proportion, which a per-item random
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -149,7 +150,7 @@ class Mixing:
         pattern = np.empty(n, np.int64)
         parts = labels // k
         cuts = [0, *(np.flatnonzero(np.diff(parts)) + 1).tolist(), n]
-        for a, b in zip(cuts[:-1], cuts[1:]):
+        for a, b in itertools.pairwise(cuts):
             if b > a:
                 counts = np.bincount(labels[a:b] % k, minlength=k)
                 order = stratified_pattern(counts, self.group) if self.group else smooth_pattern(counts)
