@@ -502,3 +502,36 @@ def test_torchrun_three_ranks_two_workers_a_mixture_file(sources, tmp_path, equa
             assert (whole - seen).total() <= dropped * 4
         else:
             assert seen == whole
+
+
+def test_schedule_at_step(sources):
+    """at_step with fixed batching: step k is k batches of every rank (here 1 rank of 10 items)."""
+    mix = mixture(
+        sources,
+        unit="items",
+        epoch_tokens=None,
+        epoch_items=3000,
+        schedule=[{"at_step": 100, "weights": {"wiki": 0, "para": 1, "lines": 0}}],
+    )
+    src = np.concatenate([b["sources"].numpy() for b in run(wdsllm.dataset(mix, batch_size=10, rank=0, world_size=1))])
+    assert (src[1000:] == 1).all() and (src[:1000] != 1).any()
+    with pytest.raises(ConfigError, match="at_step"):
+        wdsllm.dataset(mix, batching="bucket", batch_size=4)
+
+
+def test_stats_on_a_mixture_file(sources, tmp_path):
+    from pack_helpers import cli
+
+    path = tmp_path / "mix.yaml"
+    path.write_text(
+        "sources:\n"
+        + "".join(f"  {n}: {p}\n" for n, p in sources.items())
+        + "weights: {wiki: 0.5, para: 0.3, lines: 0.2}\nunit: items\nepoch_items: 6000\n"
+    )
+    out = json.loads(cli("stats", path, "--json", "--seq-len", "256").stdout)
+    rows = {r["source"]: r for r in out["mixture"]}
+    assert rows["wiki"]["quota"] == 3000 and rows["wiki"]["repeats"] == pytest.approx(2.0)
+    assert rows["lines"]["subset"] == pytest.approx(1200 / rows["lines"]["items"])
+    assert {m["mode"] for m in out["modes"]} >= {"bucket", "pack", "concat"}
+    text = cli("stats", path, "--seq-len", "256").stdout
+    assert "x2.00 (repeats)" in text and "% subset" in text

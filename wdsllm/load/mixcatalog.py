@@ -364,3 +364,47 @@ def block_sources(items: Block, mixing: Mixing, mode: str) -> tuple[np.ndarray, 
         last = last[counts > 0]
         ends[last] = items.lengths[row[last]]
     return mixing.sources_of_ids(items.seg_ids[src]), ends - starts
+
+
+# ----------------------------------------------------------------------------------------------
+# What `wdsllm stats` says of a mixture, from the indexes alone
+
+
+def mixture_summary(catalog: MixtureCatalog, epoch: int = 0) -> list[dict]:
+    """Per source: its size (items, tokens), weight, the epoch's quota in the unit and in items,
+    and whether the quota repeats the source (``repeats``: quota / size) or takes a subset
+    (``subset``: the fraction taken)."""
+    planner = catalog._planner()
+    units = planner.unit_quotas(epoch)
+    items = planner.quotas(epoch)
+    total = sum(units) or 1
+    out = []
+    for s, name in enumerate(catalog.names()):
+        st = planner.streams[s]
+        size = planner.sizes[s]
+        ratio = units[s] / size if size else 0.0
+        out.append(
+            {
+                "source": name,
+                "items": st.size,
+                "tokens": st.token_size,
+                "weight": units[s] / total,
+                "quota": units[s],
+                "quota_items": items[s],
+                "repeats": ratio if ratio >= 1 else None,
+                "subset": ratio if ratio < 1 else None,
+            }
+        )
+    return out
+
+
+def planned_shares(catalog: MixtureCatalog, epochs: int = 1, points: int = 400) -> tuple[np.ndarray, np.ndarray]:
+    """(positions in the unit, [points, sources] weights in force there) over ``epochs`` epochs
+    (schedule included): what ``wdsllm stats --plot`` draws."""
+    planner = catalog._planner()
+    end = planner.epoch * max(1, epochs)
+    phases = planner.phases()
+    xs = np.linspace(0, end, points, endpoint=False)
+    starts = np.array([p for p, _ in phases])
+    table = np.array([w for _, w in phases])
+    return xs, table[np.searchsorted(starts, xs, side="right") - 1]
