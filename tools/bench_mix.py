@@ -177,78 +177,14 @@ def peer_documents(sources: dict[str, str], limit: int) -> dict[str, list[np.nda
     return out
 
 
-PEER_SCRIPT = r"""
-import json, sys, os, shutil
-import numpy as np
-work, weights = sys.argv[1], json.loads(sys.argv[2])
-data = {n: np.load(os.path.join(work, f"peer-{n}.npz")) for n in weights}
-docs = {n: [d[k] for k in sorted(d.files, key=int)] for n, d in data.items()}
-names = list(weights)
-means = {n: np.mean([len(x) for x in docs[n]]) for n in names}
-sample_w = {n: weights[n] / means[n] for n in names}
-tot = sum(sample_w.values()); sample_w = {n: v / tot for n, v in sample_w.items()}
-out = {}
-def windows(per_batch, window=10):
-    arr = np.asarray(per_batch, np.float64)
-    sums = np.cumsum(np.vstack([np.zeros(arr.shape[1]), arr]), axis=0)
-    win = sums[window:] - sums[:-window]
-    shares = win / win.sum(axis=1, keepdims=True)
-    return float(np.abs(shares - np.array([weights[n] for n in names])).max())
-# litdata
-try:
-    import litdata as ld
-    roots = {}
-    for i, n in enumerate(names):
-        root = os.path.join(work, f"peer-litdata-{n}")
-        if not os.path.exists(os.path.join(root, "index.json")):
-            shutil.rmtree(root, ignore_errors=True)
-            def fn(j, n=n, i=i):
-                return {"tokens": docs[n][j], "source": i}
-            ld.optimize(fn=fn, inputs=list(range(len(docs[n]))), output_dir=root, chunk_bytes="16MB", num_workers=1)
-        roots[n] = root
-    ds = ld.CombinedStreamingDataset([ld.StreamingDataset(roots[n], shuffle=True, seed=0) for n in names],
-                                     weights=[sample_w[n] for n in names], seed=0, iterate_over_all=False)
-    per_batch, cur = [], np.zeros(len(names))
-    for k, item in enumerate(ds):
-        cur[int(item["source"])] += len(item["tokens"])
-        if (k + 1) % 64 == 0:
-            per_batch.append(cur); cur = np.zeros(len(names))
-        if len(per_batch) >= 300: break
-    out["litdata"] = windows(per_batch)
-except Exception as exc:
-    out["litdata_error"] = repr(exc)[:300]
-# mosaic streaming
-try:
-    from streaming import MDSWriter, Stream, StreamingDataset
-    streams = []
-    for i, n in enumerate(names):
-        root = os.path.join(work, f"peer-mds-{n}")
-        if not os.path.exists(os.path.join(root, "index.json")):
-            shutil.rmtree(root, ignore_errors=True)
-            with MDSWriter(out=root, columns={"tokens": "ndarray:int32", "source": "int"}) as w:
-                for d in docs[n]:
-                    w.write({"tokens": d, "source": i})
-        streams.append(Stream(local=root, proportion=sample_w[n]))
-    ds = StreamingDataset(streams=streams, batch_size=64, shuffle=True, shuffle_seed=0, epoch_size=300 * 64)
-    per_batch, cur = [], np.zeros(len(names))
-    for k, item in enumerate(ds):
-        cur[int(item["source"])] += len(item["tokens"])
-        if (k + 1) % 64 == 0:
-            per_batch.append(cur); cur = np.zeros(len(names))
-        if len(per_batch) >= 300: break
-    out["mosaic"] = windows(per_batch)
-except Exception as exc:
-    out["mosaic_error"] = repr(exc)[:300]
-print(json.dumps(out))
-"""
-
-
 def peers(work: Path, sources: dict[str, str], limit: int) -> dict:
     python = peer_venv(work)
     for name, docs in peer_documents(sources, limit).items():
         np.savez(work / f"peer-{name}.npz", **{str(i): d for i, d in enumerate(docs)})
+    env = {**os.environ, "BENCH_MIX_WORK": str(work.resolve())}
+    script = REPO / "tools" / "bench_mix_peers.py"
     proc = subprocess.run(
-        [str(python), "-c", PEER_SCRIPT, str(work), json.dumps(WEIGHTS)], capture_output=True, text=True, check=False
+        [str(python), str(script), json.dumps(WEIGHTS)], capture_output=True, text=True, check=False, env=env
     )
     if proc.returncode:
         return {"error": proc.stderr[-2000:]}
