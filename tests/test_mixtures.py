@@ -367,9 +367,11 @@ def test_sources_align_with_docs_in_rows(sources):
     assert mixed_rows  # a packed row may hold documents of several sources
 
 
-def test_mix_stats(sources):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_mix_stats(sources, workers):
+    """Counted where batches are made (real forked DataLoader workers too), reported by the loader."""
     mix = mixture(sources, epoch_tokens=50_000)
-    ld = wdsllm.loader(mix, batch_size=8, rank=0, world_size=1)
+    ld = wdsllm.loader(mix, batch_size=8, rank=0, world_size=1, num_workers=workers)
     tokens, items = tally(list(ld))
     stats = ld.mix_stats()
     assert [stats[n]["epoch_tokens"] for n in WEIGHTS] == tokens.tolist()

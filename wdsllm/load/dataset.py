@@ -32,6 +32,7 @@ from .collate import CollateOptions, collate_docs, collate_rows
 from .config import Config, read_options, resolve_world
 from .counts import EpochLimits, EpochPlan, WorkerLimit, epoch_limits, slices_for
 from .guard import refuse_rewrapping
+from .mixcatalog import mix_counts
 from .plan import resampled_slices
 from .read import ReadOptions
 from .stream import (
@@ -199,6 +200,8 @@ def _epoch_batches(
             worker=spec.worker,
             hint=hint,
         )
+        if catalog.mixing is not None:  # the realized mix, counted here (in the worker), not in the main process
+            batch.mix = mix_counts(items, catalog.mixing, catalog.mode)
         if stats.truncated_tokens or stats.skipped_shards or refill:  # most batches have nothing to report
             batch.stats = {
                 "truncated_tokens": stats.truncated_tokens,

@@ -409,7 +409,7 @@ class Loader:
 
     def _hand_out(self, batch: Batch) -> dict:
         if self._mix is not None:
-            self._mix.add(batch.items, batch.epoch)
+            self._mix.add(batch.mix, batch.epoch)
         out = self._collate(batch.items, self.collate_options)
         out["epoch"] = batch.epoch
         if batch.stats:

@@ -307,17 +307,13 @@ class MixTally:
         self.this_epoch = np.zeros((k, 2), np.int64)
         self.epoch: int | None = None
 
-    def add(self, items: Block, epoch: int) -> None:
+    def add(self, counts: np.ndarray, epoch: int) -> None:
+        """Count a batch's ``mix_counts`` (made where the batch was made: in its worker)."""
         if epoch != self.epoch:
             self.epoch = epoch
             self.this_epoch[:] = 0
-        src, tokens = block_sources(items, self.catalog.mixing, self.catalog.mode)
-        k = len(self.catalog.sources)
-        got = np.stack([np.bincount(src, weights=tokens, minlength=k), np.bincount(src, minlength=k)], axis=1).astype(
-            np.int64
-        )
-        self.total += got
-        self.this_epoch += got
+        self.total += counts
+        self.this_epoch += counts
 
     def report(self, world: int = 1) -> dict[str, dict]:
         planner = self.catalog._planner()
@@ -347,6 +343,14 @@ def _weights_at(planner: MixPlanner, epoch: int) -> list[float]:
     q = planner.unit_quotas(epoch)
     total = sum(q) or 1
     return [x / total for x in q]
+
+
+def mix_counts(items: Block, mixing: Mixing, mode: str) -> np.ndarray:
+    """[sources, 2]: a batch's tokens and items (documents or pieces; rows of packed data) by source."""
+    src, tokens = block_sources(items, mixing, mode)
+    k = mixing.sources
+    counts = np.stack([np.bincount(src, weights=tokens, minlength=k), np.bincount(src, minlength=k)], axis=1)
+    return counts.astype(np.int64)
 
 
 def block_sources(items: Block, mixing: Mixing, mode: str) -> tuple[np.ndarray, np.ndarray]:
