@@ -537,3 +537,19 @@ def test_stats_on_a_mixture_file(sources, tmp_path):
     assert {m["mode"] for m in out["modes"]} >= {"bucket", "pack", "concat"}
     text = cli("stats", path, "--seq-len", "256").stdout
     assert "x2.00 (repeats)" in text and "% subset" in text
+
+
+def test_endless_stream_continues_the_passes_and_resumes(sources):
+    mix = mixture(sources, epoch_tokens=20_000)
+    kw = dict(batch_size=8, epochs=None, seed=3, rank=0, world_size=1, num_workers=2, workers_in_process=True)
+    full_it = iter(wdsllm.loader(mix, **kw))
+    full = [next(full_it) for _ in range(160)]  # several epochs of the mixture
+    assert len({b["epoch"] for b in full}) > 2
+    first = wdsllm.loader(mix, **kw)
+    it = iter(first)
+    got = [next(it) for _ in range(77)]
+    second = wdsllm.loader(mix, **kw)
+    second.load_state_dict(first.state_dict())
+    it2 = iter(second)
+    rest = [next(it2) for _ in range(160 - 77)]
+    assert all(_same(a, b) for a, b in zip(got + rest, full))

@@ -310,10 +310,12 @@ def _expand(patterns: list[str]) -> list[str]:
 def open_catalog(source: Any, *, index_for_shards: bool = True, retry: storage.RetryPolicy | None = None) -> Catalog:
     """Resolve a source into a Catalog.
 
-    ``source`` is a dataset root (directory or URL holding index.json), the URL of an index.json,
-    or shard URLs/patterns (a string or a list). For shard URLs, an index.json beside them is used
-    when it lists every one of them, so the guarantees that need an index still hold. ``retry``
-    governs reading the index and ``lengths.npy``; a missing index, a 403 or a 404 fail at once.
+    A ``Mixture``, or the path or URL of a mixture file (``.yaml``/``.yml``), becomes a
+    ``mixcatalog.MixtureCatalog``. Otherwise ``source`` is a dataset root (directory or URL
+    holding index.json), the URL of an index.json, or shard URLs/patterns (a string or a list).
+    For shard URLs, an index.json beside them is used when it lists every one of them, so the
+    guarantees that need an index still hold. ``retry`` governs reading the index and
+    ``lengths.npy``; a missing index, a 403 or a 404 fail at once.
     """
     if isinstance(source, Catalog):
         return source

@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 
 class EpochPlan(Protocol):
-    """A plan that replaces an epoch's normal one (the remainder of an interrupted epoch)."""
+    """A plan that replaces an epoch's normal one: the remainder of an interrupted epoch, or a
+    mixture's epoch (``Catalog.default_plan``)."""
 
     def slices_for(
         self, catalog: Catalog, cfg: Config, rank: int, world: int, worker: int, workers: int
