@@ -325,7 +325,8 @@ def test_schedule_takes_effect_where_it_says(sources):
 
 
 def test_elastic_resume_three_ranks_to_two(sources):
-    mix = mixture(sources, epoch_tokens=60_000)
+    schedule = [{"at_tokens": 30_000, "weights": {"wiki": 0.2, "para": 0.2, "lines": 0.6}}]
+    mix = mixture(sources, epoch_tokens=60_000, schedule=schedule)
     kw = dict(batch_size=4, seed=5, workers_in_process=True)
     per = [Counter() for _ in range(3)]
     states = []

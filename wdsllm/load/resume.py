@@ -84,7 +84,7 @@ def remaining_slices(slices: list[Slice], counts: list[int], consumed: np.ndarra
         elif len(gone) < n:
             keep = np.setdiff1d(np.arange(n), gone, assume_unique=True)
             pick = keep if sl.pick is None else sl.pick[keep]
-            out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, pick))
+            out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, pick, sl.group))
         pos += n
     return out
 
@@ -99,11 +99,11 @@ def cut_sequence(slices: list[Slice], counts: list[int], a: int, b: int, split: 
             if lo == 0 and hi == n:
                 out.append(sl)
             elif sl.pick is not None:
-                out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, sl.pick[lo:hi]))
+                out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, sl.pick[lo:hi], sl.group))
             elif not split and sl.stride == 1 and sl.stop is not None:
-                out.append(Slice(sl.shard, sl.start + lo, sl.start + hi))
+                out.append(Slice(sl.shard, sl.start + lo, sl.start + hi, group=sl.group))
             else:
-                out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, np.arange(lo, hi)))
+                out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, np.arange(lo, hi), sl.group))
         pos += n
         if pos >= b:
             break
