@@ -177,11 +177,11 @@ def peer_documents(sources: dict[str, str], limit: int) -> dict[str, list[np.nda
     return out
 
 
-def peers(work: Path, sources: dict[str, str], limit: int) -> dict:
+def peers(work: Path, sources: dict[str, str], limit: int, tag: str) -> dict:
     python = peer_venv(work)
     for name, docs in peer_documents(sources, limit).items():
-        np.savez(work / f"peer-{name}.npz", **{str(i): d for i, d in enumerate(docs)})
-    env = {**os.environ, "BENCH_MIX_WORK": str(work.resolve())}
+        np.savez(work / f"peer-{tag}-{name}.npz", **{str(i): d for i, d in enumerate(docs)})
+    env = {**os.environ, "BENCH_MIX_WORK": str(work.resolve()), "BENCH_MIX_TAG": tag}
     script = REPO / "tools" / "bench_mix_peers.py"
     proc = subprocess.run(
         [str(python), str(script), json.dumps(WEIGHTS)], capture_output=True, text=True, check=False, env=env
@@ -205,7 +205,7 @@ def main() -> None:
     sources, single = datasets(work, args.quick)
     result = {"measure": measure(sources, single, args.repeat)}
     if args.peers:
-        result["peers"] = peers(work, sources, args.peer_docs)
+        result["peers"] = peers(work, sources, args.peer_docs, "quick" if args.quick else "full")
         print("peers:", json.dumps(result["peers"]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -2,7 +2,7 @@
 
     BENCH_MIX_WORK=bench-out peers-venv/bin/python tools/bench_mix_peers.py '{"a": 0.5, ...}'
 
-Reads each source's documents (peer-NAME.npz, written by bench_mix.py from our shards), writes them
+Reads each source's documents (peer-TAG-NAME.npz, written by bench_mix.py from our shards), writes them
 in each peer's format once, and prints as JSON the largest deviation of token shares from the
 weights over windows of 10 batches of 64, for litdata's ``CombinedStreamingDataset(weights=...)``
 and mosaic's ``Stream(proportion=...)``. Peers weigh samples, so they get the token weights
@@ -17,12 +17,13 @@ import sys
 import numpy as np
 
 WORK = os.environ.get("BENCH_MIX_WORK", "bench-out")
+TAG = os.environ.get("BENCH_MIX_TAG", "full")  # which sources (--quick or not): each has its own peer files
 _cache: dict = {}
 
 
 def docs(name):
     if name not in _cache:
-        d = np.load(os.path.join(WORK, f"peer-{name}.npz"))
+        d = np.load(os.path.join(WORK, f"peer-{TAG}-{name}.npz"))
         _cache[name] = [d[k] for k in sorted(d.files, key=int)]
     return _cache[name]
 
@@ -71,7 +72,7 @@ def main():
 
         roots = {}
         for i, n in enumerate(names):
-            root = os.path.join(WORK, f"peer-litdata-{n}")
+            root = os.path.join(WORK, f"peer-{TAG}-litdata-{n}")
             if not _written(root):
                 shutil.rmtree(root, ignore_errors=True)
                 items = [(n, i, j) for j in range(len(docs(n)))]
@@ -87,7 +88,7 @@ def main():
 
         streams = []
         for i, n in enumerate(names):
-            root = os.path.join(WORK, f"peer-mds-{n}")
+            root = os.path.join(WORK, f"peer-{TAG}-mds-{n}")
             if not os.path.exists(os.path.join(root, "index.json")):
                 shutil.rmtree(root, ignore_errors=True)
                 with MDSWriter(out=root, columns={"tokens": "ndarray:int32", "source": "int"}) as w:
