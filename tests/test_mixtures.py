@@ -536,8 +536,9 @@ def test_stats_on_a_mixture_file(sources, tmp_path):
     assert rows["wiki"]["quota"] == 3000 and rows["wiki"]["repeats"] == pytest.approx(2.0)
     assert rows["lines"]["subset"] == pytest.approx(1200 / rows["lines"]["items"])
     assert {m["mode"] for m in out["modes"]} >= {"bucket", "pack", "concat"}
-    text = cli("stats", path, "--seq-len", "256").stdout
+    text = cli("stats", path, "--seq-len", "256", "--plot", tmp_path / "shares.png").stdout
     assert "x2.00 (repeats)" in text and "% subset" in text
+    assert "planned shares drawn to" in text and (tmp_path / "shares.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_endless_stream_continues_the_passes_and_resumes(sources):
