@@ -43,7 +43,11 @@ CHECKPOINT_VERSION = 1
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="packed-mode dataset (directory or URL holding index.json)")
+    ap.add_argument(
+        "--data",
+        required=True,
+        help="packed-mode dataset (directory or URL holding index.json), or a mixture file of them (.yaml)",
+    )
     ap.add_argument("--steps", type=int, default=20, help="optimizer steps in all (over as many epochs as needed)")
     ap.add_argument("--batch-size", type=int, default=8, help="rows per rank per step")
     ap.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")
@@ -219,6 +223,10 @@ def train(args: argparse.Namespace) -> dict:
                         f"tokens/s {tokens / (now - window['t']):,.0f}",
                         flush=True,
                     )
+                    if loader.catalog.mixing is not None:  # the realized mix of this epoch, next to the plan
+                        mix = loader.mix_stats()
+                        shares = "  ".join(f"{n} {m['share']:.3f}/{m['target_share']:.3f}" for n, m in mix.items())
+                        print(f"             mix (share/planned)  {shares}", flush=True)
                 window = {"loss": 0.0, "n": 0, "tokens": 0.0, "t": now}
             if args.save_every and (step % args.save_every == 0 or step == args.steps):
                 save_checkpoint(args.checkpoint, model, optimizer, loader, step, rank, world)

@@ -14,6 +14,7 @@ from .errors import (
     FormatError,
     MergeError,
     MissingDependencyError,
+    MixtureError,
     NotFoundError,
     PackError,
     ShardError,
@@ -33,6 +34,8 @@ __all__ = [
     "Loader",
     "MergeError",
     "MissingDependencyError",
+    "Mixture",
+    "MixtureError",
     "NotFoundError",
     "PackError",
     "ShardError",
@@ -54,6 +57,10 @@ LOADER_INSTALL = "pip install 'wdsllm[torch]'"
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Mixture":  # no torch: a mixture is described (and checked) without the loader
+        from .load.mixture import Mixture
+
+        return Mixture
     if name not in ("dataset", "loader", "Loader"):
         raise AttributeError(f"module 'wdsllm' has no attribute {name!r}")
     try:

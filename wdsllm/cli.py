@@ -900,7 +900,9 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
     """Length histogram, and the padding and truncation each batching mode would give.
 
     Simulated from the index and lengths.npy over the documents one worker sees in epoch 0 (the
-    shard plan and the shuffle buffer included); no shard is read. Longer documents are split at
+    shard plan and the shuffle buffer included); no shard is read. DATASET may be a mixture file
+    (.yaml): each source's size, quota and repeats or subset come first, and --plot draws the
+    planned share of each source over the run, schedule included. Longer documents are split at
     --seq-len, except in the "random, truncated" line, which shows what capping would cut. A large
     dataset is simulated on a seeded sample of its windows (it says so, with confidence bounds).
 
@@ -908,6 +910,7 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
     Examples:
       wdsllm stats out/wiki --max-tokens 65536 --seq-len 2048
       wdsllm stats out/wiki --plot hist.png --json
+      wdsllm stats mix.yaml --plot shares.png
     """
     from .load import stats as statsmod
     from .load.catalog import open_catalog
@@ -933,6 +936,11 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
     except (WdsllmError, OSError) as exc:  # storage/format errors name the file
         _fail(exc)
     hist = catalog.index.doc_lengths or {}
+    mix = None
+    if catalog.mixing is not None:
+        from .load.mixcatalog import mixture_summary
+
+        mix = mixture_summary(catalog)
     if as_json:
         _echo(
             json.dumps(
@@ -954,13 +962,17 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
                         for c in costs
                     ],
                     "sample": None if sample is None else vars(sample),
+                    **({"mixture": mix} if mix is not None else {}),
                 },
                 indent=1,
             )
         )
     else:
-        for text in histogram_lines(hist):
-            _echo(text)
+        if mix is not None:
+            _echo(_mixture_table(mix, catalog.mixture.unit))
+        else:
+            for text in histogram_lines(hist):
+                _echo(text)
         _echo("")
         if sample is not None:
             _echo(
@@ -972,9 +984,51 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
             padding = f"{c.padding_pct:.2f}%" + (f" ± {c.padding_ci:.2f}" if c.padding_ci is not None else "")
             _echo(f"{c.mode:<20} {c.settings:<30} {c.batches:>11,} {padding:>16} {c.truncation_pct:>9.2f}%")
     if plot:
-        _plot_histogram(hist, plot, dataset)
+        if mix is not None:
+            _plot_shares(catalog, plot, dataset)
+        else:
+            _plot_histogram(hist, plot, dataset)
         if not as_json:
-            _echo(f"\nhistogram drawn to {plot}")
+            _echo(f"\n{'planned shares' if mix is not None else 'histogram'} drawn to {plot}")
+
+
+def _mixture_table(rows: list[dict], unit: str) -> str:
+    """Each source's size, its epoch quota and whether that repeats it or takes a subset."""
+    lines = [f"{'source':<16} {'items':>12} {'tokens':>14} {'weight':>7} {'quota (' + unit + ')':>16} {'epoch':>16}"]
+    for r in rows:
+        took = f"x{r['repeats']:.2f} (repeats)" if r["repeats"] is not None else f"{100 * r['subset']:.1f}% subset"
+        lines.append(
+            f"{r['source']:<16} {r['items']:>12,} {r['tokens']:>14,} {r['weight']:>7.3f} {r['quota']:>16,} {took:>16}"
+        )
+    return "\n".join(lines)
+
+
+def _plot_shares(catalog, path: str, title: str) -> None:
+    """The planned share of each source over the run (schedule included), stacked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise click.ClickException("--plot needs matplotlib: pip install wdsllm[plot]") from None
+    from .load.mixcatalog import planned_shares
+
+    planner = catalog.planner
+    last = max((p for p, _ in planner.phases()), default=0)
+    epochs = min(100, max(1, -(-(last + 1) // planner.epoch) + 1 if last else 1))
+    xs, shares = planned_shares(catalog, epochs)
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    ax.stackplot(xs, shares.T, labels=catalog.mixture.names, step="post")
+    for e in range(1, epochs):
+        ax.axvline(e * planner.epoch, color="k", lw=0.5, ls=":")
+    ax.set_xlabel(f"{catalog.mixture.unit} into the run (dotted: epochs)")
+    ax.set_ylabel("planned share")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="upper right", fontsize=7)
+    ax.set_title(f"Mixture: {title}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def _plot_histogram(hist: dict, path: str, title: str) -> None:

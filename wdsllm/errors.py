@@ -108,6 +108,10 @@ class TokenizerError(WdsllmError, ValueError):
     """The tokenizer could not be loaded or lacks a token that was asked for."""
 
 
+class MixtureError(ConfigError):
+    """A mixture (its spec or its file) that cannot work; the message names the key or the sources."""
+
+
 class MergeError(WdsllmError, ValueError):
     """The parts given to ``wdsllm merge`` cannot form one dataset; the message says which and why."""
 

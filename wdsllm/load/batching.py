@@ -137,6 +137,7 @@ class Batch:
     worker: int
     hint: dict | None = None  # the batcher's resume hint: where the worker's next batch starts
     stats: dict = field(default_factory=dict)
+    mix: Any = None  # a mixture's [sources, 2] tokens and items of this batch (counted in the worker)
 
 
 def _batches_of(n: int, b: int, drop_last: bool) -> int:

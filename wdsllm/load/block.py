@@ -137,6 +137,25 @@ class Block:
         return out
 
 
+def rebase(block: Block, first_shard: int) -> Block:
+    """The block with every id moved by ``first_shard`` shards (-1, no document, stays): items of a
+    mixture source read with the source's own shard numbers, numbered as the mixture's."""
+    if not first_shard:
+        return block
+    shift = np.int64(first_shard) << ID_SHIFT
+
+    def moved(ids: np.ndarray | None) -> np.ndarray | None:
+        return None if ids is None else np.where(ids >= 0, ids + shift, ids)
+
+    return replace(
+        block,
+        ids=block.ids + shift,
+        seg_ids=moved(block.seg_ids),
+        doc_first=moved(block.doc_first),
+        doc_next=moved(block.doc_next),
+    )
+
+
 def row_view(tokens: np.ndarray, width: int) -> np.ndarray:
     """[len - width + 1, width] view of ``tokens`` whose row i starts at token i (no copy).
 

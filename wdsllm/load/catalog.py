@@ -126,6 +126,23 @@ class Catalog:
             self._columns[key] = starts[:-1] if self.positions is None else starts[self.positions]
         return self._columns[key]
 
+    # -- what a mixture (mixcatalog.MixtureCatalog) answers otherwise ----------------------------
+    @property
+    def mixing(self) -> Any:
+        """How a shuffle block orders its items by source (``mixplan.Mixing``); None: one dataset."""
+        return None
+
+    def owner(self, shard: int) -> tuple[Catalog, int, int]:
+        """(the catalog that reads shard ``shard``, its number there, the first shard it owns here)."""
+        return self, shard, 0
+
+    def default_plan(self, epoch: int) -> Any:
+        """The ``counts.EpochPlan`` of every epoch (a mixture's); None: the normal plan."""
+        return None
+
+    def bind(self, cfg: Any, world: int) -> None:
+        """Settle what depends on the loader's settings (a mixture's); nothing for one dataset."""
+
     def __getstate__(self) -> dict:
         # Workers started by spawn get the catalog pickled: side files travel as references and
         # are mapped again there; checked group tables are cheap to check again.
@@ -309,13 +326,21 @@ def _expand(patterns: list[str]) -> list[str]:
 def open_catalog(source: Any, *, index_for_shards: bool = True, retry: storage.RetryPolicy | None = None) -> Catalog:
     """Resolve a source into a Catalog.
 
-    ``source`` is a dataset root (directory or URL holding index.json), the URL of an index.json,
-    or shard URLs/patterns (a string or a list). For shard URLs, an index.json beside them is used
-    when it lists every one of them, so the guarantees that need an index still hold. ``retry``
-    governs reading the index and ``lengths.npy``; a missing index, a 403 or a 404 fail at once.
+    A ``Mixture``, or the path or URL of a mixture file (``.yaml``/``.yml``), becomes a
+    ``mixcatalog.MixtureCatalog``. Otherwise ``source`` is a dataset root (directory or URL
+    holding index.json), the URL of an index.json, or shard URLs/patterns (a string or a list).
+    For shard URLs, an index.json beside them is used when it lists every one of them, so the
+    guarantees that need an index still hold. ``retry`` governs reading the index and
+    ``lengths.npy``; a missing index, a 403 or a 404 fail at once.
     """
     if isinstance(source, Catalog):
         return source
+    from .mixture import is_mixture_source  # mixtures are catalogs of catalogs (mixcatalog imports this module)
+
+    if is_mixture_source(source):
+        from .mixcatalog import open_mixture
+
+        return open_mixture(source, retry=retry)
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     if isinstance(source, (list, tuple)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ class CollateOptions:
     max_segments: int | None = None  # packed rows: segments per row that cu_seqlens is padded to
     dtype: torch.dtype = torch.long
     docs: bool = True  # a `docs` tensor: the identity of every document (docs) or of a row's documents (rows)
+    mixing: Any = None  # a mixture's mixplan.Mixing: a `sources` tensor aligned with `docs`
 
     @classmethod
     def for_config(cls, cfg: Config, catalog: Catalog) -> CollateOptions:
@@ -64,6 +65,7 @@ class CollateOptions:
             seq_len=seq_len,
             max_segments=max_seg,
             docs=cfg.docs,
+            mixing=catalog.mixing,
         )
 
 
@@ -161,6 +163,8 @@ def collate_docs(items: Block, opts: CollateOptions) -> dict:
     if opts.docs:
         pieces = items.pieces if items.pieces is not None else np.zeros(n, np.int64)
         out["docs"] = torch.from_numpy(np.stack([items.ids, pieces], axis=1).astype(np.int64))
+    if opts.mixing is not None:
+        out["sources"] = torch.from_numpy(opts.mixing.sources_of_ids(items.ids).astype(np.int64))
     return out
 
 
@@ -195,8 +199,12 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
         "lengths": torch.from_numpy(lengths.astype(np.int64)),
         "rows": torch.from_numpy(items.ids.astype(np.int64)),
     }
-    if opts.docs:
-        out["docs"] = torch.from_numpy(row_docs(items))
+    if opts.docs or opts.mixing is not None:
+        docs = row_docs(items)
+        if opts.docs:
+            out["docs"] = torch.from_numpy(docs)
+        if opts.mixing is not None:  # [B, D] like docs, -1 past a row's last document
+            out["sources"] = torch.from_numpy(opts.mixing.sources_of_ids(docs).astype(np.int64))
     if opts.boundaries:
         seg_counts, src = items.segments()  # the batch's segments in row order
         most = int(seg_counts.max()) if n else 1

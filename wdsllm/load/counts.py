@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 
 class EpochPlan(Protocol):
-    """A plan that replaces an epoch's normal one (the remainder of an interrupted epoch)."""
+    """A plan that replaces an epoch's normal one: the remainder of an interrupted epoch, or a
+    mixture's epoch (``Catalog.default_plan``)."""
 
     def slices_for(
         self, catalog: Catalog, cfg: Config, rank: int, world: int, worker: int, workers: int
@@ -58,7 +59,9 @@ class EpochPlan(Protocol):
 
 
 def slices_for(catalog: Catalog, cfg: Config, spec: StreamSpec, plan: EpochPlan | None = None) -> list[Slice]:
-    """The slices (rank, worker) reads in spec.epoch: the normal plan, or ``plan``'s."""
+    """The slices (rank, worker) reads in spec.epoch: the normal plan (a mixture's own), or ``plan``'s."""
+    if plan is None:
+        plan = catalog.default_plan(spec.epoch)
     if plan is None:
         return epoch_slices(catalog, spec)
     return plan.slices_for(catalog, cfg, spec.rank, spec.world, spec.worker, spec.workers)
@@ -192,7 +195,9 @@ class EpochCounts:
         batcher = cfg.make_batcher()
         if catalog.items_per_shard is None or (batcher.count_by != COUNT_BY_ITEMS and not has_lengths(catalog)):
             return None
-        if plan is not None:  # a re-planned remainder: counted share by share, here and now
+        if plan is None:
+            plan = catalog.default_plan(epoch)
+        if plan is not None:  # a re-planned remainder, or a mixture: counted share by share, here and now
             exact = _shares_exact(catalog, cfg, epoch, world, workers, plan, ranks)
             return cls(exact, exact)
         layout = epoch_layout(

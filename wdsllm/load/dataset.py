@@ -33,10 +33,20 @@ from .collate import CollateOptions, collate_docs, collate_rows
 from .config import Config, read_options, resolve_world
 from .counts import EpochLimits, EpochPlan, WorkerLimit, epoch_limits, slices_for
 from .guard import refuse_rewrapping
+from .mixcatalog import mix_counts
 from .plan import resampled_slices
 from .raw import RAW_OPTIONS, RawCatalog, check_world, take_raw_options
 from .read import ReadOptions
-from .stream import StreamSpec, StreamStats, plan_items, shuffle_lengths, shuffled_items, slice_item_lengths
+from .stream import (
+    PlanLabels,
+    StreamSpec,
+    StreamStats,
+    plan_items,
+    plan_labels,
+    shuffle_lengths,
+    shuffled_items,
+    slice_item_lengths,
+)
 from .transport import RingHolder, send_bundles
 
 log = logging.getLogger(__name__)
@@ -192,6 +202,8 @@ def _epoch_batches(
             worker=spec.worker,
             hint=hint,
         )
+        if catalog.mixing is not None:  # the realized mix, counted here (in the worker), not in the main process
+            batch.mix = mix_counts(items, catalog.mixing, catalog.mode)
         if stats.truncated_tokens or stats.skipped_shards or stats.skipped_docs or refill:  # mostly nothing
             batch.stats = {
                 "truncated_tokens": stats.truncated_tokens,
@@ -218,7 +230,7 @@ def _epoch_batches(
         if batcher.needs_lengths and not spec.resample and task.hint is None and task.first_batch:
             lengths = slice_item_lengths(catalog, slices, spec)
             if lengths is not None:
-                lengths = shuffle_lengths(lengths, spec)
+                lengths = shuffle_lengths(lengths, spec, catalog.mixing, plan_labels(catalog, slices, spec))
         start = batcher.start_position(task.first_batch, lengths, task.hint)
         failed: set[str] = set()
 
@@ -227,7 +239,13 @@ def _epoch_batches(
 
         index = task.first_batch
         for index, items, hint in batcher.batches(
-            shuffled_items(blocks_from, spec, start=start), task.first_batch, spec, lengths, task.hint
+            shuffled_items(
+                blocks_from, spec, start=start, mixing=catalog.mixing, labels=PlanLabels.of(catalog, slices, spec)
+            ),
+            task.first_batch,
+            spec,
+            lengths,
+            task.hint,
         ):
             if limit is not None and limit.reached(index):
                 break
@@ -275,7 +293,9 @@ def _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit, e
         def blocks_from(position: int):
             return plan_items(catalog, readable, spec, start=position, options=read, stats=stats)
 
-        for _, items, _ in batcher.batches(shuffled_items(blocks_from, spec, start=0), 0, spec, None, None):
+        labels = PlanLabels.of(catalog, readable, spec)
+        shuffled = shuffled_items(blocks_from, spec, start=0, mixing=catalog.mixing, labels=labels)
+        for _, items, _ in batcher.batches(shuffled, 0, spec, None, None):
             if index >= limit:
                 return
             made = True
@@ -530,6 +550,7 @@ def build_pipeline(
 ) -> WdsPipeline:
     cfg.check(catalog)
     catalog.side_cache = read.cache  # remote lengths.npy and groups.npy: fetched once per node, mapped
+    catalog.bind(cfg, world)  # a mixture: its seed, stratified groups, the units of a step
     # Packed shards: what each row holds is worked out only as far as the batches show it.
     read = replace(read, row_docs=cfg.docs, segments=cfg.boundaries)
     source = EpochSource(catalog, cfg, rank, world)

@@ -35,6 +35,7 @@ from .collate import CollateOptions, collate_docs, collate_rows
 from .config import Config, read_options, resolve_world
 from .counts import EpochCounts, EpochPlan, batch_counts, equalised, round_robin_share
 from .dataset import EndOfWorker, build_pipeline, dataset_tokenizer
+from .mixcatalog import MixTally
 from .raw import check_world, take_raw_options
 from .transport import RingHolder, TokenRing, received
 
@@ -170,6 +171,8 @@ class Loader:
         self._build()
         self.collate_options = CollateOptions.for_config(self.cfg, self.catalog)
         self._collate = collate_rows if self.cfg.rows_out(self.catalog) else collate_docs
+        #: a mixture's delivered tokens and items per source (``mix_stats``)
+        self._mix = MixTally(self.catalog) if self.catalog.mixing is not None else None
         self._epoch = 0
         self._auto_epoch = True  # until set_epoch is called, each completed pass advances the epoch
         self._completed: int | None = None  # the last epoch iterated to its end
@@ -410,6 +413,8 @@ class Loader:
         self.refilled_batches += stats.get("refilled", 0)
 
     def _hand_out(self, batch: Batch) -> dict:
+        if self._mix is not None:
+            self._mix.add(batch.mix, batch.epoch)
         out = self._collate(batch.items, self.collate_options)
         out["epoch"] = batch.epoch
         if batch.stats:
@@ -487,6 +492,15 @@ class Loader:
         self.source.resume_from({})
         self._pending_resume = None
         self._dataloader = None
+
+    def mix_stats(self) -> dict[str, dict]:
+        """A mixture's realized mix on this rank: per source, tokens and items delivered so far
+        (``tokens``, ``items``) and in this epoch (``epoch_tokens``, ``epoch_items``), this epoch's
+        share in the mixture's unit next to the planned one (``share``, ``target_share``), and the
+        epoch's quota in the unit (``epoch_quota`` over all ranks, ``rank_quota`` this rank's)."""
+        if self._mix is None:
+            raise ConfigError("mix_stats() reports a mixture; this loader reads one dataset")
+        return self._mix.report(self.world_size)
 
     # -- state ----------------------------------------------------------------------------------
     def _settings(self) -> str:

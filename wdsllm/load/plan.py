@@ -42,7 +42,9 @@ class Slice:
     """Items [start, stop) of one shard, every ``stride``-th one from ``start`` (stop None: to the end).
 
     ``pick`` (sorted positions within the slice's item sequence, pieces counted) keeps only those
-    items: how the remainder of an interrupted epoch is re-planned for a new layout.
+    items: how the remainder of an interrupted epoch is re-planned for a new layout. ``group``
+    numbers the part of a mixture's epoch (between schedule points) the slice belongs to: a
+    shuffle block never interleaves two parts, so a weight change takes effect where it says.
     """
 
     shard: int
@@ -50,6 +52,7 @@ class Slice:
     stop: int | None = None
     stride: int = 1
     pick: np.ndarray | None = None
+    group: int = 0
 
     @property
     def count(self) -> int | None:

@@ -29,7 +29,14 @@ from .catalog import Catalog
 from .config import Config
 from .counts import slices_for
 from .plan import Slice
-from .stream import StreamSpec, inverse_shuffle, shuffle_lengths, slice_item_counts, slice_item_lengths
+from .stream import (
+    StreamSpec,
+    inverse_shuffle,
+    plan_labels,
+    shuffle_lengths,
+    slice_item_counts,
+    slice_item_lengths,
+)
 
 STATE_VERSION = 1
 STATE_KIND = "wdsllm.loader"
@@ -46,11 +53,14 @@ def settings_fingerprint(cfg: Config) -> str:
 # Consumed items of one worker
 
 
-def consumed_plan_positions(batcher: Batcher, lengths_plan: np.ndarray, spec: StreamSpec, batches: int) -> np.ndarray:
-    """Plan positions of the items in a worker's first ``batches`` batches (sorted, unique)."""
+def consumed_plan_positions(
+    batcher: Batcher, lengths_plan: np.ndarray, spec: StreamSpec, batches: int, mixing=None, labels=None
+) -> np.ndarray:
+    """Plan positions of the items in a worker's first ``batches`` batches (sorted, unique); a
+    mixture's ``mixing`` and the plan stream's sources (``labels``) give its block order."""
     if batches <= 0 or len(lengths_plan) == 0:
         return np.zeros(0, np.int64)
-    shuffled = shuffle_lengths(lengths_plan, spec)
+    shuffled = shuffle_lengths(lengths_plan, spec, mixing, labels)
     parts = []
     for j, positions in enumerate(batcher.dry_batches(shuffled, spec)):
         if j >= batches:
@@ -58,7 +68,8 @@ def consumed_plan_positions(batcher: Batcher, lengths_plan: np.ndarray, spec: St
         parts.append(positions)
     if not parts:
         return np.zeros(0, np.int64)
-    return np.unique(inverse_shuffle(np.concatenate(parts).astype(np.int64), len(lengths_plan), spec))
+    consumed = np.concatenate(parts).astype(np.int64)
+    return np.unique(inverse_shuffle(consumed, len(lengths_plan), spec, mixing, labels))
 
 
 def remaining_slices(slices: list[Slice], counts: list[int], consumed: np.ndarray) -> list[Slice]:
@@ -73,7 +84,7 @@ def remaining_slices(slices: list[Slice], counts: list[int], consumed: np.ndarra
         elif len(gone) < n:
             keep = np.setdiff1d(np.arange(n), gone, assume_unique=True)
             pick = keep if sl.pick is None else sl.pick[keep]
-            out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, pick))
+            out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, pick, sl.group))
         pos += n
     return out
 
@@ -88,11 +99,11 @@ def cut_sequence(slices: list[Slice], counts: list[int], a: int, b: int, split: 
             if lo == 0 and hi == n:
                 out.append(sl)
             elif sl.pick is not None:
-                out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, sl.pick[lo:hi]))
+                out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, sl.pick[lo:hi], sl.group))
             elif not split and sl.stride == 1 and sl.stop is not None:
-                out.append(Slice(sl.shard, sl.start + lo, sl.start + hi))
+                out.append(Slice(sl.shard, sl.start + lo, sl.start + hi, group=sl.group))
             else:
-                out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, np.arange(lo, hi)))
+                out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, np.arange(lo, hi), sl.group))
         pos += n
         if pos >= b:
             break
@@ -148,7 +159,9 @@ class RemainderPlan:
                     raise StateError(
                         "resuming with another world size or worker count needs the dataset's index (lengths.npy)"
                     )
-                gone = consumed_plan_positions(cfg.make_batcher(), lengths, spec, self.consumed[r][w])
+                labels = plan_labels(catalog, slices, spec)
+                batcher = cfg.make_batcher()
+                gone = consumed_plan_positions(batcher, lengths, spec, self.consumed[r][w], catalog.mixing, labels)
                 slices_out.extend(remaining_slices(slices, counts, gone))
         counts_out = slice_item_counts(catalog, slices_out, cfg.spec(self.epoch, 0, 1, 0, 1))
         self._sequence = (slices_out, counts_out)

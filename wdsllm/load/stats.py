@@ -23,7 +23,7 @@ from .batching import BucketBatcher, bfd_count, round_up
 from .catalog import Catalog
 from .config import Config
 from .plan import epoch_layout
-from .stream import _max_len_lengths, epoch_slices, shuffle_lengths, slice_item_lengths
+from .stream import _max_len_lengths, epoch_slices, plan_labels, shuffle_lengths, slice_item_lengths
 
 #: datasets up to this many documents are simulated whole (beyond: a sample of windows)
 EXACT_DOCUMENTS = 5_000_000
@@ -61,13 +61,15 @@ def stream_lengths(
     """Lengths one consumer sees in epoch 0 (after splitting or truncating), and tokens truncated."""
     cfg = Config(seed=seed, shuffle_buffer=shuffle_buffer, max_len=max_len, max_len_mode=max_len_mode)
     spec = cfg.spec(0, 0, 1, 0, 1)
-    slices = epoch_slices(catalog, spec)
+    catalog.bind(cfg, 1)  # a mixture: its plan with this seed
+    plan = catalog.default_plan(0)
+    slices = epoch_slices(catalog, spec) if plan is None else plan.slices_for(catalog, cfg, 0, 1, 0, 1)
     raw = slice_item_lengths(catalog, slices, replace(spec, max_len=None))
     if raw is None:
         raise ConfigError("this dataset has no lengths.npy; stats need the index")
     lengths = slice_item_lengths(catalog, slices, spec)
     truncated = int(raw.sum() - lengths.sum()) if max_len_mode == "truncate" else 0
-    return shuffle_lengths(lengths, spec), truncated
+    return shuffle_lengths(lengths, spec, catalog.mixing, plan_labels(catalog, slices, spec)), truncated
 
 
 def random_batches(lengths: np.ndarray, batch_size: int, multiple: int | None = None) -> ModeCost:
@@ -152,7 +154,9 @@ def all_modes(
     its size; None: whole up to EXACT_DOCUMENTS documents, else SAMPLE_RUNS runs)."""
     documents = catalog.index.documents if catalog.index is not None else 0
     if sample is None:
-        sample = 0 if documents <= EXACT_DOCUMENTS else SAMPLE_RUNS
+        sample = 0 if documents <= EXACT_DOCUMENTS or catalog.mixing is not None else SAMPLE_RUNS
+    if sample and catalog.mixing is not None:
+        raise ConfigError("a mixture's stats simulate its whole epoch (--sample 0)")
     if sample:
         return _sampled(catalog, batch_size, max_tokens, seq_len, window, multiple, seed, sample)
     return _whole(catalog, batch_size, max_tokens, seq_len, window, multiple, seed), None

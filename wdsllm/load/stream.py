@@ -23,7 +23,7 @@ from .. import storage
 from ..errors import SourceError
 from ..format import FormatError
 from . import plan as planmod
-from .block import Block, windows
+from .block import Block, rebase, windows
 from .catalog import Catalog
 from .plan import Slice
 from .read import ReadOptions, open_kwargs, ranged_start, read_slice
@@ -62,6 +62,58 @@ def block_permutation(spec: StreamSpec, block: int, n: int) -> np.ndarray:
     return planmod.rng(spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, block).permutation(
         n
     )
+
+
+def block_order(spec: StreamSpec, block: int, n: int, mixing=None, labels: np.ndarray | None = None) -> np.ndarray:
+    """The order of shuffle block ``block``: ``block_permutation``, or for a mixture
+    (``mixing``, with the block's items' sources as ``labels``) its interleaving order."""
+    if mixing is None:
+        return block_permutation(spec, block, n)
+    return mixing.permutation(spec, block, labels)
+
+
+def block_size(spec: StreamSpec, mixing=None) -> int:
+    """Items per shuffle block (a mixture always interleaves in blocks, shuffled or not)."""
+    return spec.shuffle_buffer if mixing is None else mixing.block_size(spec)
+
+
+def plan_labels(catalog: Catalog, slices: list[Slice], spec: StreamSpec) -> np.ndarray | None:
+    """A mixture's label of each item of the plan stream (source + sources x part of the epoch:
+    what ``mixing.permutation`` orders by); None for one dataset."""
+    labels = PlanLabels.of(catalog, slices, spec)
+    return None if labels is None else labels.at(0, labels.total)
+
+
+class PlanLabels:
+    """A mixture's plan-stream labels, made for a range of positions at a time (memory: one
+    entry per slice)."""
+
+    def __init__(self, per_slice: np.ndarray, counts: np.ndarray):
+        self.per_slice = per_slice
+        self.ends = np.cumsum(counts)
+        self.counts = np.asarray(counts, np.int64)
+        self.total = int(self.ends[-1]) if len(self.ends) else 0
+
+    @classmethod
+    def of(cls, catalog: Catalog, slices: list[Slice], spec: StreamSpec) -> PlanLabels | None:
+        mixing = catalog.mixing
+        if mixing is None:
+            return None
+        counts = slice_item_counts(catalog, slices, spec)
+        shards = np.asarray([sl.shard for sl in slices], np.int64)
+        groups = np.asarray([sl.group for sl in slices], np.int64)
+        return cls(mixing.sources_of_shards(shards) + mixing.sources * groups, np.asarray(counts, np.int64))
+
+    def at(self, a: int, b: int) -> np.ndarray:
+        """Labels of plan positions [a, b)."""
+        b = min(b, self.total)
+        if b <= a:
+            return np.zeros(0, np.int64)
+        i, j = np.searchsorted(self.ends, [a, b - 1], side="right")
+        counts = self.counts[i : j + 1].copy()
+        counts[0] -= a - int(self.ends[i] - self.counts[i])
+        counts[-1] -= int(self.ends[j]) - b
+        return np.repeat(self.per_slice[i : j + 1], counts)
 
 
 def epoch_slices(catalog: Catalog, spec: StreamSpec) -> list[Slice]:
@@ -144,13 +196,21 @@ class ShareLengths:
         return self._total
 
     def windows(self, size: int) -> Iterator[np.ndarray]:
-        buffer = self.spec.shuffle_buffer
+        mixing = self.catalog.mixing
+        buffer = block_size(self.spec, mixing)
         if buffer <= 1 or size % buffer == 0:
             return rechunk(self.plan_chunks(), size)
-        blocks = (
-            block[block_permutation(self.spec, k, len(block))]
-            for k, block in enumerate(rechunk(self.plan_chunks(), buffer))
-        )
+        if mixing is None:
+            blocks = (
+                block[block_permutation(self.spec, k, len(block))]
+                for k, block in enumerate(rechunk(self.plan_chunks(), buffer))
+            )
+        else:
+            labels = rechunk(iter([plan_labels(self.catalog, self.slices, self.spec)]), buffer)
+            blocks = (
+                block[mixing.permutation(self.spec, k, lab)]
+                for k, (block, lab) in enumerate(zip(rechunk(self.plan_chunks(), buffer), labels))
+            )
         return rechunk(blocks, size)
 
 
@@ -191,15 +251,17 @@ def _max_len_lengths(lengths: np.ndarray, spec: StreamSpec) -> np.ndarray:
     return np.minimum(lengths, m)
 
 
-def shuffle_lengths(lengths: np.ndarray, spec: StreamSpec) -> np.ndarray:
-    """Plan-order lengths in shuffled-stream order: the same block permutations as the stream."""
-    size = spec.shuffle_buffer
+def shuffle_lengths(lengths: np.ndarray, spec: StreamSpec, mixing=None, labels: np.ndarray | None = None) -> np.ndarray:
+    """Plan-order lengths in shuffled-stream order: the same block permutations as the stream
+    (a mixture's: ``labels`` are the items' sources, ``plan_labels``)."""
+    size = block_size(spec, mixing)
     if size <= 1 or len(lengths) == 0:
         return lengths
     out = np.empty_like(lengths)
     for k, a in enumerate(range(0, len(lengths), size)):
         block = lengths[a : a + size]
-        out[a : a + len(block)] = block[block_permutation(spec, k, len(block))]
+        lab = None if labels is None else labels[a : a + size]
+        out[a : a + len(block)] = block[block_order(spec, k, len(block), mixing, lab)]
     return out
 
 
@@ -279,13 +341,16 @@ def plan_items(
     raw = getattr(catalog, "read_unit", None)  # raw text: units read and tokenized here (load/raw.py)
     # each slice with where a ranged read can enter its shard (remote shards, groups.npy)
     work = (
-        (sl, skip, drop, None if raw else ranged_start(catalog, sl, skip, options))
+        (sl, skip, drop, None if raw else ranged_start(*_reader(catalog, sl), skip, options))
         for sl, skip, drop in _slice_work(catalog, slices, spec, start)
     )
     if options.prefetch and not raw:
         work, ahead = itertools.tee(work)
         streams = storage.prefetch_iter(
-            ((catalog.urls[sl.shard], open_kwargs(catalog, sl.shard, options, at)) for sl, _, _, at in ahead),
+            (
+                (catalog.urls[sl.shard], open_kwargs(*_reader(catalog, sl, shard=True), options, at))
+                for sl, _, _, at in ahead
+            ),
             spool=True,  # remote shards of known size are read in place, as mapped local ones are
         )
     else:
@@ -296,11 +361,15 @@ def plan_items(
         position = _items_of_docs(catalog, sl, spec, skip_docs) if sl.pick is not None else 0
         try:
             stream = next(streams) if streams is not None else None
-            if raw:
-                blocks = raw(sl.shard, sl.start, sl.stop, sl.stride, skip_docs, stats)
+            owner, local = _reader(catalog, sl)
+            base = sl.shard - local.shard
+            read_unit = getattr(owner, "read_unit", None)  # raw text: read and tokenized here (load/raw.py)
+            if read_unit is not None:
+                blocks = read_unit(local.shard, local.start, local.stop, local.stride, skip_docs, stats)
             else:
-                blocks = read_slice(catalog, sl, skip=skip_docs, options=options, stream=stream, start=at)
+                blocks = read_slice(owner, local, skip=skip_docs, options=options, stream=stream, start=at)
             for block in blocks:
+                block = rebase(block, base)
                 if catalog.mode == "docs":
                     block, cut = _apply_max_len(block, spec)
                     if stats is not None:
@@ -323,6 +392,15 @@ def plan_items(
             if stats is not None:
                 stats.skipped_shards.append(url)
         leftover = drop
+
+
+def _reader(catalog: Catalog, sl: Slice, shard: bool = False) -> tuple[Catalog, Slice | int]:
+    """The catalog that reads a slice's shard and the slice in its numbering (a mixture's source;
+    one dataset reads its own), or with ``shard`` the shard's number there."""
+    owner, local, _ = catalog.owner(sl.shard)
+    if shard:
+        return owner, local
+    return owner, (sl if owner is catalog else replace(sl, shard=local))
 
 
 def _items_of_docs(catalog: Catalog, sl: Slice, spec: StreamSpec, docs: int) -> int:
@@ -368,12 +446,15 @@ def shuffled_items(
     spec: StreamSpec,
     *,
     start: int = 0,
+    mixing=None,
+    labels: PlanLabels | None = None,
 ) -> Iterator[tuple[int, Block]]:
     """(shuffled position of the block's first item, block) from shuffled position ``start``.
 
-    ``blocks_from(plan_position)`` opens the plan stream at a plan position.
+    ``blocks_from(plan_position)`` opens the plan stream at a plan position. A mixture's
+    ``mixing`` orders each block by its items' ``labels`` (``PlanLabels``).
     """
-    size = spec.shuffle_buffer
+    size = block_size(spec, mixing)
     if size <= 1:
         pos = start
         for block in blocks_from(start):
@@ -383,23 +464,28 @@ def shuffled_items(
     k = start // size
     skip = start - k * size
     for window in windows(blocks_from(k * size), size):
-        out = window.take(block_permutation(spec, k, len(window)))
+        lab = None if mixing is None else labels.at(k * size, k * size + len(window))
+        out = window.take(block_order(spec, k, len(window), mixing, lab))
         if skip < len(out):
             yield k * size + skip, out.slice(skip, len(out)) if skip else out
         skip = 0
         k += 1
 
 
-def inverse_shuffle(shuffled_positions: np.ndarray, n: int, spec: StreamSpec) -> np.ndarray:
-    """Plan positions of the given shuffled-stream positions of a stream of ``n`` items."""
-    size = spec.shuffle_buffer
+def inverse_shuffle(
+    shuffled_positions: np.ndarray, n: int, spec: StreamSpec, mixing=None, labels: np.ndarray | None = None
+) -> np.ndarray:
+    """Plan positions of the given shuffled-stream positions of a stream of ``n`` items (a
+    mixture's: ``labels`` are the plan stream's sources)."""
+    size = block_size(spec, mixing)
     if size <= 1 or len(shuffled_positions) == 0:
         return shuffled_positions
     out = np.empty_like(shuffled_positions)
     blocks = shuffled_positions // size
     for k in np.unique(blocks):
         k = int(k)
-        perm = block_permutation(spec, k, min(size, n - k * size))
+        m = min(size, n - k * size)
+        perm = block_order(spec, k, m, mixing, None if labels is None else labels[k * size : k * size + m])
         sel = blocks == k
         out[sel] = k * size + perm[shuffled_positions[sel] - k * size]
     return out

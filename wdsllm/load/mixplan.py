@@ -1,0 +1,342 @@
+"""A mixture's epoch plan: quotas, repeats and subsets from (seed, epoch) and the indexes, every
+consumer's share, and the order that interleaves the sources. Pure numpy, no torch.
+
+One rule gives quotas, repeats and subsets. Each source has an endless stream of passes over its
+items: pass p visits its shards in an order drawn from (seed, source name, p), items in shard
+order. The run takes consecutive stretches of that stream: an epoch (or a part of one between two
+schedule points) takes the next ``quota`` of it. A quota above the source's size spans several
+passes, so every item appears floor(q/size) or one more times, each pass in a fresh order; a quota
+below it is a subset that differs each epoch and walks the whole source before any item repeats.
+With unit="tokens" a quota is cut at the first item whose end reaches it (within one document).
+
+Each stretch is split among the consumers (rank, then worker) as ``plan.epoch_layout`` splits a
+dataset, so exactly-once holds within the quota for any layout. A consumer reads its parts of the
+sources in rounds of one shuffle block, each source's part of a round one contiguous run, and the
+shuffle block's order (``Mixing.permutation``) interleaves them smoothly: the sources' slots follow
+a fixed even pattern and only which item of a source fills which of its slots is random. So every
+window of a few batches holds the sources in proportion, which a per-item random draw does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import MixtureError
+from . import plan as planmod
+from .block import ID_SHIFT
+from .plan import Slice, split_range
+from .stream import StreamSpec
+
+if TYPE_CHECKING:
+    from .mixcatalog import MixSource
+    from .mixture import Mixture
+
+#: the random stream of a source's pass orders (plan.py's streams are 1-5)
+STREAM_MIX_PASS = 6
+#: items per mixing block when the stream is not shuffled (shuffle=False or shuffle_buffer <= 1)
+DEFAULT_MIX_WINDOW = 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# Even patterns
+
+
+def smooth_pattern(counts: np.ndarray) -> np.ndarray:
+    """Source labels of ``sum(counts)`` slots spread evenly: source s's k-th slot sits at time
+    floor((2k+1) N / 2 n_s), ties broken by source. Any window holds each source in proportion."""
+    counts = np.asarray(counts, np.int64)
+    total = int(counts.sum())
+    labels = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    k = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    times = ((2 * k + 1) * total) // (2 * counts[labels]) if total else k
+    return labels[np.lexsort((labels, times))]
+
+
+def smooth_prefix(counts: Sequence[int], x: int) -> list[int]:
+    """How many slots of each source the first ``x`` slots of ``smooth_pattern(counts)`` hold
+    (exact integers; no pattern is built)."""
+    counts = [int(c) for c in counts]
+    total = sum(counts)
+    if x >= total:
+        return counts
+
+    def before(t: int) -> list[int]:  # slots of each source at times < t
+        return [min(n, max(0, -(-(2 * n * t - total) // (2 * total)))) if n else 0 for n in counts]
+
+    lo, hi = 0, total
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(before(mid)) <= x:
+            lo = mid
+        else:
+            hi = mid - 1
+    got = before(lo)
+    at = [b - a for a, b in zip(got, before(lo + 1))]
+    extra = x - sum(got)
+    for s in range(len(counts)):
+        if extra and at[s]:
+            got[s] += 1
+            extra -= 1
+    return got
+
+
+def stratified_pattern(counts: np.ndarray, group: int) -> np.ndarray:
+    """Labels whose every ``group`` consecutive slots (from the first) hold each source's share of
+    what is left to within one: each group takes floor or ceil of its proportional part (largest
+    remainders first), evenly spread inside the group."""
+    remaining = np.asarray(counts, np.int64).copy()
+    out = []
+    while remaining.sum() > 0:
+        left = int(remaining.sum())
+        size = min(group, left)
+        take = remaining * size // left
+        rest = remaining * size % left
+        short = size - int(take.sum())
+        if short:
+            take[np.lexsort((np.arange(len(rest)), -rest))[:short]] += 1
+        out.append(smooth_pattern(take))
+        remaining -= take
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# The order inside a shuffle block
+
+
+@dataclass(frozen=True)
+class Mixing:
+    """How a mixture orders the items of a block of its stream: ``bases[s]`` is source s's first
+    shard in the combined catalog; ``group`` (stratified) is the batch size each group of slots
+    holds in proportion; ``window`` is the block size when the stream is not shuffled."""
+
+    bases: tuple[int, ...]
+    group: int = 0
+    window: int = DEFAULT_MIX_WINDOW
+
+    def sources_of_shards(self, shards: np.ndarray) -> np.ndarray:
+        return np.searchsorted(np.asarray(self.bases), np.asarray(shards, np.int64), side="right") - 1
+
+    @property
+    def sources(self) -> int:
+        return len(self.bases) - 1
+
+    def sources_of_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Source of each item or document id (-1 stays -1)."""
+        ids = np.asarray(ids, np.int64)
+        out = self.sources_of_shards(ids >> ID_SHIFT)
+        return np.where(ids >= 0, out, -1)
+
+    def block_size(self, spec: StreamSpec) -> int:
+        size = spec.shuffle_buffer if spec.shuffle_buffer > 1 else self.window
+        if self.group:
+            size = -(-size // self.group) * self.group
+        return size
+
+    def permutation(self, spec: StreamSpec, block: int, labels: np.ndarray) -> np.ndarray:
+        """The order of a block's items (``labels``: source + sources x part of the epoch, plan
+        order, parts rising): each part's slots keep their place and follow the even pattern of
+        its counts; a source's items fill its slots in a random order drawn from (seed, epoch,
+        rank, worker, block), or in plan order when not shuffled."""
+        labels = np.asarray(labels, np.int64)
+        n = len(labels)
+        k = self.sources
+        pattern = np.empty(n, np.int64)
+        parts = labels // k
+        cuts = [0, *(np.flatnonzero(np.diff(parts)) + 1).tolist(), n]
+        for a, b in itertools.pairwise(cuts):
+            if b > a:
+                counts = np.bincount(labels[a:b] % k, minlength=k)
+                order = stratified_pattern(counts, self.group) if self.group else smooth_pattern(counts)
+                pattern[a:b] = order + k * parts[a]
+        if spec.shuffle_buffer > 1:
+            keys = planmod.rng(
+                spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, block
+            ).random(n)
+            items = np.lexsort((keys, labels))
+        else:
+            items = np.argsort(labels, kind="stable")
+        perm = np.empty(n, np.int64)
+        perm[np.argsort(pattern, kind="stable")] = items
+        return perm
+
+
+# ----------------------------------------------------------------------------------------------
+# A source's endless stream of passes
+
+
+class PassStream:
+    """Source ``source``'s items as an endless sequence of passes (positions 0, 1, ...)."""
+
+    def __init__(self, source: MixSource, seed: int, shuffle: bool):
+        self.source = source
+        self.items = np.asarray(source.items_per_shard(), np.int64)
+        self.tokens = np.asarray(source.tokens_per_shard(), np.int64)
+        self.size = int(self.items.sum())
+        self.token_size = int(self.tokens.sum())
+        self.seed = seed
+        self.shuffle = shuffle
+        self.key = int.from_bytes(hashlib.sha256(source.name.encode()).digest()[:7], "little")
+        self._orders: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def order(self, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pass p's shard order, items per shard in that order, and their running ends."""
+        got = self._orders.get(p)
+        if got is None:
+            n = len(self.items)
+            draw = planmod.rng(self.seed, STREAM_MIX_PASS, self.key, p)
+            order = draw.permutation(n) if self.shuffle else np.arange(n)
+            counts = self.items[order]
+            got = (order, counts, np.cumsum(counts))
+            if len(self._orders) >= 4:
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[p] = got
+        return got
+
+    def slices(self, a: int, b: int) -> list[Slice]:
+        """Slices (the source's own shard numbers) covering stream positions [a, b)."""
+        out: list[Slice] = []
+        while a < b:
+            p, off = divmod(a, self.size)
+            order, counts, ends = self.order(p)
+            stop = min(b - p * self.size, self.size)
+            out.extend(planmod.slices_of_range(order, counts, ends, off, stop))
+            a = p * self.size + stop
+        return out
+
+    def position_of(self, units: int, unit: str) -> int:
+        """The stream position where ``units`` of the stream are reached: items as they are; tokens
+        at the first item whose end reaches them."""
+        if unit == "items" or units <= 0:
+            return max(0, units)
+        p, rest = divmod(units, self.token_size)
+        if rest == 0:
+            return p * self.size
+        order, counts, ends = self.order(p)
+        tokens = self.tokens[order]
+        token_ends = np.cumsum(tokens)
+        i = int(np.searchsorted(token_ends, rest, side="left"))  # the shard where ``rest`` is reached
+        before = int(token_ends[i] - tokens[i])
+        lengths = self.source.item_lengths(int(order[i]))
+        k = int(np.searchsorted(np.cumsum(lengths), rest - before, side="left")) + 1
+        return p * self.size + int(ends[i] - counts[i]) + min(k, int(counts[i]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Quotas over the run, and each consumer's share
+
+
+class MixPlanner:
+    """Every epoch's stretches of every source, and each consumer's slices (an ``EpochPlan`` per
+    epoch through ``plan``)."""
+
+    def __init__(self, mixture: Mixture, sources: list[MixSource], bases: np.ndarray, seed: int, shuffle: bool):
+        self.mixture = mixture
+        self.bases = bases
+        self.streams = [PassStream(s, seed, shuffle) for s in sources]
+        sizes = [st.token_size if mixture.unit == "tokens" else st.size for st in self.streams]
+        self.sizes = sizes
+        self.epoch = int(mixture.epoch_size or sum(sizes))
+        self.step_units: int | None = None  # units per step (at_step schedules), set by bind
+        for name, size, w in zip(mixture.names, sizes, mixture.base_weights):
+            if size == 0 and (w > 0 or any(p.weights[mixture.names.index(name)] > 0 for p in mixture.phases)):
+                raise MixtureError(f"mixture source {name!r} is empty but has a positive weight")
+        self._segments: dict[int, list[list[tuple[int, int]]]] = {}
+
+    # -- the run's phases -----------------------------------------------------------------------
+    def phases(self) -> list[tuple[int, tuple[float, ...]]]:
+        """(start in units, weights) of each phase, the first from 0."""
+        out = [(0, self.mixture.base_weights)]
+        for ph in self.mixture.phases:
+            if ph.at is not None:
+                at = ph.at
+            else:
+                if self.step_units is None:
+                    raise MixtureError("at_step needs fixed batching (or rows) to know the units of a step")
+                at = ph.at_step * self.step_units
+            if at == 0:
+                out[0] = (0, ph.weights)
+            else:
+                out.append((at, ph.weights))
+        return out
+
+    def cumulative(self, g: int) -> list[int]:
+        """Units of each source taken by the first ``g`` units of the run (exact rounding of the
+        weights integrated over the phases, so epochs never drift)."""
+        phases = self.phases()
+        acc = [Fraction(0)] * len(self.streams)
+        for j, (start, weights) in enumerate(phases):
+            end = phases[j + 1][0] if j + 1 < len(phases) else None
+            span = (min(g, end) if end is not None else g) - start
+            if span <= 0:
+                break
+            for s, w in enumerate(weights):
+                acc[s] += Fraction(w) * span
+        return [int(a + Fraction(1, 2)) for a in acc]
+
+    def segments(self, epoch: int) -> list[list[tuple[int, int]]]:
+        """Epoch ``epoch``'s stretches: per segment (cut at schedule points), per source, the
+        first stream position and the item count."""
+        got = self._segments.get(epoch)
+        if got is not None:
+            return got
+        a, b = epoch * self.epoch, (epoch + 1) * self.epoch
+        cuts = sorted({a, b, *(p for p, _ in self.phases() if a < p < b)})
+        unit = self.mixture.unit
+        positions = [[st.position_of(u, unit) for st, u in zip(self.streams, self.cumulative(g))] for g in cuts]
+        got = [[(p0, p1 - p0) for p0, p1 in zip(positions[j], positions[j + 1])] for j in range(len(cuts) - 1)]
+        if len(self._segments) >= 8:
+            self._segments.pop(next(iter(self._segments)))
+        self._segments[epoch] = got
+        return got
+
+    def quotas(self, epoch: int) -> list[int]:
+        """Items of each source in epoch ``epoch``."""
+        return [sum(seg[s][1] for seg in self.segments(epoch)) for s in range(len(self.streams))]
+
+    def unit_quotas(self, epoch: int) -> list[int]:
+        """Units (tokens or items) of each source planned for epoch ``epoch``."""
+        a, b = self.cumulative(epoch * self.epoch), self.cumulative((epoch + 1) * self.epoch)
+        return [y - x for x, y in zip(a, b)]
+
+    def slices(self, epoch: int, rank: int, world: int, worker: int, workers: int, block: int) -> list[Slice]:
+        """The slices (combined shard numbers) consumer (rank, worker) reads, in reading order:
+        each segment's share in rounds of ``block`` items, the sources in turn inside a round."""
+        out: list[Slice] = []
+        for group, seg in enumerate(self.segments(epoch)):
+            firsts, counts = [], []
+            for first, n in seg:
+                ra, rb = split_range(n, world, rank)
+                wa, wb = split_range(rb - ra, workers, worker)
+                firsts.append(first + ra + wa)
+                counts.append(wb - wa)
+            total = sum(counts)
+            done = [0] * len(counts)
+            for r in range(-(-total // block) if total else 0):
+                upto = smooth_prefix(counts, min(total, (r + 1) * block))
+                for s, (x, y) in enumerate(zip(done, upto)):
+                    if y > x:
+                        base = int(self.bases[s])
+                        for sl in self.streams[s].slices(firsts[s] + x, firsts[s] + y):
+                            out.append(Slice(sl.shard + base, sl.start, sl.stop, group=group))
+                done = upto
+        return out
+
+
+@dataclass
+class MixturePlan:
+    """The ``counts.EpochPlan`` of one epoch of a mixture."""
+
+    planner: Any
+    mixing: Mixing
+    epoch: int
+
+    def slices_for(self, catalog: Any, cfg: Any, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
+        block = self.mixing.block_size(cfg.spec(self.epoch, rank, world, worker, workers))
+        return self.planner.slices(self.epoch, rank, world, worker, workers, block)

@@ -1,0 +1,234 @@
+"""``wdsllm.Mixture``: what a mixture is (sources, weights, unit, epoch size, schedule), from Python
+or from a YAML file, checked with errors that name the key. No torch, no I/O but the file itself.
+
+The weights are normalised to sum to one. A schedule is a list of phases, each giving the weights
+from a point of the run on (``at_tokens`` in the mixture's unit, ``at_step`` in batches); the
+mixture's own ``weights`` hold from the start until the first phase. What an epoch takes of each
+source (quotas, repeats, subsets) is decided in ``mixplan.py``; how the sources become one catalog
+in ``mixcatalog.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import storage
+from ..errors import MixtureError
+
+UNITS = ("tokens", "items")
+FILE_SUFFIXES = (".yaml", ".yml")
+_FILE_KEYS = ("sources", "weights", "unit", "epoch_tokens", "epoch_items", "schedule", "stratified")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Weights from a point of the run on: ``at`` in the mixture's unit, or ``at_step`` in batches."""
+
+    weights: tuple[float, ...]  # normalised, in source order
+    at: int | None = None
+    at_step: int | None = None
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """A weighted blend of datasets (see docs/mixtures.md).
+
+    ``sources`` maps a name to a dataset (a root, an index.json URL, shard URLs, or an opened
+    catalog); ``weights`` maps the same names to non-negative numbers (default: equal). ``unit``
+    says what the weights count: ``"tokens"`` (default) or ``"items"`` (documents, or rows of packed
+    datasets). An epoch holds ``epoch_tokens`` tokens (``epoch_items`` items with unit="items");
+    default: the sum of all sources' sizes. ``schedule`` is a list of ``{"at_tokens": N,
+    "weights": {...}}`` (``at_items`` with unit="items", or ``at_step``). ``stratified=True`` makes
+    every batch's composition match the weights to within one item per source (fixed batching).
+    """
+
+    sources: Mapping[str, Any]
+    weights: Mapping[str, float] | None = None
+    unit: str = "tokens"
+    epoch_tokens: int | None = None
+    epoch_items: int | None = None
+    schedule: Any = None
+    stratified: bool = False
+    where: str = field(default="", compare=False)  # the file it came from, for messages
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sources, Mapping) or not self.sources:
+            raise MixtureError(f"{self._at('sources')} must map at least one name to a dataset")
+        for name in self.sources:
+            if not isinstance(name, str) or not name:
+                raise MixtureError(f"{self._at('sources')}: every source needs a non-empty name, not {name!r}")
+        if self.unit not in UNITS:
+            raise MixtureError(f"{self._at('unit')} must be one of {UNITS}, not {self.unit!r}")
+        if self.unit == "items" and self.epoch_tokens is not None:
+            raise MixtureError(f"{self._at('epoch_tokens')} counts tokens; with unit 'items' give epoch_items")
+        if self.unit == "tokens" and self.epoch_items is not None:
+            raise MixtureError(f"{self._at('epoch_items')} counts items; with unit 'tokens' give epoch_tokens")
+        for key in ("epoch_tokens", "epoch_items"):
+            value = getattr(self, key)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise MixtureError(f"{self._at(key)} must be a positive integer, not {value!r}")
+        if not isinstance(self.stratified, bool):
+            raise MixtureError(f"{self._at('stratified')} must be true or false, not {self.stratified!r}")
+        object.__setattr__(self, "_base", self._weights(self.weights, "weights"))
+        object.__setattr__(self, "_phases", self._parse_schedule(self.schedule))
+
+    # -- what the rest of the loader reads ------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        return list(self.sources)
+
+    @property
+    def base_weights(self) -> tuple[float, ...]:
+        """The weights from the start of the run (normalised, in source order)."""
+        return self._base
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        """The schedule's phases, in the order given (positions rise)."""
+        return self._phases
+
+    @property
+    def epoch_size(self) -> int | None:
+        """The epoch's size in the unit, when given."""
+        return self.epoch_tokens if self.unit == "tokens" else self.epoch_items
+
+    def describe(self) -> dict:
+        """A JSON-able form of everything that decides the batches (part of the data's fingerprint)."""
+        return {
+            "names": self.names,
+            "weights": list(self.base_weights),
+            "unit": self.unit,
+            "epoch": self.epoch_size,
+            "schedule": [[list(p.weights), p.at, p.at_step] for p in self.phases],
+            "stratified": self.stratified,
+        }
+
+    # -- checks ---------------------------------------------------------------------------------
+    def _at(self, key: str) -> str:
+        return f"{self.where}: key '{key}'" if self.where else f"mixture key '{key}'"
+
+    def _weights(self, weights: Any, key: str) -> tuple[float, ...]:
+        names = self.names
+        if weights is None:
+            return tuple(1.0 / len(names) for _ in names)
+        if not isinstance(weights, Mapping):
+            raise MixtureError(f"{self._at(key)} must map source names to numbers")
+        unknown = [k for k in weights if k not in self.sources]
+        if unknown:
+            where = self._at(f"{key}.{unknown[0]}")
+            raise MixtureError(f"{where}: no source is named {unknown[0]!r} (sources: {names})")
+        missing = [n for n in names if n not in weights]
+        if missing:
+            where = self._at(f"{key}.{missing[0]}")
+            raise MixtureError(f"{where} is missing: give every source a weight (0 leaves it out)")
+        values = []
+        for n in names:
+            w = weights[n]
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0 or w == float("inf"):
+                raise MixtureError(f"{self._at(f'{key}.{n}')} must be a non-negative number, not {w!r}")
+            values.append(float(w))
+        total = sum(values)
+        if total <= 0:
+            raise MixtureError(f"{self._at(key)}: at least one weight must be positive")
+        return tuple(v / total for v in values)
+
+    def _parse_schedule(self, schedule: Any) -> tuple[Phase, ...]:
+        if schedule is None:
+            return ()
+        if not isinstance(schedule, (list, tuple)):
+            raise MixtureError(f"{self._at('schedule')} must be a list of {{at_tokens: N, weights: {{...}}}}")
+        at_key = "at_tokens" if self.unit == "tokens" else "at_items"
+        phases: list[Phase] = []
+        last = (-1, -1)
+        for i, entry in enumerate(schedule):
+            key = f"schedule[{i}]"
+            if not isinstance(entry, Mapping):
+                raise MixtureError(f"{self._at(key)} must be a mapping with {at_key} (or at_step) and weights")
+            extra = [k for k in entry if k not in (at_key, "at_step", "weights")]
+            if extra:
+                where = self._at(f"{key}.{extra[0]}")
+                raise MixtureError(f"{where} is not a schedule key ({at_key}, at_step, weights)")
+            given = [k for k in (at_key, "at_step") if k in entry]
+            if len(given) != 1:
+                raise MixtureError(f"{self._at(key)} needs exactly one of {at_key} and at_step")
+            at = entry[given[0]]
+            if not _is_int(at) or at < 0:
+                raise MixtureError(f"{self._at(f'{key}.{given[0]}')} must be a non-negative integer, not {at!r}")
+            if "weights" not in entry:
+                raise MixtureError(f"{self._at(f'{key}.weights')} is missing")
+            weights = self._weights(entry["weights"], f"{key}.weights")
+            order = (0, at) if given[0] == at_key else (1, at)
+            if phases and order[0] == last[0] and order[1] <= last[1]:
+                raise MixtureError(f"{self._at(f'{key}.{given[0]}')}: phases must come in rising order")
+            if phases and order[0] != last[0]:
+                raise MixtureError(f"{self._at(key)}: a schedule uses {at_key} or at_step, not both")
+            last = order
+            phases.append(
+                Phase(
+                    weights,
+                    at=int(at) if given[0] == at_key else None,
+                    at_step=int(at) if given[0] == "at_step" else None,
+                )
+            )
+        return tuple(phases)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_mixture_source(source: Any) -> bool:
+    """Whether a loader's ``source`` is a mixture: a Mixture, or the path or URL of a YAML file."""
+    if isinstance(source, Mixture):
+        return True
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
+    return isinstance(source, str) and storage.split_query(source)[0].lower().endswith(FILE_SUFFIXES)
+
+
+def load_mixture_file(url: str, retry: storage.RetryPolicy | None = None) -> Mixture:
+    """A Mixture from a YAML file (local or any storage URL). Relative source paths are relative to
+    the file's directory. Errors name the file and the key."""
+    import yaml  # a real YAML parser, as mixture files are hand-written
+
+    url = os.fspath(url)
+    data = storage.read_bytes(url, retry=retry)
+    where = storage.redact(url)
+    try:
+        doc = yaml.safe_load(bytes(data).decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise MixtureError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise MixtureError(f"{where}: not valid YAML{line}: {getattr(exc, 'problem', None) or exc}") from None
+    if not isinstance(doc, Mapping):
+        raise MixtureError(f"{where}: a mixture file holds a mapping with 'sources' and 'weights'")
+    unknown = [k for k in doc if k not in _FILE_KEYS]
+    if unknown:
+        raise MixtureError(f"{where}: key '{unknown[0]}' is not a mixture key ({', '.join(_FILE_KEYS)})")
+    if "sources" not in doc:
+        raise MixtureError(f"{where}: key 'sources' is missing")
+    sources = doc["sources"]
+    if not isinstance(sources, Mapping):
+        raise MixtureError(f"{where}: key 'sources' must map names to dataset paths or URLs")
+    base = storage.dirname_url(url)
+    resolved = {}
+    for name, path in sources.items():
+        if not isinstance(path, str) or not path:
+            raise MixtureError(f"{where}: key 'sources.{name}' must be a path or URL, not {path!r}")
+        resolved[str(name)] = _relative_to(base, path)
+    kwargs = {k: doc[k] for k in _FILE_KEYS[1:] if k in doc}
+    return Mixture(resolved, where=where, **kwargs)
+
+
+def _relative_to(base: str, path: str) -> str:
+    """A source path of a mixture file: URLs and absolute paths as written, others from the file's directory."""
+    if storage.scheme_of(path) != "file" or path.startswith("file://") or os.path.isabs(path):
+        return path
+    if storage.scheme_of(base) == "file" and not base.startswith("file://"):
+        return os.path.normpath(os.path.join(base or ".", path))
+    return storage.join_url(base, path) if "/" not in path.strip("/") else base.rstrip("/") + "/" + path
