@@ -90,7 +90,11 @@ class SideArray:
     def _size(self) -> int:
         if self._data is not None:
             return len(self._data)
-        st = os.stat(self.path)
+        # Opened now, not at the first read: the file read is the one described here, even when
+        # its path is replaced or touched meanwhile (the shard cache touches entries it serves,
+        # for LRU, from other processes). A forked worker inherits the descriptor.
+        self._fd = os.open(self.path, os.O_RDONLY)
+        st = os.fstat(self._fd)
         self._identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         return st.st_size
 

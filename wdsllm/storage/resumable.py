@@ -80,11 +80,6 @@ class ResumableStream(io.RawIOBase):
         if self._end is None or self._end > self._start:
             self._open()
 
-    @property
-    def size(self) -> int | None:
-        """The object's size, as the store reported it (None before the first answer)."""
-        return self._total
-
     # io.RawIOBase
     def readable(self) -> bool:
         return True
