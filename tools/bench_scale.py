@@ -31,6 +31,10 @@ process). Nothing runs in parallel, but the machine may be shared: the load aver
     python tools/bench_scale.py --docs 1e9 --modes fixed --no-cli
     python tools/bench_scale.py --build-only --docs 1e9  # just build (and time the build)
     python tools/bench_scale.py --index-parse 4e4,1e6 --no-loader --no-cli
+    python tools/bench_scale.py --docs 1e7,5e6,2.5e6 --mix --modes pack --worlds 8 --workers 2 --exact
+
+``--mix`` measures one mixture of the datasets of ``--docs`` (weights 0.5, 0.3, 0.2, ... by tokens,
+an epoch of their total) instead of each dataset alone.
 
 ``--code DIR`` puts DIR first on the measured processes' path (to measure another checkout).
 """
@@ -271,8 +275,11 @@ def child_loader(spec: dict) -> None:
         opts["multiprocessing_context"] = spec["context"]
     gc.collect()
     t0 = t()
+    source = spec["root"]
+    if isinstance(source, dict):  # a mixture: {name: root}
+        source = wdsllm.Mixture(source, weights=dict(zip(source, spec["weights"])))
     ld = wdsllm.loader(
-        spec["root"], rank=spec["rank"], world_size=spec["world"], num_workers=spec["workers"], seed=0, **opts
+        source, rank=spec["rank"], world_size=spec["world"], num_workers=spec["workers"], seed=0, **opts
     )
     t1 = t()
     it = iter(ld)
@@ -459,6 +466,7 @@ def measure_loader(args, root: str, info: dict, label: str, me: list, cap: int, 
                     "context": args.context,
                     "code": args.code,
                     "exact": args.exact,
+                    "weights": info.get("weights"),
                 }
                 why = [v for m, w0, x0, v in gave_up if m == mode and nw >= w0 and world >= x0]
                 if why and not args.no_skip:
@@ -508,6 +516,25 @@ def measure_loader(args, root: str, info: dict, label: str, me: list, cap: int, 
                 )
                 if r["status"] == "error":
                     print(r["stderr_tail"][-1500:], file=sys.stderr)
+
+
+MIX_WEIGHTS = [0.5, 0.3, 0.2, 0.1, 0.05]
+
+
+def measure_mixture(args, work: str, me: list, cap: int, record, rows: list) -> None:
+    """One mixture of the --docs datasets (sources ``s0``, ``s1``, ...), weighted by tokens."""
+    sizes = [float(d) for d in args.docs.split(",") if d]
+    if len(sizes) > len(MIX_WEIGHTS):
+        raise SystemExit(f"--mix takes at most {len(MIX_WEIGHTS)} datasets")
+    roots, docs, shards = {}, 0, 0
+    for i, size in enumerate(sizes):
+        root, info = build_dataset(work, size, args.code)
+        roots[f"s{i}"] = root
+        docs, shards = docs + info["documents"], shards + info["shards"]
+    weights = MIX_WEIGHTS[: len(sizes)]
+    print(f"# mixture of {roots} (weights {weights} by tokens): {docs:,} documents, {shards:,} shards", flush=True)
+    label = f"mix {human_docs(docs)} ({shards:,} shards)"
+    measure_loader(args, roots, {"documents": docs, "shards": shards, "weights": weights}, label, me, cap, record, rows)
 
 
 def measure_cli(args, root: str, info: dict, label: str, me: list, cap: int, record, rows: list) -> None:
@@ -634,6 +661,7 @@ def main() -> None:
     ap.add_argument("--verify-jobs", type=int, default=0, help="wdsllm verify --jobs [its default: one per core]")
     ap.add_argument("--context", default=None, help="DataLoader multiprocessing context (fork by default)")
     ap.add_argument("--index-parse", default="", help="also time reading indexes of these shard counts (4e4,1e6)")
+    ap.add_argument("--mix", action="store_true", help="measure one mixture of the --docs datasets")
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--code", default=None, help="put this checkout first on the measured processes' path")
     ap.add_argument("--json", dest="json_out", default=None, help="append every result as a JSON line here")
@@ -669,6 +697,10 @@ def main() -> None:
     )
     loader_rows: list = []
     cli_rows: list = []
+    if args.mix:
+        measure_mixture(args, work, me, cap, record, loader_rows)
+        print_tables(args, cap, loader_rows, cli_rows)
+        return
     for docs_text in [d for d in args.docs.split(",") if d]:
         root, info = build_dataset(work, float(docs_text), args.code)
         label = f"{human_docs(info['documents'])} ({info['shards']:,} shards)"

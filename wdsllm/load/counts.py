@@ -19,6 +19,10 @@ What it costs does not grow with the corpus on the way to the first batch (docs/
   table from a pass over the lengths in a background thread, shared by the processes of a node
   through a small cache file. A worker streams freely up to its bound and asks for the exact
   count only there; by then the pass is long done.
+
+A mixture's epoch (a ``SizedPlan``) takes the same path: its shares' items and tokens come from
+the plan's stretches and the sources' indexes (``MixPlanner.share_sizes``), no consumer's slices
+made. Other plans (the remainder of an interrupted epoch) are counted share by share at once.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -55,6 +59,27 @@ class EpochPlan(Protocol):
         self, catalog: Catalog, cfg: Config, rank: int, world: int, worker: int, workers: int
     ) -> list[Slice]:
         """The slices (rank, worker) reads, in reading order."""
+        ...
+
+
+@runtime_checkable
+class SizedPlan(Protocol):
+    """A plan that knows every consumer's items and tokens without making their slices (a
+    mixture's: ``mixplan.MixturePlan``), so that its counts need no pass before the first batch."""
+
+    def slices_for(
+        self, catalog: Catalog, cfg: Config, rank: int, world: int, worker: int, workers: int
+    ) -> list[Slice]: ...
+
+    def share_sizes(
+        self, world: int, workers: int, head_tokens: list[Callable[[np.ndarray, np.ndarray], np.ndarray]] | None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """([world, workers] items, tokens or None without ``head_tokens``): ``head_tokens[s]``
+        gives the tokens of the first k items of source s's shards."""
+        ...
+
+    def identity(self) -> list:
+        """What decides the shares beside the catalog's fingerprint and the settings (a cache key)."""
         ...
 
 
@@ -197,33 +222,41 @@ class EpochCounts:
             return None
         if plan is None:
             plan = catalog.default_plan(epoch)
-        if plan is not None:  # a re-planned remainder, or a mixture: counted share by share, here and now
-            exact = _shares_exact(catalog, cfg, epoch, world, workers, plan, ranks)
-            return cls(exact, exact)
-        layout = epoch_layout(
-            catalog.items_per_shard, seed=cfg.seed, epoch=epoch, world=world, workers=workers, shuffle=cfg.shuffle
-        )
         spec = cfg.spec(epoch, 0, world, 0, workers)
-        items = layout.stops - layout.starts
         splits = spec.splits(catalog.mode)
-        if batcher.count_by == COUNT_BY_ITEMS and not splits:
-            exact = _table(lambda n: batcher.count(n, None), items)
-            return cls(exact, exact)
         # documents' tokens per share (splitting keeps them all; truncation does not), from
         # lengths read now and checked in the background: nothing acts on them before that
         truncates = spec.max_len is not None and spec.max_len_mode == "truncate"
-        tokens, read = (None, []) if truncates else _share_tokens(catalog, layout)
+        want_tokens = not truncates and not (batcher.count_by == COUNT_BY_ITEMS and not splits)
+        if plan is not None and not isinstance(plan, SizedPlan):
+            # a re-planned remainder (made by a pass over the old shares): counted share by share, at once
+            exact = _shares_exact(catalog, cfg, epoch, world, workers, plan, ranks)
+            return cls(exact, exact)
+        if plan is not None:  # a mixture's epoch: shares from its stretches, exact counts from their slices
+            items, tokens, check = _plan_sizes(catalog, plan, world, workers, want_tokens)
+            identity = plan.identity()
+            exact_table = lambda: _shares_exact(catalog, cfg, epoch, world, workers, plan, ranks)  # noqa: E731
+        else:
+            layout = epoch_layout(
+                catalog.items_per_shard, seed=cfg.seed, epoch=epoch, world=world, workers=workers, shuffle=cfg.shuffle
+            )
+            items = layout.stops - layout.starts
+            tokens, read = _share_tokens(catalog, layout) if want_tokens else (None, [])
+            check = lambda: catalog.check_lengths(read)  # noqa: E731
+            identity = None
+            exact_table = lambda: _layout_exact(catalog, cfg, epoch, layout, ranks)  # noqa: E731
+        if batcher.count_by == COUNT_BY_ITEMS and not splits:
+            exact = _table(lambda n: batcher.count(n, None), items)
+            return cls(exact, exact)
         if batcher.count_by == COUNT_BY_TOKENS and tokens is not None:
             exact = _table(lambda t: batcher.count(None, _Tokens(t)), tokens)
-            return cls(exact, None, _Background(lambda: _checked(catalog, read, exact)))
+            return cls(exact, None, _Background(lambda: _checked(check, exact)))
         bound = _lower_bound(catalog, cfg, batcher, items, tokens)
         # the cache file's name is made here, not in the thread: a fork while the thread holds a
         # module's lock (tempfile's, finding the temporary directory) would leave it held in the child
-        path = os.path.join(
-            counts_cache_dir(catalog), f"counts-{_cache_key(catalog, cfg, epoch, world, workers, ranks)}.npy"
-        )
-        exact = lambda: _cached(path, lambda: _layout_exact(catalog, cfg, epoch, layout, ranks))  # noqa: E731
-        return cls(bound, None, _Background(lambda: _checked(catalog, read, exact())))
+        key = _cache_key(catalog, cfg, epoch, world, workers, ranks, identity)
+        path = os.path.join(counts_cache_dir(catalog), f"counts-{key}.npy")
+        return cls(bound, None, _Background(lambda: _checked(check, _cached(path, exact_table))))
 
     def ready(self) -> bool:
         return self._exact is not None or self._job.ready()
@@ -235,9 +268,9 @@ class EpochCounts:
         return self._exact
 
 
-def _checked(catalog: Catalog, read: list[tuple[int, int]], table: np.ndarray) -> np.ndarray:
-    """``table`` once the lengths it was counted from (read unchecked) are checked."""
-    catalog.check_lengths(read)
+def _checked(check: Callable[[], None], table: np.ndarray) -> np.ndarray:
+    """``table`` once the lengths it was counted from (read unchecked) are checked by ``check``."""
+    check()
     return table
 
 
@@ -304,15 +337,62 @@ def _share_tokens(catalog: Catalog, layout: EpochLayout) -> tuple[np.ndarray, li
     before = np.full(len(points), token_ends[-1], np.int64)  # points past the last shard
     inside = at < len(layout.order)
     i = at[inside]
-    n = layout.counts[i].astype(np.int64)
-    k = points[inside] - (layout.ends[i] - n)  # documents of the shard before the point
-    head = k <= n - k  # read the nearer end: the first k documents, else the last n - k
-    part, a, b = catalog.lengths_sums(layout.order[i], np.where(head, 0, k), np.where(head, k, n))
-    before[inside] = token_ends[i] + np.where(head, part, tokens[i] - part)
-    read = [(lo, hi) for lo, hi in zip(a.tolist(), b.tolist()) if hi > lo]
+    k = points[inside] - (layout.ends[i] - layout.counts[i])  # documents of the shard before the point
+    part, read = head_tokens(catalog, layout.order[i], k)
+    before[inside] = token_ends[i] + part
     starts = before[np.searchsorted(points, layout.starts)]
     stops = before[np.searchsorted(points, layout.stops)]
     return stops - starts, read
+
+
+def head_tokens(catalog: Catalog, shards: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """(tokens of the first ``k[i]`` items of catalog shard ``shards[i]``, the ranges of
+    lengths.npy read for them, unchecked): the index's shard tokens, less the lengths of the
+    shard's other end when that is nearer. Packed rows hold seq_len tokens each but the last."""
+    shards = np.asarray(shards, np.int64)
+    k = np.asarray(k, np.int64)
+    n = catalog.items_per_shard[shards].astype(np.int64)
+    tokens = catalog.tokens_per_shard[shards].astype(np.int64)
+    if catalog.mode == "packed":
+        return np.where(k >= n, tokens, k * int(catalog.index.seq_len)), []
+    head = k <= n - k  # read the nearer end: the first k documents, else the last n - k
+    part, a, b = catalog.lengths_sums(shards, np.where(head, 0, k), np.where(head, k, n))
+    read = [(lo, hi) for lo, hi in zip(a.tolist(), b.tolist()) if hi > lo]
+    return np.where(head, part, tokens - part), read
+
+
+def _readers(catalog: Catalog) -> list[Catalog]:
+    """The catalogs that read a mixture's sources (in its order), or the catalog itself."""
+    if catalog.mixing is None:
+        return [catalog]
+    return [source.reader() for source in catalog.sources]
+
+
+def _plan_sizes(
+    catalog: Catalog, plan: SizedPlan, world: int, workers: int, want_tokens: bool
+) -> tuple[np.ndarray, np.ndarray | None, Callable[[], None]]:
+    """A mixture's [world, workers] items and (``want_tokens``) tokens per share, and the check of
+    the sources' lengths read for them (each source's reader counts its own shards' tokens)."""
+    readers = _readers(catalog)
+    reads: list[list[tuple[int, int]]] = [[] for _ in readers]
+
+    def counter(s: int) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+        def count(shards: np.ndarray, k: np.ndarray) -> np.ndarray:
+            sums, read = head_tokens(readers[s], shards, k)
+            reads[s].extend(read)
+            return sums
+
+        return count
+
+    heads = [counter(s) for s in range(len(readers))] if want_tokens else None
+    items, tokens = plan.share_sizes(world, workers, heads)
+
+    def check() -> None:
+        for reader, read in zip(readers, reads):
+            if read:
+                reader.check_lengths(read)
+
+    return items, tokens, check
 
 
 def _lower_bound(
@@ -360,10 +440,20 @@ def counts_cache_dir(catalog: Catalog) -> str:
     return os.path.join(tempfile.gettempdir(), f"wdsllm-{os.getuid()}", "counts")
 
 
-def _cache_key(catalog: Catalog, cfg: Config, epoch: int, world: int, workers: int, ranks: list[int] | None) -> str:
+def _cache_key(
+    catalog: Catalog,
+    cfg: Config,
+    epoch: int,
+    world: int,
+    workers: int,
+    ranks: list[int] | None,
+    plan: list | None = None,
+) -> str:
+    """The table's identity: the data (a mixture's fingerprint covers its sources and weights;
+    ``plan``, its plan's identity, the schedule's position), every setting, the epoch, the layout."""
     fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("equal_batches", "docs")}
-    lengths = catalog.index.lengths_file.sha256 if catalog.index and catalog.index.lengths_file else None
-    what = [COUNTS_VERSION, catalog.fingerprint(), lengths, fields, epoch, world, workers, ranks]
+    lengths = [c.index.lengths_file.sha256 if c.index and c.index.lengths_file else None for c in _readers(catalog)]
+    what = [COUNTS_VERSION, catalog.fingerprint(), lengths, fields, epoch, world, workers, ranks, plan]
     body = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(body.encode()).hexdigest()[:32]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -194,8 +194,8 @@ class PassStream:
             order = draw.permutation(n) if self.shuffle else np.arange(n)
             counts = self.items[order]
             got = (order, counts, np.cumsum(counts))
-            if len(self._orders) >= 4:
-                self._orders.pop(next(iter(self._orders)))
+            if len(self._orders) >= 4:  # replaced, not evicted in place: the counts' thread plans too
+                self._orders = {}
             self._orders[p] = got
         return got
 
@@ -208,6 +208,27 @@ class PassStream:
             stop = min(b - p * self.size, self.size)
             out.extend(planmod.slices_of_range(order, counts, ends, off, stop))
             a = p * self.size + stop
+        return out
+
+    def tokens_before(self, positions: np.ndarray, head_tokens: HeadTokens) -> np.ndarray:
+        """Tokens of the stream before each of ``positions``: whole passes and shards from the
+        index, the items of a shard cut by a position from ``head_tokens`` (no shard read whole)."""
+        positions = np.asarray(positions, np.int64)
+        passes, offsets = np.divmod(positions, max(1, self.size))
+        out = passes * self.token_size
+        for p in np.unique(passes).tolist():
+            at = np.flatnonzero(passes == p)
+            order, counts, ends = self.order(p)
+            tokens = self.tokens[order]
+            token_ends = np.concatenate([[0], np.cumsum(tokens)])
+            off = offsets[at]
+            i = np.searchsorted(ends, off, side="right")  # the shard (in pass order) holding each
+            inside = i < len(order)
+            before = np.full(len(off), token_ends[-1], np.int64)
+            j = i[inside]
+            k = off[inside] - (ends[j] - counts[j])  # items of that shard before the position
+            before[inside] = token_ends[j] + head_tokens(order[j], k)
+            out[at] += before
         return out
 
     def position_of(self, units: int, unit: str) -> int:
@@ -226,6 +247,21 @@ class PassStream:
         lengths = self.source.item_lengths(int(order[i]))
         k = int(np.searchsorted(np.cumsum(lengths), rest - before, side="left")) + 1
         return p * self.size + int(ends[i] - counts[i]) + min(k, int(counts[i]))
+
+
+#: tokens of the first k[i] items of (a source's own) shard shards[i], for every i
+HeadTokens = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def consumer_ranges(first: int, n: int, world: int, workers: int) -> tuple[np.ndarray, np.ndarray]:
+    """[world, workers] stream positions where each consumer's part of a stretch of ``n`` items
+    from ``first`` starts and stops (``split_range`` by rank, then by worker, in closed form)."""
+    r = np.arange(world + 1, dtype=np.int64)
+    rank_starts = n * r // world
+    sizes = np.diff(rank_starts)[:, None]
+    w = np.arange(workers + 1, dtype=np.int64)[None, :]
+    cuts = first + rank_starts[:-1, None] + sizes * w // workers
+    return cuts[:, :-1], cuts[:, 1:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,8 +327,8 @@ class MixPlanner:
         unit = self.mixture.unit
         positions = [[st.position_of(u, unit) for st, u in zip(self.streams, self.cumulative(g))] for g in cuts]
         got = [[(p0, p1 - p0) for p0, p1 in zip(positions[j], positions[j + 1])] for j in range(len(cuts) - 1)]
-        if len(self._segments) >= 8:
-            self._segments.pop(next(iter(self._segments)))
+        if len(self._segments) >= 8:  # replaced, not evicted in place: the counts' thread plans too
+            self._segments = {}
         self._segments[epoch] = got
         return got
 
@@ -304,6 +340,24 @@ class MixPlanner:
         """Units (tokens or items) of each source planned for epoch ``epoch``."""
         a, b = self.cumulative(epoch * self.epoch), self.cumulative((epoch + 1) * self.epoch)
         return [y - x for x, y in zip(a, b)]
+
+    def share_sizes(
+        self, epoch: int, world: int, workers: int, head_tokens: Sequence[HeadTokens] | None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """([world, workers] items, and tokens when ``head_tokens`` (one per source) is given) of
+        every consumer's share of the epoch, from the stretches alone: what ``slices`` holds,
+        without making any consumer's slices."""
+        items = np.zeros((world, workers), np.int64)
+        tokens = None if head_tokens is None else np.zeros((world, workers), np.int64)
+        for seg in self.segments(epoch):
+            for s, (first, n) in enumerate(seg):
+                starts, stops = consumer_ranges(first, n, world, workers)
+                items += stops - starts
+                if tokens is not None and n:
+                    points, where = np.unique(np.concatenate([starts.ravel(), stops.ravel()]), return_inverse=True)
+                    before = self.streams[s].tokens_before(points, head_tokens[s])[where]
+                    tokens += (before[starts.size :] - before[: starts.size]).reshape(world, workers)
+        return items, tokens
 
     def slices(self, epoch: int, rank: int, world: int, worker: int, workers: int, block: int) -> list[Slice]:
         """The slices (combined shard numbers) consumer (rank, worker) reads, in reading order:
@@ -340,3 +394,13 @@ class MixturePlan:
     def slices_for(self, catalog: Any, cfg: Any, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
         block = self.mixing.block_size(cfg.spec(self.epoch, rank, world, worker, workers))
         return self.planner.slices(self.epoch, rank, world, worker, workers, block)
+
+    def share_sizes(
+        self, world: int, workers: int, head_tokens: Sequence[HeadTokens] | None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """[world, workers] items (and tokens) of every consumer's share (``counts.SizedPlan``)."""
+        return self.planner.share_sizes(self.epoch, world, workers, head_tokens)
+
+    def identity(self) -> list:
+        """What, beside the catalog's fingerprint and the settings, decides this plan's shares."""
+        return ["mixture", self.epoch, self.planner.step_units, self.mixing.group, self.mixing.window]
