@@ -278,9 +278,7 @@ def child_loader(spec: dict) -> None:
     source = spec["root"]
     if isinstance(source, dict):  # a mixture: {name: root}
         source = wdsllm.Mixture(source, weights=dict(zip(source, spec["weights"])))
-    ld = wdsllm.loader(
-        source, rank=spec["rank"], world_size=spec["world"], num_workers=spec["workers"], seed=0, **opts
-    )
+    ld = wdsllm.loader(source, rank=spec["rank"], world_size=spec["world"], num_workers=spec["workers"], seed=0, **opts)
     t1 = t()
     it = iter(ld)
     batch = next(it)
