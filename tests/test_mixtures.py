@@ -555,3 +555,92 @@ def test_endless_stream_continues_the_passes_and_resumes(sources):
     it2 = iter(second)
     rest = [next(it2) for _ in range(160 - 77)]
     assert all(_same(a, b) for a, b in zip(got + rest, full))
+
+
+# ----------------------------------------------------------------------------------------------
+# Counts at start-up: a lower bound at once from the plan's stretches, the exact table later
+
+
+@SETTINGS
+@given(
+    shards=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=12), min_size=2, max_size=3),
+    weights=st.lists(st.integers(0, 5), min_size=3, max_size=3).filter(lambda w: w[0] + w[1] > 0),
+    world=st.integers(1, 4),
+    workers=st.integers(1, 3),
+    mode=st.sampled_from(sorted(MODES)),
+    unit=st.sampled_from(["items", "tokens"]),
+    scale=st.sampled_from([0.4, 1.0, 2.5]),
+    epoch=st.integers(0, 2),
+)
+def test_a_mixtures_shares_and_bounds_at_once_agree_with_its_slices(
+    shards, weights, world, workers, mode, unit, scale, epoch
+):
+    """The shares' items and tokens from the stretches alone are those of the consumers' slices;
+    the bound at once never exceeds the exact count (counted from the slices, in the background),
+    and a worker's streaming bound never exceeds its share of the equal count."""
+    from wdsllm.load import counts as countsmod
+    from wdsllm.load.stream import ShareLengths
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = _source_dirs(Path(tmp), shards)
+        sizes = [sum(s) for s in shards]
+        if not all(sizes[i] or not weights[i] for i in range(len(sizes))):
+            return  # an empty source with a weight is refused (test_refusals)
+        w = dict(zip(dirs, weights))
+        total = max(1, int(scale * sum(sizes) * (1 if unit == "items" else 20)))
+        key = "epoch_items" if unit == "items" else "epoch_tokens"
+        mix = wdsllm.Mixture(dirs, weights=w, unit=unit, **{key: total})
+        pipe = wdsllm.dataset(mix, rank=0, world_size=world, seed=5, shuffle_buffer=7, **MODES[mode])
+        catalog, cfg = pipe.catalog, pipe.cfg
+        plan = catalog.default_plan(epoch)
+        items, tokens, _ = countsmod._plan_sizes(catalog, plan, world, workers, True)
+        for r in range(world):
+            for wk in range(workers):
+                spec = cfg.spec(epoch, r, world, wk, workers)
+                slices = countsmod.slices_for(catalog, cfg, spec, plan)
+                assert items[r, wk] == sum(sl.count for sl in slices)
+                whole = wdsllm.load.config.Config(seed=5).spec(epoch, r, world, wk, workers)  # no max_len
+                assert tokens[r, wk] == ShareLengths(catalog, slices, whole).total()
+        table = countsmod.EpochCounts.create(catalog, cfg, epoch, world, workers)
+        exact = table.exact()
+        assert np.array_equal(exact, countsmod._shares_exact(catalog, cfg, epoch, world, workers, plan, None))
+        assert (table.bound <= exact).all()
+        limits = countsmod.EpochLimits(
+            countsmod.EpochCounts(table.bound, None, countsmod._Background(lambda: exact)), 0, workers
+        )
+        share = countsmod.round_robin_share(exact[0], int(exact.sum(axis=1).min()))
+        for wk in range(workers):
+            assert limits.worker_limit(wk).bound <= share[wk] == limits.worker_limit(wk).value()
+
+
+@pytest.mark.parametrize("mode", ["budget", "pack", "split"])
+def test_equal_batches_on_every_rank_with_the_count_in_the_background(sources, mode, tmp_path, monkeypatch):
+    """Three ranks of two workers stream from the bound and stop at the same exact count, which
+    every rank (and its workers) reads from one node-wide cache file keyed by the mixture."""
+    import tempfile as tf
+
+    from wdsllm.load import counts as countsmod
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tf, "tempdir", None)  # gettempdir() follows TMPDIR again
+    mix = _small_mix(sources)
+    world, workers = 3, 2
+    per_rank = []
+    for rank in range(world):
+        opts = dict(rank=rank, world_size=world, num_workers=workers, workers_in_process=True, seed=2)
+        loader = wdsllm.loader(mix, **opts, **MODES[mode])
+        n = sum(1 for _ in loader)  # streamed from the bound, not waiting for the count
+        # (len() of an epoch's end is the next epoch's: asked of a fresh loader)
+        assert loader.limits.ready() and n == loader.limits.per_rank == len(wdsllm.loader(mix, **opts, **MODES[mode]))
+        per_rank.append(n)
+    assert len(set(per_rank)) == 1, per_rank
+    catalog, cfg = loader.catalog, loader.cfg
+    counts = countsmod.EpochCounts.create(catalog, cfg, 0, world, workers)
+    assert (counts.bound < counts.exact()).any()  # a bound at once, not the exact table
+    cached = list(Path(countsmod.counts_cache_dir(catalog)).glob("counts-*.npy"))
+    assert len(cached) == 1 and np.array_equal(np.load(cached[0]), counts.exact())
+    # another mixture of the same sources is another table
+    other = wdsllm.loader(_small_mix(sources, weights={"wiki": 0.2, "para": 0.2, "lines": 0.6}), seed=2, **MODES[mode])
+    other_counts = countsmod.EpochCounts.create(other.catalog, other.cfg, 0, world, workers)
+    other_counts.exact()
+    assert len(list(Path(countsmod.counts_cache_dir(catalog)).glob("counts-*.npy"))) == 2
