@@ -467,6 +467,13 @@ def test_packed_sources_mix_rows(tmp_path):
     batches = run(wdsllm.dataset(mix, batch_size=4, rank=0, world_size=1))
     rows = torch.cat([b["sources"][:, 0] for b in batches])
     assert np.bincount(rows.numpy()).tolist() == [30, 10]
+    from wdsllm.load import counts as countsmod
+
+    pipe = wdsllm.dataset(mix, batch_size=3, rank=0, world_size=3)
+    counts = countsmod.EpochCounts.create(pipe.catalog, pipe.cfg, 0, 3, 2)
+    assert counts.ready()  # fixed batches of rows: exact at once, from the stretches
+    plan = pipe.catalog.default_plan(0)
+    assert np.array_equal(counts.exact(), countsmod._shares_exact(pipe.catalog, pipe.cfg, 0, 3, 2, plan, None))
 
 
 # ----------------------------------------------------------------------------------------------
