@@ -23,7 +23,7 @@ from synth import write_dataset
 
 import wdsllm
 from wdsllm.errors import ConfigError, MixtureError
-from wdsllm.load.mixplan import smooth_pattern, smooth_prefix, stratified_pattern
+from wdsllm.load.mixplan import smooth_pattern, smooth_prefix, smooth_prefixes, stratified_pattern
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WEIGHTS = {"wiki": 0.5, "para": 0.3, "lines": 0.2}
@@ -651,3 +651,49 @@ def test_equal_batches_on_every_rank_with_the_count_in_the_background(sources, m
     other_counts = countsmod.EpochCounts.create(other.catalog, other.cfg, 0, world, workers)
     other_counts.exact()
     assert len(list(Path(countsmod.counts_cache_dir(catalog)).glob("counts-*.npy"))) == 2
+
+
+@SETTINGS
+@given(counts=st.lists(st.integers(0, 400), min_size=1, max_size=5), step=st.integers(1, 97))
+def test_smooth_prefixes_at_once_equal_one_at_a_time(counts, step):
+    xs = np.arange(0, sum(counts) + 2 * step, step, dtype=np.int64)
+    assert smooth_prefixes(counts, xs).tolist() == [smooth_prefix(counts, int(x)) for x in xs]
+
+
+@SETTINGS
+@given(
+    shards=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=12), min_size=2, max_size=3),
+    world=st.integers(1, 3),
+    workers=st.integers(1, 3),
+    block=st.integers(1, 40),
+    scale=st.sampled_from([0.4, 2.5]),
+)
+def test_a_consumers_slices_are_its_rounds_of_each_sources_stream(shards, world, workers, block, scale):
+    """``MixPlanner.slices`` (one walk over each source's part) equals the plain rule: in every
+    round, each source's next run of stream positions, as ``PassStream.slices`` gives it."""
+    from wdsllm.load.plan import Slice, split_range
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = _source_dirs(Path(tmp), [s if sum(s) else [1] for s in shards])
+        total = max(1, int(scale * sum(sum(s) or 1 for s in shards)))
+        mix = wdsllm.Mixture(dirs, unit="items", epoch_items=total)
+        planner = wdsllm.dataset(mix, batch_size=2, seed=3).catalog.planner
+        for r in range(world):
+            for w in range(workers):
+                want = []
+                for group, seg in enumerate(planner.segments(0)):
+                    firsts, counts = [], []
+                    for first, n in seg:
+                        ra, rb = split_range(n, world, r)
+                        wa, wb = split_range(rb - ra, workers, w)
+                        firsts.append(first + ra + wa)
+                        counts.append(wb - wa)
+                    done = [0] * len(counts)
+                    for k in range(-(-sum(counts) // block)):
+                        upto = smooth_prefix(counts, min(sum(counts), (k + 1) * block))
+                        for s, (x, y) in enumerate(zip(done, upto)):
+                            for sl in planner.streams[s].slices(firsts[s] + x, firsts[s] + y):
+                                want.append(Slice(sl.shard + int(planner.bases[s]), sl.start, sl.stop, group=group))
+                        done = upto
+                got = planner.slices(0, r, world, w, workers, block)
+                assert [(x.key(), x.group) for x in got] == [(x.key(), x.group) for x in want]

@@ -87,6 +87,33 @@ def smooth_prefix(counts: Sequence[int], x: int) -> list[int]:
     return got
 
 
+def smooth_prefixes(counts: Sequence[int], xs: np.ndarray) -> np.ndarray:
+    """[len(xs), sources]: ``smooth_prefix(counts, x)`` for every x of ``xs`` at once (the same
+    integers; vectorised over x where the products fit in int64)."""
+    n = np.asarray([int(c) for c in counts], np.int64)
+    xs = np.asarray(xs, np.int64)
+    total = int(n.sum())
+    if total == 0:
+        return np.zeros((len(xs), len(n)), np.int64)
+    if total >= 1 << 30:  # 2 n t might not fit: one at a time, in Python integers
+        return np.array([smooth_prefix(counts, int(x)) for x in xs], np.int64).reshape(len(xs), len(n))
+
+    def before(t: np.ndarray) -> np.ndarray:  # [len(t), sources] slots at times < t
+        v = -(-(2 * n[None, :] * t[:, None] - total) // (2 * total))
+        return np.where(n > 0, np.minimum(n, np.maximum(0, v)), 0)
+
+    lo, hi = np.zeros(len(xs), np.int64), np.full(len(xs), total, np.int64)
+    while (lo < hi).any():
+        mid = (lo + hi + 1) // 2
+        fits = before(mid).sum(axis=1) <= xs
+        lo, hi = np.where(fits, mid, lo), np.where(fits, hi, mid - 1)
+    got = before(lo)
+    at = (before(lo + 1) - got) > 0
+    extra = xs - got.sum(axis=1)
+    got += at & (np.cumsum(at, axis=1) <= extra[:, None])
+    return np.where((xs >= total)[:, None], n[None, :], got)
+
+
 def stratified_pattern(counts: np.ndarray, group: int) -> np.ndarray:
     """Labels whose every ``group`` consecutive slots (from the first) hold each source's share of
     what is left to within one: each group takes floor or ceil of its proportional part (largest
@@ -371,16 +398,47 @@ class MixPlanner:
                 firsts.append(first + ra + wa)
                 counts.append(wb - wa)
             total = sum(counts)
-            done = [0] * len(counts)
-            for r in range(-(-total // block) if total else 0):
-                upto = smooth_prefix(counts, min(total, (r + 1) * block))
-                for s, (x, y) in enumerate(zip(done, upto)):
+            if not total:
+                continue
+            rounds = -(-total // block)
+            upto = smooth_prefixes(counts, np.minimum(total, np.arange(1, rounds + 1, dtype=np.int64) * block))
+            cuts = np.vstack([np.zeros((1, len(counts)), np.int64), upto]).T.tolist()  # [source][round]
+            runs = [
+                _Runs(self.streams[s].slices(firsts[s], firsts[s] + c), int(self.bases[s]))
+                for s, c in enumerate(counts)
+            ]
+            for r in range(rounds):
+                for s, run in enumerate(runs):
+                    x, y = cuts[s][r], cuts[s][r + 1]
                     if y > x:
-                        base = int(self.bases[s])
-                        for sl in self.streams[s].slices(firsts[s] + x, firsts[s] + y):
-                            out.append(Slice(sl.shard + base, sl.start, sl.stop, group=group))
-                done = upto
+                        run.cut(x, y, group, out)
         return out
+
+
+class _Runs:
+    """A source's part of a segment as slices end to end, cut in rounds of rising offsets: the
+    slices of offsets [x, y) are those ``PassStream.slices`` gives for them (one walk, no search)."""
+
+    def __init__(self, slices: list[Slice], base: int):
+        self.shards = [sl.shard + base for sl in slices]
+        self.starts = [sl.start for sl in slices]
+        self.stops = [sl.stop for sl in slices]
+        self.ends = list(itertools.accumulate(b - a for a, b in zip(self.starts, self.stops)))
+        self.k = 0
+
+    def cut(self, x: int, y: int, group: int, out: list[Slice]) -> None:
+        k, ends = self.k, self.ends
+        while ends[k] <= x:
+            k += 1
+        while True:
+            begin = ends[k] - (self.stops[k] - self.starts[k])
+            lo = self.starts[k] + max(0, x - begin)
+            hi = self.stops[k] - max(0, ends[k] - y)
+            out.append(Slice(self.shards[k], lo, hi, group=group))
+            if ends[k] >= y:
+                break
+            k += 1
+        self.k = k
 
 
 @dataclass
