@@ -12,6 +12,7 @@ The shuffle is blockwise (as infinibatch's): each buffer of items is drawn in a 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -86,33 +87,50 @@ def plan_labels(catalog: Catalog, slices: list[Slice], spec: StreamSpec) -> np.n
 
 class PlanLabels:
     """A mixture's plan-stream labels, made for a range of positions at a time (memory: one
-    entry per slice)."""
+    entry per slice). Slices are counted (their lengths read, where documents split) only as far
+    as a range asks: the first block needs the first slices, not the whole share."""
 
-    def __init__(self, per_slice: np.ndarray, counts: np.ndarray):
+    def __init__(self, per_slice: np.ndarray, count: Callable[[int], int]):
         self.per_slice = per_slice
-        self.ends = np.cumsum(counts)
-        self.counts = np.asarray(counts, np.int64)
-        self.total = int(self.ends[-1]) if len(self.ends) else 0
+        self._count = count
+        self._counts: list[int] = []
+        self._ends: list[int] = []
 
     @classmethod
     def of(cls, catalog: Catalog, slices: list[Slice], spec: StreamSpec) -> PlanLabels | None:
         mixing = catalog.mixing
         if mixing is None:
             return None
-        counts = slice_item_counts(catalog, slices, spec)
         shards = np.asarray([sl.shard for sl in slices], np.int64)
         groups = np.asarray([sl.group for sl in slices], np.int64)
-        return cls(mixing.sources_of_shards(shards) + mixing.sources * groups, np.asarray(counts, np.int64))
+        return cls(
+            mixing.sources_of_shards(shards) + mixing.sources * groups,
+            lambda i: slice_item_count(catalog, slices[i], spec),
+        )
+
+    def _counted(self, upto: int | None) -> None:
+        """Count slices until their items reach position ``upto`` (None: all of them)."""
+        while len(self._counts) < len(self.per_slice) and (upto is None or not self._ends or self._ends[-1] < upto):
+            n = int(self._count(len(self._counts)))
+            self._counts.append(n)
+            self._ends.append((self._ends[-1] if self._ends else 0) + n)
+
+    @property
+    def total(self) -> int:
+        self._counted(None)
+        return self._ends[-1] if self._ends else 0
 
     def at(self, a: int, b: int) -> np.ndarray:
         """Labels of plan positions [a, b)."""
-        b = min(b, self.total)
+        self._counted(b)
+        ends = self._ends
+        b = min(b, ends[-1] if ends else 0)
         if b <= a:
             return np.zeros(0, np.int64)
-        i, j = np.searchsorted(self.ends, [a, b - 1], side="right")
-        counts = self.counts[i : j + 1].copy()
-        counts[0] -= a - int(self.ends[i] - self.counts[i])
-        counts[-1] -= int(self.ends[j]) - b
+        i, j = bisect.bisect_right(ends, a), bisect.bisect_right(ends, b - 1)
+        counts = np.asarray(self._counts[i : j + 1], np.int64)
+        counts[0] -= a - (ends[i] - self._counts[i])
+        counts[-1] -= ends[j] - b
         return np.repeat(self.per_slice[i : j + 1], counts)
 
 
