@@ -349,24 +349,23 @@ def mix_counts(items: Block, mixing: Mixing, mode: str) -> np.ndarray:
     """[sources, 2]: a batch's tokens and items (documents or pieces; rows of packed data) by source."""
     src, tokens = block_sources(items, mixing, mode)
     k = mixing.sources
-    counts = np.stack([np.bincount(src, weights=tokens, minlength=k), np.bincount(src, minlength=k)], axis=1)
-    return counts.astype(np.int64)
+    out = np.empty((k, 2), np.int64)
+    out[:, 0] = np.bincount(src, weights=tokens, minlength=k)
+    out[:, 1] = np.bincount(src, minlength=k)
+    return out
 
 
 def block_sources(items: Block, mixing: Mixing, mode: str) -> tuple[np.ndarray, np.ndarray]:
     """(source, tokens) of every document or document piece of a batch: one entry per item, or
-    per segment of rows made from documents."""
+    per segment of rows made from documents (it runs for every batch: few numpy calls)."""
     if mode == "packed" or items.seg_ids is None:
-        return mixing.sources_of_ids(items.ids), items.lengths.astype(np.int64)
+        return mixing.sources_of_ids(items.ids), items.lengths
     counts, src = items.segments()
-    starts = items.seg_starts[src].astype(np.int64)
-    row = np.repeat(np.arange(len(items)), counts)
-    ends = np.empty_like(starts)
-    if len(starts):
-        ends[:-1] = starts[1:]
-        last = np.cumsum(counts) - 1
-        last = last[counts > 0]
-        ends[last] = items.lengths[row[last]]
+    starts = items.seg_starts[src]
+    ends = np.empty(len(src), starts.dtype)  # a segment ends where the next of its row starts ...
+    ends[:-1] = starts[1:]
+    has = counts > 0
+    ends[np.cumsum(counts)[has] - 1] = items.lengths[has]  # ... or, the last, at its row's end
     return mixing.sources_of_ids(items.seg_ids[src]), ends - starts
 
 

@@ -384,6 +384,8 @@ def plan_items(
                     block = block.slice(take, len(block))
                 if len(block):
                     yield block
+        except GeneratorExit:  # closed early (at interpreter exit, module globals may be gone already)
+            raise
         except (storage.StorageError, FormatError, SourceError) as exc:
             if options.on_error != "skip":
                 raise
