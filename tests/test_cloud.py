@@ -718,6 +718,10 @@ def test_hf_second_block_goes_straight_to_the_cdn_and_a_refused_address_is_resol
     resolves, cdn = _hub_gets(fake_hub, "ds/blob.bin")
     assert len(resolves) == 3 and len(cdn) == 5
     assert "Expires" not in storage.hf._cdn[key]
+    storage.hf._cdn[key] += "&X-Amz-Date=20200101T000000Z&X-Amz-Expires=3600"  # S3-style presigned, long gone
+    assert ranged(20, 20) == data[20:40]
+    resolves, cdn = _hub_gets(fake_hub, "ds/blob.bin")
+    assert len(resolves) == 4 and len(cdn) == 6
 
 
 def test_hf_remembered_cdn_address_is_not_used_without_the_token(fake_hub, monkeypatch):

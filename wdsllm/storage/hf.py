@@ -20,6 +20,7 @@ import os
 import re
 import threading
 import time
+from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -147,12 +148,20 @@ _cdn: dict[tuple[str, str | None], str] = {}
 
 
 def _expired(target: str) -> bool:
-    """Whether a signed URL's ``Expires`` (CloudFront: epoch seconds) is past or near."""
-    values = parse_qs(urlsplit(target).query).get("Expires")
+    """Whether a signed URL is past or near its end: CloudFront's ``Expires`` (epoch seconds) or
+    S3's ``X-Amz-Date`` + ``X-Amz-Expires`` (both seen on the Hub's CDNs)."""
+    query = parse_qs(urlsplit(target).query)
     try:
-        return bool(values) and float(values[0]) - _EXPIRY_MARGIN <= time.time()
+        if "Expires" in query:
+            end = float(query["Expires"][0])
+        elif "X-Amz-Date" in query and "X-Amz-Expires" in query:
+            signed = datetime.strptime(query["X-Amz-Date"][0], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
+            end = signed.timestamp() + float(query["X-Amz-Expires"][0])
+        else:
+            return False
     except ValueError:
-        return False
+        return True  # a signature we cannot read: ask the Hub again rather than guess
+    return end - _EXPIRY_MARGIN <= time.time()
 
 
 def _open(url: str, start: int, end: int | None, timeout: float, etag: str | None) -> Any:
@@ -168,8 +177,9 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
     key = (resolve, headers.get("Authorization"))  # a private repository's address is the token's only
     target = _cdn.get(key)
     if target is not None and not _expired(target):
+        same_host = urlsplit(target).netloc == urlsplit(resolve).netloc  # aiohttp keeps the token there
         try:
-            return open_url(target, start, end, timeout, etag, shown=url)
+            return open_url(target, start, end, timeout, etag, headers=headers if same_host else None, shown=url)
         except StorageError as exc:
             if isinstance(exc, TransientError):
                 raise
