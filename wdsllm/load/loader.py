@@ -382,6 +382,7 @@ class Loader:
             # workers about to be forked get a ring of their own (an abandoned iterator's workers
             # may still be writing into the old one)
             self._ring.ring = TokenRing(self.num_workers, slots=(self.prefetch_factor or 2) + 2)
+            storage.prepare_workers()  # what each worker would build again (an S3 client), built once here
         if self._dataloader is None:
             self._dataloader = DataLoader(
                 self.pipeline,
