@@ -167,7 +167,7 @@ class MixtureCatalog(Catalog):
     # -- per-shard facts, from the owning source -------------------------------------------------
     def _column(self, name: str) -> np.ndarray | None:
         if name not in self._columns:
-            self._columns[name] = np.concatenate([s.reader()._column(name) for s in self.sources])
+            self._columns[name] = self.index.shards.column(name)  # the sources' (a raw one's from its sidecar)
         return self._columns[name]
 
     @property
