@@ -18,7 +18,7 @@ from synth import write_dataset
 from test_mixtures import _pack_sources, _same
 
 import wdsllm
-from wdsllm.errors import MixtureError
+from wdsllm.errors import MixtureError, PackError
 from wdsllm.load.block import split_id
 from wdsllm.load.raw import open_raw
 from wdsllm.load.rawcount import count_raw, save_counts
@@ -241,6 +241,8 @@ def test_uint16_and_uint32_sources_widen_into_one_batch(tmp_path):
         path.write_text("\n".join(lines) + "\n")
         pack_api([path], tmp_path / name, dtype=dtype)
         texts[name] = {tuple(t) for t in encode_texts(lines)}
+    with pytest.raises(PackError, match="--dtype must be one of"):
+        pack_api([tmp_path / "wide.txt"], tmp_path / "int8", dtype="int8")
     assert wdsllm.dataset(str(tmp_path / "wide")).catalog.index.dtype == "uint32"
     assert wdsllm.dataset(str(tmp_path / "narrow")).catalog.index.dtype == "uint16"
     mix = wdsllm.Mixture({"narrow": str(tmp_path / "narrow"), "wide": str(tmp_path / "wide")}, unit="items")
