@@ -56,10 +56,12 @@ class Mixture:
     """A weighted blend of datasets (see docs/mixtures.md).
 
     ``sources`` maps a name to a dataset (a root, an index.json URL, shard URLs, or an opened
-    catalog); ``weights`` maps the same names to non-negative numbers (default: equal). ``unit``
-    says what the weights count: ``"tokens"`` (default) or ``"items"`` (documents, or rows of packed
-    datasets). An epoch holds ``epoch_tokens`` tokens (``epoch_items`` items with unit="items");
-    default: the sum of all sources' sizes. ``schedule`` is a list of ``{"at_tokens": N,
+    catalog), or to raw text: its options ``{"raw": PATTERNS, "counts": SIDECAR, ...}`` (keys
+    ``RAW_SOURCE_KEYS``) or an opened raw source (``load.raw.open_raw``); ``weights`` maps the
+    same names to non-negative numbers (default: equal). ``unit`` says what the weights count:
+    ``"tokens"`` (default) or ``"items"`` (documents, or rows of packed datasets). An epoch holds
+    ``epoch_tokens`` tokens (``epoch_items`` items with unit="items"); default: the sum of all
+    sources' sizes. ``schedule`` is a list of ``{"at_tokens": N,
     "weights": {...}}`` (``at_items`` with unit="items", or ``at_step``). ``stratified=True`` makes
     every batch's composition match the weights to within one item per source (fixed batching).
     """
