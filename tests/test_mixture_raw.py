@@ -263,3 +263,24 @@ def test_uint16_and_uint32_sources_widen_into_one_batch(tmp_path):
                 piece = tuple(ids[a:z].tolist())  # a document, or its end or start where rows cut it
                 assert any(piece in (t[: len(piece)], t[-len(piece) :]) for t in texts[mix.names[real[k]]])
     assert mixed
+
+
+def test_loader_on_error_reaches_a_raw_source(parts, tmp_path):
+    """The loader's on_error="skip" is what a raw source of a mixture parses with (unless the
+    source sets its own): a bad line is skipped and counted, not fatal; without it, named."""
+    lines = [json.dumps({"text": f"line {i} of a small raw source"}) for i in range(200)]
+    lines[57] = '{"text": "a broken line'
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    counts = _sidecar(tmp_path / "side", [bad], on_error="skip")
+    mix = wdsllm.Mixture(
+        {"wiki": parts["wiki"], "bad": {"raw": str(bad), "counts": counts, "unit_bytes": UNIT_BYTES}},
+        weights={"wiki": 0.6, "bad": 0.4},
+        epoch_tokens=20_000,
+    )
+    loader = wdsllm.loader(mix, batch_size=16, seed=0, rank=0, world_size=1, on_error="skip")
+    sources = np.concatenate([b["sources"].numpy() for b in loader])
+    assert loader.skipped_docs >= 1  # once per reading of its unit: the source repeats here
+    assert (sources == 1).sum() == loader.catalog.planner.quotas(0)[1]
+    with pytest.raises(wdsllm.WdsllmError, match=r"bad\.jsonl:58"):
+        list(wdsllm.loader(mix, batch_size=16, seed=0, rank=0, world_size=1))

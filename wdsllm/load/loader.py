@@ -145,7 +145,7 @@ class Loader:
             max_segments=max_segments,
             docs=docs,
         )
-        self.catalog = open_catalog(source, retry=retry)
+        self.catalog = open_catalog(source, retry=retry, on_error=on_error)
         #: rank and world size given, or found (torch.distributed, RANK/WORLD_SIZE); found ones are
         #: looked up again when iteration starts, in case the process group came up after this
         self._explicit_world = rank is not None or world_size is not None

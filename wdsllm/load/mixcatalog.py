@@ -300,8 +300,9 @@ def _combined_index(mixture: Mixture, catalogs: list[Catalog], indexes: list[fmt
     )
 
 
-def open_mixture(source: Any, retry: storage.RetryPolicy | None = None) -> MixtureCatalog:
-    """A Mixture, or the path or URL of a mixture file, as one catalog."""
+def open_mixture(source: Any, retry: storage.RetryPolicy | None = None, on_error: str = "raise") -> MixtureCatalog:
+    """A Mixture, or the path or URL of a mixture file, as one catalog (``on_error``: the
+    loader's, what a raw-text source that sets none parses with)."""
     from .mixraw import is_raw_source, open_raw_source
 
     mixture = source if isinstance(source, Mixture) else load_mixture_file(source, retry=retry)
@@ -320,7 +321,7 @@ def open_mixture(source: Any, retry: storage.RetryPolicy | None = None) -> Mixtu
     for name, src in mixture.sources.items():
         if is_raw_source(src):
             try:
-                opened[name] = open_raw_source(name, src, packed)
+                opened[name] = open_raw_source(name, src, packed, on_error=on_error)
             except MixtureError:
                 raise
             except WdsllmError as exc:  # a missing input, a sidecar of other inputs, a tokenizer
