@@ -682,3 +682,54 @@ def test_a_spooled_shard_is_read_in_place_and_keeps_the_bytes_before_an_error(ht
     assert broken.mm[:70_000] == data[:70_000]
     with pytest.raises(NotFoundError, match="HTTP 404"):
         broken.wait(70_001)
+
+
+def _hub_gets(hub, name: str) -> tuple[list[str], list[str]]:
+    """(resolve GETs of the file, CDN GETs) the fake Hub saw, in order."""
+    resolves = [p for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p and p.endswith(name)]
+    cdn = [p for m, p, _ in hub.requests if m == "GET" and p.startswith("/cdn/")]
+    return resolves, cdn
+
+
+def test_hf_second_block_goes_straight_to_the_cdn_and_a_refused_address_is_resolved_again(fake_hub):
+    name = f"org/cdn-{uuid.uuid4().hex[:8]}"
+    data = bytes(range(256)) * 4096  # 1 MiB
+    fake_hub.add_repo(name, {"ds/blob.bin": data})
+    url = f"hf://datasets/{name}@main/ds/blob.bin"
+    fake_hub.requests.clear()
+
+    def ranged(start: int, n: int) -> bytes:
+        with storage.open_stream(url, offset=start, length=n) as f:
+            return f.read()
+
+    assert ranged(0, 1000) == data[:1000]
+    assert ranged(5000, 70000) == data[5000:75000]
+    resolves, cdn = _hub_gets(fake_hub, "ds/blob.bin")
+    assert len(resolves) == 1 and len(cdn) == 2, "the second read is one request, to the CDN"
+    # the CDN forgets the object (an address that expired or was revoked): resolved again, bytes exact
+    fake_hub.cdn.clear()
+    assert ranged(300000, 12345) == data[300000:312345]
+    resolves, cdn = _hub_gets(fake_hub, "ds/blob.bin")
+    assert len(resolves) == 2 and len(cdn) == 4  # the refused GET, then the new address
+    # an address past its Expires is not tried at all
+    key = next(k for k in storage.hf._cdn if k[0].endswith("ds/blob.bin") and name in k[0])
+    storage.hf._cdn[key] += "&Expires=1000"
+    assert ranged(10, 20) == data[10:30]
+    resolves, cdn = _hub_gets(fake_hub, "ds/blob.bin")
+    assert len(resolves) == 3 and len(cdn) == 5
+    assert "Expires" not in storage.hf._cdn[key]
+    storage.hf._cdn[key] += "&X-Amz-Date=20200101T000000Z&X-Amz-Expires=3600"  # S3-style presigned, long gone
+    assert ranged(20, 20) == data[20:40]
+    resolves, cdn = _hub_gets(fake_hub, "ds/blob.bin")
+    assert len(resolves) == 4 and len(cdn) == 6
+
+
+def test_hf_remembered_cdn_address_is_not_used_without_the_token(fake_hub, monkeypatch):
+    name = f"org/private-cdn-{uuid.uuid4().hex[:8]}"
+    fake_hub.add_repo(name, {"ds/blob.bin": b"secret bytes" * 100}, private=True)
+    url = f"hf://datasets/{name}@main/ds/blob.bin"
+    assert storage.read_bytes(url) == b"secret bytes" * 100
+    commit = storage.hf.commit_of(url, 5)
+    monkeypatch.setenv("WDSLLM_ANONYMOUS", "hf")
+    with pytest.raises(StorageError):
+        storage.read_bytes(f"hf://datasets/{name}@{commit}/ds/blob.bin")

@@ -645,3 +645,43 @@ def test_prefetch_stopped_early_stops_its_threads(served, http_server):
     while threading.active_count() > baseline and time.monotonic() < deadline:
         time.sleep(0.02)
     assert threading.active_count() <= baseline
+
+
+@pytest.mark.parametrize("anonymous", [False, True])
+def test_s3_worker_forked_after_prepare_workers_reads_with_the_prepared_client(s3_server, anonymous, monkeypatch):
+    """The parent builds a client once (never entered); each forked child enters its own copy on
+    its own loop and reads exact bytes; the parent keeps its copy for the next epoch's workers."""
+    from wdsllm.storage import s3 as s3mod
+
+    data = os.urandom(300_000)
+    bucket = s3_server.new_bucket(public=anonymous)
+    s3_server.client().put_object(Bucket=bucket, Key="w.bin", Body=data)
+    url = f"s3://{bucket}/w.bin"
+    if anonymous:
+        monkeypatch.setenv("WDSLLM_ANONYMOUS", "s3")
+    assert storage.read_bytes(url) == data  # the parent's own client
+    storage.prepare_workers()
+    assert s3mod._prepared, "a prepared session for the workers"
+    prepared = dict(s3mod._prepared)
+    clients = [session.prepared[1] for session in prepared.values()]  # built, not entered
+    for _ in range(2):  # two epochs of workers, both from the same prepared client
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through the pipe
+            code = 1
+            try:
+                ok = storage.read_bytes(url) == data
+                with storage.open_stream(url, offset=1000, length=5000) as f:
+                    ok = ok and f.read() == data[1000:6000]
+                fs = s3mod.filesystem()
+                took = any(fs._s3 is c for c in clients) and len(s3mod._prepared) == len(prepared) - 1
+                os.write(w, f"{ok} {took}".encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        _, status = os.waitpid(pid, 0)
+        assert os.read(r, 100).decode() == "True True" and status == 0
+        os.close(r)
+    assert s3mod._prepared == prepared  # the parent never uses it
+    assert storage.read_bytes(url) == data

@@ -14,8 +14,11 @@ that files divide into byte-range units) and measures in one run, GPT-2 tokenize
   a busy shared machine disturbs far less than wall time).
 - HF datasets: ``load_dataset("json", data_files=..., streaming=True).map(tokenize, batched=True)``
   into a ``torch.utils.data.DataLoader`` with the same worker counts and batch size (collate pads);
-  run with a virtualenv the tool makes under WORK (``datasets`` is not our dependency; torch comes
-  from the running interpreter's site-packages, after the venv's own). Target: wdsllm >= 2x.
+  run with a virtualenv the tool makes under WORK (``datasets`` is not our dependency; torch,
+  tokenizers and transformers come from the running interpreter's site-packages, after the venv's
+  own). Target: wdsllm >= 2x. Two tokenize functions: the recipe of HF's docs and ``run_clm.py``
+  (a ``transformers`` fast tokenizer called on the batch: what users write), and the tokenizers
+  library's ``encode_batch_fast`` (the cheapest call there is: HF's overhead alone).
 - time to first batch with a count sidecar: a fresh start, and a resume from a state saved at 90%
   of the epoch (target <= 2x), 1 worker.
 
@@ -48,10 +51,16 @@ import torch
 from datasets import load_dataset
 from tokenizers import Tokenizer
 files, workers, batch = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-tok = Tokenizer.from_file(sys.argv[4])
 eos = 50256
-def tokenize(b):
-    return {"input_ids": [e.ids[:2047] + [eos] for e in tok.encode_batch_fast(b["text"], add_special_tokens=False)]}
+if sys.argv[5] == "transformers":  # the recipe of HF's docs and run_clm.py: the tokenizer called on the batch
+    from transformers import PreTrainedTokenizerFast
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=sys.argv[4])
+    def tokenize(b):
+        return {"input_ids": [ids[:2047] + [eos] for ids in hf_tok(b["text"])["input_ids"]]}
+else:  # the fastest call the tokenizers library has
+    tok = Tokenizer.from_file(sys.argv[4])
+    def tokenize(b):
+        return {"input_ids": [e.ids[:2047] + [eos] for e in tok.encode_batch_fast(b["text"], add_special_tokens=False)]}
 def collate(rows):
     n = max(len(r["input_ids"]) for r in rows)
     out = torch.full((len(rows), n), eos, dtype=torch.long)
@@ -71,6 +80,13 @@ for _, n in loader:
 del loader
 print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - t, "cpu": cpu() - c}))
 """
+
+
+#: how the HF runs tokenize: as HF's docs and examples do, and with the tokenizers library's fastest call
+HF_RECIPES = {
+    "transformers": "PreTrainedTokenizerFast called on the batch",
+    "tokenizers": "Tokenizer.encode_batch_fast",
+}
 
 
 def prepare(work: Path, files: int) -> tuple[list[str], list[str]]:
@@ -132,11 +148,11 @@ def hf_venv(work: Path) -> str:
     return str(python)
 
 
-def hf_rate(python: str, paths: list[str], workers: int) -> tuple[float, float]:
+def hf_rate(python: str, paths: list[str], workers: int, recipe: str) -> tuple[float, float]:
     env = dict(os.environ, PYTHONPATH=sysconfig.get_paths()["purelib"], TOKENIZERS_PARALLELISM="false")
     # the venv's own packages come first; torch (and the tokenizers wheel) from this interpreter's
     out = subprocess.run(
-        [python, "-c", HF_SCRIPT, json.dumps(paths), str(workers), str(BATCH), TOKENIZER],
+        [python, "-c", HF_SCRIPT, json.dumps(paths), str(workers), str(BATCH), TOKENIZER, recipe],
         check=True,
         capture_output=True,
         text=True,
@@ -192,7 +208,8 @@ def main() -> None:
         for workers in (1, 2):
             runs[f"wdsllm{workers}"] = lambda w=workers: wdsllm_rate(paths, w)
             if python:
-                runs[f"hf{workers}"] = lambda w=workers: hf_rate(python, paths, w)
+                for recipe in HF_RECIPES:
+                    runs[f"hf-{recipe}{workers}"] = lambda w=workers, r=recipe: hf_rate(python, paths, w, r)
         for name, run in runs.items():
             wall, cpu = run()
             old = best.get(name, (0.0, 0.0))
@@ -205,11 +222,12 @@ def main() -> None:
             f"wdsllm raw, {workers} worker(s): {rate / 1e6:.3f}M tokens/s ({rate / workers / base:.2f}x per core by "
             f"wall time), {cpu / 1e6:.3f}M per CPU second = {cpu / base_cpu:.2f}x the tokenizer's"
         )
-        if python:
-            hf, hf_cpu = best[f"hf{workers}"]
+        for recipe, what in HF_RECIPES.items() if python else ():
+            hf, hf_cpu = best[f"hf-{recipe}{workers}"]
             print(
-                f"HF datasets streaming .map, {workers} worker(s): {hf / 1e6:.3f}M tokens/s, {hf_cpu / 1e6:.3f}M per "
-                f"CPU second; wdsllm = {rate / hf:.2f}x by wall time, {cpu / hf_cpu:.2f}x per CPU second"
+                f"HF datasets streaming .map ({what}), {workers} worker(s): {hf / 1e6:.3f}M tokens/s, "
+                f"{hf_cpu / 1e6:.3f}M per CPU second; wdsllm = {rate / hf:.2f}x by wall time, "
+                f"{cpu / hf_cpu:.2f}x per CPU second"
             )
     counts = str(work / "counts.npz")
     subprocess.run(

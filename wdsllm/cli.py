@@ -273,6 +273,11 @@ def _fail(exc: Exception) -> None:
     help="Tokens per tar sample (a group of documents or rows).",
 )
 @click.option("--prefix", default="shard", show_default=True, help="Shard name prefix: PREFIX-000000.tar.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["uint16", "uint32"]),
+    help="Token dtype [default: the smallest that holds the vocabulary]; uint32 leaves room to extend it.",
+)
 @click.option("--workers", "-j", type=int, default=0, help="Tokenizer processes [default: all cores].")
 @click.option(
     "--on-error",
@@ -318,6 +323,7 @@ def pack(
     shard_samples,
     sample_tokens,
     prefix,
+    dtype,
     workers,
     on_error,
     num_tasks,
@@ -377,6 +383,7 @@ def pack(
         shard_samples=shard_samples,
         sample_tokens=sample_tokens,
         prefix=prefix,
+        dtype=dtype,
         workers=workers,
         on_error=on_error,
         num_tasks=num_tasks,

@@ -15,7 +15,10 @@ store (a flaky proxy heals); a mismatch that persists is a :class:`ChecksumError
 
 from __future__ import annotations
 
+import os
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +28,7 @@ import numpy as np
 from ..errors import ChecksumError, FormatError, ShardError
 from . import group as fmt
 from .index import Index
-from .tar import MappedReader, decode_sample, iter_samples
+from .tar import MappedReader, changed_file, decode_sample, iter_samples
 
 #: fetch(offset, length, attempt) -> the bytes [offset, offset+length) of the shard, or None when
 #: they cannot be fetched again (attempt > 0 on a local file: the same bytes would come back)
@@ -129,10 +132,52 @@ def read_checked(
         offset, items_before, docs_before, size, checksum = (int(x) for x in table[g])
         items_after = int(table[g + 1, fmt.ITEMS]) if g + 1 < len(table) else items_total
         docs_after = int(table[g + 1, fmt.DOCS]) if g + 1 < len(table) else docs_total
-        data = _fetch_checked(fetch, offset, size, checksum, where, on_retry)
-        group = _decode_one(data, offset, where)
-        _check_group(group, items_after - items_before, docs_after - docs_before, expect, f"{where} @{offset}")
+        key = (where, offset, size, checksum, expect)
+        group = _recent.get(key)
+        if group is not None and changed_file(group.tokens) is not None:
+            group = None  # its file was rewritten since: check the bytes it holds now
+        if group is None:
+            data = _fetch_checked(fetch, offset, size, checksum, where, on_retry)
+            group = _decode_one(data, offset, where)
+            _check_group(group, items_after - items_before, docs_after - docs_before, expect, f"{where} @{offset}")
+            _recent.put(key, group, size)
         yield CheckedGroup(offset, items_before, docs_before, items_after - items_before, group)
+
+
+class _RecentGroups:
+    """The last few groups checked in this process, by shard, place and checksum. A mixture reads
+    each source in runs, and a run usually starts inside the group where that source's previous
+    run stopped: that group is not fetched, hashed and decoded a second time."""
+
+    def __init__(self, max_groups: int = 16, max_bytes: int = 64 << 20):
+        self.max_groups, self.max_bytes = max_groups, max_bytes
+        self.entries: OrderedDict[tuple, tuple[fmt.Group, int]] = OrderedDict()
+        self.bytes = 0
+        self.lock = threading.Lock()  # loaders of several threads share it
+
+    def get(self, key: tuple) -> fmt.Group | None:
+        with self.lock:
+            hit = self.entries.get(key)
+            if hit is None:
+                return None
+            self.entries.move_to_end(key)
+            return hit[0]
+
+    def put(self, key: tuple, group: fmt.Group, size: int) -> None:
+        if size > self.max_bytes:
+            return
+        with self.lock:
+            if key in self.entries:
+                return
+            self.entries[key] = (group, size)
+            self.bytes += size
+            while len(self.entries) > self.max_groups or self.bytes > self.max_bytes:
+                _, (_, gone) = self.entries.popitem(last=False)
+                self.bytes -= gone
+
+
+_recent = _RecentGroups()
+os.register_at_fork(after_in_child=lambda: setattr(_recent, "lock", threading.Lock()))
 
 
 def _fetch_checked(

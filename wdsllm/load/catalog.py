@@ -323,7 +323,9 @@ def _expand(patterns: list[str]) -> list[str]:
     return urls
 
 
-def open_catalog(source: Any, *, index_for_shards: bool = True, retry: storage.RetryPolicy | None = None) -> Catalog:
+def open_catalog(
+    source: Any, *, index_for_shards: bool = True, retry: storage.RetryPolicy | None = None, on_error: str = "raise"
+) -> Catalog:
     """Resolve a source into a Catalog.
 
     A ``Mixture``, or the path or URL of a mixture file (``.yaml``/``.yml``), becomes a
@@ -331,7 +333,8 @@ def open_catalog(source: Any, *, index_for_shards: bool = True, retry: storage.R
     holding index.json), the URL of an index.json, or shard URLs/patterns (a string or a list).
     For shard URLs, an index.json beside them is used when it lists every one of them, so the
     guarantees that need an index still hold. ``retry`` governs reading the index and
-    ``lengths.npy``; a missing index, a 403 or a 404 fail at once.
+    ``lengths.npy``; a missing index, a 403 or a 404 fail at once. ``on_error`` is the loader's:
+    a mixture's raw-text sources parse with it unless they set their own.
     """
     if isinstance(source, Catalog):
         return source
@@ -340,7 +343,7 @@ def open_catalog(source: Any, *, index_for_shards: bool = True, retry: storage.R
     if is_mixture_source(source):
         from .mixcatalog import open_mixture
 
-        return open_mixture(source, retry=retry)
+        return open_mixture(source, retry=retry, on_error=on_error)
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     if isinstance(source, (list, tuple)):

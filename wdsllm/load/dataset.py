@@ -627,7 +627,7 @@ def dataset(
     raw_args = {k: v for k, v in locals().items() if k in (*RAW_OPTIONS, "source", "on_error", "pad_id")}
     source = take_raw_options(raw_args)
     pad_id = raw_args["pad_id"]
-    catalog = open_catalog(source, retry=retry)
+    catalog = open_catalog(source, retry=retry, on_error=on_error)
     r, w = resolve_world(rank, world_size)
     cfg = Config(
         batch_size=batch_size,

@@ -145,7 +145,7 @@ class Loader:
             max_segments=max_segments,
             docs=docs,
         )
-        self.catalog = open_catalog(source, retry=retry)
+        self.catalog = open_catalog(source, retry=retry, on_error=on_error)
         #: rank and world size given, or found (torch.distributed, RANK/WORLD_SIZE); found ones are
         #: looked up again when iteration starts, in case the process group came up after this
         self._explicit_world = rank is not None or world_size is not None
@@ -382,6 +382,7 @@ class Loader:
             # workers about to be forked get a ring of their own (an abandoned iterator's workers
             # may still be writing into the old one)
             self._ring.ring = TokenRing(self.num_workers, slots=(self.prefetch_factor or 2) + 2)
+            storage.prepare_workers()  # what each worker would build again (an S3 client), built once here
         if self._dataloader is None:
             self._dataloader = DataLoader(
                 self.pipeline,

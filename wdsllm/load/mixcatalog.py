@@ -3,7 +3,7 @@ stages after the plan see ordinary items (ids ``(shard << 32) | ordinal`` stay u
 their source), and the plan is the mixture's (``mixplan``). Not a second pipeline.
 
 ``MixSource`` is the seam: what a mixture needs of one source. A packed dataset (a ``Catalog``)
-is one today (``CatalogSource``); a raw-text source can be another by answering the same.
+is one (``CatalogSource``); raw text with its count sidecar is another (``mixraw.RawSource``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import format as fmt
 from .. import storage
-from ..errors import MixtureError
+from ..errors import ConfigError, MixtureError, WdsllmError
 from .block import Block
 from .catalog import Catalog, open_catalog
 from .mixplan import DEFAULT_MIX_WINDOW, Mixing, MixPlanner, MixturePlan
@@ -48,6 +48,11 @@ class MixSource(Protocol):
         """The catalog that reads this source's shards (its shard numbers are the source's own)."""
         ...
 
+    def index(self) -> fmt.Index | None:
+        """The source as an index describes it (tokenizer, mode, dtype, shard counts): what must
+        agree between sources, and what the mixture's combined index is made of."""
+        ...
+
 
 @dataclass
 class CatalogSource:
@@ -67,6 +72,9 @@ class CatalogSource:
 
     def reader(self) -> Catalog:
         return self.catalog
+
+    def index(self) -> fmt.Index | None:
+        return self.catalog.index
 
 
 class _JoinedUrls(Sequence):
@@ -103,15 +111,17 @@ class MixtureCatalog(Catalog):
     @classmethod
     def build(cls, mixture: Mixture, sources: list[MixSource]) -> MixtureCatalog:
         catalogs = [s.reader() for s in sources]
-        _check_compatible(mixture, catalogs)
+        indexes = [s.index() for s in sources]
+        _check_compatible(mixture, indexes)
         bases = np.zeros(len(sources) + 1, np.int64)
         np.cumsum([len(c.urls) for c in catalogs], out=bases[1:])
-        index = _combined_index(mixture, catalogs)
-        first = catalogs[0]
+        index = _combined_index(mixture, catalogs, indexes)
+        # the tokenizer.json that index.tokenizer_file names (all sources share it): a packed source's
+        first = next((c for c, ix in zip(catalogs, indexes) if c.index is ix and c.root is not None), catalogs[0])
         return cls(
             urls=_JoinedUrls([c.urls for c in catalogs], bases),
             index=index,
-            root=first.root,  # the tokenizer.json that index.tokenizer_file names (all sources share it)
+            root=first.root,
             retry=first.retry,
             mixture=mixture,
             sources=list(sources),
@@ -134,8 +144,6 @@ class MixtureCatalog(Catalog):
     def bind(self, cfg: Any, world: int) -> None:
         """Settle what depends on the loader's settings: the pass orders (seed, shuffle),
         stratified groups of batch_size, the units of a step; refuse what a mixture cannot do."""
-        from ..errors import ConfigError
-
         if cfg.resample:
             raise ConfigError("resample=True draws shards with replacement; a mixture's quotas decide what is drawn")
         group = 0
@@ -159,7 +167,7 @@ class MixtureCatalog(Catalog):
     # -- per-shard facts, from the owning source -------------------------------------------------
     def _column(self, name: str) -> np.ndarray | None:
         if name not in self._columns:
-            self._columns[name] = np.concatenate([s.reader()._column(name) for s in self.sources])
+            self._columns[name] = self.index.shards.column(name)  # the sources' (a raw one's from its sidecar)
         return self._columns[name]
 
     @property
@@ -210,20 +218,37 @@ def _step_units(catalog: MixtureCatalog, cfg: Any, world: int) -> int | None:
     return None
 
 
-def _check_compatible(mixture: Mixture, catalogs: list[Catalog]) -> None:
+def _check_compatible(mixture: Mixture, indexes: list[fmt.Index | None]) -> None:
     names = mixture.names
-    for name, c in zip(names, catalogs):
-        if c.index is None:
+    for name, ix in zip(names, indexes):
+        if ix is None:
             raise MixtureError(f"mixture source {name!r} has no index.json: a mixture is planned from the indexes")
-    first = catalogs[0].index
-    for name, c in zip(names[1:], catalogs[1:]):
-        ix = c.index
+    first = indexes[0]
+
+    def how(a: fmt.Index, b: fmt.Index) -> str:
+        raw = a.options.get("raw") or b.options.get("raw")
+        return "tokenize with" if raw else "were packed with"
+
+    for name, ix in zip(names[1:], indexes[1:]):
         if ix.tokenizer.sha256 != first.tokenizer.sha256:
             raise MixtureError(
-                f"mixture sources {names[0]!r} and {name!r} were packed with different tokenizers "
+                f"mixture sources {names[0]!r} and {name!r} {how(first, ix)} different tokenizers "
                 f"({first.tokenizer.source!r} sha256 {first.tokenizer.sha256[:12]}..., {ix.tokenizer.source!r} "
                 f"sha256 {ix.tokenizer.sha256[:12]}...)"
             )
+        for special in ("bos", "eos"):
+            a, b = first.options.get(special), ix.options.get(special)
+            if a is not None and b is not None and bool(a) != bool(b):
+                raise MixtureError(
+                    f"mixture sources {names[0]!r} ({special.upper()} {'added' if a else 'not added'}) and {name!r} "
+                    f"({special.upper()} {'added' if b else 'not added'}) {how(first, ix)} different BOS/EOS rules"
+                )
+            ida, idb = getattr(first.tokenizer, f"{special}_id"), getattr(ix.tokenizer, f"{special}_id")
+            if a and b and ida != idb:
+                raise MixtureError(
+                    f"mixture sources {names[0]!r} ({special.upper()} id {ida}) and {name!r} ({special.upper()} id "
+                    f"{idb}) add different {special.upper()} tokens"
+                )
         if ix.mode != first.mode:
             raise MixtureError(
                 f"mixture sources {names[0]!r} ({first.mode}) and {name!r} ({ix.mode}) differ in mode: "
@@ -242,20 +267,23 @@ def _check_compatible(mixture: Mixture, catalogs: list[Catalog]) -> None:
             )
 
 
-def _combined_index(mixture: Mixture, catalogs: list[Catalog]) -> fmt.Index:
-    """An index describing the mixture as one dataset: the first source's identity, the widest
-    dtype, every shard (named ``source/shard``), the longest document."""
-    first = catalogs[0].index
+def _combined_index(mixture: Mixture, catalogs: list[Catalog], indexes: list[fmt.Index]) -> fmt.Index:
+    """An index describing the mixture as one dataset: the first packed source's identity (its
+    tokenizer.json), the widest dtype, every shard (named ``source/shard``), the longest document."""
+    first = next((ix for c, ix in zip(catalogs, indexes) if c.index is ix), indexes[0])
     columns = np.concatenate(
-        [c.index.shards.columns if c.positions is None else c.index.shards.columns[c.positions] for c in catalogs]
+        [
+            ix.shards.columns if c.positions is None else ix.shards.columns[c.positions]
+            for c, ix in zip(catalogs, indexes)
+        ]
     )
     names = [f"{n}/{storage.redact(u).rsplit('/', 1)[-1]}" for n, c in zip(mixture.names, catalogs) for u in c.urls]
     table = fmt.ShardTable(columns, names=names)
-    dtype = max((np.dtype(c.index.dtype) for c in catalogs), key=lambda d: d.itemsize).name
-    longest = max(int((c.index.doc_lengths or {}).get("max", 0) or 0) for c in catalogs)
+    dtype = max((np.dtype(ix.dtype) for ix in indexes), key=lambda d: d.itemsize).name
+    longest = max(int((ix.doc_lengths or {}).get("max", 0) or 0) for ix in indexes)
     packed = None
     if first.mode == "packed":
-        segs = [(c.index.packed or {}).get("max_row_segments") for c in catalogs]
+        segs = [(ix.packed or {}).get("max_row_segments") for ix in indexes]
         packed = {"max_row_segments": max(segs) if all(segs) else None}
     return replace(
         first,
@@ -272,19 +300,33 @@ def _combined_index(mixture: Mixture, catalogs: list[Catalog]) -> fmt.Index:
     )
 
 
-def open_mixture(source: Any, retry: storage.RetryPolicy | None = None) -> MixtureCatalog:
-    """A Mixture, or the path or URL of a mixture file, as one catalog."""
+def open_mixture(source: Any, retry: storage.RetryPolicy | None = None, on_error: str = "raise") -> MixtureCatalog:
+    """A Mixture, or the path or URL of a mixture file, as one catalog (``on_error``: the
+    loader's, what a raw-text source that sets none parses with)."""
+    from .mixraw import is_raw_source, open_raw_source
+
     mixture = source if isinstance(source, Mixture) else load_mixture_file(source, retry=retry)
-    sources = []
+    opened: dict[str, MixSource] = {}
     for name, src in mixture.sources.items():
+        if is_raw_source(src):
+            continue  # opened once the packed sources are: their tokenizer is its default
         try:
             catalog = open_catalog(src, retry=retry)
         except (storage.StorageError, fmt.FormatError) as exc:
             raise _renamed(exc, name)  # noqa: B904 - the same error, its message naming the source
         if isinstance(catalog, MixtureCatalog):
             raise MixtureError(f"mixture source {name!r} is itself a mixture; list its sources instead")
-        sources.append(CatalogSource(name, catalog))
-    return MixtureCatalog.build(mixture, sources)
+        opened[name] = CatalogSource(name, catalog)
+    packed = [s.catalog for s in opened.values()]
+    for name, src in mixture.sources.items():
+        if is_raw_source(src):
+            try:
+                opened[name] = open_raw_source(name, src, packed, on_error=on_error)
+            except MixtureError:
+                raise
+            except WdsllmError as exc:  # a missing input, a sidecar of other inputs, a tokenizer
+                raise _renamed(exc, name)  # noqa: B904 - the same error, its message naming the source
+    return MixtureCatalog.build(mixture, [opened[name] for name in mixture.names])
 
 
 def _renamed(exc: Exception, name: str) -> Exception:
@@ -349,24 +391,23 @@ def mix_counts(items: Block, mixing: Mixing, mode: str) -> np.ndarray:
     """[sources, 2]: a batch's tokens and items (documents or pieces; rows of packed data) by source."""
     src, tokens = block_sources(items, mixing, mode)
     k = mixing.sources
-    counts = np.stack([np.bincount(src, weights=tokens, minlength=k), np.bincount(src, minlength=k)], axis=1)
-    return counts.astype(np.int64)
+    out = np.empty((k, 2), np.int64)
+    out[:, 0] = np.bincount(src, weights=tokens, minlength=k)
+    out[:, 1] = np.bincount(src, minlength=k)
+    return out
 
 
 def block_sources(items: Block, mixing: Mixing, mode: str) -> tuple[np.ndarray, np.ndarray]:
     """(source, tokens) of every document or document piece of a batch: one entry per item, or
-    per segment of rows made from documents."""
+    per segment of rows made from documents (it runs for every batch: few numpy calls)."""
     if mode == "packed" or items.seg_ids is None:
-        return mixing.sources_of_ids(items.ids), items.lengths.astype(np.int64)
+        return mixing.sources_of_ids(items.ids), items.lengths
     counts, src = items.segments()
-    starts = items.seg_starts[src].astype(np.int64)
-    row = np.repeat(np.arange(len(items)), counts)
-    ends = np.empty_like(starts)
-    if len(starts):
-        ends[:-1] = starts[1:]
-        last = np.cumsum(counts) - 1
-        last = last[counts > 0]
-        ends[last] = items.lengths[row[last]]
+    starts = items.seg_starts[src]
+    ends = np.empty(len(src), starts.dtype)  # a segment ends where the next of its row starts ...
+    ends[:-1] = starts[1:]
+    has = counts > 0
+    ends[np.cumsum(counts)[has] - 1] = items.lengths[has]  # ... or, the last, at its row's end
     return mixing.sources_of_ids(items.seg_ids[src]), ends - starts
 
 

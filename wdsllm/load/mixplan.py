@@ -19,6 +19,7 @@ window of a few batches holds the sources in proportion, which a per-item random
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from collections.abc import Callable, Sequence
@@ -56,7 +57,7 @@ def smooth_pattern(counts: np.ndarray) -> np.ndarray:
     labels = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     k = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     times = ((2 * k + 1) * total) // (2 * counts[labels]) if total else k
-    return labels[np.lexsort((labels, times))]
+    return labels[np.argsort(times * len(counts) + labels, kind="stable")]  # by time, then source
 
 
 def smooth_prefix(counts: Sequence[int], x: int) -> list[int]:
@@ -154,11 +155,16 @@ class Mixing:
     def sources(self) -> int:
         return len(self.bases) - 1
 
+    @functools.cached_property
+    def _source_of_shard(self) -> np.ndarray:
+        """Every shard's source, then -1: indexed by ``id >> ID_SHIFT``, the padding id -1 lands
+        on the last entry. One lookup per batch, not a search."""
+        counts = np.diff(np.asarray(self.bases, np.int64))
+        return np.append(np.repeat(np.arange(len(counts), dtype=np.int64), counts), -1)
+
     def sources_of_ids(self, ids: np.ndarray) -> np.ndarray:
-        """Source of each item or document id (-1 stays -1)."""
-        ids = np.asarray(ids, np.int64)
-        out = self.sources_of_shards(ids >> ID_SHIFT)
-        return np.where(ids >= 0, out, -1)
+        """Source of each item or document id (-1, no document, stays -1)."""
+        return self._source_of_shard.take(np.asarray(ids, np.int64) >> ID_SHIFT)
 
     def block_size(self, spec: StreamSpec) -> int:
         size = spec.shuffle_buffer if spec.shuffle_buffer > 1 else self.window
@@ -186,12 +192,20 @@ class Mixing:
             keys = planmod.rng(
                 spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, block
             ).random(n)
-            items = np.lexsort((keys, labels))
+            by_key = np.argsort(keys)  # then stably by label: lexsort((keys, labels)), at a third of its cost
+            items = by_key[_stable_order(labels[by_key])]
         else:
-            items = np.argsort(labels, kind="stable")
+            items = _stable_order(labels)
         perm = np.empty(n, np.int64)
-        perm[np.argsort(pattern, kind="stable")] = items
+        perm[_stable_order(pattern)] = items
         return perm
+
+
+def _stable_order(labels: np.ndarray) -> np.ndarray:
+    """``argsort(labels, kind="stable")``; small labels as int16, which numpy radix-sorts."""
+    if len(labels) and labels.min() >= 0 and labels.max() < np.iinfo(np.int16).max:
+        labels = labels.astype(np.int16)
+    return np.argsort(labels, kind="stable")
 
 
 # ----------------------------------------------------------------------------------------------

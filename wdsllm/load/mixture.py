@@ -21,6 +21,25 @@ from ..errors import MixtureError
 UNITS = ("tokens", "items")
 FILE_SUFFIXES = (".yaml", ".yml")
 _FILE_KEYS = ("sources", "weights", "unit", "epoch_tokens", "epoch_items", "schedule", "stratified")
+#: a raw-text source (``{raw: PATTERNS, counts: SIDECAR, ...}``): its inputs, its count sidecar, and
+#: the options of ``wdsllm.loader``'s raw text (``load/raw.py``), each with the types it takes
+RAW_SOURCE_KEYS: dict[str, tuple[type, ...]] = {
+    "raw": (str, list),
+    "counts": (str,),
+    "tokenizer": (str,),
+    "text_field": (str,),
+    "split": (str,),
+    "where": (str,),
+    "bos": (bool,),
+    "eos": (bool,),
+    "bos_token": (str,),
+    "eos_token": (str,),
+    "max_doc_bytes": (int,),
+    "input_format": (str,),
+    "unit_bytes": (int,),
+    "on_error": (str,),
+}
+_CHOICES = {"split": ("line", "paragraph", "file"), "on_error": ("raise", "skip")}
 
 
 @dataclass(frozen=True)
@@ -37,10 +56,12 @@ class Mixture:
     """A weighted blend of datasets (see docs/mixtures.md).
 
     ``sources`` maps a name to a dataset (a root, an index.json URL, shard URLs, or an opened
-    catalog); ``weights`` maps the same names to non-negative numbers (default: equal). ``unit``
-    says what the weights count: ``"tokens"`` (default) or ``"items"`` (documents, or rows of packed
-    datasets). An epoch holds ``epoch_tokens`` tokens (``epoch_items`` items with unit="items");
-    default: the sum of all sources' sizes. ``schedule`` is a list of ``{"at_tokens": N,
+    catalog), or to raw text: its options ``{"raw": PATTERNS, "counts": SIDECAR, ...}`` (keys
+    ``RAW_SOURCE_KEYS``) or an opened raw source (``load.raw.open_raw``); ``weights`` maps the
+    same names to non-negative numbers (default: equal). ``unit`` says what the weights count:
+    ``"tokens"`` (default) or ``"items"`` (documents, or rows of packed datasets). An epoch holds
+    ``epoch_tokens`` tokens (``epoch_items`` items with unit="items"); default: the sum of all
+    sources' sizes. ``schedule`` is a list of ``{"at_tokens": N,
     "weights": {...}}`` (``at_items`` with unit="items", or ``at_step``). ``stratified=True`` makes
     every batch's composition match the weights to within one item per source (fixed batching).
     """
@@ -57,9 +78,11 @@ class Mixture:
     def __post_init__(self) -> None:
         if not isinstance(self.sources, Mapping) or not self.sources:
             raise MixtureError(f"{self._at('sources')} must map at least one name to a dataset")
-        for name in self.sources:
+        for name, src in self.sources.items():
             if not isinstance(name, str) or not name:
                 raise MixtureError(f"{self._at('sources')}: every source needs a non-empty name, not {name!r}")
+            if isinstance(src, Mapping):
+                self._check_raw(name, src)
         if self.unit not in UNITS:
             raise MixtureError(f"{self._at('unit')} must be one of {UNITS}, not {self.unit!r}")
         if self.unit == "items" and self.epoch_tokens is not None:
@@ -109,6 +132,35 @@ class Mixture:
     # -- checks ---------------------------------------------------------------------------------
     def _at(self, key: str) -> str:
         return f"{self.where}: key '{key}'" if self.where else f"mixture key '{key}'"
+
+    def _check_raw(self, name: str, spec: Mapping) -> None:
+        """A raw-text source's options: known keys of the right types, inputs, and a count sidecar
+        (a mixture plans from counts, as from an index)."""
+        for key, value in spec.items():
+            where = self._at(f"sources.{name}.{key}")
+            if key not in RAW_SOURCE_KEYS:
+                raise MixtureError(f"{where} is not a raw source key ({', '.join(RAW_SOURCE_KEYS)})")
+            types = RAW_SOURCE_KEYS[key]
+            if value is None and key in ("bos", "where", "tokenizer", "bos_token", "eos_token", "input_format"):
+                continue
+            if not isinstance(value, types) or (int in types and isinstance(value, bool)):
+                raise MixtureError(f"{where} must be {' or '.join(t.__name__ for t in types)}, not {value!r}")
+            if key == "raw" and (
+                not value or (isinstance(value, list) and not all(isinstance(v, str) and v for v in value))
+            ):
+                raise MixtureError(f"{where} must name input files or patterns, not {value!r}")
+            if int in types and value < 1:
+                raise MixtureError(f"{where} must be a positive integer, not {value!r}")
+            if key in _CHOICES and value not in _CHOICES[key]:
+                raise MixtureError(f"{where} must be one of {_CHOICES[key]}, not {value!r}")
+        if "raw" not in spec:
+            raise MixtureError(f"{self._at(f'sources.{name}.raw')} is missing: a source given by options is raw text")
+        if not spec.get("counts"):
+            raise MixtureError(
+                f"{self._at(f'sources.{name}.counts')} is missing: raw source {name!r} needs a count sidecar to be "
+                f"planned in a mixture; run `wdsllm count {_inputs(spec['raw'])} -t TOKENIZER -o {name}.counts.npz` "
+                "and give it as counts"
+            )
 
     def _weights(self, weights: Any, key: str) -> tuple[float, ...]:
         names = self.names
@@ -176,6 +228,10 @@ class Mixture:
         return tuple(phases)
 
 
+def _inputs(raw: Any) -> str:
+    return " ".join(f"'{r}'" for r in ([raw] if isinstance(raw, str) else raw))
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -218,8 +274,14 @@ def load_mixture_file(url: str, retry: storage.RetryPolicy | None = None) -> Mix
     base = storage.dirname_url(url)
     resolved = {}
     for name, path in sources.items():
+        if isinstance(path, Mapping):  # raw text: its inputs, sidecar and tokenizer file are paths too
+            resolved[str(name)] = _raw_relative_to(base, path)
+            continue
         if not isinstance(path, str) or not path:
-            raise MixtureError(f"{where}: key 'sources.{name}' must be a path or URL, not {path!r}")
+            raise MixtureError(
+                f"{where}: key 'sources.{name}' must be a path or URL, or a raw source {{raw: ..., counts: ...}}, "
+                f"not {path!r}"
+            )
         resolved[str(name)] = _relative_to(base, path)
     kwargs = {k: doc[k] for k in _FILE_KEYS[1:] if k in doc}
     return Mixture(resolved, where=where, **kwargs)
@@ -232,3 +294,22 @@ def _relative_to(base: str, path: str) -> str:
     if storage.scheme_of(base) == "file" and not base.startswith("file://"):
         return os.path.normpath(os.path.join(base or ".", path))
     return storage.join_url(base, path) if "/" not in path.strip("/") else base.rstrip("/") + "/" + path
+
+
+def _raw_relative_to(base: str, spec: Mapping) -> dict:
+    """A raw source of a mixture file with its paths from the file's directory (a tokenizer given
+    by a hub name stays a name)."""
+    out = dict(spec)
+    raw = out.get("raw")
+    if isinstance(raw, str) and raw:
+        out["raw"] = _relative_to(base, raw)
+    elif isinstance(raw, list):
+        out["raw"] = [_relative_to(base, r) if isinstance(r, str) and r else r for r in raw]
+    if isinstance(out.get("counts"), str) and out["counts"]:
+        out["counts"] = _relative_to(base, out["counts"])
+    tok = out.get("tokenizer")
+    if isinstance(tok, str) and tok:
+        near = _relative_to(base, tok)
+        if tok.endswith(".json") or os.path.exists(near):
+            out["tokenizer"] = near
+    return out

@@ -35,7 +35,7 @@ from .. import format as fmt
 from ..errors import ConfigError
 from ..inputs.sources import DEFAULT_MAX_DOC_BYTES, InputFile, ParseOptions, Part, expand_inputs
 from ..inputs.tasks import assign_tasks
-from ..inputs.tokenizer import load_tokenizer, resolve_specials
+from ..inputs.tokenizer import LoadedTokenizer, load_tokenizer, resolve_specials
 from ..inputs.where import parse_where
 from .block import Block
 from .catalog import Catalog
@@ -245,13 +245,16 @@ def open_raw(
     on_error: str = "raise",
 ) -> RawCatalog:
     """A raw source: input files or patterns (what ``wdsllm pack`` reads), tokenized with
-    ``tokenizer`` (a tokenizer.json path, a directory, or a hub name) by pack's BOS/EOS rules."""
+    ``tokenizer`` (a tokenizer.json path, a directory, a hub name, or a loaded one) by pack's BOS/EOS rules."""
     patterns = [source] if isinstance(source, str) else [str(s) for s in source]
     inputs = expand_inputs(patterns, input_format)
     if any(i.path == "-" for i in inputs):
         raise ConfigError("stdin cannot be a loader source: workers read units of files")
-    tok = load_tokenizer(str(tokenizer), bos_token=bos_token, eos_token=eos_token)
-    _, bos_id, eos_id = resolve_specials(tok, bos, eos, str(tokenizer))
+    if isinstance(tokenizer, LoadedTokenizer):  # one already loaded (a mixture's: its packed sources' own)
+        tok = tokenizer
+    else:
+        tok = load_tokenizer(str(tokenizer), bos_token=bos_token, eos_token=eos_token)
+    _, bos_id, eos_id = resolve_specials(tok, bos, eos, tok.source)
     opts = ParseOptions(
         split=split, text_field=text_field, on_error=on_error, where=parse_where(where), max_doc_bytes=max_doc_bytes
     )

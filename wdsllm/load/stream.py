@@ -357,9 +357,13 @@ def plan_items(
     """
     options = options or ReadOptions()
     raw = getattr(catalog, "read_unit", None)  # raw text: units read and tokenized here (load/raw.py)
+
+    def is_raw(sl: Slice) -> bool:  # a unit of raw text (one raw source, or a mixture's raw source)
+        return raw is not None or hasattr(catalog.owner(sl.shard)[0], "read_unit")
+
     # each slice with where a ranged read can enter its shard (remote shards, groups.npy)
     work = (
-        (sl, skip, drop, None if raw else ranged_start(*_reader(catalog, sl), skip, options))
+        (sl, skip, drop, None if is_raw(sl) else ranged_start(*_reader(catalog, sl), skip, options))
         for sl, skip, drop in _slice_work(catalog, slices, spec, start)
     )
     if options.prefetch and not raw:
@@ -368,6 +372,7 @@ def plan_items(
             (
                 (catalog.urls[sl.shard], open_kwargs(*_reader(catalog, sl, shard=True), options, at))
                 for sl, _, _, at in ahead
+                if not is_raw(sl)  # a mixture's raw units are read by their source, not opened here
             ),
             spool=True,  # remote shards of known size are read in place, as mapped local ones are
         )
@@ -378,10 +383,10 @@ def plan_items(
         drop += leftover
         position = _items_of_docs(catalog, sl, spec, skip_docs) if sl.pick is not None else 0
         try:
-            stream = next(streams) if streams is not None else None
             owner, local = _reader(catalog, sl)
             base = sl.shard - local.shard
             read_unit = getattr(owner, "read_unit", None)  # raw text: read and tokenized here (load/raw.py)
+            stream = next(streams) if streams is not None and read_unit is None else None
             if read_unit is not None:
                 blocks = read_unit(local.shard, local.start, local.stop, local.stride, skip_docs, stats)
             else:
@@ -402,6 +407,8 @@ def plan_items(
                     block = block.slice(take, len(block))
                 if len(block):
                     yield block
+        except GeneratorExit:  # closed early (at interpreter exit, module globals may be gone already)
+            raise
         except (storage.StorageError, FormatError, SourceError) as exc:
             if options.on_error != "skip":
                 raise

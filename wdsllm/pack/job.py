@@ -79,6 +79,7 @@ class PackConfig:
     on_error: str = "raise"  # bad input: "raise" a SourceError, or "skip" it (counted and listed)
     where: str | None = None  # keep only the documents this --where expression holds for
     max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES  # a longer document is bad input (too_long)
+    dtype: str | None = None  # token dtype: "uint16" or "uint32"; None: the smallest that holds the vocabulary
     num_tasks: int = 1
     task_index: int = 0
     # how the job runs; none of these change the output
@@ -108,6 +109,8 @@ class PackConfig:
         d = asdict(self)
         for k in self.RUNTIME_ONLY:
             d.pop(k, None)
+        if d.get("dtype") is None:  # the default: absent, as in the indexes written before the option
+            d.pop("dtype", None)
         d["inputs"] = [storage.redact(i) for i in d.get("inputs", [])]
         if isinstance(d.get("output"), str):
             d["output"] = storage.redact(d["output"])
@@ -187,6 +190,21 @@ def _version(inp: InputFile) -> float | str:
     return inp.version if inp.version or "://" in inp.path else os.path.getmtime(inp.path)
 
 
+#: the token dtypes a pack writes (--dtype): a wider one than the vocabulary needs leaves room for its growth
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def token_dtype_for(cfg: PackConfig, tok: LoadedTokenizer) -> np.dtype:
+    """The dtype of the tokens written: ``cfg.dtype``, or the smallest that holds the vocabulary;
+    one too narrow for the vocabulary is refused."""
+    if cfg.dtype is None:
+        return tok.dtype
+    dtype = np.dtype(cfg.dtype)
+    if dtype.itemsize < tok.dtype.itemsize:
+        raise PackError(f"--dtype {cfg.dtype} cannot hold the ids of {tok.source} (vocabulary {tok.vocab_size:,})")
+    return dtype
+
+
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_]+(?:[A-Za-z0-9_-]*[A-Za-z0-9_])?$")
 
 
@@ -209,6 +227,8 @@ def _validate(cfg: PackConfig) -> None:
         raise PackError(f"--task-index {cfg.task_index} is outside 0..{cfg.num_tasks - 1}")
     if cfg.split not in SPLITS:
         raise PackError(f"--split must be one of {SPLITS}")
+    if cfg.dtype is not None and cfg.dtype not in TOKEN_DTYPES:
+        raise PackError(f"--dtype must be one of {TOKEN_DTYPES}, not {cfg.dtype!r}")
     if cfg.shard_size < 4096:
         raise PackError("--shard-size must be at least 4096 bytes")
     if cfg.shard_samples is not None and cfg.shard_samples < 1:
@@ -424,7 +444,7 @@ def _pack_into(
     position = Position.from_json(records[-1]["position"]) if records and records[-1]["position"] else None
     if records:
         log.info("resuming after %d finished shards at input %s", len(records), position)
-    dtype = tok.dtype
+    dtype = token_dtype_for(cfg, tok)
     shaper = _make_shaper(cfg, dtype, position)
     sink = ShardSink(
         out,
@@ -554,7 +574,7 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, parts: list[Part], si
     options["eos"] = use_eos
     index = fmt.Index(
         mode=cfg.mode,
-        dtype=tok.dtype.name,
+        dtype=token_dtype_for(cfg, tok).name,
         seq_len=cfg.seq_len,
         tokenizer=tok.info(),
         shards=list(entries),

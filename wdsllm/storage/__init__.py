@@ -19,7 +19,7 @@ from . import hf as _hf  # noqa: F401 - registers hf://
 from . import http as _http  # noqa: F401 - registers http(s)://
 from . import local as _local  # noqa: F401 - registers local paths, file:// and pipe:
 from . import s3 as _s3  # noqa: F401 - registers s3://
-from .backends import CHUNK_SIZE, backend_for, is_remote
+from .backends import CHUNK_SIZE, backend_for, is_remote, prepare_workers
 from .cache import ShardCache
 from .counters import reset_stats, stats
 from .listing import ObjectInfo, glob_objects, has_magic, list_prefix, stat_object
@@ -70,6 +70,7 @@ __all__ = [
     "open_ranged",
     "open_stream",
     "prefetch_iter",
+    "prepare_workers",
     "read_bytes",
     "redact",
     "redact_text",

@@ -243,10 +243,15 @@ _inherited: list[Any] = []  # a forked child's copies of the parent's filesystem
 _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
 
 
+def process_key(key: Any) -> Any:
+    """``key`` with the proxy variables as they are now: the key :func:`instance` files it under."""
+    return (key, tuple(os.environ.get(v) for v in _PROXY_VARIABLES))
+
+
 def instance(key: Any, make: Callable[[], Any]) -> Any:
     """The filesystem of this process for ``key``, made once with ``make()`` (again when the proxy
     variables change: some clients read them only when they are made)."""
-    key = (key, tuple(os.environ.get(v) for v in _PROXY_VARIABLES))
+    key = process_key(key)
     with _instances_lock:
         fs = _instances.get(key)
         if fs is None:

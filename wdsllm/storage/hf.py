@@ -6,19 +6,25 @@ object is then read at that commit: a push to ``main`` during a run cannot mix t
 dataset, and DataLoader workers forked from the process read the commit it resolved. The bytes
 come from ``{endpoint}/datasets/ORG/NAME/resolve/{commit}/path`` over the http backend (ranged
 GETs, resumes), with the token of ``HF_TOKEN`` or ``huggingface-cli login`` as a bearer token;
-aiohttp drops it on the Hub's redirect to its CDN. ``HF_ENDPOINT`` selects another Hub. Reading
+aiohttp drops it on the Hub's redirect to its CDN, whose address is remembered per file for the
+next ranged GETs (one request a block, not two; resolved again when it expires or is refused).
+``HF_ENDPOINT`` selects another Hub. Reading
 through ``HfFileSystem`` was measured and not used: its ranged reads buffer whole ranges and its
 streaming file cannot seek.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
+import time
+from datetime import datetime, timezone
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
+from ..errors import StorageError, TransientError
 from .backends import anonymous, register
 from .http import head, open_url
 from .output import Output
@@ -27,6 +33,8 @@ from .urls import split_query
 
 _KINDS = {"datasets": "dataset", "spaces": "space", "models": "model"}
 _SHA = re.compile(r"[0-9a-f]{40}")
+
+log = logging.getLogger(__name__)
 
 _revisions: dict[tuple[str, str, str, str], str] = {}  # kept across fork: children read the same commit
 _lock = threading.Lock()
@@ -133,12 +141,63 @@ def _headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {value}"} if value else {}
 
 
+#: Seconds before a signed CDN URL's ``Expires`` that it is no longer used.
+_EXPIRY_MARGIN = 60.0
+#: (resolve URL at a commit, Authorization) -> the CDN URL it redirected to (signed: never logged)
+_cdn: dict[tuple[str, str | None], str] = {}
+
+
+def _expired(target: str) -> bool:
+    """Whether a signed URL is past or near its end: CloudFront's ``Expires`` (epoch seconds) or
+    S3's ``X-Amz-Date`` + ``X-Amz-Expires`` (both seen on the Hub's CDNs)."""
+    query = parse_qs(urlsplit(target).query)
+    try:
+        if "Expires" in query:
+            end = float(query["Expires"][0])
+        elif "X-Amz-Date" in query and "X-Amz-Expires" in query:
+            signed = datetime.strptime(query["X-Amz-Date"][0], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
+            end = signed.timestamp() + float(query["X-Amz-Expires"][0])
+        else:
+            return False
+    except ValueError:
+        return True  # a signature we cannot read: ask the Hub again rather than guess
+    return end - _EXPIRY_MARGIN <= time.time()
+
+
+def _open(url: str, start: int, end: int | None, timeout: float, etag: str | None) -> Any:
+    """One ranged GET: straight to the CDN URL the Hub redirected this file to before, else the
+    Hub's resolve URL (then its 302), remembering where it led.
+
+    The resolve URL names a commit, so its target holds the same bytes for the run; the real
+    Hub's targets are signed and expire, so an expired one, or one the CDN refuses (403, 404,
+    ...), is resolved again. The CDN gets no Authorization header (the Hub's token is not its).
+    """
+    resolve = file_url(url, timeout)
+    headers = _headers()
+    key = (resolve, headers.get("Authorization"))  # a private repository's address is the token's only
+    target = _cdn.get(key)
+    if target is not None and not _expired(target):
+        same_host = urlsplit(target).netloc == urlsplit(resolve).netloc  # aiohttp keeps the token there
+        try:
+            return open_url(target, start, end, timeout, etag, headers=headers if same_host else None, shown=url)
+        except StorageError as exc:
+            if isinstance(exc, TransientError):
+                raise
+        log.debug("%s: the CDN refused a remembered address; resolving it again", url)
+    _cdn.pop(key, None)
+
+    def remember(final: str) -> None:
+        _cdn[key] = final
+
+    return open_url(resolve, start, end, timeout, etag, headers=headers, shown=url, redirected=remember)
+
+
 class HfBackend:
     schemes = ("hf",)
     remote = True
 
     def open(self, url: str, start: int, end: int | None, timeout: float, etag: str | None) -> Any:
-        return open_url(file_url(url, timeout), start, end, timeout, etag, headers=_headers(), shown=url)
+        return _open(url, start, end, timeout, etag)
 
     def exists(self, url: str, timeout: float) -> bool:
         return head(file_url(url, timeout), timeout, headers=_headers(), shown=url)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from .aio import aiohttp_open, client_timeout, instance, range_header, run, status_error
@@ -57,8 +58,10 @@ def open_url(
     etag: str | None = None,
     headers: dict[str, str] | None = None,
     shown: str | None = None,
+    redirected: Callable[[str], None] | None = None,
 ) -> Any:
-    """Bytes ``[start, end)`` of an http(s) URL as a streaming body. ``shown``: the URL messages name."""
+    """Bytes ``[start, end)`` of an http(s) URL as a streaming body. ``shown``: the URL messages
+    name; ``redirected`` is called with the final URL when the answer came after redirects."""
     shown = shown or url
     target, hdrs = _request(url, headers)
     rng = range_header(start, end)
@@ -69,6 +72,8 @@ def open_url(
         return await aiohttp_open(await _session(), target, shown, start, end, hdrs, timeout)
 
     resp, body = run(go, timeout=timeout + 5)
+    if redirected is not None and resp.history:
+        redirected(str(resp.url))
     if resp.status == 200 and start > 0:
         log.warning("%s: server ignored Range and sent the whole object; skipping %d bytes", redact(shown), start)
         if body.total is not None and start >= body.total:
