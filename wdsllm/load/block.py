@@ -12,7 +12,7 @@ its id and gets a piece number.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -56,6 +56,10 @@ class Block:
     doc_first: np.ndarray | None = None  # packed dataset rows: id of the document holding the first token
     doc_next: np.ndarray | None = None  # packed dataset rows: id of the document after that one
     doc_count: np.ndarray | None = None  # packed dataset rows: documents in the row
+    #: ``segments()``, kept: counting a mixture's sources and collating both ask for it
+    _segments: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -68,14 +72,26 @@ class Block:
         """Segments given in row order: row i's are ``seg_ptr[i]:seg_ptr[i+1]``."""
         self.seg_lo, self.seg_hi = seg_ptr[:-1], seg_ptr[1:]
         self.seg_starts, self.seg_ids = seg_starts, seg_ids
+        self._segments = None
         return self
 
     def segments(self) -> tuple[np.ndarray, np.ndarray]:
         """(segments per row, table index of every segment in row order)."""
-        counts = self.seg_hi - self.seg_lo
-        ends = np.cumsum(counts)
-        total = int(ends[-1]) if len(ends) else 0
-        return counts, np.repeat(self.seg_lo - (ends - counts), counts) + np.arange(total)
+        return self._segment_layout()[:2]
+
+    def row_last_segments(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows that hold segments, the row-order position of each one's last segment)."""
+        counts, _, ends = self._segment_layout()
+        rows = np.flatnonzero(counts)
+        return rows, ends[rows] - 1
+
+    def _segment_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._segments is None:
+            counts = self.seg_hi - self.seg_lo
+            ends = np.cumsum(counts)
+            total = int(ends[-1]) if len(ends) else 0
+            self._segments = counts, np.repeat(self.seg_lo - (ends - counts), counts) + np.arange(total), ends
+        return self._segments
 
     def _select(self, sel: np.ndarray | slice) -> Block:
         # every per-item array, spelled out (not a getattr loop: this runs for every batch)

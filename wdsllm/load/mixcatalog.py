@@ -402,12 +402,12 @@ def block_sources(items: Block, mixing: Mixing, mode: str) -> tuple[np.ndarray, 
     per segment of rows made from documents (it runs for every batch: few numpy calls)."""
     if mode == "packed" or items.seg_ids is None:
         return mixing.sources_of_ids(items.ids), items.lengths
-    counts, src = items.segments()
+    _, src = items.segments()
     starts = items.seg_starts[src]
     ends = np.empty(len(src), starts.dtype)  # a segment ends where the next of its row starts ...
     ends[:-1] = starts[1:]
-    has = counts > 0
-    ends[np.cumsum(counts)[has] - 1] = items.lengths[has]  # ... or, the last, at its row's end
+    rows, last = items.row_last_segments()
+    ends[last] = items.lengths[rows]  # ... or, the last, at its row's end
     return mixing.sources_of_ids(items.seg_ids[src]), ends - starts
 
 
