@@ -621,6 +621,25 @@ def test_prefetch_iterates_shards_in_order(served, http_server, tmp_path):
     assert [s.read() for s in prefetch_iter([str(local), urls[0]], depth=0)] == [b"local", shards[0]]
 
 
+def test_prefetch_starts_small_shards_ahead_up_to_a_byte_budget(served, http_server):
+    """Beyond ``depth``, objects of known size are started while those waiting behind the current
+    one fit ``ahead_bytes``: with 4 shards of 40 kB and a budget of 100 kB, the first and the two
+    behind it have been requested before the first is read, and every byte arrives in order."""
+    shards = [payload(40_000, seed=i) for i in range(5)]
+    urls = [served(f"small/shard-{i:06d}.tar", d) for i, d in enumerate(shards)]
+    items = [(u, {"retry": FAST, "expected_size": len(d)}) for u, d in zip(urls, shards)]
+    it = prefetch_iter(items, depth=1, spool=True, ahead_bytes=100_000)
+    first = next(it)
+    deadline = time.monotonic() + 5
+    while http_server.count("*/small/*") < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert {r.path.rsplit("/", 1)[-1] for r in http_server.log("*/small/*")} == {
+        f"shard-{i:06d}.tar" for i in range(3)
+    }
+    got = [first.read()] + [s.read() for s in it]
+    assert got == shards
+
+
 def test_prefetch_error_reaches_the_consumer(served, http_server):
     url_ok = served("ok.tar", b"ok")
     url_missing = http_server.url_for("missing.tar")

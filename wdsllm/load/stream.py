@@ -340,6 +340,11 @@ class StreamStats:
         self.skipped_docs = 0  # raw text: bad lines or rows skipped (on_error="skip")
 
 
+#: remote shards started behind the one being read, up to this many bytes (at least the next one):
+#: a small shard is read faster than the next one's first bytes take to arrive
+PREFETCH_AHEAD_BYTES = 64 << 20
+
+
 def plan_items(
     catalog: Catalog,
     slices: list[Slice] | Iterator[Slice],
@@ -375,6 +380,7 @@ def plan_items(
                 if not is_raw(sl)  # a mixture's raw units are read by their source, not opened here
             ),
             spool=True,  # remote shards of known size are read in place, as mapped local ones are
+            ahead_bytes=PREFETCH_AHEAD_BYTES,
         )
     else:
         streams = None

@@ -324,6 +324,8 @@ def prefetch_iter(
     chunk_size: int = CHUNK_SIZE,
     max_chunks: int = 4,
     spool: bool = False,
+    ahead_bytes: int = 0,
+    max_depth: int = 8,
 ) -> Iterator[BinaryIO]:
     """Streams of the given objects in order, each remote one started ``depth`` shards early.
 
@@ -335,6 +337,10 @@ def prefetch_iter(
     whole into a :class:`Spool` instead, which a reader can use in place like a mapped shard.
     A yielded stream belongs to the consumer until it asks for the next one; then it is closed.
     Stopping the iteration early closes every stream it started.
+
+    ``ahead_bytes``: beyond ``depth``, more objects of known size are started while those behind
+    the current one hold no more than that many bytes (at most ``max_depth``): small shards are
+    consumed faster than one request's latency, so one started ahead cannot hide it.
     """
 
     def start(item: StreamSpec) -> BinaryIO:
@@ -355,28 +361,44 @@ def prefetch_iter(
         ahead = ReadAhead(lambda: open_stream(url, **kwargs), name=url, chunk_size=chunk_size, max_chunks=max_chunks)
         return io.BufferedReader(ahead, buffer_size=STREAM_BUFFER)
 
+    def size_of(item: StreamSpec) -> int | None:
+        url, kwargs = (item, {}) if isinstance(item, str) else item
+        if not is_remote(url):
+            return None  # opened when its turn comes: nothing to hide
+        offset, length = kwargs.get("offset", 0), kwargs.get("length")
+        end = offset + length if length is not None else kwargs.get("expected_size")
+        return None if end is None else end - offset
+
     items = iter(urls_and_kwargs)
-    pending: collections.deque[BinaryIO] = collections.deque()
+    pending: collections.deque[tuple[BinaryIO, int | None]] = collections.deque()
+    held: list[StreamSpec] = []  # the next item, taken to learn its size but not started
     current: BinaryIO | None = None
 
     def fill(n: int) -> None:
-        while len(pending) < n:
-            item = next(items, _EOF)
+        """The one to yield now, ``depth`` started behind it, and more while they fit ``ahead_bytes``."""
+        while len(pending) < max(n, 1) + max_depth:
+            item = held.pop() if held else next(items, _EOF)
             if item is _EOF:
                 return
-            pending.append(start(item))
+            size = size_of(item)
+            if len(pending) >= n:
+                behind = [b for _, b in list(pending)[1:]]
+                if size is None or None in behind or sum(behind) + size > ahead_bytes:  # type: ignore[arg-type]
+                    held.append(item)
+                    return
+            pending.append((start(item), size))
 
     try:
         while True:
-            fill(max(depth, 0) + 1)  # the one to yield now, and `depth` started behind it
+            fill(max(depth, 0) + 1)
             if not pending:
                 return
-            current = pending.popleft()
+            current = pending.popleft()[0]
             yield current
             current.close()
             current = None
     finally:
         if current is not None:
             current.close()
-        for stream in pending:
+        for stream, _ in pending:
             stream.close()
