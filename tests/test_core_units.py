@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -136,3 +137,36 @@ def test_row_packer_cuts_one_stream_into_rows_and_marks_document_starts():
     assert groups[0].starts.tolist() == [0, 3]  # documents 1 and 2 start in the first group
     assert groups[1].starts.tolist() == [1]  # document 3 starts one token into the third row
     assert sum(g.rows for g in groups) == -(-11 // 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 50), min_size=1, max_size=40),
+    seq_len=st.integers(4, 64),
+    picks=st.lists(st.integers(0, 1000), min_size=1, max_size=6),
+)
+def test_segment_lengths_from_the_batcher_match_the_row_layout(lengths, seq_len, picks):
+    """The token counts a batcher records per segment (``seg_lens``, what a mixture's per-source
+    count reads) equal what the segment table's offsets and the rows' lengths say, for rows packed
+    whole (pack) and cut at seq_len (concat), after selection and compaction."""
+    from wdsllm.load.batching import _cut_rows, _rows_block
+    from wdsllm.load.block import Block
+    from wdsllm.load.mixcatalog import block_sources
+    from wdsllm.load.mixplan import Mixing
+
+    lens = np.asarray(lengths, np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    docs = Block(np.arange(int(lens.sum()), dtype=np.uint16), starts, lens, np.arange(len(lens), dtype=np.int64))
+    fits = [i for i in range(len(lens)) if lens[i] <= seq_len]
+    bins = best_fit_decreasing(lens[fits], seq_len) if fits else []
+    packed = [_rows_block(docs, [np.asarray(fits, np.int64)[b] for b in bins])] if fits else []
+    cut = [_cut_rows(docs, seq_len, max(1, int(lens.sum()) // seq_len))[0]]
+    mixing = Mixing((0, 1))
+    for rows in packed + cut:
+        sel = np.unique(np.asarray(picks) % len(rows))
+        for block in (rows, rows.take(sel), rows.take(sel).compact()):
+            assert block.seg_lens is not None
+            _, with_lens = block_sources(block, mixing, "docs")
+            _, from_layout = block_sources(dataclasses.replace(block, seg_lens=None), mixing, "docs")
+            assert with_lens.tolist() == from_layout.tolist()
+            assert int(with_lens.sum()) == int(block.lengths.sum())

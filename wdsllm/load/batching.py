@@ -639,7 +639,12 @@ def _rows_block(block: Block, rows: list[np.ndarray]) -> Block:
     )
     seg_ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     cum = np.cumsum(seg_len) - seg_len
-    return out.set_segments(seg_ptr, (cum - np.repeat(cum[seg_ptr[:-1]], counts)).astype(np.int64), inner.ids.copy())
+    return out.set_segments(
+        seg_ptr,
+        (cum - np.repeat(cum[seg_ptr[:-1]], counts)).astype(np.int64),
+        inner.ids.copy(),
+        seg_len.astype(np.int64),
+    )
 
 
 class PackBatcher:
@@ -880,6 +885,7 @@ def _cut_rows(block: Block, seq_len: int, n_rows: int) -> tuple[Block, Block | N
         np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
         (cuts - row_of * seq_len).astype(np.int64),
         block.ids[item_of],
+        seg_len.astype(np.int64),
     )
     rest = None
     if limit < int(ends[-1]):

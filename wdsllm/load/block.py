@@ -56,6 +56,7 @@ class Block:
     doc_first: np.ndarray | None = None  # packed dataset rows: id of the document holding the first token
     doc_next: np.ndarray | None = None  # packed dataset rows: id of the document after that one
     doc_count: np.ndarray | None = None  # packed dataset rows: documents in the row
+    seg_lens: np.ndarray | None = None  # the segment table: tokens of the segment (when its maker knew them)
     #: ``segments()``, kept: counting a mixture's sources and collating both ask for it
     _segments: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(
         default=None, init=False, repr=False, compare=False
@@ -68,10 +69,14 @@ class Block:
     def n_tokens(self) -> int:
         return int(self.lengths.sum())
 
-    def set_segments(self, seg_ptr: np.ndarray, seg_starts: np.ndarray, seg_ids: np.ndarray) -> Block:
-        """Segments given in row order: row i's are ``seg_ptr[i]:seg_ptr[i+1]``."""
+    def set_segments(
+        self, seg_ptr: np.ndarray, seg_starts: np.ndarray, seg_ids: np.ndarray, seg_lens: np.ndarray | None = None
+    ) -> Block:
+        """Segments given in row order: row i's are ``seg_ptr[i]:seg_ptr[i+1]``; ``seg_lens``, their
+        token counts, where the maker knows them (what counting a mixture's tokens by source reads)."""
         self.seg_lo, self.seg_hi = seg_ptr[:-1], seg_ptr[1:]
         self.seg_starts, self.seg_ids = seg_starts, seg_ids
+        self.seg_lens = seg_lens
         self._segments = None
         return self
 
@@ -108,6 +113,7 @@ class Block:
             None if self.doc_first is None else self.doc_first[sel],
             None if self.doc_next is None else self.doc_next[sel],
             None if self.doc_count is None else self.doc_count[sel],
+            self.seg_lens,
         )
 
     def take(self, idx: np.ndarray) -> Block:
@@ -148,7 +154,10 @@ class Block:
         if self.seg_lo is not None:
             counts, src = self.segments()
             out.set_segments(
-                np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), self.seg_starts[src], self.seg_ids[src]
+                np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+                self.seg_starts[src],
+                self.seg_ids[src],
+                None if self.seg_lens is None else self.seg_lens[src],
             )
         return out
 
@@ -214,6 +223,8 @@ def concat_blocks(blocks: list[Block]) -> Block:
                 tables.append(b)
         out.seg_starts = tables[0].seg_starts if len(tables) == 1 else np.concatenate([t.seg_starts for t in tables])
         out.seg_ids = tables[0].seg_ids if len(tables) == 1 else np.concatenate([t.seg_ids for t in tables])
+        if all(t.seg_lens is not None for t in tables):
+            out.seg_lens = tables[0].seg_lens if len(tables) == 1 else np.concatenate([t.seg_lens for t in tables])
         out.seg_lo = np.concatenate([b.seg_lo + shift[id(b.seg_starts)] for b in blocks])
         out.seg_hi = np.concatenate([b.seg_hi + shift[id(b.seg_starts)] for b in blocks])
     return out

@@ -403,12 +403,15 @@ def block_sources(items: Block, mixing: Mixing, mode: str) -> tuple[np.ndarray, 
     if mode == "packed" or items.seg_ids is None:
         return mixing.sources_of_ids(items.ids), items.lengths
     _, src = items.segments()
+    sources = mixing.sources_of_ids(items.seg_ids[src])
+    if items.seg_lens is not None:  # rows made by a batcher, which knew each segment's tokens
+        return sources, items.seg_lens[src]
     starts = items.seg_starts[src]
     ends = np.empty(len(src), starts.dtype)  # a segment ends where the next of its row starts ...
     ends[:-1] = starts[1:]
     rows, last = items.row_last_segments()
     ends[last] = items.lengths[rows]  # ... or, the last, at its row's end
-    return mixing.sources_of_ids(items.seg_ids[src]), ends - starts
+    return sources, ends - starts
 
 
 # ----------------------------------------------------------------------------------------------
