@@ -633,9 +633,7 @@ def test_prefetch_starts_small_shards_ahead_up_to_a_byte_budget(served, http_ser
     deadline = time.monotonic() + 5
     while http_server.count("*/small/*") < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert {r.path.rsplit("/", 1)[-1] for r in http_server.log("*/small/*")} == {
-        f"shard-{i:06d}.tar" for i in range(3)
-    }
+    assert {r.path.rsplit("/", 1)[-1] for r in http_server.log("*/small/*")} == {f"shard-{i:06d}.tar" for i in range(3)}
     got = [first.read()] + [s.read() for s in it]
     assert got == shards
 
