@@ -15,7 +15,7 @@ import pytest
 import torch
 from pack_helpers import GPT2, LLAMA, SHAKESPEARE, cached, encode_texts, pack_api
 from synth import write_dataset
-from test_mixtures import _pack_sources, _same
+from test_mixtures import _pack_sources, _resumes_exactly, _same
 
 import wdsllm
 from wdsllm.errors import MixtureError, PackError
@@ -116,16 +116,7 @@ def test_resume_is_bit_exact_in_pack_mode(parts):
     kw.update(rank=1, world_size=2, shuffle_buffer=64)
     full = list(wdsllm.loader(mix, **kw))
     assert len(full) > 8 and any((b["sources"] == 1).any() for b in full)
-    for k in (1, len(full) // 2, len(full) - 1):
-        first = wdsllm.loader(mix, **kw)
-        it = iter(first)
-        got = [next(it) for _ in range(k)]
-        state = json.loads(json.dumps(first.state_dict()))
-        second = wdsllm.loader(mix, **kw)
-        second.load_state_dict(state)
-        rest = list(second)
-        assert len(got) + len(rest) == len(full)
-        assert all(_same(a, b) for a, b in zip(got + rest, full)), k
+    _resumes_exactly(mix, kw, full, (1, len(full) // 2, len(full) - 1))
 
 
 def test_mixture_file_with_a_raw_source(parts, tmp_path):

@@ -22,7 +22,7 @@ from pack_helpers import DATA, LLAMA, SHAKESPEARE, cached, pack_api, wiki_subset
 from synth import write_dataset
 
 import wdsllm
-from wdsllm.errors import ConfigError, MixtureError
+from wdsllm.errors import ConfigError, MixtureError, StateError
 from wdsllm.load.mixplan import smooth_pattern, smooth_prefix, smooth_prefixes, stratified_pattern
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -296,7 +296,13 @@ def test_resume_is_bit_exact_before_at_and_after_a_schedule_change(sources, mode
     full = list(wdsllm.loader(mix, **kw))
     assert full
     # where the change is: the first batch after which lines dominate
-    for k in sorted({1, len(full) // 2 - 1, len(full) // 2, len(full) // 2 + 1, len(full) - 1}):
+    _resumes_exactly(mix, kw, full, sorted({1, len(full) // 2 - 1, len(full) // 2, len(full) // 2 + 1, len(full) - 1}))
+
+
+def _resumes_exactly(mix, kw: dict, full: list[dict], points) -> None:
+    """A loader stopped after each of ``points`` batches and resumed from its (JSON-round-tripped)
+    state gives the uninterrupted run's batches, bit for bit."""
+    for k in points:
         first = wdsllm.loader(mix, **kw)
         it = iter(first)
         got = [next(it) for _ in range(k)]
@@ -305,7 +311,7 @@ def test_resume_is_bit_exact_before_at_and_after_a_schedule_change(sources, mode
         second.load_state_dict(state)
         rest = list(second)
         assert len(got) + len(rest) == len(full)
-        assert all(_same(a, b) for a, b in zip(got + rest, full)), (mode, k)
+        assert all(_same(a, b) for a, b in zip(got + rest, full)), k
 
 
 def test_schedule_takes_effect_where_it_says(sources):
@@ -347,6 +353,23 @@ def test_elastic_resume_three_ranks_to_two(sources):
     for b in wdsllm.loader(mix, rank=0, world_size=1, **kw):
         whole.update(tuple(x) for x in b["docs"].tolist())
     assert consumed + rest == whole
+
+
+def test_elastic_resume_refused_with_an_at_step_schedule(sources):
+    """at_step points are converted with the world size: another world size would move them (and
+    the plan of the epoch being resumed), so the resume is refused, naming the way out."""
+    schedule = [{"at_step": 5, "weights": {"wiki": 0.2, "para": 0.2, "lines": 0.6}}]
+    mix = mixture(sources, epoch_tokens=None, epoch_items=6_000, unit="items", schedule=schedule)
+    kw = dict(batch_size=4, seed=5, workers_in_process=True, num_workers=1)
+    ld = wdsllm.loader(mix, rank=0, world_size=3, **kw)
+    it = iter(ld)
+    for _ in range(3):
+        next(it)
+    state = ld.state_dict()
+    same = wdsllm.loader(mix, rank=0, world_size=3, **kw)
+    same.load_state_dict(state)  # the same world size resumes as ever
+    with pytest.raises(StateError, match="at_tokens / at_items"):
+        wdsllm.loader(mix, rank=0, world_size=2, **kw).load_state_dict(state)
 
 
 # ----------------------------------------------------------------------------------------------

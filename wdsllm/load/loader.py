@@ -557,6 +557,14 @@ class Loader:
         statemod.check_identity(
             st, dataset=self.catalog.fingerprint(), settings=self._settings(), infinite=self.infinite
         )
+        mixture = getattr(self.catalog, "mixture", None)
+        moved = st.world_size != self.world_size and mixture is not None
+        if st.workers and moved and any(p.at_step is not None for p in mixture.phases):
+            raise StateError(
+                f"the mixture's schedule has at_step points, which are converted with the world size "
+                f"({st.world_size} when saved, {self.world_size} now): an elastic resume would move them; "
+                "write the points as at_tokens / at_items to resume with another world size"
+            )
         statemod.check_positions(st, self.catalog, self.cfg, exact_order=self.read_options.on_error == "raise")
         same_layout = st.world_size == self.world_size and st.num_workers == self.workers
         if st.workers and not same_layout and self.infinite:
