@@ -132,7 +132,8 @@ def read_checked(
         offset, items_before, docs_before, size, checksum = (int(x) for x in table[g])
         items_after = int(table[g + 1, fmt.ITEMS]) if g + 1 < len(table) else items_total
         docs_after = int(table[g + 1, fmt.DOCS]) if g + 1 < len(table) else docs_total
-        key = (where, offset, size, checksum, expect)
+        # the same bytes, checked against the same expectations (the table's counts included)
+        key = (where, offset, size, checksum, expect, items_after - items_before, docs_after - docs_before)
         group = _recent.get(key)
         if group is not None and changed_file(group.tokens) is not None:
             group = None  # its file was rewritten since: check the bytes it holds now
