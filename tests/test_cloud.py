@@ -684,6 +684,57 @@ def test_a_spooled_shard_is_read_in_place_and_keeps_the_bytes_before_an_error(ht
         broken.wait(70_001)
 
 
+def test_a_spools_mapping_is_recycled_only_once_nothing_views_it(http_server, monkeypatch):
+    import gc
+
+    from test_storage import payload
+
+    from wdsllm.storage import mappings
+
+    gc.collect()  # earlier tests' spools give their mappings back as they are collected
+    monkeypatch.setattr(mappings, "_free", [])
+    one, two = payload(300_000), payload(250_000)[::-1]
+    (http_server.root / "one.bin").write_bytes(one)
+    (http_server.root / "two.bin").write_bytes(two)
+
+    def spool(name: str, data: bytes, offset: int = 0) -> storage.Spool:
+        url = http_server.url_for(name)
+
+        def open_range(start: int, length: int):
+            return storage.open_stream(url, offset=start, length=length, expected_size=len(data), retry=FAST)
+
+        s = storage.Spool(open_range, offset, len(data), name=url, block_size=64 * 1024, in_flight=2)
+        s.wait(len(data))
+        return s
+
+    first = spool("one.bin", one)
+    tokens = np.frombuffer(first.mm, dtype=np.uint16, count=1000, offset=2000)  # a batch still views it
+    kept = tokens.copy()
+    first.close()
+    with pytest.raises(ValueError, match="closed"):
+        first.wait(10)  # a closed spool's mapping may become another's: it answers nothing more
+    second = spool("two.bin", two, offset=100)
+    assert second.mm is not first.mm, "a mapping that an array views is not handed out"
+    assert (tokens == kept).all()
+    assert second.mm[100:] == two[100:] and len(second.mm) == len(two)
+    second.close()
+    del tokens
+    third = spool("two.bin", two)
+    assert third.mm is first.mm or third.mm is second.mm, "a mapping nothing views is reused"
+    assert len(third.mm) == len(two) and third.mm[:] == two, "resized to the object, every byte its own"
+    third.close()
+    assert len(mappings._free) <= mappings.KEEP
+    # a recycled mapping grown for a larger object: every new page is writable (a shared anonymous
+    # mapping grown this way raises SIGBUS past its first size)
+    monkeypatch.setattr(mappings, "_free", [])
+    small = mappings.take(100_000)
+    mappings.give(small)
+    grown = mappings.take(3_000_000)
+    assert grown is small and len(grown) == 3_000_000
+    grown[-1000:] = b"x" * 1000
+    assert grown[-1000:] == b"x" * 1000
+
+
 def _hub_gets(hub, name: str) -> tuple[list[str], list[str]]:
     """(resolve GETs of the file, CDN GETs) the fake Hub saw, in order."""
     resolves = [p for m, p, _ in hub.requests if m == "GET" and "/resolve/" in p and p.endswith(name)]

@@ -155,7 +155,9 @@ class Spool(io.RawIOBase):
     :meth:`wait` blocks until the bytes up to a position have arrived, or raises the error that
     stopped them; bytes that arrived before an error stay usable. Every block must come from the
     same version of the object (ETag and size compared). As a stream it reads in order from
-    ``offset``. Closing stops the download; the mapping lives as long as arrays view it.
+    ``offset``. Closing stops the download; the mapping lives as long as arrays view it, and is
+    then recycled for a later spool (:mod:`~wdsllm.storage.mappings`): a closed spool answers no
+    more reads or waits.
     """
 
     def __init__(
@@ -169,11 +171,11 @@ class Spool(io.RawIOBase):
         in_flight: int | None = None,
     ) -> None:
         super().__init__()
-        from . import parallel
+        from . import mappings, parallel
 
         self.name = name
         self.offset, self.end = offset, end
-        self.mm = mmap.mmap(-1, max(end, 1))
+        self.mm: mmap.mmap = mappings.take(end)
         size = max(1, block_size or parallel.BLOCK_SIZE)
         self._blocks = [(o, min(size, end - o)) for o in range(offset, end, size)]
         self._got = [0] * len(self._blocks)
@@ -204,22 +206,9 @@ class Spool(io.RawIOBase):
         try:
             view = memoryview(self.mm)[offset : offset + length]
             try:
-                src = self._open_range(offset, length)
-                try:
-                    fill = getattr(src, "readinto1", None) or src.readinto
-                    got = 0
-                    while got < length and not self._stop.is_set():
-                        n = fill(view[got : min(length, got + 4 * CHUNK_SIZE)])
-                        if not n:
-                            break
-                        got += n
-                        with self._cond:
-                            self._got[i] = got
-                            self._cond.notify_all()
-                    raw = getattr(src, "raw", src)
-                    self._versions[i] = (getattr(raw, "_etag", None), getattr(raw, "_total", None))
-                finally:
-                    src.close()
+                # the view holds the mapping; closed before it did, the mapping may be another spool's
+                if not self._stop.is_set():
+                    self._download(i, view)
             finally:
                 view.release()
         except BaseException as exc:  # handed to the reader, who decides
@@ -229,6 +218,27 @@ class Spool(io.RawIOBase):
             self._finished[i] = True
             self._submit_next()
             self._cond.notify_all()
+
+    def _download(self, i: int, view: memoryview) -> None:
+        offset, length = self._blocks[i]
+        src = self._open_range(offset, length)
+        try:
+            fill = getattr(src, "readinto1", None) or src.readinto
+            got = 0
+            while got < length and not self._stop.is_set():
+                # small first reads, so the reader starts on the first group while the rest arrives;
+                # then up to 4 MiB per read (each is one hop to the client's event loop)
+                n = fill(view[got : min(length, got + min(4 * CHUNK_SIZE, max(CHUNK_SIZE // 4, got)))])
+                if not n:
+                    break
+                got += n
+                with self._cond:
+                    self._got[i] = got
+                    self._cond.notify_all()
+            raw = getattr(src, "raw", src)
+            self._versions[i] = (getattr(raw, "_etag", None), getattr(raw, "_total", None))
+        finally:
+            src.close()
 
     def _filled(self) -> int:
         """Bytes arrived in order from ``offset`` (the caller holds the condition)."""
@@ -256,6 +266,8 @@ class Spool(io.RawIOBase):
 
     def wait(self, upto: int) -> None:
         """Return once the bytes before ``upto`` (clipped to the end) have arrived."""
+        if self.closed:
+            raise ValueError(f"{self.name}: read from a closed stream")
         upto = min(upto, self.end)
         with self._cond:
             while True:
@@ -296,8 +308,11 @@ class Spool(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
+            from . import mappings
+
             self._stop.set()
-        super().close()
+            super().close()
+            mappings.give(self.mm)  # reused once no array, reader or block download views it
 
 
 class _Failed(io.RawIOBase):

@@ -310,9 +310,13 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
     if isinstance(resp, EmptyBody):
         return resp
     stream = resp["Body"]
+    raw = getattr(stream, "_raw_stream", None)  # the aiohttp response under aiobotocore's body
 
     async def aclose() -> None:
-        stream.close()
+        if raw is not None and hasattr(raw, "content") and raw.content.at_eof():
+            raw.release()  # read to its end: the connection carries the next request
+        else:
+            stream.close()  # an unread body must not go back to the pool
 
     content_range = resp.get("ContentRange")
     total = resp.get("ContentLength")
@@ -321,7 +325,6 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
         first, total = parse_content_range(url, content_range)
     elif start > 0:
         first = 0
-    raw = getattr(stream, "_raw_stream", None)  # the aiohttp response under aiobotocore's body
     read = salvaging_reader(raw.content) if raw is not None else stream.read
     body = LoopBody(read, aclose, total, resp.get("ETag"), timeout)
     if first != start:
