@@ -1,0 +1,109 @@
+"""Where one epoch's time goes when streaming from a store: wall time, and CPU per thread.
+
+    python tools/bench_remote_epoch.py http [--epochs 25] [--mode packed]
+
+Starts the store of ``SCHEME`` (``local``, ``http``, ``s3``, ``gs``, ``az``, ``hf``) as
+tools/bench_remote.py does, with the dataset of ``--mode`` from its --work folder (packed there
+on first use), makes one loader (0 workers, no cache) and streams ``--epochs`` epochs after two
+warm-up epochs. Prints the median epoch's wall time and this process's CPU, then the CPU of each
+thread of this process per epoch (from /proc: the loader's thread, fsspec's IO loop, the block
+readers), and the CPU of the server's process where it runs in one: on a 2-core machine these
+compete for the same cores, and the loader thread and the IO loop for the same GIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_remote
+
+import wdsllm
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of every thread of this process, by Python thread name (digits dropped)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), "other").rstrip("0123456789_")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def server_cpu(servers: list) -> float:
+    import psutil
+
+    total = 0.0
+    for server in servers:
+        pid = getattr(server, "pid", None)
+        if pid is None:
+            continue
+        try:
+            for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+                times = proc.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("scheme", choices=["local", "http", "s3", "gs", "az", "hf"])
+    ap.add_argument("--epochs", type=int, default=25)
+    ap.add_argument("--mode", default="packed", choices=list(bench_remote.MODES))
+    ap.add_argument("--work", default=str(bench_remote.REPO / "bench-out"))
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    work = Path(args.work)
+    data = bench_remote.ensure_dataset(work, args.mode)
+    name = bench_remote.MODES[args.mode]["dirname"]
+    servers, roots = ([], {}) if args.scheme == "local" else bench_remote.start_servers(work, [name], [args.scheme])
+    source = str(data) if args.scheme == "local" else roots[args.scheme].format(name=name)
+    try:
+        loader = wdsllm.loader(source, num_workers=0, seed=0, **bench_remote.MODES[args.mode]["load"])
+        for epoch in range(2):  # warm-up: imports, connections, page cache
+            loader.set_epoch(epoch)
+            for _ in loader:
+                pass
+        epochs, tokens = [], 0
+        threads0, server0, t0 = thread_cpu(), server_cpu(servers), time.perf_counter()
+        for epoch in range(args.epochs):
+            loader.set_epoch(epoch)
+            w, c = time.perf_counter(), time.process_time()
+            tokens = sum(int(batch["lengths"].sum()) for batch in loader)
+            epochs.append((time.perf_counter() - w, time.process_time() - c))
+        elapsed = time.perf_counter() - t0
+        threads1, server1 = thread_cpu(), server_cpu(servers)
+    finally:
+        for server in servers:
+            server.terminate() if hasattr(server, "terminate") else server.close()
+    wall, cpu = sorted(epochs)[len(epochs) // 2]
+    n = args.epochs
+    print(
+        f"{args.scheme} {args.mode}: median epoch {wall * 1e3:.1f} ms wall, {cpu * 1e3:.1f} ms CPU of this process, "
+        f"{tokens / wall / 1e6:.1f}M tokens/s; mean epoch {elapsed / n * 1e3:.1f} ms"
+    )
+    per_thread = {k: (v - threads0.get(k, 0.0)) / n * 1e3 for k, v in threads1.items()}
+    print(
+        "CPU per epoch: "
+        + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(per_thread.items(), key=lambda kv: -kv[1]) if v > 0)
+        + (f", server process {(server1 - server0) / n * 1e3:.1f} ms" if servers else "")
+    )
+
+
+if __name__ == "__main__":
+    main()
