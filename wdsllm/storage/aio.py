@@ -185,12 +185,21 @@ async def aiohttp_open(
         raise
 
     async def aclose() -> None:
-        if resp.content.at_eof():
-            resp.release()  # read to its end: the connection carries the next request
-        else:
-            resp.close()  # not release(): an unread body must not go back to the pool
+        if not release_if_read(resp):
+            resp.close()
 
     return resp, LoopBody(salvaging_reader(resp.content), aclose, total, etag, timeout)
+
+
+def release_if_read(resp: Any) -> bool:
+    """Give an aiohttp response's connection back to the pool if its body was read to the end, so
+    that it carries the next request (a new connection per ranged GET is a TLS handshake on a
+    real store). False for anything else: the caller closes it, since an unread body must not go
+    back to the pool."""
+    if resp is not None and hasattr(resp, "content") and resp.content.at_eof():
+        resp.release()
+        return True
+    return False
 
 
 async def status_error(url: str, resp: Any) -> Exception:

@@ -20,7 +20,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from .aio import LoopBody, instance, range_header, run, salvaging_reader
+from .aio import LoopBody, instance, range_header, release_if_read, run, salvaging_reader
 from .backends import EmptyBody, anonymous, parse_content_range, register
 from .fsoutput import FsspecOutput
 from .output import Output
@@ -175,9 +175,7 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
         read = _chunk_reader(chunks)
 
     async def aclose() -> None:
-        if raw is not None and hasattr(raw, "content") and raw.content.at_eof():
-            raw.release()  # read to its end: the connection carries the next request
-        else:
+        if not release_if_read(raw):
             await resp.close()
 
     return _AzureBody(url, fs, read, aclose, total, resp.headers.get("ETag"), timeout)

@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from .aio import LoopBody, instance, process_key, range_header, run, salvaging_reader
+from .aio import LoopBody, instance, process_key, range_header, release_if_read, run, salvaging_reader
 from .backends import EmptyBody, anonymous, discard, on_prepare_workers, parse_content_range, register
 from .counters import count
 from .fsoutput import FsspecOutput, bucket_path
@@ -313,10 +313,8 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
     raw = getattr(stream, "_raw_stream", None)  # the aiohttp response under aiobotocore's body
 
     async def aclose() -> None:
-        if raw is not None and hasattr(raw, "content") and raw.content.at_eof():
-            raw.release()  # read to its end: the connection carries the next request
-        else:
-            stream.close()  # an unread body must not go back to the pool
+        if not release_if_read(raw):
+            stream.close()
 
     content_range = resp.get("ContentRange")
     total = resp.get("ContentLength")
