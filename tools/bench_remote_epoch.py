@@ -26,19 +26,44 @@ import bench_remote
 import wdsllm
 
 
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds of every thread of this process, by Python thread name (digits dropped)."""
+def thread_cpu() -> dict[str, tuple[float, float]]:
+    """(user, system) CPU seconds of every thread of this process, by Python thread name (digits
+    dropped): system time is mostly the kernel copying received bytes, with the GIL released."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
+    out: dict[str, tuple[float, float]] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         name = names.get(int(tid), "other").rstrip("0123456789_")
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        user, system = out.get(name, (0.0, 0.0))
+        out[name] = (user + int(fields[11]) / tick, system + int(fields[12]) / tick)
     return out
+
+
+def server_pid(server) -> int | None:
+    """The process of a server started by bench_remote (a Popen, or a fixture holding one)."""
+    pid = getattr(server, "pid", None)
+    return pid if pid is not None else getattr(getattr(server, "_proc", None), "pid", None)
+
+
+def fetch_cpu(servers: list) -> float:
+    """CPU seconds of this process's children that are not servers: the fetch process."""
+    import psutil
+
+    server_pids = {server_pid(server) for server in servers}
+    total = 0.0
+    for proc in psutil.Process().children():
+        if proc.pid in server_pids:
+            continue
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
 
 
 def server_cpu(servers: list) -> float:
@@ -46,7 +71,7 @@ def server_cpu(servers: list) -> float:
 
     total = 0.0
     for server in servers:
-        pid = getattr(server, "pid", None)
+        pid = server_pid(server)
         if pid is None:
             continue
         try:
@@ -80,14 +105,14 @@ def main() -> None:
             for _ in loader:
                 pass
         epochs, tokens = [], 0
-        threads0, server0, t0 = thread_cpu(), server_cpu(servers), time.perf_counter()
+        threads0, server0, fetch0, t0 = thread_cpu(), server_cpu(servers), fetch_cpu(servers), time.perf_counter()
         for epoch in range(args.epochs):
             loader.set_epoch(epoch)
             w, c = time.perf_counter(), time.process_time()
             tokens = sum(int(batch["lengths"].sum()) for batch in loader)
             epochs.append((time.perf_counter() - w, time.process_time() - c))
         elapsed = time.perf_counter() - t0
-        threads1, server1 = thread_cpu(), server_cpu(servers)
+        threads1, server1, fetch1 = thread_cpu(), server_cpu(servers), fetch_cpu(servers)
     finally:
         for server in servers:
             server.terminate() if hasattr(server, "terminate") else server.close()
@@ -97,10 +122,18 @@ def main() -> None:
         f"{args.scheme} {args.mode}: median epoch {wall * 1e3:.1f} ms wall, {cpu * 1e3:.1f} ms CPU of this process, "
         f"{tokens / wall / 1e6:.1f}M tokens/s; mean epoch {elapsed / n * 1e3:.1f} ms"
     )
-    per_thread = {k: (v - threads0.get(k, 0.0)) / n * 1e3 for k, v in threads1.items()}
+    per_thread = {
+        k: ((u - threads0.get(k, (0.0, 0.0))[0]) / n * 1e3, (s - threads0.get(k, (0.0, 0.0))[1]) / n * 1e3)
+        for k, (u, s) in threads1.items()
+    }
     print(
-        "CPU per epoch: "
-        + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(per_thread.items(), key=lambda kv: -kv[1]) if v > 0)
+        "CPU per epoch (of which system): "
+        + ", ".join(
+            f"{k} {u + s:.1f} ms ({s:.1f})"
+            for k, (u, s) in sorted(per_thread.items(), key=lambda kv: -sum(kv[1]))
+            if u + s > 0
+        )
+        + (f", fetch process {(fetch1 - fetch0) / n * 1e3:.1f} ms" if fetch1 > fetch0 else "")
         + (f", server process {(server1 - server0) / n * 1e3:.1f} ms" if servers else "")
     )
 

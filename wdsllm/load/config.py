@@ -157,8 +157,16 @@ def read_options(
     cache_size: int,
     on_error: str,
     check_groups: bool = True,
+    fetch_process: bool | None = None,
 ) -> ReadOptions:
-    """How shards are read: retry policy, optional local cache, what an unreadable shard does, and
-    whether every group is checked against its checksum (docs/reliability.md)."""
+    """How shards are read: retry policy, optional local cache, what an unreadable shard does,
+    whether every group is checked against its checksum (docs/reliability.md), and whether a fetch
+    process downloads remote shards (docs/remote.md)."""
     cache = storage.ShardCache(cache_dir, cache_size) if cache_dir else None
-    return ReadOptions(retry=retry, cache=cache, on_error=normalize_on_error(on_error), check_groups=check_groups)
+    return ReadOptions(
+        retry=retry,
+        cache=cache,
+        on_error=normalize_on_error(on_error),
+        check_groups=check_groups,
+        fetch_process=fetch_process,
+    )

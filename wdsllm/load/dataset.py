@@ -187,6 +187,8 @@ def _epoch_batches(
     last = None
     stats = StreamStats()
     compact = get_worker_info() is not None and not shared
+    if read.fetch_process is None:  # in the training process itself: its GIL is spared the receiving
+        read = replace(read, fetch_process=get_worker_info() is None)
 
     def emit(spec: StreamSpec, index: int, items, hint, refill: bool = False) -> Batch:
         changed = changed_file(items.tokens)
@@ -606,6 +608,7 @@ def dataset(
     cache_size: int = 64 << 30,
     on_error: str = "raise",
     check_groups: bool = True,
+    fetch_process: bool | None = None,
     tokenizer: Any = None,
     text_field: str = "text",
     counts: str | None = None,
@@ -651,7 +654,7 @@ def dataset(
         max_segments=max_segments,
         docs=docs,
     )
-    read = read_options(retry, cache_dir, cache_size, on_error, check_groups)
+    read = read_options(retry, cache_dir, cache_size, on_error, check_groups, fetch_process)
     check_world(catalog, cfg.keeps_equal_batches(w), steps_per_epoch)
     return build_pipeline(
         catalog,

@@ -122,6 +122,7 @@ class Loader:
         check_groups: bool = True,
         multiprocessing_context: Any = None,
         workers_in_process: bool = False,
+        fetch_process: bool | None = None,
     ):
         options = dict(
             batch_size=batch_size,
@@ -165,7 +166,7 @@ class Loader:
         self.multiprocessing_context = multiprocessing_context
         #: run the workers' streams in this process, one after another (debugging and tests)
         self.workers_in_process = workers_in_process
-        self.read_options = read_options(retry, cache_dir, cache_size, on_error, check_groups)
+        self.read_options = read_options(retry, cache_dir, cache_size, on_error, check_groups, fetch_process)
         self._ring = RingHolder()  # shared memory the workers send tokens through (transport.py)
         self._tokenizer: Any = None
         self._build()
@@ -686,6 +687,7 @@ def loader(
     check_groups: bool = True,
     multiprocessing_context: Any = None,
     workers_in_process: bool = False,
+    fetch_process: bool | None = None,
     tokenizer: Any = None,
     text_field: str = "text",
     counts: str | None = None,

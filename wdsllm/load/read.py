@@ -32,6 +32,9 @@ class ReadOptions:
     row_docs: bool = True  # packed rows: each row's first document and document count (docs)
     segments: bool = True  # packed rows: the segment table with offsets within rows (boundaries)
     check_groups: bool = True  # check every group against groups.npy (format 3) before decoding it
+    #: remote shards downloaded by a fetch process (storage/offload.py); None: where the stream is
+    #: read outside DataLoader workers (the training process itself), whose GIL it then spares
+    fetch_process: bool | None = None
 
 
 def _group_block(
@@ -103,10 +106,10 @@ def _set_group_segments(
 
 
 class _SpooledShard(tario.MappedReader):
-    """A remote shard (or share of one) downloading into a :class:`storage.Spool`, read in place
-    as a mapped local shard is: each read waits until its bytes have arrived."""
+    """A remote shard (or share of one) downloading into a :class:`storage.SpooledRange`, read in
+    place as a mapped local shard is: each read waits until its bytes have arrived."""
 
-    def __init__(self, spool: storage.Spool) -> None:
+    def __init__(self, spool: storage.SpooledRange) -> None:
         super().__init__(spool.mm, spool.offset)
         self.spool = spool
 
@@ -117,7 +120,7 @@ class _SpooledShard(tario.MappedReader):
 
 def _in_place(stream: Any, url: str) -> tario.MappedReader | None:
     """The stream as a reader over a buffer (a mapped local file, a spooled remote one), or None."""
-    if isinstance(stream, storage.Spool):
+    if isinstance(stream, storage.SpooledRange):
         return _SpooledShard(stream)
     local = storage.local_path(url) if storage.scheme_of(url) == "file" else None
     return tario.mapped(stream, local)

@@ -381,6 +381,7 @@ def plan_items(
             ),
             spool=True,  # remote shards of known size are read in place, as mapped local ones are
             ahead_bytes=PREFETCH_AHEAD_BYTES,
+            offload=bool(options.fetch_process),  # a fetch process fills the spools (storage/offload.py)
         )
     else:
         streams = None

@@ -24,7 +24,7 @@ from .cache import ShardCache
 from .counters import reset_stats, stats
 from .listing import ObjectInfo, glob_objects, has_magic, list_prefix, stat_object
 from .output import Output
-from .prefetch import ReadAhead, Spool, prefetch_iter
+from .prefetch import ReadAhead, Spool, SpooledRange, prefetch_iter
 from .ranged import RangedFile, open_ranged
 from .resumable import STREAM_BUFFER, exists, open_stream, read_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy
@@ -54,6 +54,7 @@ __all__ = [
     "RetryPolicy",
     "ShardCache",
     "Spool",
+    "SpooledRange",
     "StorageError",
     "TransientError",
     "backend_for",

@@ -21,8 +21,9 @@ import os
 import threading
 
 #: Mappings kept for reuse, and their total size (``WDSLLM_SPOOL_KEEP_BYTES``, bytes): a free
-#: mapping stays resident, so what is kept is bounded by about one large shard.
-KEEP = 4
+#: mapping stays resident, so what is kept is bounded by about one large shard. As many as the
+#: loader spools at once (up to 8 small shards ahead, then the next 8 while those are viewed).
+KEEP = 16
 KEEP_BYTES = int(os.environ.get("WDSLLM_SPOOL_KEEP_BYTES") or 1 << 30)
 
 #: Private, not mmap's default shared anonymous memory: a shared one is a file of fixed size, and

@@ -28,6 +28,13 @@ from .urls import redact
 BLOCK_SIZE = int(os.environ.get("WDSLLM_BLOCK_SIZE") or 8 << 20)
 IN_FLIGHT = int(os.environ.get("WDSLLM_BLOCKS_IN_FLIGHT") or 4)
 _READ = 4 << 20  # bytes per readinto of a block (one hop to the event loop)
+#: Spools read one block at a time (the next one starting when the current one is half in) while
+#: their bytes arrive at least this fast (bytes/s, first-byte latency included;
+#: ``WDSLLM_SERIAL_RATE``), and ``IN_FLIGHT`` at a time below it: blocks in flight together share
+#: the rate, so the one the reader needs next arrives that much slower. A store one connection
+#: reads this fast (on the same host or rack) gains nothing from more; a far or throttled one,
+#: where each GET waits for its first byte or is capped per connection, does (:class:`BlockQueue`).
+SERIAL_RATE = float(os.environ.get("WDSLLM_SERIAL_RATE") or 256e6)
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -42,10 +49,108 @@ def executor() -> ThreadPoolExecutor:
         return _pool
 
 
+class Ticket:
+    """One queued block: ``run(ticket)`` downloads it, and calls :meth:`half_in` once half of it
+    has arrived (the queue then starts the next block, so that its first-byte wait overlaps)."""
+
+    __slots__ = ("busy", "owner", "queue", "run")
+
+    def __init__(self, queue: BlockQueue, owner: Any, run: Callable[[Ticket], None]) -> None:
+        self.queue, self.owner, self.run = queue, owner, run
+        self.busy = False
+
+    def half_in(self) -> None:
+        self.queue._idle(self)
+
+
+class BlockQueue:
+    """The blocks of every spool of this process, started in the order they were queued.
+
+    Spools are made in the order their shards are read, so a first-in-first-out queue gives the
+    bytes the reader needs next the whole rate: blocks (and shards) downloading together share
+    it, and with 7 small shards started at once the first one arrived at a seventh of it. Blocks
+    start one at a time (a block half in counting as done) while the store is fast, and
+    ``IN_FLIGHT`` at a time once a spool has found it slower than :data:`SERIAL_RATE`; at most
+    ``limit`` of one owner's blocks run at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[Ticket, int]] = deque()
+        self._busy = 0  # started and not yet half in
+        self._running: dict[Any, int] = {}  # started and not finished, by owner
+        self.want = 1
+
+    def put(self, owner: Any, run: Callable[[Ticket], None], limit: int) -> None:
+        with self._lock:
+            self._pending.append((Ticket(self, owner, run), limit))
+            self._start()
+
+    def drop(self, owner: Any) -> list[Ticket]:
+        """Remove ``owner``'s blocks that have not started (they never will)."""
+        with self._lock:
+            mine = [t for t, _ in self._pending if t.owner is owner]
+            self._pending = deque((t, n) for t, n in self._pending if t.owner is not owner)
+            self._start()
+        return mine
+
+    def pace(self, slow: bool) -> None:
+        """A spool's measured rate: below SERIAL_RATE (``slow``) or not."""
+        with self._lock:
+            self.want = IN_FLIGHT if slow else 1
+            self._start()
+
+    def _start(self) -> None:
+        """Start queued blocks in order while fewer than ``want`` are busy (the caller holds the lock)."""
+        running = sum(self._running.values())
+        while self._pending and self._busy < self.want and running < 2 * IN_FLIGHT:
+            ticket, limit = self._pending[0]
+            if self._running.get(ticket.owner, 0) >= limit:
+                return  # in order: the next block waits for its spool's
+            self._pending.popleft()
+            ticket.busy = True
+            self._busy += 1
+            self._running[ticket.owner] = self._running.get(ticket.owner, 0) + 1
+            running += 1
+            executor().submit(self._run, ticket)
+
+    def _run(self, ticket: Ticket) -> None:
+        try:
+            ticket.run(ticket)
+        finally:
+            self._idle(ticket)
+            with self._lock:
+                left = self._running[ticket.owner] - 1
+                if left:
+                    self._running[ticket.owner] = left
+                else:
+                    del self._running[ticket.owner]
+                self._start()
+
+    def _idle(self, ticket: Ticket) -> None:
+        with self._lock:
+            if ticket.busy:
+                ticket.busy = False
+                self._busy -= 1
+                self._start()
+
+
+_queue: BlockQueue | None = None
+
+
+def block_queue() -> BlockQueue:
+    """The process's queue of spool blocks (made on first use, again in a forked child)."""
+    global _queue
+    with _pool_lock:
+        if _queue is None:
+            _queue = BlockQueue()
+        return _queue
+
+
 def _after_fork() -> None:
     """The parent's pool threads do not exist in a forked child: make a new pool on first use."""
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
+    global _pool, _pool_lock, _queue
+    _pool, _pool_lock, _queue = None, threading.Lock(), None
 
 
 os.register_at_fork(after_in_child=_after_fork)

@@ -9,7 +9,9 @@ import mmap
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any, BinaryIO, Union
 
 from .backends import CHUNK_SIZE, is_remote
@@ -143,21 +145,66 @@ class ReadAhead(io.RawIOBase):
         super().close()
 
 
-class Spool(io.RawIOBase):
+class SpooledRange(io.RawIOBase):
+    """A remote object's bytes ``[offset, end)`` arriving in ``mm`` at their offsets in the object,
+    read in place (as a mapped local shard is) once :meth:`wait` says they are there.
+
+    What readers see of a :class:`Spool` (downloaded by this process's threads) and of an
+    :class:`~wdsllm.storage.offload.OffloadedSpool` (downloaded by a fetch process into shared
+    memory). As a stream it reads in order from ``offset``.
+    """
+
+    name: str
+    offset: int
+    end: int
+    mm: mmap.mmap
+    _pos: int
+
+    def wait(self, upto: int) -> None:
+        """Return once the bytes before ``upto`` (clipped to the end) have arrived, or raise the
+        error that stopped them."""
+        raise NotImplementedError
+
+    def available(self) -> int:
+        """Bytes arrived in order from ``offset``."""
+        raise NotImplementedError
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        if self.closed:
+            raise ValueError(f"{self.name}: read from a closed stream")
+        view = memoryview(b).cast("B")
+        if not len(view) or self._pos >= self.end:
+            return 0
+        self.wait(self._pos + 1)
+        n = min(len(view), self.available() - self._pos)
+        view[:n] = self.mm[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+class Spool(SpooledRange):
     """A remote object's bytes ``[offset, end)`` downloaded into one anonymous mapping, so that a
     reader can use them in place as it uses a mapped local shard.
 
     The mapping is ``end`` bytes long and the bytes sit at their offsets in the object (pages
     before ``offset`` are never touched and cost nothing), so a reader views a group at its
     offset with no copy, and every group's tokens share one buffer. The range is fetched as blocks
-    of ``block_size`` bytes, ``in_flight`` ranged GETs at a time (``open_range(offset, length)``
-    opens one: a resumable stream), each written straight to its place in the mapping.
+    of ``block_size`` bytes (``open_range(offset, length)`` opens one: a resumable stream), each
+    written straight to its place in the mapping. Blocks go through the process's
+    :class:`~wdsllm.storage.parallel.BlockQueue` in order (one at a time from a fast store, several
+    from a slow one), at most ``in_flight`` of this spool's at once.
     :meth:`wait` blocks until the bytes up to a position have arrived, or raises the error that
     stopped them; bytes that arrived before an error stay usable. Every block must come from the
-    same version of the object (ETag and size compared). As a stream it reads in order from
-    ``offset``. Closing stops the download; the mapping lives as long as arrays view it, and is
-    then recycled for a later spool (:mod:`~wdsllm.storage.mappings`): a closed spool answers no
-    more reads or waits.
+    same version of the object (ETag and size compared). Closing stops the download; the mapping
+    lives as long as arrays view it, and is then recycled for a later spool
+    (:mod:`~wdsllm.storage.mappings`): a closed spool answers no more reads or waits. ``mm``: a
+    mapping of at least ``end`` bytes to write into instead (the caller's: not recycled).
     """
 
     def __init__(
@@ -169,13 +216,15 @@ class Spool(io.RawIOBase):
         name: str = "",
         block_size: int | None = None,
         in_flight: int | None = None,
+        mm: mmap.mmap | None = None,
     ) -> None:
         super().__init__()
         from . import mappings, parallel
 
         self.name = name
         self.offset, self.end = offset, end
-        self.mm: mmap.mmap = mappings.take(end)
+        self._recycle = mm is None
+        self.mm = mappings.take(end) if mm is None else mm
         size = max(1, block_size or parallel.BLOCK_SIZE)
         self._blocks = [(o, min(size, end - o)) for o in range(offset, end, size)]
         self._got = [0] * len(self._blocks)
@@ -188,19 +237,28 @@ class Spool(io.RawIOBase):
         self._pos = offset
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._executor = parallel.executor()
-        self._next = 0
-        with self._cond:
-            for _ in range(max(1, in_flight or parallel.IN_FLIGHT)):
-                self._submit_next()
+        self._queue = parallel.block_queue()
+        self._in_flight = max(1, in_flight or parallel.IN_FLIGHT)
+        self._received = 0
+        self._started: float | None = None  # when its first block started
+        self._paced = False
+        self._next = len(self._blocks)  # every block is queued now, in order
+        for i in range(len(self._blocks)):
+            self._queue.put(self, partial(self._fetch, i), self._in_flight)
 
-    def _submit_next(self) -> None:
-        """Start the next block (the caller holds the condition)."""
-        if self._next < len(self._blocks) and not self._stop.is_set():
-            self._executor.submit(self._fetch, self._next)
-            self._next += 1
+    def _pace(self, n: int) -> None:
+        """``n`` more bytes arrived: once 4 MiB or 50 ms tell, the queue learns whether this store
+        is below SERIAL_RATE (the caller holds the condition)."""
+        from . import parallel
 
-    def _fetch(self, i: int) -> None:
+        self._received += n
+        if not self._paced and self._started is not None:
+            elapsed = time.monotonic() - self._started
+            if self._received >= 4 << 20 or elapsed >= 0.05:
+                self._paced = True
+                self._queue.pace(slow=self._received < parallel.SERIAL_RATE * elapsed)
+
+    def _fetch(self, i: int, ticket: Any) -> None:
         offset, length = self._blocks[i]
         error: BaseException | None = None
         try:
@@ -208,7 +266,7 @@ class Spool(io.RawIOBase):
             try:
                 # the view holds the mapping; closed before it did, the mapping may be another spool's
                 if not self._stop.is_set():
-                    self._download(i, view)
+                    self._download(i, view, ticket)
             finally:
                 view.release()
         except BaseException as exc:  # handed to the reader, who decides
@@ -216,11 +274,13 @@ class Spool(io.RawIOBase):
         with self._cond:
             self._errors[i] = error
             self._finished[i] = True
-            self._submit_next()
             self._cond.notify_all()
 
-    def _download(self, i: int, view: memoryview) -> None:
+    def _download(self, i: int, view: memoryview, ticket: Any) -> None:
         offset, length = self._blocks[i]
+        with self._cond:
+            if self._started is None:
+                self._started = time.monotonic()
         src = self._open_range(offset, length)
         try:
             fill = getattr(src, "readinto1", None) or src.readinto
@@ -234,7 +294,10 @@ class Spool(io.RawIOBase):
                 got += n
                 with self._cond:
                     self._got[i] = got
+                    self._pace(n)
                     self._cond.notify_all()
+                if got * 2 >= length:
+                    ticket.half_in()  # the next block starts: its first-byte wait overlaps this tail
             raw = getattr(src, "raw", src)
             self._versions[i] = (getattr(raw, "_etag", None), getattr(raw, "_total", None))
         finally:
@@ -265,7 +328,6 @@ class Spool(io.RawIOBase):
         self._version = (etag or known_etag, total if total is not None else known_total)
 
     def wait(self, upto: int) -> None:
-        """Return once the bytes before ``upto`` (clipped to the end) have arrived."""
         if self.closed:
             raise ValueError(f"{self.name}: read from a closed stream")
         upto = min(upto, self.end)
@@ -281,30 +343,20 @@ class Spool(io.RawIOBase):
                     from .retry import make_error
 
                     raise make_error(self.name, f"the object ended at byte {filled}, expected {self.end}")
+                if self._stop.is_set():
+                    raise ValueError(f"{self.name}: read from a closed stream")
                 self._cond.wait()
 
     def available(self) -> int:
         with self._cond:
             return self._filled()
 
-    # io.RawIOBase: reading in order, for readers that do not use the mapping
-    def readable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        if self.closed:
-            raise ValueError(f"{self.name}: read from a closed stream")
-        view = memoryview(b).cast("B")
-        if not len(view) or self._pos >= self.end:
-            return 0
-        self.wait(self._pos + 1)
-        n = min(len(view), self.available() - self._pos)
-        view[:n] = self.mm[self._pos : self._pos + n]
-        self._pos += n
-        return n
+    def join(self) -> None:
+        """Return once no block download runs (after :meth:`close`: nothing writes into the
+        mapping any more; a stalled read ends within its timeout)."""
+        with self._cond:
+            while not all(self._finished[: self._next]):
+                self._cond.wait()
 
     def close(self) -> None:
         if not self.closed:
@@ -312,7 +364,13 @@ class Spool(io.RawIOBase):
 
             self._stop.set()
             super().close()
-            mappings.give(self.mm)  # reused once no array, reader or block download views it
+            dropped = len(self._queue.drop(self))  # never started; the ones after them neither
+            with self._cond:
+                for i in range(len(self._blocks) - dropped, len(self._blocks)):
+                    self._finished[i] = True
+                self._cond.notify_all()  # a waiter sees the close
+            if self._recycle:
+                mappings.give(self.mm)  # reused once no array, reader or block download views it
 
 
 class _Failed(io.RawIOBase):
@@ -341,6 +399,7 @@ def prefetch_iter(
     spool: bool = False,
     ahead_bytes: int = 0,
     max_depth: int = 8,
+    offload: bool = False,
 ) -> Iterator[BinaryIO]:
     """Streams of the given objects in order, each remote one started ``depth`` shards early.
 
@@ -356,6 +415,9 @@ def prefetch_iter(
     ``ahead_bytes``: beyond ``depth``, more objects of known size are started while those behind
     the current one hold no more than that many bytes (at most ``max_depth``): small shards are
     consumed faster than one request's latency, so one started ahead cannot hide it.
+
+    ``offload``: spools are filled by a fetch process (:mod:`~wdsllm.storage.offload`) where one
+    can run, so that receiving does not share this process's GIL with the consumer.
     """
 
     def start(item: StreamSpec) -> BinaryIO:
@@ -368,6 +430,12 @@ def prefetch_iter(
         offset, length = kwargs.get("offset", 0), kwargs.get("length")
         end = offset + length if length is not None else kwargs.get("expected_size")
         if spool and end is not None and end - offset <= SPOOL_MAX and kwargs.get("cache") is None:
+            if offload:
+                from .offload import offloaded_spool
+
+                offloaded = offloaded_spool(url, kwargs, offset, end)
+                if offloaded is not None:
+                    return offloaded  # type: ignore[return-value]
 
             def open_range(start: int, size: int, url: str = url, kwargs: dict = kwargs) -> BinaryIO:
                 return open_stream(url, **{**kwargs, "offset": start, "length": size})
