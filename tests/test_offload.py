@@ -172,6 +172,45 @@ def test_shared_memory_is_recycled_once_nothing_writes_or_views_it(http_server):
     third.close()
 
 
+def test_a_store_that_sends_fast_after_a_slow_first_byte_is_read_in_larger_blocks_one_get_each(
+    http_server, monkeypatch
+):
+    data = payload(5_000_000)
+    (http_server.root / "big.bin").write_bytes(data)
+    url = http_server.url_for("big.bin")
+    monkeypatch.setattr(parallel, "_queue", None)  # this test's own queue, unmeasured
+    monkeypatch.setattr(parallel, "BLOCK_SIZE", 1_000_000)
+    monkeypatch.setattr(parallel, "SERIAL_BLOCK_SIZE", 2_500_000)
+    monkeypatch.setattr(parallel, "SERIAL_RATE", 20e6)  # 4 MiB in the 0.4 s below would be slower
+    http_server.faults.add("/big.bin", "delay", seconds=0.4)  # the first GET waits for its first byte
+
+    def spool() -> storage.Spool:
+        def open_range(start: int, length: int):
+            return storage.open_stream(
+                url, offset=start, length=length, expected_size=len(data), retry=FAST, one_request=True
+            )
+
+        return storage.Spool(open_range, 0, len(data), name=url)
+
+    first = spool()
+    first.wait(len(data))
+    first.close()
+    assert parallel.block_queue().fast, "the wait for the first byte is not the rate"
+    assert sorted(int(r[6:].split("-")[0]) for r in http_server.ranges("/big.bin")) == [
+        0,
+        1_000_000,
+        2_000_000,
+        3_000_000,
+        4_000_000,
+    ]
+    http_server.reset()
+    second = spool()
+    second.wait(len(data))
+    assert second.mm[:] == data
+    second.close()
+    assert sorted(http_server.ranges("/big.bin")) == ["bytes=0-2499999", "bytes=2500000-4999999"]
+
+
 def _wait_free(spool: offload.OffloadedSpool, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while spool._memory.written and time.monotonic() < deadline:
@@ -199,6 +238,7 @@ def test_spools_read_one_block_at_a_time_while_they_arrive_fast(http_server, mon
 
         return storage.Spool(open_range, 0, len(data), name=url, block_size=400_000, in_flight=4)
 
+    monkeypatch.setattr(parallel, "_queue", None)  # this test's own queue
     monkeypatch.setattr(parallel, "SERIAL_RATE", 1.0)  # every store is fast
     fast = spool()
     fast.wait(len(data))
@@ -209,4 +249,3 @@ def test_spools_read_one_block_at_a_time_while_they_arrive_fast(http_server, mon
     slow.wait(len(data))
     assert parallel.block_queue().want == parallel.IN_FLIGHT and slow.mm[:] == data
     slow.close()
-    parallel.block_queue().pace(slow=False)  # as a fast store would leave it

@@ -413,7 +413,7 @@ def _report(reports: _Reports, sid: int, spool: Spool, spools: dict[int, Spool])
 def _open_range(url: str, kwargs: dict, start: int, size: int) -> Any:
     from .resumable import open_stream
 
-    return open_stream(url, **{**kwargs, "offset": start, "length": size})
+    return open_stream(url, **{**kwargs, "offset": start, "length": size, "one_request": True})
 
 
 def _serve(sock: socket.socket) -> None:

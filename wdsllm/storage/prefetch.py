@@ -201,10 +201,12 @@ class Spool(SpooledRange):
     from a slow one), at most ``in_flight`` of this spool's at once.
     :meth:`wait` blocks until the bytes up to a position have arrived, or raises the error that
     stopped them; bytes that arrived before an error stay usable. Every block must come from the
-    same version of the object (ETag and size compared). Closing stops the download; the mapping
-    lives as long as arrays view it, and is then recycled for a later spool
-    (:mod:`~wdsllm.storage.mappings`): a closed spool answers no more reads or waits. ``mm``: a
-    mapping of at least ``end`` bytes to write into instead (the caller's: not recycled).
+    same version of the object (ETag and size compared). ``block_size`` by default:
+    ``SERIAL_BLOCK_SIZE`` once the queue found the store fast, else ``BLOCK_SIZE``. Closing stops
+    the download; the mapping lives as long as arrays view it, and is then recycled for a later
+    spool (:mod:`~wdsllm.storage.mappings`): a closed spool answers no more reads or waits.
+    ``mm``: a mapping of at least ``end`` bytes to write into instead (the caller's: not
+    recycled).
     """
 
     def __init__(
@@ -225,7 +227,10 @@ class Spool(SpooledRange):
         self.offset, self.end = offset, end
         self._recycle = mm is None
         self.mm = mappings.take(end) if mm is None else mm
-        size = max(1, block_size or parallel.BLOCK_SIZE)
+        self._queue = parallel.block_queue()
+        if block_size is None:  # a fast store's blocks go one at a time: fewer, larger GETs
+            block_size = parallel.SERIAL_BLOCK_SIZE if self._queue.fast else parallel.BLOCK_SIZE
+        size = max(1, block_size)
         self._blocks = [(o, min(size, end - o)) for o in range(offset, end, size)]
         self._got = [0] * len(self._blocks)
         self._finished = [False] * len(self._blocks)
@@ -237,26 +242,37 @@ class Spool(SpooledRange):
         self._pos = offset
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._queue = parallel.block_queue()
         self._in_flight = max(1, in_flight or parallel.IN_FLIGHT)
-        self._received = 0
-        self._started: float | None = None  # when its first block started
+        self._received = 0  # bytes since the first ones arrived
+        self._flowing: float | None = None  # when the first bytes arrived
         self._paced = False
         self._next = len(self._blocks)  # every block is queued now, in order
         for i in range(len(self._blocks)):
             self._queue.put(self, partial(self._fetch, i), self._in_flight)
 
     def _pace(self, n: int) -> None:
-        """``n`` more bytes arrived: once 4 MiB or 50 ms tell, the queue learns whether this store
-        is below SERIAL_RATE (the caller holds the condition)."""
+        """``n`` more bytes arrived: once 4 MiB or 50 ms after the first ones tell, the queue learns
+        whether this store sends slower than SERIAL_RATE (the caller holds the condition). The
+        first-byte wait does not count: blocks one at a time overlap it (each starts while the one
+        before is half in), and larger blocks pay it less often; a slow connection needs several."""
         from . import parallel
 
+        now = time.monotonic()
+        if self._flowing is None:
+            self._flowing = now
+            return
         self._received += n
-        if not self._paced and self._started is not None:
-            elapsed = time.monotonic() - self._started
-            if self._received >= 4 << 20 or elapsed >= 0.05:
-                self._paced = True
-                self._queue.pace(slow=self._received < parallel.SERIAL_RATE * elapsed)
+        elapsed = now - self._flowing
+        if not self._paced and (self._received >= 4 << 20 or elapsed >= 0.05):
+            self._paced = True
+            slow = self._received < parallel.SERIAL_RATE * elapsed
+            log.debug(
+                "%s: %.0f MB/s: %s store",
+                self.name,
+                self._received / max(elapsed, 1e-6) / 1e6,
+                "a slow" if slow else "a fast",
+            )
+            self._queue.pace(slow=slow)
 
     def _fetch(self, i: int, ticket: Any) -> None:
         offset, length = self._blocks[i]
@@ -278,9 +294,6 @@ class Spool(SpooledRange):
 
     def _download(self, i: int, view: memoryview, ticket: Any) -> None:
         offset, length = self._blocks[i]
-        with self._cond:
-            if self._started is None:
-                self._started = time.monotonic()
         src = self._open_range(offset, length)
         try:
             fill = getattr(src, "readinto1", None) or src.readinto
@@ -438,7 +451,7 @@ def prefetch_iter(
                     return offloaded  # type: ignore[return-value]
 
             def open_range(start: int, size: int, url: str = url, kwargs: dict = kwargs) -> BinaryIO:
-                return open_stream(url, **{**kwargs, "offset": start, "length": size})
+                return open_stream(url, **{**kwargs, "offset": start, "length": size, "one_request": True})
 
             return Spool(open_range, offset, end, name=url)  # type: ignore[return-value]
         ahead = ReadAhead(lambda: open_stream(url, **kwargs), name=url, chunk_size=chunk_size, max_chunks=max_chunks)

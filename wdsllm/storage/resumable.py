@@ -227,6 +227,7 @@ def open_stream(
     cache: Any = None,
     expected_sha256: str | None = None,
     expected_size: int | None = None,
+    one_request: bool = False,
 ) -> BinaryIO:
     """A readable binary stream of bytes ``[offset, offset+length)`` of ``url``.
 
@@ -237,7 +238,9 @@ def open_stream(
     ``allow_pipe=True`` and is never retried. With ``cache`` (a
     :class:`~wdsllm.storage.cache.ShardCache`), remote objects are served from a verified local
     copy. ``expected_size`` is checked against the object's size as soon as it is known;
-    ``expected_sha256`` when a whole-object read reaches its end.
+    ``expected_sha256`` when a whole-object read reaches its end. A remote range longer than
+    ``BLOCK_SIZE`` is read as concurrent blocks; ``one_request=True`` reads it with one GET
+    (resumed where it breaks), for a caller that schedules its own blocks.
     """
     policy = retry or DEFAULT_RETRY
     backend = backend_for(url)
@@ -261,7 +264,7 @@ def open_stream(
         policy = RetryPolicy(attempts=1, timeout=policy.timeout)
     timeout = policy.timeout
     end = offset + length if length is not None else expected_size
-    if backend.remote and end is not None and end - offset > parallel.BLOCK_SIZE:
+    if backend.remote and not one_request and end is not None and end - offset > parallel.BLOCK_SIZE:
         # several ranged GETs in flight: the network's wait overlaps the consumer's work
         def open_block(start: int, size: int) -> ResumableStream:
             return ResumableStream(
