@@ -319,6 +319,7 @@ def test_pack_verify_load_round_trip(store, wiki_input, wiki_local):
     for command in ("info", "head"):
         remote, local = cli(command, root), cli(command, str(wiki_local))
         assert remote.returncode == 0, remote.stderr
+        assert local.returncode == 0, local.stderr
         assert remote.stdout.splitlines()[1:] == local.stdout.splitlines()[1:], command
     expected = {i: t for i, _, t in documents(wdsllm.dataset(str(wiki_local), batch_size=16, shuffle=False))}
     got = []
@@ -338,6 +339,7 @@ def test_info_verify_head_on_read_only_schemes(store, wiki_local):
     for command in ("info", "head"):  # head detokenizes with the tokenizer.json the dataset carries
         remote, local = cli(command, root), cli(command, str(wiki_local))
         assert remote.returncode == 0, remote.stderr
+        assert local.returncode == 0, local.stderr
         assert remote.stdout.splitlines()[1:] == local.stdout.splitlines()[1:], command
 
 

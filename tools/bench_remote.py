@@ -8,7 +8,8 @@ Packs the shared Wikipedia corpus with the GPT-2 tokenizer in docs mode and in p
 the test fixtures' servers on 127.0.0.1, each in a process of its own (the HTTP server with Range
 and keep-alive, moto S3, the GCS emulator, Azurite when node has it, the fake Hub), puts the
 datasets there, and streams each dataset from local disk and every scheme with ``wdsllm.loader``
-at num_workers 0 and 2 (``--schemes`` picks some). A run streams whole epochs (reshuffled, no
+at num_workers 0 and 2 (``--schemes`` picks some; ``--persistent-workers`` keeps the workers between
+epochs). A run streams whole epochs (reshuffled, no
 cache) until --seconds have passed; each configuration runs --repeats times, interleaved across
 sources. Reported: the best tokens/s of the repeats (other processes on the machine only ever slow
 a run down, so the best is the least disturbed) and the median time to the first batch.
@@ -225,6 +226,9 @@ def main() -> None:
     ap.add_argument("--workers", default="0,2")
     ap.add_argument("--schemes", default="http,s3,gs,az,hf")
     ap.add_argument(
+        "--persistent-workers", action="store_true", help="keep DataLoader workers between epochs (runs with workers)"
+    )
+    ap.add_argument(
         "--torch-threads",
         type=int,
         default=1,
@@ -253,9 +257,10 @@ def main() -> None:
                 stream(source, 0, MODES[mode]["load"], 0)
             for workers in (int(w) for w in args.workers.split(",")):
                 runs: dict[str, list[dict]] = {k: [] for k in sources}
+                load = {**MODES[mode]["load"], **({"persistent_workers": True} if args.persistent_workers else {})}
                 for _ in range(args.repeats):
                     for kind, source in sources.items():
-                        runs[kind].append(stream(source, workers, MODES[mode]["load"], args.seconds))
+                        runs[kind].append(stream(source, workers, load, args.seconds))
                 local = max(r["tokens_per_s"] for r in runs["local"])
                 for kind in sources:
                     rate = max(r["tokens_per_s"] for r in runs[kind])

@@ -69,6 +69,9 @@ class EpochTask:
     limit: WorkerLimit | None = None  # batches this worker may yield this epoch
     plan: EpochPlan | None = None  # replaces the normal epoch plan (the remainder of an interrupted epoch)
     hint: dict | None = None  # the batcher's own note of where first_batch starts (same layout)
+    #: the stream this process likely reads next (the next epoch's), whose first remote shards
+    #: start while this one's last are read; None: this process may read no further pass
+    following: StreamSpec | None = None
 
 
 @dataclass
@@ -98,6 +101,7 @@ class EpochSource(IterableDataset):
         self._resume: dict[int, WorkerPosition] = {}  # worker -> position for the next iteration
         self._plans: dict[int, EpochPlan] = {}  # epoch -> the plan that replaces its normal one
         self._limits: dict = {}  # (epoch, workers) -> EpochLimits | None, for the last key asked
+        self._passes: dict[tuple[int, int], int] = {}  # (worker, workers) -> passes begun in this process
 
     @property
     def epoch(self) -> int:
@@ -130,6 +134,7 @@ class EpochSource(IterableDataset):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_limits"] = {}  # recomputed where needed, not shipped to workers
+        state["_passes"] = {}  # a fresh worker has begun none
         return state
 
     def limits(self, epoch: int, workers: int) -> EpochLimits | None:
@@ -160,14 +165,20 @@ class EpochSource(IterableDataset):
         first_batch, hint = 0, None
         if worker in self._resume:
             epoch, first_batch, hint = ((*tuple(self._resume[worker]), None))[:3]
+        # a process that has read a pass before will likely read the next epoch after this one
+        # (0 workers, persistent workers); a fresh DataLoader worker ends with its epoch
+        passes = self._passes.get((worker, workers), 0)
+        self._passes[(worker, workers)] = passes + 1
         while True:
             limits = self.limits(epoch, workers)
+            warm = cfg.infinite or passes > 0
             yield EpochTask(
                 spec=cfg.spec(epoch, self.rank, self.world, worker, workers),
                 first_batch=first_batch,
                 limit=limits.worker_limit(worker) if limits is not None else None,
                 plan=self.plan_for(epoch),
                 hint=hint,
+                following=cfg.spec(epoch + 1, self.rank, self.world, worker, workers) if warm else None,
             )
             if not cfg.infinite:
                 break
@@ -224,10 +235,7 @@ def _epoch_batches(
         limit = task.limit
         if limit is not None and limit.reached(task.first_batch):
             continue
-        if spec.resample:
-            slices = resampled_slices(len(catalog.urls), spec.seed, spec.epoch, spec.rank, spec.worker)
-        else:
-            slices = slices_for(catalog, cfg, spec, task.plan)
+        slices = task_slices(catalog, cfg, spec, task.plan)
         lengths = None  # a share's lengths: only to find where a resume without a hint starts
         if batcher.needs_lengths and not spec.resample and task.hint is None and task.first_batch:
             lengths = slice_item_lengths(catalog, slices, spec)
@@ -236,8 +244,14 @@ def _epoch_batches(
         start = batcher.start_position(task.first_batch, lengths, task.hint)
         failed: set[str] = set()
 
-        def blocks_from(position: int, slices=slices, spec=spec):
-            return plan_items(catalog, slices, spec, start=position, options=read, stats=stats)
+        def following(next_spec=task.following) -> tuple[list, StreamSpec] | None:
+            """The next epoch's slices, asked for once this one's last shards have started."""
+            if next_spec is None:
+                return None
+            return task_slices(catalog, cfg, next_spec, None), next_spec
+
+        def blocks_from(position: int, slices=slices, spec=spec, following=following):
+            return plan_items(catalog, slices, spec, start=position, options=read, stats=stats, then=following)
 
         index = task.first_batch
         for index, items, hint in batcher.batches(
@@ -273,6 +287,13 @@ def _epoch_batches(
                 "skipped_docs": stats.skipped_docs,
             },
         )
+
+
+def task_slices(catalog: Catalog, cfg: Config, spec: StreamSpec, plan: EpochPlan | None) -> list:
+    """The slices a stream reads: resampled, or its epoch's plan (``plan``: one that replaces it)."""
+    if spec.resample:
+        return resampled_slices(len(catalog.urls), spec.seed, spec.epoch, spec.rank, spec.worker)
+    return slices_for(catalog, cfg, spec, plan)
 
 
 def _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit, emit):

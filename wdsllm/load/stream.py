@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
@@ -343,6 +344,9 @@ class StreamStats:
 #: remote shards started behind the one being read, up to this many bytes (at least the next one):
 #: a small shard is read faster than the next one's first bytes take to arrive
 PREFETCH_AHEAD_BYTES = 64 << 20
+#: a process that reads epoch after epoch starts the next epoch's first remote shards while it
+#: reads this one's last (``WDSLLM_WARM_NEXT_EPOCH=0``: never; docs/remote.md)
+WARM_NEXT_EPOCH = os.environ.get("WDSLLM_WARM_NEXT_EPOCH", "1") != "0"
 
 
 def plan_items(
@@ -353,12 +357,16 @@ def plan_items(
     start: int = 0,
     options: ReadOptions | None = None,
     stats: StreamStats | None = None,
+    then: Callable[[], tuple[list[Slice], StreamSpec] | None] | None = None,
 ) -> Iterator[Block]:
     """The plan stream from plan position ``start``: blocks of items in plan order.
 
     With counts from the index, slices before ``start`` are not opened and the slice holding it
     is entered by skipping groups; without them the items before ``start`` are read and dropped.
     The next shard is opened (and, when remote, read ahead) while the current one is consumed.
+    ``then``: the slices and spec of the stream read next in this process (the next epoch's),
+    asked for once the last shard here has started; its first remote shards start then too
+    (``storage.prefetch_iter``'s ``then``).
     """
     options = options or ReadOptions()
     raw = getattr(catalog, "read_unit", None)  # raw text: units read and tokenized here (load/raw.py)
@@ -366,22 +374,32 @@ def plan_items(
     def is_raw(sl: Slice) -> bool:  # a unit of raw text (one raw source, or a mixture's raw source)
         return raw is not None or hasattr(catalog.owner(sl.shard)[0], "read_unit")
 
-    # each slice with where a ranged read can enter its shard (remote shards, groups.npy)
-    work = (
-        (sl, skip, drop, None if is_raw(sl) else ranged_start(*_reader(catalog, sl), skip, options))
-        for sl, skip, drop in _slice_work(catalog, slices, spec, start)
-    )
+    def with_starts(slices, spec: StreamSpec, start: int) -> Iterator[tuple]:
+        """Each slice with where a ranged read can enter its shard (remote shards, groups.npy)."""
+        for sl, skip, drop in _slice_work(catalog, slices, spec, start):
+            yield sl, skip, drop, None if is_raw(sl) else ranged_start(*_reader(catalog, sl), skip, options)
+
+    def opened(work: Iterable[tuple]) -> Iterator[tuple[str, dict]]:
+        """What prefetch_iter opens for each slice."""
+        for sl, _, _, at in work:
+            if not is_raw(sl):  # a mixture's raw units are read by their source, not opened here
+                yield catalog.urls[sl.shard], open_kwargs(*_reader(catalog, sl, shard=True), options, at)
+
+    def next_pass() -> Iterator[tuple[str, dict]]:
+        following = then() if then is not None and WARM_NEXT_EPOCH else None
+        if following is not None:
+            yield from opened(with_starts(*following, 0))
+
+    work = with_starts(slices, spec, start)
     if options.prefetch and not raw:
         work, ahead = itertools.tee(work)
         streams = storage.prefetch_iter(
-            (
-                (catalog.urls[sl.shard], open_kwargs(*_reader(catalog, sl, shard=True), options, at))
-                for sl, _, _, at in ahead
-                if not is_raw(sl)  # a mixture's raw units are read by their source, not opened here
-            ),
+            opened(ahead),
             spool=True,  # remote shards of known size are read in place, as mapped local ones are
             ahead_bytes=PREFETCH_AHEAD_BYTES,
             offload=bool(options.fetch_process),  # a fetch process fills the spools (storage/offload.py)
+            then=next_pass(),
+            owner=(id(catalog), spec.rank, spec.world, spec.worker, spec.workers),  # whose warmed shards
         )
     else:
         streams = None

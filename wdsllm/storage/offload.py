@@ -104,6 +104,11 @@ class OffloadedSpool(SpooledRange):
         with self._cond:
             return self._filled
 
+    @property
+    def failed(self) -> bool:
+        with self._cond:
+            return self._error is not None
+
     def close(self) -> None:
         if not self.closed:
             super().close()

@@ -10,7 +10,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from functools import partial
 from typing import Any, BinaryIO, Union
 
@@ -167,6 +167,11 @@ class SpooledRange(io.RawIOBase):
 
     def available(self) -> int:
         """Bytes arrived in order from ``offset``."""
+        raise NotImplementedError
+
+    @property
+    def failed(self) -> bool:
+        """Whether an error stopped part of the download."""
         raise NotImplementedError
 
     def readable(self) -> bool:
@@ -364,6 +369,11 @@ class Spool(SpooledRange):
         with self._cond:
             return self._filled()
 
+    @property
+    def failed(self) -> bool:
+        with self._cond:
+            return any(e is not None for e in self._errors)
+
     def join(self) -> None:
         """Return once no block download runs (after :meth:`close`: nothing writes into the
         mapping any more; a stalled read ends within its timeout)."""
@@ -413,6 +423,8 @@ def prefetch_iter(
     ahead_bytes: int = 0,
     max_depth: int = 8,
     offload: bool = False,
+    then: Iterable[StreamSpec] = (),
+    owner: Hashable = None,
 ) -> Iterator[BinaryIO]:
     """Streams of the given objects in order, each remote one started ``depth`` shards early.
 
@@ -431,7 +443,22 @@ def prefetch_iter(
 
     ``offload``: spools are filled by a fetch process (:mod:`~wdsllm.storage.offload`) where one
     can run, so that receiving does not share this process's GIL with the consumer.
+
+    ``then``: what the next pass will likely read first (the next epoch's first shards). Once
+    every item has started, those that would be spooled are started too, under the same
+    ``ahead_bytes``, and parked for ``owner`` when this iteration ends
+    (:mod:`~wdsllm.storage.parking`); the owner's next iteration adopts a parked spool when it
+    asks for the same object with the same arguments, and closes it when it ends without it.
     """
+    from . import parking
+
+    def spooled(url: str, kwargs: dict[str, Any]) -> bool:
+        """Whether ``url`` is read whole into a spool (remote, of known size, no cache)."""
+        if not spool or not is_remote(url) or depth <= 0 or kwargs.get("cache") is not None:
+            return False
+        offset, length = kwargs.get("offset", 0), kwargs.get("length")
+        end = offset + length if length is not None else kwargs.get("expected_size")
+        return end is not None and end - offset <= SPOOL_MAX
 
     def start(item: StreamSpec) -> BinaryIO:
         url, kwargs = (item, {}) if isinstance(item, str) else item
@@ -442,7 +469,10 @@ def prefetch_iter(
                 return _Failed(url, exc)
         offset, length = kwargs.get("offset", 0), kwargs.get("length")
         end = offset + length if length is not None else kwargs.get("expected_size")
-        if spool and end is not None and end - offset <= SPOOL_MAX and kwargs.get("cache") is None:
+        if spooled(url, kwargs):
+            adopted = parking.PARKING.adopt(owner, url, kwargs)
+            if adopted is not None:
+                return adopted
             if offload:
                 from .offload import offloaded_spool
 
@@ -469,24 +499,61 @@ def prefetch_iter(
     pending: collections.deque[tuple[BinaryIO, int | None]] = collections.deque()
     held: list[StreamSpec] = []  # the next item, taken to learn its size but not started
     current: BinaryIO | None = None
+    following = iter(then)
+    warmed: list[tuple[str, dict[str, Any], BinaryIO, int]] = []  # started for the next pass
+    held_next: list[StreamSpec] = []  # the next of ``then``, taken to learn its size
+    last_started = False  # every item has started
+
+    def fits(n: int, size: int | None) -> bool:
+        """Whether one more object of ``size`` may start: ``n`` in all are started at once,
+        more while those behind the current one hold at most ``ahead_bytes``."""
+        if len(pending) + len(warmed) < n:
+            return True
+        behind = [b for _, b in list(pending)[1:]] + [w[3] for w in warmed]
+        return size is not None and None not in behind and sum(behind) + size <= ahead_bytes  # type: ignore[arg-type]
 
     def fill(n: int) -> None:
         """The one to yield now, ``depth`` started behind it, and more while they fit ``ahead_bytes``."""
+        nonlocal last_started
         while len(pending) < max(n, 1) + max_depth:
             item = held.pop() if held else next(items, _EOF)
             if item is _EOF:
+                last_started = True
                 return
             size = size_of(item)
-            if len(pending) >= n:
-                behind = [b for _, b in list(pending)[1:]]
-                if size is None or None in behind or sum(behind) + size > ahead_bytes:  # type: ignore[arg-type]
-                    held.append(item)
-                    return
+            if not fits(n, size):
+                held.append(item)
+                return
             pending.append((start(item), size))
 
+    def warm(n: int) -> None:
+        """After the last item started: the next pass's first spooled items, while they fit. A
+        guess: what fails here (planning the next pass, starting a spool) stops the warming, not
+        this pass; the next pass meets it again if it is real."""
+        nonlocal following
+        while last_started and len(pending) + len(warmed) < max(n, 1) + max_depth:
+            try:
+                item = held_next.pop() if held_next else next(following, _EOF)
+                if item is _EOF:
+                    return
+                url, kwargs = (item, {}) if isinstance(item, str) else item
+                size = size_of(item)
+                if not spooled(url, kwargs) or size is None:
+                    return  # the next pass opens it, and what follows it, when its turn comes
+                if not fits(n, size):
+                    held_next.append(item)
+                    return
+                warmed.append((url, kwargs, start(item), size))
+            except Exception as exc:
+                log.debug("not starting the next pass's first objects: %s", exc)
+                following, held_next[:] = iter(()), []
+                return
+
+    begun = parking.PARKING.begin()
     try:
         while True:
             fill(max(depth, 0) + 1)
+            warm(max(depth, 0) + 1)
             if not pending:
                 return
             current = pending.popleft()[0]
@@ -498,3 +565,6 @@ def prefetch_iter(
             current.close()
         for stream, _ in pending:
             stream.close()
+        parking.PARKING.end(owner, begun)
+        for url, kwargs, stream, _ in warmed:
+            parking.PARKING.park(owner, url, kwargs, stream)
