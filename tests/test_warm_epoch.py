@@ -3,6 +3,7 @@ remote shards while the last ones of this one are read, and the next pass adopts
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import shutil
 import time
@@ -242,3 +243,18 @@ def test_a_next_pass_that_cannot_be_planned_leaves_this_one_alone(http_server):
 
     assert read_all([(a_url, a_kw)], then=following()) == [a]
     assert parking.parked_count() == 0
+
+
+def test_fresh_workers_over_remote_shards_suggest_persistent_ones_once(served, synth, caplog):
+    hint = "persistent_workers=True"
+    for source, expected in ((served, 1), (str(synth), 0)):
+        loader = wdsllm.loader(source, retry=FAST, num_workers=2, **LOAD)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="wdsllm.load.loader"):
+            epochs_of(loader, [0, 1, 2])
+        assert sum(hint in r.getMessage() for r in caplog.records) == expected, source
+    persistent = wdsllm.loader(served, retry=FAST, num_workers=2, persistent_workers=True, **LOAD)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="wdsllm.load.loader"):
+        epochs_of(persistent, [0, 1])
+    assert not any(hint in r.getMessage() for r in caplog.records)

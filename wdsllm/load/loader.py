@@ -182,6 +182,8 @@ class Loader:
         self._rr: RoundRobin | None = None
         self._started = False  # whether any iteration has begun (rank and world are then fixed)
         self._pass = 0  # the current pass; a pass abandoned by its caller must not touch a later one
+        self._hinted_persistent = False  # whether persistent_workers was suggested (once per loader)
+        self._remote: bool | None = None  # whether any shard is remote (see _reads_remote)
         self._positions: dict[int, tuple] = {}  # worker -> (epoch, batches handed out, batcher hint)
         self._yielded = 0  # batches handed out this epoch (finite) or since the stream began
         self._steps = 0  # batches handed out in the current steps_per_epoch loop
@@ -372,6 +374,12 @@ class Loader:
             )
 
     # -- iteration ------------------------------------------------------------------------------
+    def _reads_remote(self) -> bool:
+        """Whether any shard is remote (asked once)."""
+        if self._remote is None:
+            self._remote = any(storage.is_remote(url) for url in self.catalog.urls)
+        return self._remote
+
     def _worker_batches(self) -> Iterator:
         """Compact batches and end markers from the workers (or this process)."""
         if self.num_workers == 0:
@@ -384,6 +392,12 @@ class Loader:
             # may still be writing into the old one)
             self._ring.ring = TokenRing(self.num_workers, slots=(self.prefetch_factor or 2) + 2)
             storage.prepare_workers()  # what each worker would build again (an S3 client), built once here
+            if self._dataloader is not None and not self._hinted_persistent and self._reads_remote():
+                self._hinted_persistent = True
+                log.info(
+                    "new DataLoader workers again for this epoch: with remote shards, persistent_workers=True keeps "
+                    "their clients and connections and starts each next epoch's first shards early (docs/remote.md)"
+                )
         if self._dataloader is None:
             self._dataloader = DataLoader(
                 self.pipeline,
