@@ -169,9 +169,9 @@ class EpochSource(IterableDataset):
         # (0 workers, persistent workers); a fresh DataLoader worker ends with its epoch
         passes = self._passes.get((worker, workers), 0)
         self._passes[(worker, workers)] = passes + 1
+        warm = cfg.infinite or passes > 0
         while True:
             limits = self.limits(epoch, workers)
-            warm = cfg.infinite or passes > 0
             yield EpochTask(
                 spec=cfg.spec(epoch, self.rank, self.world, worker, workers),
                 first_batch=first_batch,

@@ -39,11 +39,10 @@ import socket
 import threading
 import warnings
 from functools import partial
-from typing import Any
 
 from .counters import count, stats
 from .mappings import KEEP, KEEP_BYTES
-from .prefetch import Spool, SpooledRange
+from .prefetch import Spool, SpooledRange, open_spool_block
 from .retry import make_error
 
 log = logging.getLogger(__name__)
@@ -415,12 +414,6 @@ def _report(reports: _Reports, sid: int, spool: Spool, spools: dict[int, Spool])
     reports.send("free", sid, filled)
 
 
-def _open_range(url: str, kwargs: dict, start: int, size: int) -> Any:
-    from .resumable import open_stream
-
-    return open_stream(url, **{**kwargs, "offset": start, "length": size, "one_request": True})
-
-
 def _serve(sock: socket.socket) -> None:
     """The fetch process: a spool per request, until the parent closes its end.
 
@@ -465,7 +458,7 @@ def _serve(sock: socket.socket) -> None:
             finally:
                 for fd in fds:
                     os.close(fd)
-            spool = spools[sid] = Spool(partial(_open_range, url, kwargs), offset, end, name=url, mm=mm)
+            spool = spools[sid] = Spool(partial(open_spool_block, url, kwargs), offset, end, name=url, mm=mm)
         except Exception as exc:  # the reader gets it; the memory was never written
             reports.send("done", sid, offset, _portable(exc))
             reports.send("free", sid, offset)

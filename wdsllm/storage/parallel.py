@@ -32,8 +32,9 @@ _READ = 4 << 20  # bytes per readinto of a block (one hop to the event loop)
 #: their bytes arrive at least this fast (bytes/s, counted from the first bytes' arrival;
 #: ``WDSLLM_SERIAL_RATE``), and ``IN_FLIGHT`` at a time below it: blocks in flight together share
 #: the rate, so the one the reader needs next arrives that much slower. A store one connection
-#: reads this fast (on the same host or rack) gains nothing from more; a far or throttled one,
-#: where each GET waits for its first byte or is capped per connection, does (:class:`BlockQueue`).
+#: reads this fast (on the same host or rack) gains nothing from more; one whose connections are
+#: capped below it (far, or throttled per connection) does (:class:`BlockQueue`). A slow first
+#: byte alone is overlapped by the next block starting while the current one is half in.
 SERIAL_RATE = float(os.environ.get("WDSLLM_SERIAL_RATE") or 256e6)
 #: Bytes per ranged GET of a spool made once the store measured fast (``WDSLLM_SERIAL_BLOCK_SIZE``):
 #: blocks then go one at a time anyway, and each GET costs a request on both ends (a 27 MB shard

@@ -413,6 +413,22 @@ class _Failed(io.RawIOBase):
 StreamSpec = Union[str, "tuple[str, dict[str, Any]]"]
 
 
+def _url_and_kwargs(item: StreamSpec) -> tuple[str, dict[str, Any]]:
+    return (item, {}) if isinstance(item, str) else item
+
+
+def _byte_range(kwargs: dict[str, Any]) -> tuple[int, int | None]:
+    """(first byte, end or None when unknown) of what ``open_stream(**kwargs)`` reads."""
+    offset, length = kwargs.get("offset", 0), kwargs.get("length")
+    return offset, offset + length if length is not None else kwargs.get("expected_size")
+
+
+def open_spool_block(url: str, kwargs: dict[str, Any], start: int, size: int) -> BinaryIO:
+    """One block of a spool of ``url`` opened with ``kwargs``: one GET, resumed where it breaks
+    (the spool schedules its blocks itself)."""
+    return open_stream(url, **{**kwargs, "offset": start, "length": size, "one_request": True})
+
+
 def prefetch_iter(
     urls_and_kwargs: Iterable[StreamSpec],
     depth: int = 1,
@@ -456,20 +472,18 @@ def prefetch_iter(
         """Whether ``url`` is read whole into a spool (remote, of known size, no cache)."""
         if not spool or not is_remote(url) or depth <= 0 or kwargs.get("cache") is not None:
             return False
-        offset, length = kwargs.get("offset", 0), kwargs.get("length")
-        end = offset + length if length is not None else kwargs.get("expected_size")
+        offset, end = _byte_range(kwargs)
         return end is not None and end - offset <= SPOOL_MAX
 
     def start(item: StreamSpec) -> BinaryIO:
-        url, kwargs = (item, {}) if isinstance(item, str) else item
+        url, kwargs = _url_and_kwargs(item)
         if not is_remote(url) or depth <= 0:
             try:
                 return open_stream(url, **kwargs)
             except Exception as exc:  # raised where this object is read, not while another one is
                 return _Failed(url, exc)
-        offset, length = kwargs.get("offset", 0), kwargs.get("length")
-        end = offset + length if length is not None else kwargs.get("expected_size")
         if spooled(url, kwargs):
+            offset, end = _byte_range(kwargs)
             adopted = parking.PARKING.adopt(owner, url, kwargs)
             if adopted is not None:
                 return adopted
@@ -479,20 +493,15 @@ def prefetch_iter(
                 offloaded = offloaded_spool(url, kwargs, offset, end)
                 if offloaded is not None:
                     return offloaded  # type: ignore[return-value]
-
-            def open_range(start: int, size: int, url: str = url, kwargs: dict = kwargs) -> BinaryIO:
-                return open_stream(url, **{**kwargs, "offset": start, "length": size, "one_request": True})
-
-            return Spool(open_range, offset, end, name=url)  # type: ignore[return-value]
+            return Spool(partial(open_spool_block, url, kwargs), offset, end, name=url)  # type: ignore[return-value]
         ahead = ReadAhead(lambda: open_stream(url, **kwargs), name=url, chunk_size=chunk_size, max_chunks=max_chunks)
         return io.BufferedReader(ahead, buffer_size=STREAM_BUFFER)
 
     def size_of(item: StreamSpec) -> int | None:
-        url, kwargs = (item, {}) if isinstance(item, str) else item
+        url, kwargs = _url_and_kwargs(item)
         if not is_remote(url):
             return None  # opened when its turn comes: nothing to hide
-        offset, length = kwargs.get("offset", 0), kwargs.get("length")
-        end = offset + length if length is not None else kwargs.get("expected_size")
+        offset, end = _byte_range(kwargs)
         return None if end is None else end - offset
 
     items = iter(urls_and_kwargs)
@@ -536,7 +545,7 @@ def prefetch_iter(
                 item = held_next.pop() if held_next else next(following, _EOF)
                 if item is _EOF:
                     return
-                url, kwargs = (item, {}) if isinstance(item, str) else item
+                url, kwargs = _url_and_kwargs(item)
                 size = size_of(item)
                 if not spooled(url, kwargs) or size is None:
                     return  # the next pass opens it, and what follows it, when its turn comes
