@@ -268,6 +268,30 @@ def test_steps_per_epoch_gives_a_fixed_length(tmp_path):
     assert [b for r in runs for b in r] == once
 
 
+def test_a_dropped_endless_loader_stops_its_workers_at_once(tmp_path):
+    """An endless loader keeps its stream between loops; dropping the loader mid-stream must stop
+    its DataLoader workers then, not at a garbage collection that may run in a process forked
+    later (where DataLoader's clean-up fails: 'can only test a child process')."""
+    import gc
+    import multiprocessing
+    import weakref
+
+    write_dataset(tmp_path, [40, 40])
+    gc.disable()
+    try:
+        loader = wdsllm.loader(str(tmp_path), batch_size=4, epochs=None, num_workers=2, shuffle_buffer=3)
+        for i, _ in enumerate(loader):
+            if i == 3:
+                break
+        assert len(multiprocessing.active_children()) == 2
+        dropped = weakref.ref(loader)
+        del loader
+        assert dropped() is None, "nothing but the caller holds the loader"
+        assert multiprocessing.active_children() == []
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_set_epoch_reaches_dataloader_workers(tmp_path, persistent):
     info = write_dataset(tmp_path, [20, 13, 9, 17])

@@ -212,6 +212,21 @@ def test_http_resume_of_a_ranged_read_keeps_its_end(served, http_server):
     assert http_server.ranges("/r.bin") == ["bytes=5000-54999", "bytes=15000-54999", "bytes=25000-54999"]
 
 
+def test_http_whole_read_of_megabytes_is_exact_through_cuts_and_checks_its_digest(served, http_server):
+    """read() of a whole object (read_bytes: an index's lengths, a tokenizer) asks the body for
+    megabytes at a time; it still resumes at the byte where a body broke and checks the digest."""
+    data = payload(6_000_000)
+    url = served("big.bin", data)
+    http_server.faults.add("/big.bin", "drop_after", bytes=2_500_000, times=2)
+    assert read_bytes(url, retry=FAST) == data
+    assert http_server.ranges("/big.bin") == [None, "bytes=2500000-", "bytes=5000000-"]
+    good = hashlib.sha256(data).hexdigest()
+    with open_stream(url, retry=FAST, expected_sha256=good) as f:
+        assert f.read(10) == data[:10] and f.read() == data[10:]
+    with open_stream(url, retry=FAST, expected_sha256="0" * 64) as f, pytest.raises(StorageError, match="sha256"):
+        f.read()
+
+
 def test_http_server_that_ignores_range_is_skipped_not_duplicated(served, http_server):
     data = payload(80_000)
     url = served("i.bin", data)
@@ -365,6 +380,41 @@ def test_s3_read_ranged_read_and_exists(s3_server, s3_bucket, tmp_path):
         assert f.read() == b""
     assert read_bytes(join_url(dirname_url(url), "index.json")) == b'{"x": 1}'
     assert exists(url) and not exists(f"{s3_bucket}/prefix/ds/missing.tar")
+
+
+def test_s3_timestamps_parse_as_botocore_parses_them(s3_server, s3_bucket):
+    """Our quick parser gives botocore's datetime for every form, and real S3 answers (a HEAD's
+    Last-Modified, a listing's LastModified) come back as zone-aware datetimes of now."""
+    import datetime
+
+    from botocore.utils import parse_timestamp as botocore_parse
+
+    from wdsllm.storage import s3 as s3mod
+
+    for value in [
+        "Thu, 26 Nov 2026 13:21:27 GMT",
+        "2026-11-26T13:21:27.000Z",
+        "2026-11-26T13:21:27+02:00",
+        "2026-11-26T13:21:27",  # no zone: botocore's own rule
+        "1700000000",
+        1700000000,
+        "Donnerstag, 26 Nov 2026 13:21:27 GMT",  # not the C locale's day name: botocore decides
+    ]:
+        try:
+            expected = botocore_parse(value)
+        except Exception as exc:
+            with pytest.raises(type(exc)):
+                s3mod.parse_timestamp(value)
+            continue
+        got = s3mod.parse_timestamp(value)
+        assert got == expected and got.utcoffset() == expected.utcoffset(), value
+    s3_server.client().put_object(Bucket=s3_bucket.removeprefix("s3://"), Key="when/t.bin", Body=b"x")
+    fs = s3mod.filesystem()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    listed = fs.ls(f"{s3_bucket}/when", detail=True, refresh=True)[0]["LastModified"]
+    headed = fs.info(f"{s3_bucket}/when/t.bin", refresh=True)["LastModified"]
+    for when in (listed, headed):
+        assert when.tzinfo is not None and abs(when - now) < datetime.timedelta(hours=1)
 
 
 def test_s3_missing_key_or_bucket_fails_fast(s3_server, s3_bucket):
@@ -681,6 +731,10 @@ def test_s3_worker_forked_after_prepare_workers_reads_with_the_prepared_client(s
     assert s3mod._prepared, "a prepared session for the workers"
     prepared = dict(s3mod._prepared)
     clients = [session.prepared[1] for session in prepared.values()]  # built, not entered
+    # the TLS contexts (the CA bundle loaded: 43 ms of CPU) are built here, once, for every child
+    contexts = [c._endpoint.http_session._build_ssl_contexts(None)[0] for c in clients]
+    assert all(ctx.cert_store_stats()["x509_ca"] > 0 for ctx in contexts)
+    assert [c._endpoint.http_session._build_ssl_contexts(None)[0] for c in clients] == contexts
     for _ in range(2):  # two epochs of workers, both from the same prepared client
         r, w = os.pipe()
         pid = os.fork()
@@ -692,6 +746,8 @@ def test_s3_worker_forked_after_prepare_workers_reads_with_the_prepared_client(s
                     ok = ok and f.read() == data[1000:6000]
                 fs = s3mod.filesystem()
                 took = any(fs._s3 is c for c in clients) and len(s3mod._prepared) == len(prepared) - 1
+                tls = fs._s3._endpoint.http_session._build_ssl_contexts(None)[0]
+                took = took and any(tls is ctx for ctx in contexts)
                 os.write(w, f"{ok} {took}".encode())
                 code = 0
             finally:

@@ -16,6 +16,7 @@ to the caller (not merely prefetched), the round-robin turn, and the rank's batc
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -80,6 +81,13 @@ class RoundRobin:
                 continue
             self._advance()
             yield item
+
+
+def _note_end(loader: weakref.ref, end: EndOfWorker) -> None:
+    """A worker's end marker, counted by its loader while there is one."""
+    live = loader()
+    if live is not None:
+        live._note_stats(end.stats)
 
 
 class Loader:
@@ -491,7 +499,11 @@ class Loader:
         if self._stream is None:
             self.source.set_epoch(self._epoch)
             rr = self._begin()
-            self._stream = rr.run(self._worker_batches(), lambda end: self._note_stats(end.stats))
+            # The loader keeps its endless stream between iterations; a stream that held the loader
+            # too would make a cycle, so a dropped loader would keep its DataLoader workers and
+            # downloads running until a garbage collection, which may come in a process forked later.
+            loader = weakref.ref(self)
+            self._stream = rr.run(self._worker_batches(), lambda end: _note_end(loader, end))
         steps = self.cfg.steps_per_epoch
         while steps is None or self._steps < steps:
             try:

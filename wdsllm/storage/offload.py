@@ -444,7 +444,8 @@ def _serve(sock: socket.socket) -> None:
             continue
         mid, size, job = args
         url, kwargs, offset, end, changed, removed, level = pickle.loads(job)
-        logging.getLogger("wdsllm").setLevel(level)
+        if ours.level != level:  # setLevel clears every logger's cache: only when it changed
+            ours.setLevel(level)
         for key in removed:  # the parent's environment as it is now (credentials, proxies, endpoints)
             os.environ.pop(key, None)
         os.environ.update(changed)

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 #: Buffer of the stream objects that :func:`open_stream` returns for remote URLs.
 STREAM_BUFFER = 256 * 1024
 
+#: ``read()`` of the whole rest of a stream asks the body for up to this much at a time.
+READALL_CHUNK = 4 * 2**20
+
 
 class ResumableStream(io.RawIOBase):
     """Bytes ``[offset, offset+length)`` of one object, through any number of transient faults.
@@ -124,6 +127,22 @@ class ResumableStream(io.RawIOBase):
         else:
             self._finish()
         return n
+
+    def readall(self) -> bytes:
+        """The rest of the range (what ``read()`` returns), asked for in reads of up to 4 MiB.
+
+        RawIOBase's own reads 8 KiB at a time, and each read is one hop to the client's event
+        loop: 85 ms of CPU for a 3.7 MB object (an index's lengths, a tokenizer) instead of 3 ms.
+        Memory grows with the bytes that arrive, never with a size a server claims.
+        """
+        parts = []
+        while True:
+            left = READALL_CHUNK if self._end is None else self._end - self._pos
+            part = bytearray(max(1, min(READALL_CHUNK, left)))  # 1: the end is then noticed (checks)
+            n = self.readinto(part)
+            if not n:
+                return b"".join(parts)
+            parts.append(part if n == len(part) else part[:n])
 
     def close(self) -> None:
         if not self.closed:
