@@ -156,6 +156,32 @@ def test_http_connections_are_kept_alive(served, http_server):
     assert len({r.client_port for r in http_server.log()}) < len(http_server.log()) == 4
 
 
+def test_http_netrc_is_honoured_where_there_is_one(served, http_server, tmp_path, monkeypatch):
+    """aiohttp's trust_env (proxies and netrc) is on only where the environment has one of them
+    (it looks both up in a thread for every request); a netrc that appears is then used."""
+    import base64
+
+    from wdsllm.storage import aio, http
+
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    url = served("n.bin", payload(100))
+    assert not aio.environment_to_trust()
+    assert read_bytes(url, retry=FAST) == payload(100)
+    assert http.filesystem().client_kwargs["trust_env"] is False
+    assert http_server.log("/n.bin")[-1].authorization is None
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine 127.0.0.1 login reader password s3cret\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert aio.environment_to_trust()
+    assert read_bytes(url, retry=FAST) == payload(100)
+    assert http.filesystem().client_kwargs["trust_env"] is True
+    sent = http_server.log("/n.bin")[-1].authorization
+    assert sent == "Basic " + base64.b64encode(b"reader:s3cret").decode()
+
+
 def test_http_idle_connection_closed_by_server_is_not_a_fault(served, http_server):
     a, b = served("a.bin", payload(1000, seed=1)), served("b.bin", payload(1000, seed=2))
     http_server.faults.add("/a.bin", "close_after")

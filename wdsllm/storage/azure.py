@@ -20,7 +20,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from .aio import LoopBody, instance, range_header, release_if_read, run, salvaging_reader
+from .aio import LoopBody, environment_to_trust, instance, range_header, release_if_read, run, salvaging_reader
 from .backends import EmptyBody, anonymous, parse_content_range, register
 from .fsoutput import FsspecOutput
 from .output import Output
@@ -72,7 +72,8 @@ def _options(account: str | None, sas: str) -> dict[str, Any]:
 def filesystem(url: str, timeout: float = DEFAULT_RETRY.timeout) -> Any:
     account, _, _, sas = parse(url)
     opts = _options(account, sas)
-    key = ("az", os.environ.get("AZURE_STORAGE_CONNECTION_STRING"), tuple(sorted(opts.items())), timeout)
+    trust = environment_to_trust()
+    key = ("az", os.environ.get("AZURE_STORAGE_CONNECTION_STRING"), tuple(sorted(opts.items())), timeout, trust)
 
     def make() -> Any:
         try:
@@ -91,6 +92,11 @@ def filesystem(url: str, timeout: float = DEFAULT_RETRY.timeout) -> Any:
         config = fs.service_client._config
         config.connection_data_block_size = _BLOCK
         config.retry_policy.total_retries = 0  # every call: RetryPolicy is the one retry loop
+        transport = getattr(getattr(fs.service_client, "_pipeline", None), "_transport", None)
+        if not trust and hasattr(transport, "_use_env_settings"):
+            # azure-core's aiohttp session would look up proxies and netrc in a thread for every
+            # request (aio.environment_to_trust); read when it opens its session, on first use
+            transport._use_env_settings = False
         return fs
 
     return instance(key, make)

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from ..errors import StorageError
-from .aio import aiohttp_open, instance, range_header, run
+from .aio import aiohttp_open, environment_to_trust, instance, range_header, run
 from .backends import anonymous, register
 from .fsoutput import FsspecOutput, bucket_path
 from .output import Output
@@ -33,6 +33,7 @@ _SCHEMES = ("gs", "gcs")
 
 def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "gs://") -> Any:
     anon = anonymous("gs")
+    trust = environment_to_trust()
 
     def make() -> Any:
         try:
@@ -41,12 +42,12 @@ def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "gs://") -> An
             raise make_error(url, "gs:// URLs need gcsfs, which is not installed: pip install 'wdsllm[gcs]'") from exc
         return GCSFileSystem(
             token="anon" if anon else None,
-            session_kwargs={"trust_env": True},  # HTTP(S)_PROXY / NO_PROXY
+            session_kwargs={"trust_env": trust},  # HTTP(S)_PROXY / NO_PROXY, where set
             skip_instance_cache=True,
         )
 
     env = tuple(os.environ.get(v) for v in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"))
-    return instance(("gs", env, anon), make)
+    return instance(("gs", env, anon, trust), make)
 
 
 def gs_path(url: str) -> str:
@@ -87,8 +88,9 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
         target = fs.url(f"{bucket}/{key}", generation=pinned) if pinned else fs.url(f"{bucket}/{key}")
         resp, body = await aiohttp_open(fs.session, target, url, start, end, fs._get_headers(headers), timeout)
         gen = resp.headers.get("x-goog-generation")
-        if gen is None:  # emulators send no generation (and ignore generation=): ask the metadata
-            gen = (await fs._info(f"{bucket}/{key}", refresh=True)).get("generation")
+        if gen is None:  # emulators send no generation (and ignore generation=): ask the metadata,
+            # with one request (gcsfs's _info also lists the prefix, and may answer from its cache)
+            gen = (await fs._call("GET", "b/{}/o/{}", bucket, key, json_out=True)).get("generation")
         if gen is not None:
             body.etag = f"gen:{gen}"
         return body

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from .aio import aiohttp_open, client_timeout, instance, range_header, run, status_error
+from .aio import aiohttp_open, client_timeout, environment_to_trust, instance, range_header, run, status_error
 from .backends import EmptyBody, discard, register
 from .counters import count
 from .retry import make_error
@@ -26,14 +26,16 @@ USER_AGENT = "wdsllm-storage/2"
 
 
 def filesystem() -> Any:
-    """This process's HTTP filesystem; ``trust_env`` makes aiohttp honour the proxy variables."""
+    """This process's HTTP filesystem; ``trust_env`` makes aiohttp honour the proxy variables and
+    netrc, where there are any (:func:`~wdsllm.storage.aio.environment_to_trust`)."""
+    trust = environment_to_trust()
 
     def make() -> Any:
         from fsspec.implementations.http import HTTPFileSystem
 
-        return HTTPFileSystem(skip_instance_cache=True, client_kwargs={"trust_env": True, "auto_decompress": False})
+        return HTTPFileSystem(skip_instance_cache=True, client_kwargs={"trust_env": trust, "auto_decompress": False})
 
-    return instance("http", make)
+    return instance(("http", trust), make)
 
 
 async def _session() -> Any:
