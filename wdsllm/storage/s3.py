@@ -199,13 +199,18 @@ def _keep_tls_contexts(client: Any) -> None:
     context is plain OpenSSL state that no socket has used yet, so a child's copy is as good
     as its own. The contexts depend only on the client's verify and certificate settings and
     the proxy URL; one for each proxy is built when first asked for. Private aiobotocore API:
-    where it has changed, the child builds its own, as before.
+    where it has changed, or where building fails here (a CA bundle that cannot be read), the
+    child builds its own, as before, and reports what fails there.
     """
     http_session = getattr(getattr(client, "_endpoint", None), "http_session", None)
     build = getattr(http_session, "_build_ssl_contexts", None)
     if build is None:
         return
-    built: dict[str | None, Any] = {None: build(None)}
+    try:
+        built: dict[str | None, Any] = {None: build(None)}
+    except Exception:
+        log.debug("no TLS contexts prepared for the workers", exc_info=True)
+        return
 
     def contexts(proxy_url: str | None) -> Any:
         if proxy_url not in built:
