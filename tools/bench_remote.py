@@ -184,26 +184,22 @@ def stream(source: str, workers: int, load: dict, seconds: float, endless: bool 
     loader = wdsllm.loader(source, num_workers=workers, seed=0, **({"epochs": None} if endless else {}), **load)
     first = None
     tokens = epochs = 0
-    while endless:
-        batches = iter(loader)
-        for batch in batches:
+    if endless:
+        for batch in loader:  # the loader is dropped on return, which stops its workers
             if first is None:
                 first = time.perf_counter() - t0
             tokens += int(batch["lengths"].sum())
             if time.perf_counter() - t0 >= seconds:
                 break
-        del batches  # its workers stop before the next run starts
         epochs = 1
-        break
-    while not endless:
-        loader.set_epoch(epochs)
-        for batch in loader:
-            if first is None:
-                first = time.perf_counter() - t0
-            tokens += int(batch["lengths"].sum())
-        epochs += 1
-        if time.perf_counter() - t0 >= seconds:
-            break
+    else:
+        while time.perf_counter() - t0 < seconds or not epochs:
+            loader.set_epoch(epochs)
+            for batch in loader:
+                if first is None:
+                    first = time.perf_counter() - t0
+                tokens += int(batch["lengths"].sum())
+            epochs += 1
     elapsed = time.perf_counter() - t0
     size = sum(e.bytes for e in loader.catalog.shard_entries or []) if hasattr(loader, "catalog") else 0
     received = storage.stats()["received_bytes"] / (size * epochs) if size and not workers and not endless else None

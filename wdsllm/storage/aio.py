@@ -252,7 +252,7 @@ _inherited: list[Any] = []  # a forked child's copies of the parent's filesystem
 _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
 
 
-_PROXIES_AIOHTTP_READS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
+_PROXIES_AIOHTTP_READS = tuple(v for v in _PROXY_VARIABLES if v.lower() != "no_proxy")
 
 
 def environment_to_trust() -> bool:
@@ -261,9 +261,9 @@ def environment_to_trust() -> bool:
 
     With ``trust_env`` aiohttp looks both up again for every request, each in a thread: 1 ms of
     CPU per request on the project's VM, half of what a small ranged GET costs. Where neither is
-    set there is nothing to trust, and sessions are made without it. Callers key their sessions by
-    the answer, so a proxy or a netrc that appears later gets a session that uses it. Outside
-    Linux urllib also reads the system's proxy settings, so the answer there is always yes.
+    set there is nothing to trust, and sessions are made without it. :func:`process_key` holds
+    the answer, so a proxy or a netrc that appears later gets a new filesystem that uses it.
+    Outside Linux urllib also reads the system's proxy settings, so the answer there is always yes.
     """
     if not sys.platform.startswith("linux"):
         return True
@@ -273,8 +273,9 @@ def environment_to_trust() -> bool:
 
 
 def process_key(key: Any) -> Any:
-    """``key`` with the proxy variables as they are now: the key :func:`instance` files it under."""
-    return (key, tuple(os.environ.get(v) for v in _PROXY_VARIABLES))
+    """``key`` with the proxy variables as they are now, and whether there is an environment to
+    trust (:func:`environment_to_trust`): the key :func:`instance` files it under."""
+    return (key, tuple(os.environ.get(v) for v in _PROXY_VARIABLES), environment_to_trust())
 
 
 def instance(key: Any, make: Callable[[], Any]) -> Any:

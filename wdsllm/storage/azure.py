@@ -72,8 +72,7 @@ def _options(account: str | None, sas: str) -> dict[str, Any]:
 def filesystem(url: str, timeout: float = DEFAULT_RETRY.timeout) -> Any:
     account, _, _, sas = parse(url)
     opts = _options(account, sas)
-    trust = environment_to_trust()
-    key = ("az", os.environ.get("AZURE_STORAGE_CONNECTION_STRING"), tuple(sorted(opts.items())), timeout, trust)
+    key = ("az", os.environ.get("AZURE_STORAGE_CONNECTION_STRING"), tuple(sorted(opts.items())), timeout)
 
     def make() -> Any:
         try:
@@ -93,7 +92,7 @@ def filesystem(url: str, timeout: float = DEFAULT_RETRY.timeout) -> Any:
         config.connection_data_block_size = _BLOCK
         config.retry_policy.total_retries = 0  # every call: RetryPolicy is the one retry loop
         transport = getattr(getattr(fs.service_client, "_pipeline", None), "_transport", None)
-        if not trust and hasattr(transport, "_use_env_settings"):
+        if not environment_to_trust() and hasattr(transport, "_use_env_settings"):
             # azure-core's aiohttp session would look up proxies and netrc in a thread for every
             # request (aio.environment_to_trust); read when it opens its session, on first use
             transport._use_env_settings = False

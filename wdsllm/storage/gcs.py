@@ -33,7 +33,6 @@ _SCHEMES = ("gs", "gcs")
 
 def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "gs://") -> Any:
     anon = anonymous("gs")
-    trust = environment_to_trust()
 
     def make() -> Any:
         try:
@@ -42,12 +41,12 @@ def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "gs://") -> An
             raise make_error(url, "gs:// URLs need gcsfs, which is not installed: pip install 'wdsllm[gcs]'") from exc
         return GCSFileSystem(
             token="anon" if anon else None,
-            session_kwargs={"trust_env": trust},  # HTTP(S)_PROXY / NO_PROXY, where set
+            session_kwargs={"trust_env": environment_to_trust()},  # HTTP(S)_PROXY / NO_PROXY, where set
             skip_instance_cache=True,
         )
 
     env = tuple(os.environ.get(v) for v in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"))
-    return instance(("gs", env, anon, trust), make)
+    return instance(("gs", env, anon), make)
 
 
 def gs_path(url: str) -> str:

@@ -28,14 +28,14 @@ USER_AGENT = "wdsllm-storage/2"
 def filesystem() -> Any:
     """This process's HTTP filesystem; ``trust_env`` makes aiohttp honour the proxy variables and
     netrc, where there are any (:func:`~wdsllm.storage.aio.environment_to_trust`)."""
-    trust = environment_to_trust()
 
     def make() -> Any:
         from fsspec.implementations.http import HTTPFileSystem
 
+        trust = environment_to_trust()
         return HTTPFileSystem(skip_instance_cache=True, client_kwargs={"trust_env": trust, "auto_decompress": False})
 
-    return instance(("http", trust), make)
+    return instance("http", make)
 
 
 async def _session() -> Any:
