@@ -243,6 +243,12 @@ def main() -> None:
         "--endless", action="store_true", help="one endless stream per run (epochs=None): read speed, start-up once"
     )
     ap.add_argument(
+        "--fetch-process",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the loader's fetch_process (auto: its default, None)",
+    )
+    ap.add_argument(
         "--torch-threads",
         type=int,
         default=1,
@@ -272,6 +278,8 @@ def main() -> None:
             for workers in (int(w) for w in args.workers.split(",")):
                 runs: dict[str, list[dict]] = {k: [] for k in sources}
                 load = {**MODES[mode]["load"], **({"persistent_workers": True} if args.persistent_workers else {})}
+                if args.fetch_process != "auto":
+                    load["fetch_process"] = args.fetch_process == "on"
                 for _ in range(args.repeats):
                     for kind, source in sources.items():
                         runs[kind].append(stream(source, workers, load, args.seconds, args.endless))

@@ -13,7 +13,9 @@ splice of two versions.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any
 
 from ..errors import StorageError
@@ -30,23 +32,65 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 _SCHEMES = ("gs", "gcs")
 
+log = logging.getLogger(__name__)
+
+
+#: What google-auth's credential search reads besides the key file: a change to any of them
+#: searches again.
+_SEARCH_ENV = (
+    "STORAGE_EMULATOR_HOST",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "CLOUDSDK_CONFIG",
+    "GOOGLE_CLOUD_PROJECT",
+    "NO_GCE_CHECK",
+    "GCE_METADATA_HOST",
+    "GCE_METADATA_IP",
+)
+
+#: What the credential search found in this process, by filesystem key: (method, credentials,
+#: project). A forked child (a DataLoader worker, the fetch process) inherits it and starts from
+#: there: off Google Cloud and without credentials the search asks the metadata server, which
+#: took 14-15 s per process on the project's VM, in every worker of every epoch.
+_found: dict[tuple, tuple[str, Any, str]] = {}
+
 
 def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "gs://") -> Any:
     anon = anonymous("gs")
+    key = ("gs", tuple(os.environ.get(v) for v in _SEARCH_ENV), anon)
 
     def make() -> Any:
         try:
             from gcsfs.core import GCSFileSystem
         except ImportError as exc:
             raise make_error(url, "gs:// URLs need gcsfs, which is not installed: pip install 'wdsllm[gcs]'") from exc
-        return GCSFileSystem(
-            token="anon" if anon else None,
+        method, credentials, project = _found.get(key, (None, None, ""))
+        if anon:
+            token: Any = "anon"
+        elif method is not None:  # found by this process or the one it was forked from
+            token = "anon" if method == "anon" else credentials
+        else:
+            token = None  # google-auth's search: key file, gcloud's ADC file, the metadata server
+        started = time.monotonic()
+        fs = GCSFileSystem(
+            token=token,
+            **({"project": project} if project else {}),  # else gcsfs's own (GCSFS_DEFAULT_PROJECT)
             session_kwargs={"trust_env": environment_to_trust()},  # HTTP(S)_PROXY / NO_PROXY, where set
             skip_instance_cache=True,
         )
+        if method is None:
+            _found[key] = (fs.credentials.method, fs.credentials.credentials, fs.credentials.project or "")
+            searched = time.monotonic() - started
+            if fs.credentials.method == "anon" and searched > 2:
+                log.warning(
+                    "gs://: no Google credentials found after %.0f s (the metadata server did not answer); "
+                    "requests are anonymous. WDSLLM_ANONYMOUS=gs or NO_GCE_CHECK=true skips the search",
+                    searched,
+                )
+        else:
+            fs.credentials.method = method  # what credential_source reports (gcsfs says None for a given one)
+        return fs
 
-    env = tuple(os.environ.get(v) for v in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"))
-    return instance(("gs", env, anon), make)
+    return instance(key, make)
 
 
 def gs_path(url: str) -> str:
