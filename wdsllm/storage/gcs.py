@@ -2,10 +2,11 @@
 and the GCS output (resumable uploads, server-side ``rewriteTo`` copies).
 
 Credentials come from google-auth's chain (``GOOGLE_APPLICATION_CREDENTIALS``, the gcloud ADC file,
-the metadata server), so an environment set up for ``gcloud`` needs nothing more;
-``STORAGE_EMULATOR_HOST`` points it at an emulator. ``WDSLLM_ANONYMOUS=1`` (or ``=gs``) reads public
-buckets without credentials. gcsfs on its own falls back to anonymous access silently when it
-finds no credentials; a permission failure then says so.
+the metadata server), so an environment set up for ``gcloud`` needs nothing more. The search runs
+once per run: processes forked from the one that searched (the fetch process, DataLoader workers)
+take what it found. ``STORAGE_EMULATOR_HOST`` points it at an emulator. ``WDSLLM_ANONYMOUS=1``
+(or ``=gs``) reads public buckets without credentials. gcsfs on its own falls back to anonymous
+access silently when it finds no credentials; a permission failure then says so.
 
 A resumed read pins the object's generation: GCS serves exactly that version or 404, never a
 splice of two versions.
