@@ -17,7 +17,6 @@ import random
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -430,56 +429,29 @@ def test_anonymous_reads_of_gcs_send_no_credentials(gcs_server, synth, fault_pro
         storage.read_bytes(f"{root}/{NAMES[0]}")
 
 
-class _NotGoogleCloud:
-    """A metadata server that says this is not Google Cloud (404, no ``Metadata-Flavor``), and
-    counts what google-auth's credential search asks it."""
-
-    def __init__(self) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        paths = self.paths = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                paths.append(self.path)
-                self.send_response(404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.address = f"127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.mark.parametrize("workers", [0, 2])
-def test_gcs_credential_search_runs_once_per_run_not_in_every_worker(gcs_server, synth, monkeypatch, workers):
+def test_gcs_credential_search_runs_once_per_run_not_in_every_worker(
+    gcs_server, synth, http_server, monkeypatch, tmp_path, workers
+):
     # Off Google Cloud, with no credentials, google-auth asks the metadata server (14-15 s per
     # process on the project's VM): the loader's process searches, and the fetch process and
-    # the DataLoader workers forked from it start from what it found.
-    metadata = _NotGoogleCloud()
-    try:
-        monkeypatch.delenv("NO_GCE_CHECK", raising=False)
-        monkeypatch.setenv("GCE_METADATA_IP", metadata.address)
-        monkeypatch.setenv("GCE_METADATA_HOST", metadata.address)  # a new address: a search of its own
-        root = Store("gs", _FakeRequest(gcs_server), Path()).upload(synth)
-        storage.read_bytes(f"{root}/index.json")
-        searched = len(metadata.paths)
-        assert searched > 0  # the search reached this server
-        offload.shutdown()  # a fetch process forked after the search (an earlier test's predates it)
-        for epoch in range(2):
-            loader = wdsllm.loader(root, num_workers=workers, **LOAD)
-            loader.set_epoch(epoch)
-            assert len(documents(loader)) == sum(DOCS_PER_SHARD)
-        assert len(metadata.paths) == searched, metadata.paths[searched:]
-    finally:
-        metadata.close()
+    # the DataLoader workers forked from it start from what it found. The HTTP server stands in
+    # for a metadata server that says "not Google Cloud" (404, no Metadata-Flavor) and counts.
+    metadata = http_server.url.removeprefix("http://")
+    monkeypatch.delenv("NO_GCE_CHECK", raising=False)
+    monkeypatch.setenv("GCE_METADATA_IP", metadata)
+    monkeypatch.setenv("GCE_METADATA_HOST", metadata)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))  # no ADC file; a search of its own
+    root = Store("gs", _FakeRequest(gcs_server), Path()).upload(synth)
+    storage.read_bytes(f"{root}/index.json")
+    searched = http_server.count()
+    assert searched > 0  # the search reached this server
+    offload.shutdown()  # a fetch process forked after the search (an earlier test's predates it)
+    for epoch in range(2):
+        loader = wdsllm.loader(root, num_workers=workers, **LOAD)
+        loader.set_epoch(epoch)
+        assert len(documents(loader)) == sum(DOCS_PER_SHARD)
+    assert http_server.count() == searched, [r.path for r in http_server.log()[searched:]]
 
 
 @pytest.mark.parametrize(

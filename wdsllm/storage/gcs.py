@@ -83,7 +83,7 @@ def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "gs://") -> An
             searched = time.monotonic() - started
             if fs.credentials.method == "anon" and searched > 2:
                 log.warning(
-                    "gs://: no Google credentials found after %.0f s (the metadata server did not answer); "
+                    "gs://: no Google credentials found (the search, the metadata server's included, took %.0f s); "
                     "requests are anonymous. WDSLLM_ANONYMOUS=gs or NO_GCE_CHECK=true skips the search",
                     searched,
                 )
