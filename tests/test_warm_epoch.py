@@ -3,7 +3,6 @@ remote shards while the last ones of this one are read, and the next pass adopts
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import shutil
 import time
@@ -199,7 +198,7 @@ def test_a_pass_of_another_epoch_than_the_next_reads_the_right_shards(served, sy
 
 
 def test_fresh_dataloader_workers_warm_nothing(served, http_server):
-    loader = wdsllm.loader(served, retry=FAST, num_workers=2, **LOAD)
+    loader = wdsllm.loader(served, retry=FAST, num_workers=2, persistent_workers=False, **LOAD)
     counts = []
     for epoch in range(3):
         epochs_of(loader, [epoch])
@@ -208,8 +207,9 @@ def test_fresh_dataloader_workers_warm_nothing(served, http_server):
     assert counts == [counts[0], 2 * counts[0], 3 * counts[0]], "a worker that ends with its epoch starts no more"
 
 
-def test_persistent_workers_warm_the_next_epoch(served, synth, http_server):
-    loader = wdsllm.loader(served, retry=FAST, num_workers=2, persistent_workers=True, **LOAD)
+@pytest.mark.parametrize("persistent", [True, None], ids=["asked", "default"])
+def test_persistent_workers_warm_the_next_epoch(served, synth, http_server, persistent):
+    loader = wdsllm.loader(served, retry=FAST, num_workers=2, persistent_workers=persistent, **LOAD)
     reference = wdsllm.loader(str(synth), num_workers=2, **LOAD)
     assert epochs_of(loader, [0]) == epochs_of(reference, [0])
     time.sleep(0.3)
@@ -245,16 +245,11 @@ def test_a_next_pass_that_cannot_be_planned_leaves_this_one_alone(http_server):
     assert parking.parked_count() == 0
 
 
-def test_fresh_workers_over_remote_shards_suggest_persistent_ones_once(served, synth, caplog):
-    hint = "persistent_workers=True"
-    for source, expected in ((served, 1), (str(synth), 0)):
-        loader = wdsllm.loader(source, retry=FAST, num_workers=2, **LOAD)
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="wdsllm.load.loader"):
-            epochs_of(loader, [0, 1, 2])
-        assert sum(hint in r.getMessage() for r in caplog.records) == expected, source
-    persistent = wdsllm.loader(served, retry=FAST, num_workers=2, persistent_workers=True, **LOAD)
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="wdsllm.load.loader"):
-        epochs_of(persistent, [0, 1])
-    assert not any(hint in r.getMessage() for r in caplog.records)
+def test_workers_persist_by_default_over_remote_shards_only(served, synth):
+    """Over a store, workers forked afresh each epoch would build their clients and connections
+    again and could not start the next epoch; over local shards DataLoader's default stands."""
+    assert wdsllm.loader(served, num_workers=2, **LOAD).persistent_workers
+    assert not wdsllm.loader(served, num_workers=2, persistent_workers=False, **LOAD).persistent_workers
+    assert not wdsllm.loader(served, **LOAD).persistent_workers  # no workers to keep
+    assert not wdsllm.loader(str(synth), num_workers=2, **LOAD).persistent_workers
+    assert wdsllm.loader(str(synth), num_workers=2, persistent_workers=True, **LOAD).persistent_workers

@@ -8,11 +8,15 @@ Packs the shared Wikipedia corpus with the GPT-2 tokenizer in docs mode and in p
 the test fixtures' servers on 127.0.0.1, each in a process of its own (the HTTP server with Range
 and keep-alive, moto S3, the GCS emulator, Azurite when node has it, the fake Hub), puts the
 datasets there, and streams each dataset from local disk and every scheme with ``wdsllm.loader``
-at num_workers 0 and 2 (``--schemes`` picks some; ``--persistent-workers`` keeps the workers between
-epochs). A run streams whole epochs (reshuffled, no cache) until --seconds have passed. The
-datasets are small (an epoch of packed rows is 40 ms from local disk), so these runs weigh each
-epoch's start (workers forked again, their clients built, the first request) as much as the
-streaming itself. ``--endless`` streams one endless loader instead (``epochs=None``, as
+at num_workers 0 and 2 (``--schemes`` picks some). Workers are kept between epochs for every
+source (``--persistent-workers on``, the default): the loader keeps them over remote shards, and
+local shards read with kept workers are the stricter baseline (local epochs with fresh workers are
+slower); ``off`` forks fresh ones each epoch for every source, ``default`` leaves each loader its
+own default (kept over remote shards, fresh over local ones). A run streams whole epochs
+(reshuffled, no cache) until --seconds have passed. The datasets are small (an epoch of packed
+rows is 40 ms from local disk), so these runs weigh each epoch's start (the first request; with
+fresh workers also the workers forked again and their clients built) as much as the streaming
+itself. ``--endless`` streams one endless loader instead (``epochs=None``, as
 pretraining runs read: one DataLoader iteration across epochs, each epoch reshuffled) and measures
 read speed with the start-up counted once. Each configuration runs --repeats times, interleaved
 across sources. Reported: the best tokens/s of the repeats (other processes on the machine only
@@ -237,7 +241,11 @@ def main() -> None:
     ap.add_argument("--workers", default="0,2")
     ap.add_argument("--schemes", default="http,s3,gs,az,hf")
     ap.add_argument(
-        "--persistent-workers", action="store_true", help="keep DataLoader workers between epochs (runs with workers)"
+        "--persistent-workers",
+        choices=("on", "off", "default"),
+        default="on",
+        help="keep DataLoader workers between epochs (on), fork fresh ones each epoch (off), or leave each loader "
+        "its default (kept over remote shards only)",
     )
     ap.add_argument(
         "--endless", action="store_true", help="one endless stream per run (epochs=None): read speed, start-up once"
@@ -277,7 +285,9 @@ def main() -> None:
                 stream(source, 0, MODES[mode]["load"], 0)
             for workers in (int(w) for w in args.workers.split(",")):
                 runs: dict[str, list[dict]] = {k: [] for k in sources}
-                load = {**MODES[mode]["load"], **({"persistent_workers": True} if args.persistent_workers else {})}
+                load = dict(MODES[mode]["load"])
+                if args.persistent_workers != "default":
+                    load["persistent_workers"] = args.persistent_workers == "on"
                 if args.fetch_process != "auto":
                     load["fetch_process"] = args.fetch_process == "on"
                 for _ in range(args.repeats):

@@ -1,14 +1,16 @@
 """Where one epoch's time goes when streaming from a store: wall time, and CPU per thread.
 
-    python tools/bench_remote_epoch.py http [--epochs 25] [--mode packed]
+    python tools/bench_remote_epoch.py http [--epochs 25] [--mode packed] [--workers 2]
 
 Starts the store of ``SCHEME`` (``local``, ``http``, ``s3``, ``gs``, ``az``, ``hf``) as
 tools/bench_remote.py does, with the dataset of ``--mode`` from its --work folder (packed there
-on first use), makes one loader (0 workers, no cache) and streams ``--epochs`` epochs after two
-warm-up epochs. Prints the median epoch's wall time and this process's CPU, then the CPU of each
-thread of this process per epoch (from /proc: the loader's thread, fsspec's IO loop, the block
-readers), and the CPU of the server's process where it runs in one: on a 2-core machine these
-compete for the same cores, and the loader thread and the IO loop for the same GIL.
+on first use), makes one loader (0 workers, or ``--workers`` kept between epochs; no cache) and
+streams ``--epochs`` epochs after two warm-up epochs. Prints the median epoch's wall time and this
+process's CPU, then the CPU of each thread of this process per epoch (from /proc: the loader's
+thread, fsspec's IO loop, the block readers), and the CPU of the server's process where it runs in
+one: on a 2-core machine these compete for the same cores, and the loader thread and the IO loop
+for the same GIL. With workers, the CPU of this process's other children is theirs (and their
+fetch processes').
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=25)
     ap.add_argument("--mode", default="packed", choices=list(bench_remote.MODES))
     ap.add_argument("--work", default=str(bench_remote.REPO / "bench-out"))
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader workers, kept between epochs")
     args = ap.parse_args()
     import torch
 
@@ -99,7 +102,10 @@ def main() -> None:
     servers, roots = ([], {}) if args.scheme == "local" else bench_remote.start_servers(work, [name], [args.scheme])
     source = str(data) if args.scheme == "local" else roots[args.scheme].format(name=name)
     try:
-        loader = wdsllm.loader(source, num_workers=0, seed=0, **bench_remote.MODES[args.mode]["load"])
+        kept = {"persistent_workers": True} if args.workers else {}
+        loader = wdsllm.loader(
+            source, num_workers=args.workers, seed=0, **kept, **bench_remote.MODES[args.mode]["load"]
+        )
         for epoch in range(2):  # warm-up: imports, connections, page cache
             loader.set_epoch(epoch)
             for _ in loader:
@@ -133,7 +139,11 @@ def main() -> None:
             for k, (u, s) in sorted(per_thread.items(), key=lambda kv: -sum(kv[1]))
             if u + s > 0
         )
-        + (f", fetch process {(fetch1 - fetch0) / n * 1e3:.1f} ms" if fetch1 > fetch0 else "")
+        + (
+            f", {'workers' if args.workers else 'fetch process'} {(fetch1 - fetch0) / n * 1e3:.1f} ms"
+            if fetch1 > fetch0
+            else ""
+        )
         + (f", server process {(server1 - server0) / n * 1e3:.1f} ms" if servers else "")
     )
 

@@ -119,7 +119,7 @@ class Loader:
         docs: bool = True,
         num_workers: int = 0,
         prefetch_factor: int | None = 2,
-        persistent_workers: bool = False,
+        persistent_workers: bool | None = None,
         pin_memory: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
@@ -169,7 +169,12 @@ class Loader:
         if self.num_workers < 0:
             raise ConfigError(f"num_workers must be 0 or more, not {num_workers}")
         self.prefetch_factor = prefetch_factor if self.num_workers > 0 else None
-        self.persistent_workers = persistent_workers and self.num_workers > 0
+        self._remote: bool | None = None  # whether any shard is remote (see _reads_remote)
+        if persistent_workers is None:
+            # from a store, a worker forked afresh each epoch builds its clients and connections
+            # again and cannot start the next epoch's first shards (docs/remote.md)
+            persistent_workers = self.num_workers > 0 and self._reads_remote()
+        self.persistent_workers = bool(persistent_workers) and self.num_workers > 0
         self.pin_memory = pin_memory
         self.multiprocessing_context = multiprocessing_context
         #: run the workers' streams in this process, one after another (debugging and tests)
@@ -190,8 +195,6 @@ class Loader:
         self._rr: RoundRobin | None = None
         self._started = False  # whether any iteration has begun (rank and world are then fixed)
         self._pass = 0  # the current pass; a pass abandoned by its caller must not touch a later one
-        self._hinted_persistent = False  # whether persistent_workers was suggested (once per loader)
-        self._remote: bool | None = None  # whether any shard is remote (see _reads_remote)
         self._positions: dict[int, tuple] = {}  # worker -> (epoch, batches handed out, batcher hint)
         self._yielded = 0  # batches handed out this epoch (finite) or since the stream began
         self._steps = 0  # batches handed out in the current steps_per_epoch loop
@@ -400,12 +403,6 @@ class Loader:
             # may still be writing into the old one)
             self._ring.ring = TokenRing(self.num_workers, slots=(self.prefetch_factor or 2) + 2)
             storage.prepare_workers()  # what each worker would build again (an S3 client), built once here
-            if self._dataloader is not None and not self._hinted_persistent and self._reads_remote():
-                self._hinted_persistent = True
-                log.info(
-                    "new DataLoader workers again for this epoch: with remote shards, persistent_workers=True keeps "
-                    "their clients and connections and starts each next epoch's first shards early (docs/remote.md)"
-                )
         if self._dataloader is None:
             self._dataloader = DataLoader(
                 self.pipeline,
@@ -702,7 +699,7 @@ def loader(
     docs: bool = True,
     num_workers: int = 0,
     prefetch_factor: int | None = 2,
-    persistent_workers: bool = False,
+    persistent_workers: bool | None = None,
     pin_memory: bool = False,
     rank: int | None = None,
     world_size: int | None = None,
