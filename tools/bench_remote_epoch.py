@@ -5,12 +5,12 @@
 Starts the store of ``SCHEME`` (``local``, ``http``, ``s3``, ``gs``, ``az``, ``hf``) as
 tools/bench_remote.py does, with the dataset of ``--mode`` from its --work folder (packed there
 on first use), makes one loader (0 workers, or ``--workers`` kept between epochs; no cache) and
-streams ``--epochs`` epochs after two warm-up epochs. Prints the median epoch's wall time and this
-process's CPU, then the CPU of each thread of this process per epoch (from /proc: the loader's
-thread, fsspec's IO loop, the block readers), and the CPU of the server's process where it runs in
-one: on a 2-core machine these compete for the same cores, and the loader thread and the IO loop
-for the same GIL. With workers, the CPU of this process's other children is theirs (and their
-fetch processes').
+streams ``--epochs`` epochs after two warm-up epochs. Prints the median epoch's wall time, its
+first batch's wait and this process's CPU, then the CPU of each thread of this process per epoch
+(from /proc: the loader's thread, fsspec's IO loop, the block readers), and the CPU of the
+server's process where it runs in one: on a 2-core machine these compete for the same cores, and
+the loader thread and the IO loop for the same GIL. With workers, the CPU of this process's other
+children is theirs (and their fetch processes').
 """
 
 from __future__ import annotations
@@ -110,13 +110,17 @@ def main() -> None:
             loader.set_epoch(epoch)
             for _ in loader:
                 pass
-        epochs, tokens = [], 0
+        epochs, firsts, tokens = [], [], 0
         threads0, server0, fetch0, t0 = thread_cpu(), server_cpu(servers), fetch_cpu(servers), time.perf_counter()
         for epoch in range(args.epochs):
             loader.set_epoch(epoch)
             w, c = time.perf_counter(), time.process_time()
-            tokens = sum(int(batch["lengths"].sum()) for batch in loader)
+            tokens, first = 0, None
+            for batch in loader:
+                first = time.perf_counter() - w if first is None else first
+                tokens += int(batch["lengths"].sum())
             epochs.append((time.perf_counter() - w, time.process_time() - c))
+            firsts.append(first)
         elapsed = time.perf_counter() - t0
         threads1, server1, fetch1 = thread_cpu(), server_cpu(servers), fetch_cpu(servers)
     finally:
@@ -126,7 +130,8 @@ def main() -> None:
     n = args.epochs
     print(
         f"{args.scheme} {args.mode}: median epoch {wall * 1e3:.1f} ms wall, {cpu * 1e3:.1f} ms CPU of this process, "
-        f"{tokens / wall / 1e6:.1f}M tokens/s; mean epoch {elapsed / n * 1e3:.1f} ms"
+        f"{tokens / wall / 1e6:.1f}M tokens/s; mean epoch {elapsed / n * 1e3:.1f} ms; "
+        f"first batch of an epoch after {sorted(firsts)[len(firsts) // 2] * 1e3:.1f} ms (median)"
     )
     per_thread = {
         k: ((u - threads0.get(k, (0.0, 0.0))[0]) / n * 1e3, (s - threads0.get(k, (0.0, 0.0))[1]) / n * 1e3)
