@@ -3,6 +3,8 @@ accelerate "each document twice"), instead of training on the wrong data."""
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 from accelerate.data_loader import IterableDatasetShard
 from pack_helpers import cached
@@ -30,8 +32,11 @@ def test_a_dataloader_with_a_batch_size_is_refused(workers):
     """Row 1: DataLoader(batch_size=B) over our batches stacks B of them into one."""
     pipe = wdsllm.dataset(_data(), batch_size=4)
     assert len(list(DataLoader(pipe, batch_size=None, num_workers=workers))) == len(list(pipe))
-    with pytest.raises(UsageError, match="batch_size=None"):
+    with pytest.raises(UsageError, match="batch_size=None") as info:
         next(iter(DataLoader(pipe, batch_size=4, num_workers=workers)))
+    # torch re-raises a worker's error from a frame that the traceback keeps, with the iterator in
+    # it: left to a garbage collection (in a later test), its worker is stopped only after 5 s
+    traceback.clear_frames(info.tb)
 
 
 def test_accelerate_sharding_of_the_dataset_is_refused():
