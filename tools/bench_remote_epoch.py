@@ -10,7 +10,7 @@ first batch's wait and this process's CPU, then the CPU of each thread of this p
 (from /proc: the loader's thread, fsspec's IO loop, the block readers), and the CPU of the
 server's process where it runs in one: on a 2-core machine these compete for the same cores, and
 the loader thread and the IO loop for the same GIL. With workers, the CPU of this process's other
-children is theirs (and their fetch processes').
+children is theirs.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def server_pid(server) -> int | None:
     return pid if pid is not None else getattr(getattr(server, "_proc", None), "pid", None)
 
 
-def fetch_cpu(servers: list) -> float:
-    """CPU seconds of this process's children that are not servers: the fetch process."""
+def child_cpu(servers: list) -> float:
+    """CPU seconds of this process's children that are not servers: the fetch process, or the
+    DataLoader workers."""
     import psutil
 
     server_pids = {server_pid(server) for server in servers}
@@ -111,7 +112,7 @@ def main() -> None:
             for _ in loader:
                 pass
         epochs, firsts, tokens = [], [], 0
-        threads0, server0, fetch0, t0 = thread_cpu(), server_cpu(servers), fetch_cpu(servers), time.perf_counter()
+        threads0, server0, child0, t0 = thread_cpu(), server_cpu(servers), child_cpu(servers), time.perf_counter()
         for epoch in range(args.epochs):
             loader.set_epoch(epoch)
             w, c = time.perf_counter(), time.process_time()
@@ -122,7 +123,7 @@ def main() -> None:
             epochs.append((time.perf_counter() - w, time.process_time() - c))
             firsts.append(first)
         elapsed = time.perf_counter() - t0
-        threads1, server1, fetch1 = thread_cpu(), server_cpu(servers), fetch_cpu(servers)
+        threads1, server1, child1 = thread_cpu(), server_cpu(servers), child_cpu(servers)
     finally:
         for server in servers:
             server.terminate() if hasattr(server, "terminate") else server.close()
@@ -145,8 +146,8 @@ def main() -> None:
             if u + s > 0
         )
         + (
-            f", {'workers' if args.workers else 'fetch process'} {(fetch1 - fetch0) / n * 1e3:.1f} ms"
-            if fetch1 > fetch0
+            f", {'workers' if args.workers else 'fetch process'} {(child1 - child0) / n * 1e3:.1f} ms"
+            if child1 > child0
             else ""
         )
         + (f", server process {(server1 - server0) / n * 1e3:.1f} ms" if servers else "")

@@ -169,11 +169,10 @@ class Loader:
         if self.num_workers < 0:
             raise ConfigError(f"num_workers must be 0 or more, not {num_workers}")
         self.prefetch_factor = prefetch_factor if self.num_workers > 0 else None
-        self._remote: bool | None = None  # whether any shard is remote (see _reads_remote)
         if persistent_workers is None:
             # from a store, a worker forked afresh each epoch builds its clients and connections
             # again and cannot start the next epoch's first shards (docs/remote.md)
-            persistent_workers = self.num_workers > 0 and self._reads_remote()
+            persistent_workers = self.num_workers > 0 and any(storage.is_remote(u) for u in self.catalog.urls)
         self.persistent_workers = bool(persistent_workers) and self.num_workers > 0
         self.pin_memory = pin_memory
         self.multiprocessing_context = multiprocessing_context
@@ -385,12 +384,6 @@ class Loader:
             )
 
     # -- iteration ------------------------------------------------------------------------------
-    def _reads_remote(self) -> bool:
-        """Whether any shard is remote (asked once)."""
-        if self._remote is None:
-            self._remote = any(storage.is_remote(url) for url in self.catalog.urls)
-        return self._remote
-
     def _worker_batches(self) -> Iterator:
         """Compact batches and end markers from the workers (or this process)."""
         if self.num_workers == 0:
