@@ -2,12 +2,18 @@
 
     python tools/bench_ab.py --old e56b2e2 --new e63301f --data bench-out     # the #11 A/B
     python tools/bench_ab.py --old e56b2e2 --old-data old-out --data bench-out --no-check
+    python tools/bench_ab.py --old c5d295e --modes all --sources local,http --workers 0,2 --rounds 2
 
 Each revision is checked out once into a git worktree under ``bench-out/ab/`` and imported from
 there (``PYTHONPATH``) in a fresh process per measurement. The measurements alternate old, new,
 old, new ... for ``--rounds`` rounds, so that a noisy machine affects both alike; each reports the
 best of 3 whole epochs after a warm-up epoch (``wdsllm.loader``, batch 64, shuffle buffer 10,000,
-``max_len`` 2048 for documents, 0 and 2 workers). The datasets are the docs-mode and packed-mode
+``max_len`` 2048 for documents; ``--workers`` 0 and 2 by default). ``--modes`` picks the batching
+modes (fixed docs batches, length buckets of a batch size or a token budget, pack and concat rows
+over documents, packed rows; ``all`` for every one), ``--sources`` local files, an HTTP server of
+the test fixtures (a process of its own, serving ``--data``), or both. Each measurement also
+reports the CPU seconds of its process and its workers per epoch: on a shared machine they move
+less than wall time. The datasets are the docs-mode and packed-mode
 wiki packs of ``tools/bench_load.py`` (``DATA/wiki-docs``, ``DATA/wiki-packed``); a revision that
 cannot read the current format reads ``--old-data`` (the same packs made by that revision's own
 ``bench_load.py``). ``--no-check`` adds the new revision with ``check_groups=False``, the reading
@@ -31,28 +37,52 @@ torch.set_num_threads(1)
 spec = json.loads(sys.argv[1])
 import wdsllm
 kw = dict(batch_size=64, shuffle_buffer=10000, seed=0, num_workers=spec["workers"])
-if spec["mode"] == "docs":
-    kw["max_len"] = 2048
+kw.update(spec["options"])
 if spec["workers"]:
     kw["persistent_workers"] = True
 if not spec["check"]:
     kw["check_groups"] = False
 loader = wdsllm.loader(spec["data"], **kw)
-best = None
+
+
+def cpu_seconds():
+    """CPU of this process and its live children (the workers), from /proc: psutil-free."""
+    total = 0.0
+    for pid in [os.getpid()] + [int(p) for p in open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()]:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+best = best_cpu = None
 for epoch in range(4):
     loader.set_epoch(epoch)
     lengths = []
-    t = time.perf_counter()
+    t, c = time.perf_counter(), cpu_seconds()
     for batch in loader:
         lengths.append(batch["lengths"])
-    seconds = time.perf_counter() - t
+    seconds, cpu = time.perf_counter() - t, cpu_seconds() - c
     tokens = sum(int(x.sum()) for x in lengths)
     if epoch and (best is None or seconds < best):
         best = seconds
-print(json.dumps({"tokens_per_s": tokens / best}))
+    if epoch and (best_cpu is None or cpu < best_cpu):
+        best_cpu = cpu
+print(json.dumps({"tokens_per_s": tokens / best, "tokens_per_cpu_s": tokens / max(best_cpu, 1e-3)}))
 """
+CHILD = CHILD.replace("import json, sys, time, torch", "import json, os, sys, time, torch")
 
-CONFIGS = [("docs", 0), ("packed", 0), ("docs", 2), ("packed", 2)]
+#: Batching mode -> (dataset made by bench_load.py, loader options beside batch 64 and the shuffle).
+MODES = {
+    "docs": ("docs", {"max_len": 2048}),
+    "bucket": ("docs", {"batching": "bucket", "max_len": 2048}),
+    "budget": ("docs", {"batching": "bucket", "max_tokens": 65536, "batch_size": None, "max_len": 2048}),
+    "pack": ("docs", {"batching": "pack", "seq_len": 2048, "batch_size": 8}),
+    "concat": ("docs", {"batching": "concat", "seq_len": 2048, "batch_size": 8}),
+    "packed": ("packed", {}),
+}
 
 
 def checkout(rev: str, work: Path) -> Path:
@@ -65,13 +95,24 @@ def checkout(rev: str, work: Path) -> Path:
     return path
 
 
-def measure(code: Path, data: Path, mode: str, workers: int, check: bool) -> float:
-    spec = {"data": str(data / f"wiki-{mode}"), "mode": mode, "workers": workers, "check": check}
+def measure(code: Path, root: str, mode: str, workers: int, check: bool) -> dict:
+    """tokens/s and tokens per CPU second of one configuration, in a fresh process."""
+    kind, options = MODES[mode]
+    spec = {"data": f"{root}/wiki-{kind}", "options": options, "workers": workers, "check": check}
     env = dict(os.environ, PYTHONPATH=str(code))
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{code} {mode} {workers} workers failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def http_root(data: Path):
+    """(server process, URL of ``data``) from the test fixtures' HTTP server, as bench_remote runs it."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_remote import start_server
+
+    proc, url = start_server("http", str(data))
+    return proc, url
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,33 +123,61 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--old-data", help="packs the old revision can read [--data]")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-check", action="store_true", help="also the new revision with check_groups=False")
+    ap.add_argument("--modes", default="docs,packed", help=f"comma list of {','.join(MODES)}, or all [docs,packed]")
+    ap.add_argument("--sources", default="local", help="comma list of local, http [local]")
+    ap.add_argument("--workers", default="0,2", help="comma list of DataLoader worker counts [0,2]")
     args = ap.parse_args(argv)
+    modes = list(MODES) if args.modes == "all" else args.modes.split(",")
+    workers_list = [int(w) for w in args.workers.split(",")]
+    sources = args.sources.split(",")
+    configs = [(m, w, s) for s in sources for w in workers_list for m in modes]
     work = REPO / "bench-out" / "ab"
     work.mkdir(parents=True, exist_ok=True)
     old, new = checkout(args.old, work), checkout(args.new, work)
     data = Path(args.data).resolve()
     old_data = Path(args.old_data).resolve() if args.old_data else data
-    variants = [("old", old, old_data, True), ("new", new, data, True)]
+    servers, roots = [], {"local": (str(old_data), str(data))}
+    if "http" in sources:
+        # one server serves both revisions' packs: --old-data must then sit inside --data
+        proc, url = http_root(data)
+        servers.append(proc)
+        old_rel = os.path.relpath(old_data, data)
+        roots["http"] = (url if old_rel == "." else f"{url}/{old_rel}", url)
+    variants = [("old", old, 0, True), ("new", new, 1, True)]
     if args.no_check:
-        variants.append(("new, unchecked", new, data, False))
-    best: dict[tuple[str, str, int], float] = {}
-    for r in range(args.rounds):
-        for mode, workers in CONFIGS:
-            for name, code, where, check in variants:
-                rate = measure(code, where, mode, workers, check)
-                key = (name, mode, workers)
-                best[key] = max(best.get(key, 0.0), rate)
-                print(f"round {r}: {mode}, {workers} workers, {name}: {rate / 1e6:.1f}M tokens/s", flush=True)
-    extra = " unchecked / old |" if args.no_check else ""
-    print(f"\n| config | old ({args.old}) | new ({args.new}) | new / old |{extra}")
-    print("|---|---|---|---|" + ("---|" if args.no_check else ""))
-    for mode, workers in CONFIGS:
-        o, n = best[("old", mode, workers)], best[("new", mode, workers)]
-        row = f"| {mode}, {workers} workers | {o / 1e6:.1f}M | {n / 1e6:.1f}M | {n / o:.2f}x |"
-        if args.no_check:
-            row += f" {best[('new, unchecked', mode, workers)] / o:.2f}x |"
-        print(row)
+        variants.append(("new, unchecked", new, 1, False))
+    best: dict[tuple, dict] = {}
+    try:
+        for r in range(args.rounds):
+            for mode, workers, source in configs:
+                for name, code, side, check in variants:
+                    got = measure(code, roots[source][side], mode, workers, check)
+                    key = (name, mode, workers, source)
+                    had = best.get(key, {"tokens_per_s": 0.0, "tokens_per_cpu_s": 0.0})
+                    best[key] = {k: max(had[k], got[k]) for k in had}
+                    rate = got["tokens_per_s"] / 1e6
+                    print(f"round {r}: {source} {mode}, {workers} workers, {name}: {rate:.1f}M tokens/s", flush=True)
+    finally:
+        for proc in servers:
+            proc.stdin.close()
+            proc.wait(timeout=10)
+    print_table(args, configs, best)
     print(f"load average {os.getloadavg()[0]:.2f}")
+
+
+def print_table(args, configs: list, best: dict) -> None:
+    extra = " unchecked / old |" if args.no_check else ""
+    print(f"\n| config | old ({args.old}) | new ({args.new}) | new / old | new / old per CPU s |{extra}")
+    print("|---|---|---|---|---|" + ("---|" if args.no_check else ""))
+    for mode, workers, source in configs:
+        o, n = best[("old", mode, workers, source)], best[("new", mode, workers, source)]
+        wall = n["tokens_per_s"] / o["tokens_per_s"]
+        cpu = n["tokens_per_cpu_s"] / o["tokens_per_cpu_s"]
+        row = f"| {source} {mode}, {workers} workers | {o['tokens_per_s'] / 1e6:.1f}M | {n['tokens_per_s'] / 1e6:.1f}M"
+        row += f" | {wall:.2f}x | {cpu:.2f}x |"
+        if args.no_check:
+            row += f" {best[('new, unchecked', mode, workers, source)]['tokens_per_s'] / o['tokens_per_s']:.2f}x |"
+        print(row)
 
 
 if __name__ == "__main__":
