@@ -1,0 +1,5 @@
+"""``python -m wdsllm.cli``: the ``wdsllm`` command."""
+
+from .app import main
+
+main()

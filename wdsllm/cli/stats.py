@@ -1,0 +1,202 @@
+"""``wdsllm stats``: the length histogram, and the padding each batching mode would give."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..errors import WdsllmError
+from .inspect import histogram_lines
+from .output import echo, fail
+
+
+@click.command()
+@click.argument("dataset")
+@click.option("--batch-size", type=int, default=32, show_default=True, help="Documents per batch (random and bucket).")
+@click.option(
+    "--max-tokens",
+    type=int,
+    default=65536,
+    show_default=True,
+    help="Padded tokens per batch (bucket with a token budget).",
+)
+@click.option(
+    "--seq-len",
+    type=int,
+    default=2048,
+    show_default=True,
+    help="Row length (pack, concat) and the length cap of the other modes.",
+)
+@click.option("--window", type=int, default=10_000, show_default=True, help="Documents per bucket/pack window.")
+@click.option("--pad-to-multiple-of", type=int, help="Round padded lengths up.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    help="Also draw the length histogram to this PNG (needs matplotlib: pip install wdsllm[plot]).",
+)
+@click.option(
+    "--sample",
+    type=int,
+    default=None,
+    help="Runs of windows to simulate (0: the whole stream) [default: the whole stream up to 5,000,000 "
+    "documents, else 400 runs].",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, seed, plot, sample, as_json):
+    """Length histogram, and the padding and truncation each batching mode would give.
+
+    Simulated from the index and lengths.npy over the documents one worker sees in epoch 0 (the
+    shard plan and the shuffle buffer included); no shard is read. DATASET may be a mixture file
+    (.yaml): each source's size, quota and repeats or subset come first, and --plot draws the
+    planned share of each source over the run, schedule included. Longer documents are split at
+    --seq-len, except in the "random, truncated" line, which shows what capping would cut. A large
+    dataset is simulated on a seeded sample of its windows (it says so, with confidence bounds).
+
+    \b
+    Examples:
+      wdsllm stats out/wiki --max-tokens 65536 --seq-len 2048
+      wdsllm stats out/wiki --plot hist.png --json
+      wdsllm stats mix.yaml --plot shares.png
+    """
+    from ..load import stats as statsmod
+    from ..load.catalog import open_catalog
+
+    try:
+        catalog = open_catalog(dataset)
+        if catalog.index is None:
+            raise click.ClickException(f"{dataset}: stats need a dataset with index.json and lengths.npy")
+        if catalog.mode != "docs":
+            raise click.ClickException(
+                f"{dataset} is a packed dataset: its rows are fixed; stats compares batching modes of docs-mode data"
+            )
+        costs, sample = statsmod.all_modes(
+            catalog,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            seq_len=seq_len,
+            window=window,
+            multiple=pad_to_multiple_of,
+            seed=seed,
+            sample=sample,
+        )
+    except (WdsllmError, OSError) as exc:  # storage/format errors name the file
+        fail(exc)
+    hist = catalog.index.doc_lengths or {}
+    mix = None
+    if catalog.mixing is not None:
+        from ..load.mixcatalog import mixture_summary
+
+        mix = mixture_summary(catalog)
+    if as_json:
+        echo(json.dumps(_stats_json(hist, costs, sample, mix), indent=1))
+    else:
+        _print_stats(hist, costs, sample, mix, catalog)
+    if plot:
+        if mix is not None:
+            _plot_shares(catalog, plot, dataset)
+        else:
+            _plot_histogram(hist, plot, dataset)
+        if not as_json:
+            echo(f"\n{'planned shares' if mix is not None else 'histogram'} drawn to {plot}")
+
+
+def _stats_json(hist: dict, costs, sample, mix) -> dict:
+    return {
+        "doc_lengths": hist,
+        "modes": [
+            {
+                "mode": c.mode,
+                "settings": c.settings,
+                "batches": c.batches,
+                "tokens": c.tokens,
+                "padded": c.padded,
+                "padding_pct": round(c.padding_pct, 4),
+                "truncated": c.truncated,
+                "truncation_pct": round(c.truncation_pct, 4),
+                "small_batches": c.small_batches,
+                "padding_ci_pct": None if c.padding_ci is None else round(c.padding_ci, 4),
+            }
+            for c in costs
+        ],
+        "sample": None if sample is None else vars(sample),
+        **({"mixture": mix} if mix is not None else {}),
+    }
+
+
+def _print_stats(hist: dict, costs, sample, mix, catalog) -> None:
+    if mix is not None:
+        echo(_mixture_table(mix, catalog.mixture.unit))
+    else:
+        for text in histogram_lines(hist):
+            echo(text)
+    echo("")
+    if sample is not None:
+        echo(
+            f"simulated on a seeded sample: {sample.runs:,} runs of windows, {sample.documents:,} of "
+            f"{sample.total_documents:,} documents; batches extrapolated, padding ± its 95% confidence bound"
+        )
+    echo(f"{'mode':<20} {'settings':<30} {'batches':>11} {'padding':>16} {'truncated':>10}")
+    for c in costs:
+        padding = f"{c.padding_pct:.2f}%" + (f" ± {c.padding_ci:.2f}" if c.padding_ci is not None else "")
+        echo(f"{c.mode:<20} {c.settings:<30} {c.batches:>11,} {padding:>16} {c.truncation_pct:>9.2f}%")
+
+
+def _mixture_table(rows: list[dict], unit: str) -> str:
+    """Each source's size, its epoch quota and whether that repeats it or takes a subset."""
+    lines = [f"{'source':<16} {'items':>12} {'tokens':>14} {'weight':>7} {'quota (' + unit + ')':>16} {'epoch':>16}"]
+    for r in rows:
+        took = f"x{r['repeats']:.2f} (repeats)" if r["repeats"] is not None else f"{100 * r['subset']:.1f}% subset"
+        lines.append(
+            f"{r['source']:<16} {r['items']:>12,} {r['tokens']:>14,} {r['weight']:>7.3f} {r['quota']:>16,} {took:>16}"
+        )
+    return "\n".join(lines)
+
+
+def _plot_shares(catalog, path: str, title: str) -> None:
+    """The planned share of each source over the run (schedule included), stacked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise click.ClickException("--plot needs matplotlib: pip install wdsllm[plot]") from None
+    from ..load.mixcatalog import planned_shares
+
+    planner = catalog.planner
+    last = max((p for p, _ in planner.phases()), default=0)
+    epochs = min(100, max(1, -(-(last + 1) // planner.epoch) + 1 if last else 1))
+    xs, shares = planned_shares(catalog, epochs)
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    ax.stackplot(xs, shares.T, labels=catalog.mixture.names, step="post")
+    for e in range(1, epochs):
+        ax.axvline(e * planner.epoch, color="k", lw=0.5, ls=":")
+    ax.set_xlabel(f"{catalog.mixture.unit} into the run (dotted: epochs)")
+    ax.set_ylabel("planned share")
+    ax.set_ylim(0, 1)
+    ax.legend(loc="upper right", fontsize=7)
+    ax.set_title(f"Mixture: {title}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _plot_histogram(hist: dict, path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise click.ClickException("--plot needs matplotlib: pip install wdsllm[plot]") from None
+    edges, counts = hist.get("edges", []), hist.get("counts", [])
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    labels = [f"{edges[i]:,}" for i in range(len(counts))]
+    ax.bar(range(len(counts)), counts, color="#4c72b0")
+    ax.set_xticks(range(len(counts)), labels, rotation=45, ha="right", fontsize=7)
+    ax.set_xlabel("document length in tokens (bucket start, powers of two)")
+    ax.set_ylabel("documents")
+    ax.set_title(f"Document lengths: {title}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
