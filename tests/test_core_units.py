@@ -149,7 +149,8 @@ def test_segment_lengths_from_the_batcher_match_the_row_layout(lengths, seq_len,
     """The token counts a batcher records per segment (``seg_lens``, what a mixture's per-source
     count reads) equal what the segment table's offsets and the rows' lengths say, for rows packed
     whole (pack) and cut at seq_len (concat), after selection and compaction."""
-    from wdsllm.load.batching import _cut_rows, _rows_block
+    from wdsllm.load.batching.concat import _cut_rows
+    from wdsllm.load.batching.pack import _rows_block
     from wdsllm.load.block import Block
     from wdsllm.load.mixcatalog import block_sources
     from wdsllm.load.mixplan import Mixing
