@@ -17,11 +17,8 @@ counted (tallies).
 
 from __future__ import annotations
 
-import bz2
 import glob
-import gzip
 import logging
-import lzma
 import os
 import sys
 from collections.abc import Iterator
@@ -33,6 +30,7 @@ import braceexpand
 from ..errors import SourceError
 from ..storage.urls import redact
 from . import remote
+from .decompress import DAMAGE, decompressing, is_damage
 
 log = logging.getLogger(__name__)
 
@@ -193,23 +191,14 @@ def open_seekable(path: str, size: int | None = None) -> BinaryIO:
 
 
 def open_decompressed(inp: InputFile) -> tuple[BinaryIO, BinaryIO]:
-    """The decompressed stream and the raw one under it (whose position tells the progress)."""
+    """The decompressed stream and the raw one under it (whose position tells the progress); a
+    truncated or damaged compressed stream raises a read error (:mod:`.decompress`)."""
     raw = open_input(inp.path, inp.size)
     try:
-        if inp.compression == "gz":
-            return gzip.GzipFile(fileobj=raw, mode="rb"), raw
-        if inp.compression == "bz2":
-            return bz2.BZ2File(raw, "rb"), raw
-        if inp.compression == "xz":
-            return lzma.LZMAFile(raw, "rb"), raw
-        if inp.compression == "zst":
-            import zstandard
-
-            return zstandard.ZstdDecompressor().stream_reader(raw, closefd=False), raw
+        return decompressing(raw, inp.compression), raw
     except BaseException:
         raw.close()
         raise
-    return raw, raw
 
 
 def close_input(inp: InputFile, *streams: BinaryIO | None) -> None:
@@ -227,12 +216,12 @@ def tell(raw: BinaryIO | None) -> int:
         return 0
 
 
-#: Exceptions that mean "the compressed stream is damaged" (zstandard's ZstdError is matched by name).
-READ_ERRORS = (OSError, EOFError, lzma.LZMAError, ValueError)
+#: Exceptions that mean "the compressed stream (or the input under it) is damaged".
+READ_ERRORS = DAMAGE
 
 
 def is_read_error(exc: BaseException) -> bool:
-    return isinstance(exc, READ_ERRORS) or type(exc).__name__ == "ZstdError"
+    return is_damage(exc)
 
 
 # ----------------------------------------------------------------------------------------------

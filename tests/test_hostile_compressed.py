@@ -1,0 +1,127 @@
+"""Truncated and damaged compressed inputs (#31): every decompressor names the file, in the reader
+that `pack`, `count` and the raw loader share, and with on_error="skip" the documents before the
+break are kept."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import lzma
+import zlib
+
+import pytest
+import zstandard
+from pack_helpers import GPT2, pack_api
+
+import wdsllm
+from wdsllm.errors import SourceError, WdsllmError
+from wdsllm.inputs.decompress import PIECE
+from wdsllm.inputs.sources import ParseOptions, Part, expand_inputs, reader_for
+from wdsllm.load.raw import open_raw
+from wdsllm.load.rawcount import count_raw
+
+COMPRESS = {
+    "gz": gzip.compress,
+    "bz2": bz2.compress,
+    "xz": lzma.compress,
+    "zst": lambda data: zstandard.ZstdCompressor().compress(data),
+}
+DECOMPRESS_PREFIX = {
+    "gz": lambda data: zlib.decompressobj(wbits=31).decompress(data),
+    "bz2": lambda data: bz2.BZ2Decompressor().decompress(data),
+    "xz": lambda data: lzma.LZMADecompressor().decompress(data),
+    "zst": lambda data: zstandard.ZstdDecompressor().decompressobj().decompress(data),
+}
+
+
+def _lines(n: int) -> bytes:
+    """n JSON lines of varied words (so that compression leaves some bytes to cut)."""
+    out = []
+    for i in range(n):
+        words = " ".join(f"w{(i * 7919 + j * 104729) % 100003:x}" for j in range(40))
+        out.append(json.dumps({"text": f"document {i}: {words}"}))
+    return ("\n".join(out) + "\n").encode()
+
+
+def _read(path, on_error: str = "raise") -> tuple[list[int], list]:
+    (inp,) = expand_inputs([str(path)])
+    opts = ParseOptions(on_error=on_error)
+    lines, skips = [], []
+    for chunk in reader_for(inp.kind).chunks(Part(inp, size=inp.size), opts, 1 << 20, 1):
+        parsed = chunk.parse(opts, inp.display)
+        lines.extend(parsed.lines)
+        skips.extend(parsed.skips)
+    return lines, skips
+
+
+@pytest.mark.parametrize("fmt", sorted(COMPRESS))
+def test_a_truncated_stream_is_named_and_keeps_the_documents_before_it(tmp_path, fmt):
+    data = COMPRESS[fmt](_lines(3000))
+    path = tmp_path / f"cut.jsonl.{fmt}"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(
+        SourceError, match=rf"cut\.jsonl\.{fmt}:\d+: cannot decompress after line \d+: .*(truncat|ended)"
+    ):
+        _read(path)
+    lines, skips = _read(path, "skip")
+    (skip,) = skips
+    assert skip.reason == "unreadable" and lines == list(range(1, skip.line))
+    readable = DECOMPRESS_PREFIX[fmt](data[: len(data) // 2])
+    complete = readable.count(b"\n")
+    assert complete - readable[-PIECE:].count(b"\n") - 1 <= len(lines) <= complete
+
+
+@pytest.mark.parametrize("fmt", sorted(COMPRESS))
+def test_a_whole_stream_reads_every_document(tmp_path, fmt):
+    path = tmp_path / f"whole.jsonl.{fmt}"
+    path.write_bytes(COMPRESS[fmt](_lines(500)))
+    assert _read(path) == (list(range(1, 501)), [])
+
+
+def test_zstd_frames_cut_at_every_kind_of_place(tmp_path):
+    """Two frames with checksums and a skippable frame between: a cut anywhere but a frame's end is named."""
+    first = zstandard.ZstdCompressor(write_checksum=True).compress(_lines(200))
+    skippable = (0x184D2A5A).to_bytes(4, "little") + (5).to_bytes(4, "little") + b"12345"
+    second = zstandard.ZstdCompressor(write_content_size=False).compress(_lines(100))
+    data = first + skippable + second
+    for cut in (3, 5, len(first) // 2, len(first) - 2, len(first) + 6, len(first) + len(skippable) + 40, len(data) - 1):
+        path = tmp_path / f"cut{cut}.jsonl.zst"
+        path.write_bytes(data[:cut])
+        with pytest.raises(SourceError, match=rf"cut{cut}\.jsonl\.zst:\d+: .*truncated"):
+            _read(path)
+    for cut in (len(first), len(first) + len(skippable), len(data)):
+        path = tmp_path / f"whole{cut}.jsonl.zst"
+        path.write_bytes(data[:cut])
+        lines, skips = _read(path)
+        assert not skips and len(lines) == (300 if cut == len(data) else 200)
+
+
+@pytest.mark.parametrize("fmt", sorted(COMPRESS))
+def test_a_changed_byte_is_named(tmp_path, fmt):
+    """Where the format checks only at a block's end, the text just before may already be wrong
+    (an invalid line raises first); the damage itself is always reported."""
+    data = bytearray(COMPRESS[fmt](_lines(2000)))
+    for at in range(len(data) // 3, len(data) // 3 + 64):
+        data[at] ^= 0x55
+    path = tmp_path / f"flip.jsonl.{fmt}"
+    path.write_bytes(bytes(data))
+    with pytest.raises(SourceError, match=rf"flip\.jsonl\.{fmt}:\d+: "):
+        _read(path)
+    lines, skips = _read(path, "skip")
+    assert skips[-1].reason == "unreadable" and "damaged" in skips[-1].message and len(lines) < 2000
+
+
+def test_pack_count_and_loader_name_a_truncated_zst(tmp_path):
+    data = COMPRESS["zst"](_lines(2000))
+    path = tmp_path / "half.jsonl.zst"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(SourceError, match=r"half\.jsonl\.zst:\d+: .*truncated"):
+        pack_api([path], tmp_path / "out")
+    kept = pack_api([path], tmp_path / "skip", on_error="skip")
+    (record,) = kept.index.skipped["records"]
+    assert record["reason"] == "unreadable" and kept.index.documents == record["line"] - 1 > 100
+    with pytest.raises(SourceError, match=r"half\.jsonl\.zst:\d+: .*truncated"):
+        count_raw(open_raw(str(path), tokenizer=str(GPT2)))
+    with pytest.raises(WdsllmError, match=r"half\.jsonl\.zst:\d+: .*truncated"):
+        list(wdsllm.loader(wdsllm.RawTextSource(str(path), tokenizer=str(GPT2)), batch_size=4, num_workers=0))
