@@ -33,6 +33,8 @@ from ..errors import ConfigError
 
 MAX_LENGTH = 10_000
 MAX_DEPTH = 64
+#: characters a number literal may have: past any Arrow decimal (76 digits), far below int()'s 4300
+MAX_NUMBER_CHARS = 100
 
 _TOKEN = re.compile(
     r"""\s*(?:
@@ -119,6 +121,11 @@ def _tokens(text: str) -> list[tuple[str, Any]]:
         kind = m.lastgroup
         value = m.group(kind)
         if kind == "number":
+            if len(value) > MAX_NUMBER_CHARS:
+                raise ConfigError(
+                    f"--where: the number at character {m.start(kind) + 1} has {len(value)} characters "
+                    f"(at most {MAX_NUMBER_CHARS}): {value[:12]}..."
+                )
             number = float(value) if any(c in value for c in ".eE") else int(value)
             if isinstance(number, float) and not math.isfinite(number):
                 raise ConfigError(f"--where: {value} is not a finite number")
