@@ -18,6 +18,7 @@ import wdsllm
 from wdsllm.errors import SourceError, WdsllmError
 from wdsllm.inputs.decompress import PIECE
 from wdsllm.inputs.sources import ParseOptions, Part, expand_inputs, reader_for
+from wdsllm.load.options import RawTextSource
 from wdsllm.load.raw import open_raw
 from wdsllm.load.rawcount import count_raw
 
@@ -124,4 +125,4 @@ def test_pack_count_and_loader_name_a_truncated_zst(tmp_path):
     with pytest.raises(SourceError, match=r"half\.jsonl\.zst:\d+: .*truncated"):
         count_raw(open_raw(str(path), tokenizer=str(GPT2)))
     with pytest.raises(WdsllmError, match=r"half\.jsonl\.zst:\d+: .*truncated"):
-        list(wdsllm.loader(wdsllm.RawTextSource(str(path), tokenizer=str(GPT2)), batch_size=4, num_workers=0))
+        list(wdsllm.loader(RawTextSource(str(path), tokenizer=str(GPT2)), batch_size=4, num_workers=0))
