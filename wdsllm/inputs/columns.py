@@ -243,7 +243,7 @@ class ParquetReader:
 
         f = open_seekable(inp.path, inp.size)
         try:
-            return f, pq.ParquetFile(f)
+            return f, pq.ParquetFile(f, page_checksum_verification=True)  # pages written with a CRC are checked
         except BaseException:
             f.close()
             raise
