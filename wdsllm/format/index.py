@@ -27,6 +27,9 @@ FORMAT_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
 
 INDEX_NAME = "index.json"
+#: The most bytes an index.json may have: far above any index written (a large one keeps its shard
+#: table in shards.npy), and read no further, so a hostile index cannot fill memory.
+MAX_INDEX_BYTES = 64 << 20
 #: Per-document token counts of a docs-mode dataset, in dataset order (uint32 .npy).
 LENGTHS_NAME = "lengths.npy"
 #: Where each group (tar sample) starts, per shard in shard order (int64 .npy, GROUP_COLUMNS per
@@ -428,10 +431,7 @@ class Index:
         reports a mismatch among the other problems instead). ``shard_table(ref)``: the bytes of
         shards.npy, checked against ``ref``, for an index whose shard table is there (see
         :func:`read_index`)."""
-        try:
-            body = json.loads(text)
-        except ValueError as exc:
-            raise FormatError(f"{where}: not JSON: {exc}") from exc
+        body = parse_json(text, where)
         return cls.from_body(body, where, check_totals=check_totals, shard_table=shard_table)
 
     @classmethod
@@ -539,6 +539,30 @@ class Index:
             raise FormatError(f"{where}: totals must be an object")
 
 
+def read_index_bytes(url: str, *, retry: Any = None) -> bytes:
+    """The bytes of the index.json at ``url``, read no further than :data:`MAX_INDEX_BYTES`."""
+    from .. import storage
+
+    with storage.open_stream(url, retry=retry) as f:
+        data = f.read(MAX_INDEX_BYTES + 1)
+    if len(data) > MAX_INDEX_BYTES:
+        raise FormatError(f"{storage.redact(url)}: more than {MAX_INDEX_BYTES} bytes, too large for an index")
+    return data
+
+
+def parse_json(data: str | bytes, where: str, max_bytes: int = MAX_INDEX_BYTES) -> Any:
+    """JSON from a dataset or a state, bounded in size and nesting: a hostile file is a
+    :class:`FormatError` naming ``where``, never a MemoryError or a RecursionError."""
+    if len(data) > max_bytes:
+        raise FormatError(f"{where}: {len(data)} bytes of JSON, more than the {max_bytes} allowed")
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise FormatError(f"{where}: JSON nested too deeply to be a wdsllm file") from None
+    except ValueError as exc:
+        raise FormatError(f"{where}: not JSON: {str(exc)[:200]}") from None
+
+
 def read_index(
     root: str, *, retry: Any = None, check_totals: bool = True, data: bytes | None = None
 ) -> tuple[Index, dict]:
@@ -548,11 +572,8 @@ def read_index(
 
     url = storage.join_url(root, INDEX_NAME)
     if data is None:
-        data = storage.read_bytes(url, retry=retry)
-    try:
-        body = json.loads(data)
-    except ValueError as exc:
-        raise FormatError(f"{url}: not JSON: {exc}") from exc
+        data = read_index_bytes(url, retry=retry)
+    body = parse_json(data, url)
 
     def table(ref: SideFile) -> bytes:
         side = storage.join_url(root, ref.name)

@@ -50,7 +50,10 @@ MAX_CHECKED_SPAN = 8
 
 
 def _digest(body: Mapping[str, Any]) -> str:
-    text = json.dumps({k: v for k, v in body.items() if k != "digest"}, sort_keys=True, separators=(",", ":"))
+    try:
+        text = json.dumps({k: v for k, v in body.items() if k != "digest"}, sort_keys=True, separators=(",", ":"))
+    except RecursionError:
+        raise StateError("the state is nested too deeply to be a wdsllm state") from None
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -82,8 +85,10 @@ def unseal(saved: Any, kind: str = LOADER_KIND, versions: tuple[int, ...] = READ
             )
         try:
             body = json.loads(text)
+        except RecursionError:
+            raise StateError(f"the {what} state's JSON is nested too deeply to be a wdsllm state") from None
         except ValueError as exc:
-            raise StateError(f"the {what} state's JSON is damaged: {exc}") from None
+            raise StateError(f"the {what} state's JSON is damaged: {str(exc)[:200]}") from None
         if not isinstance(body, dict):
             raise StateError(f"the {what} state's JSON is not an object")
         if tag != f"{kind}/{body.get('version')}":
