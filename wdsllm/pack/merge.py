@@ -1,7 +1,8 @@
 """`wdsllm merge`: the outputs of a multi-task pack become one dataset with one index.
 
 Each task of ``wdsllm pack --num-tasks K`` writes a complete dataset of its own (``task-%05d/``
-with shards, ``lengths.npy`` and ``index.json``). Their sample keys are already task-qualified
+with shards, ``lengths.npy`` and ``index.json``), and so does each ``pack_part`` call of a cluster
+engine (``part-%05d/``, see :mod:`wdsllm.pack.part`). Their sample keys are already task-qualified
 (``TTTT-GGGGGGGGG``), so merging never rewrites a tar: shards are moved (or copied) under a
 contiguous ``PREFIX-%06d.tar`` numbering, task order then shard order, and a new index is written
 last. A plan file (``.merge-plan.json``) makes an interrupted merge safe to run again: shards
@@ -30,8 +31,9 @@ log = logging.getLogger(__name__)
 
 PLAN_NAME = ".merge-plan.json"
 TASK_DIR_PREFIX = "task-"
-#: Options that legitimately differ between the tasks of one pack.
-PER_TASK_OPTIONS = ("task_index",)
+PART_DIR_PREFIX = "part-"
+#: Options that legitimately differ between the tasks of one pack (or the parts of one dataset).
+PER_TASK_OPTIONS = ("task_index", "part_id")
 #: Options compared another way: the tokenizer by its sha256, not by how it was named.
 NOT_COMPARED = (*PER_TASK_OPTIONS, "tokenizer")
 
@@ -45,7 +47,13 @@ class Part:
 
     @property
     def task(self) -> int | None:
-        return self.index.options.get("task_index")
+        options = self.index.options
+        return options.get("task_index", options.get("part_id"))
+
+    @property
+    def from_records(self) -> bool:
+        """A ``pack_part`` part: its inputs are record sources, not byte ranges of input files."""
+        return "part_id" in self.index.options
 
 
 @dataclass
@@ -64,16 +72,21 @@ def _has_index(url: str) -> bool:
 
 
 def _task_dirs(url: str, allow_partial: bool) -> list[str]:
-    """The ``task-*/`` parts under a parent directory, in name order."""
+    """The ``task-*/`` and ``part-*/`` parts under a parent directory, in name order; a part without
+    its manifest (``index.json``) is unfinished, and named."""
     names = storage.Output(url).list_names()
-    dirs = sorted({n.split("/", 1)[0] for n in names if n.startswith(TASK_DIR_PREFIX) and "/" in n})
+    prefixes = (TASK_DIR_PREFIX, PART_DIR_PREFIX)
+    dirs = sorted({n.split("/", 1)[0] for n in names if n.startswith(prefixes) and "/" in n})
     complete = {n.split("/", 1)[0] for n in names if n.count("/") == 1 and n.endswith("/" + fmt.INDEX_NAME)}
     unfinished = [d for d in dirs if d not in complete]
-    if unfinished and not allow_partial:
-        raise MergeError(
-            f"{storage.join_url(url, unfinished[0])} has no {fmt.INDEX_NAME}: that task has not finished (finish it "
-            "with --resume)"
-        )
+    if unfinished:
+        shown = ", ".join(unfinished[:20]) + (f" and {len(unfinished) - 20} more" if len(unfinished) > 20 else "")
+        if not allow_partial:
+            raise MergeError(
+                f"{url}: {len(unfinished)} part(s) have no {fmt.INDEX_NAME} and have not finished: {shown} (finish "
+                "them: --resume for a pack task, a rerun for a cluster part; or pass --allow-partial)"
+            )
+        log.warning("%s: leaving out %d unfinished part(s): %s", url, len(unfinished), shown)
     return [storage.join_url(url, d) for d in dirs if d in complete]
 
 
@@ -87,7 +100,8 @@ def find_parts(sources: list[str], allow_partial: bool = False) -> list[Part]:
         found = _task_dirs(source, allow_partial)
         if not found:
             raise MergeError(
-                f"{source}: neither a pack output ({fmt.INDEX_NAME}) nor a directory of {TASK_DIR_PREFIX}*/ outputs"
+                f"{source}: neither a pack output ({fmt.INDEX_NAME}) nor a directory of {TASK_DIR_PREFIX}*/ or "
+                f"{PART_DIR_PREFIX}*/ outputs"
             )
         urls.extend(found)
     parts = [_load_part(url) for url in urls]
@@ -152,13 +166,24 @@ def check_compatible(parts: list[Part], allow_partial: bool = False) -> None:
     for a, b in itertools.pairwise(parts):
         if a.task == b.task:
             raise MergeError(f"{a.url} and {b.url} are both task {a.task}; their keys would collide")
-    num_tasks = first.index.options.get("num_tasks", len(parts))
-    missing = sorted(set(range(num_tasks)) - set(tasks))
+    num_tasks = _expected_parts(first, len(parts))
+    missing = sorted(set(range(num_tasks)) - set(tasks)) if num_tasks is not None else []
     if missing and not allow_partial:
+        shown = f"{missing[:20]}{' and more' if len(missing) > 20 else ''}"
         raise MergeError(
-            f"tasks {missing} of {num_tasks} are missing, so their documents would be; pass them too, or "
-            "--allow-partial"
+            f"tasks {shown} of {num_tasks} are missing, so their documents would be; pass them too, or --allow-partial"
         )
+    _check_disjoint([p for p in parts if not p.from_records])
+
+
+def _expected_parts(part: Part, default: int) -> int | None:
+    """How many tasks (or parts) the dataset has, where the pack knew it."""
+    options = part.index.options
+    return options.get("parts") if part.from_records else options.get("num_tasks", default)
+
+
+def _check_disjoint(parts: list[Part]) -> None:
+    """Pack tasks divide input files by byte ranges: no two may hold the same share."""
     seen: dict[int, list[tuple[dict, str]]] = {}
     for part in parts:
         for inp in part.index.inputs:
@@ -188,6 +213,8 @@ def merged_inputs(parts: list[Part]) -> list[dict]:
                 continue
             entry["documents"] += inp["documents"]
             entry["skipped"] += inp["skipped"]
+            if "tokens" in entry:
+                entry["tokens"] += inp.get("tokens", 0)
             if "part" in inp:
                 entry.setdefault("parts", []).append(inp["part"])
     for entry in by_index.values():

@@ -97,6 +97,7 @@ class Counters:
     """Per-run tallies that the index reports; additive over shards so --resume can sum them."""
 
     documents_by_input: Counter = field(default_factory=Counter)
+    tokens_by_input: Counter = field(default_factory=Counter)  # full document lengths, by input
     skipped_by_input: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)
     skip_records: list = field(default_factory=list)
@@ -123,6 +124,7 @@ class Counters:
     def to_json(self) -> dict:
         return {
             "documents_by_input": {str(k): v for k, v in self.documents_by_input.items()},
+            "tokens_by_input": {str(k): v for k, v in self.tokens_by_input.items()},
             "skipped_by_input": {str(k): v for k, v in self.skipped_by_input.items()},
             "skipped": dict(self.skipped),
             "skip_records": self.skip_records,
@@ -130,6 +132,7 @@ class Counters:
 
     def add_json(self, d: dict) -> None:
         self.documents_by_input.update({int(k): v for k, v in d["documents_by_input"].items()})
+        self.tokens_by_input.update({int(k): v for k, v in d.get("tokens_by_input", {}).items()})
         self.skipped_by_input.update({int(k): v for k, v in d["skipped_by_input"].items()})
         self.skipped.update(d["skipped"])
         room = MAX_SKIP_RECORDS - len(self.skip_records)
@@ -210,8 +213,11 @@ class ShardSink:
         self._lengths.append(np.asarray(group.doc_lengths, dtype=np.uint32))
         if self.mode == "packed" and group.rows:
             self._note_rows(group)
-        for f, c in zip(*np.unique(group.files, return_counts=True)):
-            self.pending.documents_by_input[int(f)] += int(c)
+        files, which, counts = np.unique(group.files, return_inverse=True, return_counts=True)
+        tokens = np.bincount(which, weights=np.asarray(group.doc_lengths, np.float64), minlength=len(files))
+        for f, c, t in zip(files.tolist(), counts.tolist(), tokens.tolist()):
+            self.pending.documents_by_input[f] += c
+            self.pending.tokens_by_input[f] += int(t)
         self._position = group.position
 
     def _open(self) -> None:

@@ -1,0 +1,155 @@
+"""pack_part: one committing, idempotent call that packs records into a part; merge of parts."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+from cluster_helpers import GPT2, SMALL, documents_by_origin, local_pack, source_records, visible_files
+from pack_helpers import dataset_files, load_index
+
+from wdsllm.errors import MergeError, PackError, SourceError, WdsllmError
+from wdsllm.pack.merge import merge
+from wdsllm.pack.part import PartOptions, pack_part, part_url
+
+N = 2000
+
+
+class Preempted(Exception):
+    """Stands for the signal that stops a preempted task."""
+
+
+def preempted_after(records: list[dict], n: int):
+    yield from records[:n]
+    raise Preempted(f"preempted after {n} records")
+
+
+def options(sources=None, **kw) -> PartOptions:
+    return PartOptions.of(str(GPT2), sources=sources, **{**SMALL, **kw})
+
+
+def split(records: list[dict], parts: int) -> list[list[dict]]:
+    """Interleaved shares, as an engine's blocks may be: each part holds records of every stretch."""
+    return [records[i::parts] for i in range(parts)]
+
+
+def test_parts_merged_equal_a_local_pack(tmp_path):
+    name, records = source_records(N)
+    opts = options(sources=[name])
+    manifests = [pack_part(share, i, str(tmp_path), opts) for i, share in enumerate(split(records, 3))]
+    assert sum(m.documents for m in manifests) == N
+    assert all(m.sources[name]["documents"] == m.documents for m in manifests)
+    assert all(m.sources[name]["tokens"] == m.tokens for m in manifests)
+    index, parts = merge([str(tmp_path)], str(tmp_path))
+    assert len(parts) == 3 and index.documents == N
+    assert documents_by_origin(tmp_path) == documents_by_origin(local_pack(N))
+    merged_input = load_index(tmp_path).inputs
+    assert [(i["path"], i["documents"], i["tokens"]) for i in merged_input] == [(name, N, index.tokens)]
+    # nothing left of the parts: their shards moved, their manifests and side files retired
+    assert not [f for f in visible_files(tmp_path) if f.startswith("part-")]
+
+
+def test_a_second_run_gives_byte_identical_parts(tmp_path):
+    name, records = source_records(N)
+    for run in ("a", "b"):
+        pack_part(records[:700], 4, str(tmp_path / run), options(sources=[name]))
+    assert dataset_files(tmp_path / "a" / "part-00004") == dataset_files(tmp_path / "b" / "part-00004")
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [{"mode": "docs", "max_doc_tokens": 300}, {"mode": "packed", "seq_len": 512}],
+    ids=["docs-pieces", "packed"],
+)
+def test_a_preempted_part_continues_from_its_cursor(tmp_path, caplog, shape):
+    name, records = source_records(N)
+    opts = options(sources=[name], **shape)
+    whole = pack_part(records, 0, str(tmp_path / "whole"), opts)
+    with pytest.raises(Preempted):
+        pack_part(preempted_after(records, 1200), 0, str(tmp_path / "cut"), opts)
+    cut = tmp_path / "cut" / "part-00000"
+    assert not (cut / "index.json").exists() and not list(cut.glob(".*.tmp"))
+    with caplog.at_level(logging.INFO, logger="wdsllm.pack.part"):
+        resumed = pack_part(records, 0, str(tmp_path / "cut"), opts)
+    said = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert said and "records already packed" in said[0]
+    skipped = int(said[0].split("skipping ")[1].split()[0])
+    assert 0 < skipped < 1200 and resumed.resumed_shards > 0
+    assert resumed.digest == whole.digest
+    assert dataset_files(cut) == dataset_files(tmp_path / "whole" / "part-00000")
+
+
+def test_a_committed_part_is_returned_without_reading_records(tmp_path):
+    _, records = source_records(N)
+    first = pack_part(records[:300], 2, str(tmp_path), options())
+    again = pack_part(preempted_after(records, 0), 2, str(tmp_path), options())
+    assert again == first
+
+
+def test_a_part_of_other_options_is_replaced(tmp_path):
+    _, records = source_records(N)
+    pack_part(records[:300], 2, str(tmp_path), options())
+    other = pack_part(records[:300], 2, str(tmp_path), options(sample_tokens=2048))
+    assert load_index(tmp_path / "part-00002").options["sample_tokens"] == 2048
+    assert other.documents == 300
+
+
+def test_without_sources_a_part_is_its_own_input(tmp_path):
+    _, records = source_records(N)
+    texts = [{"text": r["text"]} for r in records[:500]]
+    pack_part(texts[:250], 0, str(tmp_path), options())
+    pack_part(texts[250:], 1, str(tmp_path), options())
+    merge([str(tmp_path)], str(tmp_path / "merged"))
+    docs = documents_by_origin(tmp_path / "merged")
+    assert sorted({k[0] for k in docs}) == ["part-00000", "part-00001"]
+    assert sorted(ln for part, ln, _ in docs if part == "part-00001") == list(range(1, 251))
+
+
+def test_bad_records_name_the_part_and_record(tmp_path):
+    records = [{"text": "fine"}, {"body": "no text field"}, {"text": "fine again"}]
+    with pytest.raises(SourceError, match=r"part-00007: record 2: text field 'text' is missing"):
+        pack_part(records, 7, str(tmp_path), options())
+    manifest = pack_part(records, 7, str(tmp_path / "skip"), options(on_error="skip"))
+    assert manifest.documents == 2 and manifest.skipped == 1
+    with pytest.raises(PackError, match="not in sources"):
+        pack_part([{"text": "a", "source": "elsewhere", "line": 1}], 0, str(tmp_path / "s"), options(sources=["x"]))
+
+
+def test_shard_size_in_tokens(tmp_path):
+    _, records = source_records(N)
+    pack_part(records, 0, str(tmp_path), options(shard_tokens=20_000, sample_tokens=2048))
+    shards = load_index(tmp_path / "part-00000").shards
+    assert len(shards) > 5
+    tokens = sorted(int(e.tokens) for e in shards)
+    assert tokens[-1] <= 20_000 and tokens[len(tokens) // 2] >= 15_000
+
+
+def test_merge_names_unfinished_parts_and_allow_partial_skips_them(tmp_path):
+    _, records = source_records(N)
+    for i in range(3):
+        pack_part(records[i * 100 : (i + 1) * 100], i, str(tmp_path), options(parts=3))
+    (tmp_path / "part-00001" / "index.json").unlink()
+    with pytest.raises(MergeError, match=r"part-00001"):
+        merge([str(tmp_path)], str(tmp_path / "m"))
+    with pytest.raises(MergeError, match=r"tasks \[1\] of 3 are missing"):
+        merge([str(tmp_path / "part-00000"), str(tmp_path / "part-00002")], str(tmp_path / "m"))
+    index, parts = merge([str(tmp_path)], str(tmp_path / "m"), allow_partial=True)
+    assert [p.task for p in parts] == [0, 2] and index.documents == 200
+
+
+def test_merge_reports_duplicate_ids_and_mismatched_options(tmp_path):
+    _, records = source_records(N)
+    pack_part(records[:100], 0, str(tmp_path / "a"), options())
+    pack_part(records[100:200], 1, str(tmp_path / "a"), options(sample_tokens=2048))
+    with pytest.raises(MergeError, match="option sample_tokens differs"):
+        merge([str(tmp_path / "a")], str(tmp_path / "m"))
+    pack_part(records[:100], 0, str(tmp_path / "b"), options())
+    shutil.copytree(part_url(str(tmp_path / "b"), 0), tmp_path / "b" / "part-00001")
+    with pytest.raises(MergeError, match="both task 0"):
+        merge([str(tmp_path / "b")], str(tmp_path / "m"))
+
+
+def test_part_errors_are_wdsllm_errors(tmp_path):
+    with pytest.raises(WdsllmError):
+        pack_part([], -1, str(tmp_path), options())

@@ -1,0 +1,524 @@
+"""One part of a dataset packed from records: the call that every cluster engine's task makes.
+
+``pack_part(records, part_id, out, options)`` packs an iterator of records (dicts holding the
+text, and optionally where it came from) into ``out/part-NNNNN/``, a complete pack output of its
+own that ``wdsllm merge`` joins with the others. The call is pure and committing:
+
+- the part's name comes from ``part_id`` (a Ray write task's index, a datatrove rank), never from
+  an attempt or a worker, so a retried or duplicated attempt writes the same directory;
+- shards are written under temporary names and published whole; the part's ``index.json`` (its
+  manifest) is written last: a part with a manifest is complete, one without is not;
+- a part whose manifest matches the options is returned as it is, without reading a record;
+- after every shard a journal record holds the shard's entry and the cursor (the number of
+  records consumed, plus where the shaper stands inside the last document), so an attempt that
+  finds an interrupted part skips the records already packed, without tokenizing them, and
+  continues from there. The result is byte-identical to an uninterrupted part, provided the
+  records come again in the same order (the engines replay a task's input as it was).
+
+Provenance: with ``sources`` (the dataset's input names, in the order a ``wdsllm pack`` of them
+would take), a record's ``source`` and ``line`` fields give its documents the same provenance as
+that pack. Without it, a part is an input of its own (index ``part_id``), and a document's line
+is its record's 1-based number in the part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from .. import __version__, storage
+from .. import format as fmt
+from ..errors import PackError
+from ..inputs.sources import ParsedChunk, Skip, add_text, json_field, not_text, settle, too_long
+from .job import (
+    PackConfig,
+    _make_shaper,
+    _present_records,
+    _remove_unrecorded,
+    _resolve_specials,
+    _validate,
+    token_dtype_for,
+)
+from .lock import OutputLock
+from .shaping import EncodedChunk, GroupData, Position
+from .sidefiles import SideFiles
+from .tokenizer import Encoder, LoadedTokenizer, load_tokenizer
+from .writer import JOURNAL_PREFIX, JOURNAL_START, Counters, ShardSink, iter_journal, read_journal, records_truncated
+
+log = logging.getLogger(__name__)
+
+PART_DIR_PREFIX = "part-"
+#: a record's fields that say where it came from (with ``PartOptions.sources``)
+SOURCE_FIELD = "source"
+LINE_FIELD = "line"
+
+
+def part_name(part_id: int) -> str:
+    return f"{PART_DIR_PREFIX}{part_id:05d}"
+
+
+def part_url(out: str, part_id: int) -> str:
+    return storage.join_url(out, part_name(part_id))
+
+
+@dataclass(frozen=True)
+class PartOptions:
+    """How records become a part. Every option that shapes the output is a ``PackConfig`` field,
+    declared there once (``inputs`` and ``output`` are unused here); these are the part's own."""
+
+    pack: PackConfig
+    #: the dataset's input names: records' ``source`` fields index it (None: each part is an input)
+    sources: tuple[str, ...] | None = None
+    #: the most tokens in a shard (a group of more is a shard of its own); ``pack.shard_size``
+    #: bytes still caps it
+    shard_tokens: int | None = None
+    #: parts the dataset has, when the engine knows it up front (datatrove's world size): merge
+    #: then names the missing ones
+    parts: int | None = None
+
+    @classmethod
+    def of(
+        cls,
+        tokenizer: str,
+        *,
+        sources: Iterable[str] | None = None,
+        shard_tokens: int | None = None,
+        parts: int | None = None,
+        **pack_options: Any,
+    ) -> PartOptions:
+        """Options from ``wdsllm pack``'s keywords (``mode``, ``seq_len``, ``text_field``, ...)."""
+        config = PackConfig(inputs=[], output="", tokenizer=str(tokenizer), **pack_options)
+        return cls(config, tuple(sources) if sources is not None else None, shard_tokens, parts)
+
+    def output_options(self, part_id: int) -> dict:
+        """The options an index of this part holds: what shapes its bytes, and which part it is."""
+        options = self.pack.output_options()
+        for per_job in ("inputs", "num_tasks", "task_index"):
+            options.pop(per_job, None)
+        options["part_id"] = part_id
+        options["parts"] = self.parts
+        options["shard_tokens"] = self.shard_tokens
+        options["sources_sha256"] = (
+            hashlib.sha256("\n".join(self.sources).encode()).hexdigest() if self.sources is not None else None
+        )
+        return options
+
+
+@dataclass(frozen=True)
+class PartManifest:
+    """What a finished part holds: returned by every attempt that finds or writes it."""
+
+    part_id: int
+    url: str
+    documents: int
+    tokens: int
+    shards: int
+    skipped: int
+    sources: dict = field(default_factory=dict)  # input path -> {"documents": n, "tokens": t}
+    digest: str = ""  # sha256 over the shards' sha256s in order: equal digests, equal shards
+    resumed_shards: int = 0  # shards an interrupted attempt had written, kept by this one
+
+    @classmethod
+    def of(cls, url: str, index: fmt.Index, resumed_shards: int = 0) -> PartManifest:
+        shas = "".join(e.sha256 for e in index.shards)
+        return cls(
+            part_id=int(index.options["part_id"]),
+            url=url,
+            documents=index.documents,
+            tokens=int(index.shards.column("tokens").sum()),
+            shards=len(index.shards),
+            skipped=int(index.skipped.get("total", 0)),
+            sources={i["path"]: {"documents": i["documents"], "tokens": i.get("tokens", 0)} for i in index.inputs},
+            digest=hashlib.sha256(shas.encode()).hexdigest(),
+            resumed_shards=resumed_shards,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# The tokenizer, loaded once per process.
+
+
+class TokenizerCache:
+    """The tokenizers this process loaded, keyed by what names them: a Ray worker or a datatrove
+    task packs many parts and must not read and parse a tokenizer for each."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[tuple, LoadedTokenizer] = {}
+        self._encoders: dict[tuple, Encoder] = {}
+        self._lock = threading.Lock()
+
+    def tokenizer(self, cfg: PackConfig) -> LoadedTokenizer:
+        key = (cfg.tokenizer, cfg.bos_token, cfg.eos_token)
+        with self._lock:
+            if key not in self._loaded:
+                self._loaded[key] = load_tokenizer(cfg.tokenizer, bos_token=cfg.bos_token, eos_token=cfg.eos_token)
+            return self._loaded[key]
+
+    def encoder(self, tok: LoadedTokenizer, dtype: np.dtype, bos_id: int | None, eos_id: int | None) -> Encoder:
+        key = (tok.sha256, dtype.name, bos_id, eos_id)
+        with self._lock:
+            if key not in self._encoders:
+                self._encoders[key] = Encoder(tok.json_text, dtype.name, bos_id, eos_id)
+            return self._encoders[key]
+
+    def reset(self) -> None:
+        with self._lock:
+            self._loaded.clear()
+            self._encoders.clear()
+
+
+TOKENIZERS = TokenizerCache()
+
+
+# ----------------------------------------------------------------------------------------------
+# Records to encoded chunks.
+
+
+class RecordBatcher:
+    """Cuts the record stream into chunks of about ``chunk_bytes`` of text, parsed as a JSON line
+    is (text field, empty and over-long documents, bad records skipped or raised), and encoded.
+
+    Documents are numbered by their record's 1-based position in the part (``ordinal``): the
+    shaper and the journal see that number as the line of input ``part_id``, so the cursor is
+    monotonic whatever the records' sources. ``origin`` remembers each kept record's real
+    (source index, line) until its group is written.
+    """
+
+    def __init__(self, options: PartOptions, part_id: int, encoder: Encoder) -> None:
+        self.cfg = options.pack
+        self.part_id = part_id
+        self.encoder = encoder
+        self.display = part_name(part_id)
+        self.sources = {name: i for i, name in enumerate(options.sources)} if options.sources is not None else None
+        self.path = self.cfg.text_field.split(".")
+        self.origins = Origins() if self.sources is not None else None
+
+    def chunks(self, records: Iterable[Mapping[str, Any]], skip: int) -> Iterator[EncodedChunk]:
+        """Encoded chunks of the records after the first ``skip`` (those are only counted)."""
+        parsed, size, ordinal = ParsedChunk(), 0, 0
+        for ordinal, record in enumerate(records, start=1):
+            if ordinal <= skip:
+                continue
+            size += self._add(parsed, ordinal, record)
+            if size >= self.cfg.chunk_bytes:
+                yield self._encode(parsed)
+                parsed, size = ParsedChunk(), 0
+        if ordinal < skip:
+            raise PackError(
+                f"{self.display}: the records ended after {ordinal}, but an earlier attempt packed {skip}; the "
+                "input of a part must be the same on every attempt"
+            )
+        if parsed.lines or parsed.skips or parsed.tallies:
+            yield self._encode(parsed)
+
+    def _add(self, out: ParsedChunk, ordinal: int, record: Mapping[str, Any]) -> int:
+        text = json_field(record, self.path)
+        if not isinstance(text, str):
+            problem = not_text(text)
+            detail = f"{self.cfg.text_field!r} {problem}{self._where(record)}"
+            message = f"text field {self.cfg.text_field!r} is {problem}{self._where(record)}"
+            out.skips.append(Skip(self.part_id, ordinal, "missing_field", detail, message))
+            return 0
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > self.cfg.max_doc_bytes:
+            out.skips.append(too_long(self.part_id, ordinal, size, self.cfg.max_doc_bytes))
+            return 0
+        before = len(out.lines)
+        add_text(out, ordinal, text)
+        if self.origins is not None and len(out.lines) > before:
+            self.origins.add(ordinal, self._origin(record, ordinal))
+        return size
+
+    def _origin(self, record: Mapping[str, Any], ordinal: int) -> tuple[int, int]:
+        source, line = record.get(SOURCE_FIELD), record.get(LINE_FIELD)
+        if source not in self.sources:
+            raise PackError(f"{self.display}: record {ordinal} names source {source!r}, which is not in sources")
+        if not isinstance(line, int) or isinstance(line, bool) or line < 0:
+            raise PackError(f"{self.display}: record {ordinal} has no integer {LINE_FIELD!r} ({line!r})")
+        return self.sources[source], line
+
+    def _where(self, record: Mapping[str, Any]) -> str:
+        source, line = record.get(SOURCE_FIELD), record.get(LINE_FIELD)
+        return f" ({source}:{line})" if source is not None else ""
+
+    def _encode(self, parsed: ParsedChunk) -> EncodedChunk:
+        settle(parsed, self.cfg.parse_options(), self.display, "record")
+        tokens, lengths = self.encoder.encode(parsed.texts)
+        lines = np.asarray(parsed.lines, dtype=np.int64)
+        tallies = {reason: np.asarray(found, np.int64) for reason, found in parsed.tallies.items() if found}
+        if len(lengths) and not lengths.all():  # no BOS nor EOS, and text the tokenizer maps to nothing
+            empty = lengths == 0
+            tallies["empty"] = np.sort(np.concatenate([tallies.get("empty", np.zeros(0, np.int64)), lines[empty]]))
+            lines, lengths = lines[~empty], lengths[~empty]
+        return EncodedChunk(
+            file_index=self.part_id,
+            first_line=int(lines[0]) if len(lines) else 0,
+            tokens=tokens,
+            lengths=lengths,
+            lines=lines,
+            skips=parsed.skips,
+            text_bytes=sum(map(len, parsed.texts)),
+            tallies=tallies,
+        )
+
+
+class Origins:
+    """Record ordinal -> (source index, line) of the kept records whose group is not written yet."""
+
+    def __init__(self) -> None:
+        self._ordinals: list[int] = []
+        self._files: list[int] = []
+        self._lines: list[int] = []
+
+    def add(self, ordinal: int, origin: tuple[int, int]) -> None:
+        self._ordinals.append(ordinal)
+        self._files.append(origin[0])
+        self._lines.append(origin[1])
+
+    def translate(self, group: GroupData) -> GroupData:
+        """The group with real provenance; origins up to its last document are dropped (a later
+        group never starts a document before it)."""
+        ordinals = np.asarray(self._ordinals, np.int64)
+        at = np.searchsorted(ordinals, group.lines)
+        if len(at) and (at.max() >= len(ordinals) or not np.array_equal(ordinals[at], group.lines)):
+            raise PackError("internal: a group names a record whose origin was not kept")
+        files = np.asarray(self._files, np.int64)[at]
+        lines = np.asarray(self._lines, np.int64)[at]
+        if len(at):
+            keep = int(at.max())  # the last document may continue into the next group: keep its origin
+            del self._ordinals[:keep], self._files[:keep], self._lines[:keep]
+        return replace(group, files=files, lines=lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# The part.
+
+
+def pack_part(records: Iterable[Mapping[str, Any]], part_id: int, out: str, options: PartOptions) -> PartManifest:
+    """Pack ``records`` into ``out/part-NNNNN/`` and return its manifest (see the module's doc).
+
+    An attempt that finds the part committed with the same options returns its manifest without
+    reading ``records``; one that finds an interrupted attempt's journal continues after it;
+    anything else there (another pack's leftovers) is replaced.
+    """
+    if not isinstance(part_id, int) or part_id < 0:
+        raise PackError(f"part_id must be a non-negative integer, not {part_id!r}")
+    cfg = options.pack
+    _validate(cfg)
+    if options.shard_tokens is not None and options.shard_tokens < 1:
+        raise PackError("shard_tokens must be positive")
+    tok = TOKENIZERS.tokenizer(cfg)
+    url = part_url(out, part_id)
+    output = storage.Output(url)
+    try:
+        with OutputLock(output, "pack part"):
+            expected = _expected_options(options, part_id, tok)
+            committed = _committed(output, expected, tok)
+            if committed is not None:
+                log.info("%s is already complete; kept as it is", url)
+                return PartManifest.of(url, committed)
+            journal = _prepare(output, cfg.prefix, _fingerprint(expected, tok))
+            index = _pack_records(records, part_id, output, options, tok, journal)
+            if index.options != expected:
+                raise PackError(f"internal: {url} was written with options other than its fingerprint's")
+            return PartManifest.of(url, index, resumed_shards=len(journal))
+    finally:
+        output.close()
+
+
+def _expected_options(options: PartOptions, part_id: int, tok: LoadedTokenizer) -> dict:
+    use_bos, _, eos_id = _resolve_specials(options.pack, tok)
+    expected = options.output_options(part_id)
+    expected["bos"], expected["eos"] = use_bos, eos_id is not None
+    return expected
+
+
+def _fingerprint(expected: dict, tok: LoadedTokenizer) -> str:
+    ident = {"options": expected, "tokenizer": tok.sha256}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def _committed(output: storage.Output, expected: dict, tok: LoadedTokenizer) -> fmt.Index | None:
+    """The part's index when it is complete and was packed with these options and tokenizer."""
+    if output.get_bytes(fmt.INDEX_NAME) is None:
+        return None
+    index, _ = fmt.read_index(output.url)
+    if index.options == expected and index.tokenizer.sha256 == tok.sha256:
+        return index
+    log.warning("%s holds a part packed with other options; replacing it", output.url)
+    return None
+
+
+def _prepare(output: storage.Output, prefix: str, fingerprint: str) -> list[dict]:
+    """The journal of an interrupted attempt with the same options (its shards kept, anything after
+    them removed); otherwise an empty directory with a new journal start."""
+    started = output.get_bytes(JOURNAL_START)
+    if started is not None and json.loads(started).get("fingerprint") == fingerprint:
+        journal = _present_records(output, read_journal(output, lengths=False))
+        _remove_unrecorded(output, prefix, len(journal))
+        if journal:
+            return journal
+    if not output.is_empty():
+        output.clear()
+    start = {"fingerprint": fingerprint, "created_by": f"wdsllm {__version__}"}
+    output.put_bytes(JOURNAL_START, json.dumps(start).encode())
+    return []
+
+
+def _pack_records(
+    records: Iterable[Mapping[str, Any]],
+    part_id: int,
+    output: storage.Output,
+    options: PartOptions,
+    tok: LoadedTokenizer,
+    journal: list[dict],
+) -> fmt.Index:
+    cfg = options.pack
+    _, bos_id, eos_id = _resolve_specials(cfg, tok)
+    dtype = token_dtype_for(cfg, tok)
+    position = Position.from_json(journal[-1]["position"]) if journal and journal[-1]["position"] else None
+    # the record the cursor stands in is fed again: the shaper skips what of it was written
+    skip = position.line - 1 if position is not None else 0
+    if journal:
+        log.info("%s: resuming after %d shards: skipping %d records already packed", output.url, len(journal), skip)
+    sink = ShardSink(
+        output,
+        prefix=cfg.prefix,
+        task=part_id,
+        mode=cfg.mode,
+        shard_size=cfg.shard_size,
+        shard_samples=cfg.shard_samples,
+        first_shard=len(journal),
+        first_group=journal[-1]["next_group"] if journal else 0,
+        inputs_display={part_id: part_name(part_id)},
+        seq_len=cfg.seq_len,
+    )
+    sink.entries = [fmt.ShardEntry(**rec["entry"]) for rec in journal]
+    if journal:
+        sink.max_row_segments = journal[-1].get("max_row_segments", 0)
+        sink.short_rows = journal[-1].get("short_rows", 0)
+    shaper = _make_shaper(cfg, dtype, position)
+    batcher = RecordBatcher(options, part_id, TOKENIZERS.encoder(tok, dtype, bos_id, eos_id))
+    writer = GroupWriter(sink, batcher.origins, options.shard_tokens)
+    try:
+        for chunk in batcher.chunks(records, skip):
+            sink.add_skips(chunk.skips, [(chunk.file_index, reason, lines) for reason, lines in chunk.tallies.items()])
+            writer.write(shaper.feed(chunk))
+        writer.write(shaper.finish())
+        sink.finish_shard(final=True)
+    except BaseException:
+        sink.abort()
+        raise
+    return _write_part_index(output, options, part_id, tok, _expected_options(options, part_id, tok), sink)
+
+
+class GroupWriter:
+    """Hands groups to the sink with their real provenance, closing a shard before a group would
+    take it past ``shard_tokens`` (the sink itself closes shards by bytes and items)."""
+
+    def __init__(self, sink: ShardSink, origins: Origins | None, shard_tokens: int | None) -> None:
+        self.sink = sink
+        self.origins = origins
+        self.shard_tokens = shard_tokens
+        self.open_tokens = 0  # tokens in the shard the sink has open
+
+    def write(self, groups: list[GroupData]) -> None:
+        for group in groups:
+            size = len(group.tokens)
+            if self.shard_tokens and self.open_tokens and self.open_tokens + size > self.shard_tokens:
+                self.sink.finish_shard()
+                self.open_tokens = 0
+            shards = len(self.sink.entries)
+            self.sink.write(self.origins.translate(group) if self.origins is not None else group)
+            self.open_tokens = size if len(self.sink.entries) != shards else self.open_tokens + size
+
+
+def _part_inputs(options: PartOptions, part_id: int, totals: Counters) -> list[dict]:
+    """The index's inputs: the sources this part holds documents of, or the part itself."""
+    if options.sources is None:
+        return [
+            {
+                "index": part_id,
+                "path": part_name(part_id),
+                "bytes": 0,
+                "documents": totals.documents_by_input.get(part_id, 0),
+                "tokens": totals.tokens_by_input.get(part_id, 0),
+                "skipped": totals.skipped_by_input.get(part_id, 0),
+            }
+        ]
+    return [
+        {
+            "index": i,
+            "path": options.sources[i],
+            "bytes": 0,
+            "documents": totals.documents_by_input[i],
+            "tokens": totals.tokens_by_input.get(i, 0),
+            "skipped": 0,  # skipped records are counted by the part (``skipped``), named with their source
+        }
+        for i in sorted(totals.documents_by_input)
+    ]
+
+
+def _write_part_index(
+    output: storage.Output,
+    options: PartOptions,
+    part_id: int,
+    tok: LoadedTokenizer,
+    index_options: dict,
+    sink: ShardSink,
+) -> fmt.Index:
+    """Side files, tokenizer.json, then index.json (the commit), then the journal goes."""
+    entries = sink.entries
+    totals = Counters()
+    documents, groups = sum(e.documents for e in entries), sum(e.samples for e in entries)
+    with SideFiles(output, documents, groups) as sides:
+        read = 0
+        for rec in iter_journal(output):
+            totals.add_json(rec["counters"])
+            sides.add_lengths(rec["lengths"])
+            sides.add_groups(rec.get("groups"))
+            read += 1
+        if read != len(entries):
+            raise PackError(f"{output.url}: the journal lists {read} shards, this part has {len(entries)}")
+        lengths_file, groups_file = sides.put()
+    totals.add_json(sink.leftover_counters().to_json())
+    tokenizer_bytes = tok.json_text.encode("utf-8")
+    output.put_bytes(fmt.TOKENIZER_NAME, tokenizer_bytes)
+    cfg = options.pack
+    index = fmt.Index(
+        mode=cfg.mode,
+        dtype=token_dtype_for(cfg, tok).name,
+        seq_len=cfg.seq_len,
+        tokenizer=tok.info(),
+        shards=list(entries),
+        doc_lengths=sides.summary.to_json(),
+        options=index_options,
+        inputs=_part_inputs(options, part_id, totals),
+        skipped={
+            "counts": dict(sorted(totals.skipped.items())),
+            "total": sum(totals.skipped.values()),
+            "records": totals.skip_records,
+            "records_truncated": records_truncated(totals.skipped, totals.skip_records),
+        },
+        lengths_file=lengths_file,
+        packed={"max_row_segments": sink.max_row_segments, "short_rows": sink.short_rows}
+        if cfg.mode == "packed"
+        else None,
+        groups_file=groups_file,
+        tokenizer_file=fmt.SideFile.of(fmt.TOKENIZER_NAME, tokenizer_bytes),
+        created_by=f"wdsllm {__version__}",
+    )
+    for name, data in index.move_shard_table():
+        output.put_bytes(name, data)
+    output.put_bytes(fmt.INDEX_NAME, index.to_json().encode())
+    for name in output.list_names():
+        if name.startswith(JOURNAL_PREFIX):
+            output.delete(name)
+    return index
