@@ -16,7 +16,7 @@ from ..errors import WdsllmError
 from .count import count
 from .inspect import head, info, verify
 from .merge import merge
-from .output import INTERRUPTED, echo, message, quiet_stdout
+from .output import INTERRUPTED, echo, message, quiet_stdout, to_json
 from .pack import pack
 from .stats import stats
 
@@ -73,9 +73,11 @@ def main(argv: list[str] | None = None) -> None:
         echo("interrupted", err=True)
         sys.exit(INTERRUPTED)
     except click.ClickException as exc:
+        _answer_error(obj, exc.format_message())
         exc.show()
         sys.exit(exc.exit_code)
     except WdsllmError as exc:
+        _answer_error(obj, message(exc))
         echo(f"Error: {message(exc)}", err=True)
         sys.exit(1)
     except Exception as exc:  # a bug: one line, and the traceback only when asked for
@@ -83,10 +85,21 @@ def main(argv: list[str] | None = None) -> None:
             import traceback
 
             traceback.print_exc()
-        echo(
-            f"Error: unexpected {type(exc).__name__}: {message(exc)} (a bug in wdsllm: please report it with the "
-            "command; -vv shows the traceback)",
-            err=True,
+        text = (
+            f"unexpected {type(exc).__name__}: {message(exc)} (a bug in wdsllm: please report it with the "
+            "command; -vv shows the traceback)"
         )
+        _answer_error(obj, text)
+        echo(f"Error: {text}", err=True)
         sys.exit(1)
     sys.exit(status if isinstance(status, int) else 0)
+
+
+def _answer_error(obj: dict, text: str) -> None:
+    """A command asked for --json answers a failure as one JSON object on stdout, which is what a
+    script reads; the line on stderr stays for people."""
+    if obj.get("json"):
+        try:
+            echo(to_json({"ok": False, "error": text}))
+        except BrokenPipeError:
+            quiet_stdout()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import click
 
 from ..errors import WdsllmError
-from .options import SizeType, setup_logging
-from .output import echo, fail
+from .options import POSITIVE, SizeType, setup_logging
+from .output import ProgressLine, bar, echo, fail, human
 
 
 @click.command()
@@ -20,8 +22,8 @@ from .output import echo, fail
 @click.option("--eos/--no-eos", default=True, show_default=True, help="Append EOS to every document.")
 @click.option("--unit-bytes", type=SizeType(), default=None, help="Input bytes per unit [default: 16MiB].")
 @click.option("--on-error", type=click.Choice(["raise", "skip"]), default="raise", show_default=True)
-@click.option("--workers", "-j", type=int, default=1, show_default=True, help="Counting processes.")
-@click.option("-q", "--quiet", is_flag=True, help="No summary.")
+@click.option("--workers", "-j", type=POSITIVE, default=1, show_default=True, help="Counting processes.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress line and no summary.")
 @click.pass_context
 def count(ctx, inputs, output, tokenizer, text_field, split, where, bos, eos, unit_bytes, on_error, workers, quiet):
     """Count the documents and tokens of raw text per unit of work: the sidecar that lets
@@ -52,7 +54,9 @@ def count(ctx, inputs, output, tokenizer, text_field, split, where, bos, eos, un
             unit_bytes=unit_bytes,
             on_error=on_error,
         )
-        counts = count_raw(catalog, workers)
+        progress = partial(_show_progress, ProgressLine(quiet))
+        progress(0, len(catalog.units), 0, 0)
+        counts = count_raw(catalog, workers, on_unit=progress)
         save_counts(counts, catalog, output)
     except (WdsllmError, OSError) as exc:
         fail(exc)
@@ -62,3 +66,11 @@ def count(ctx, inputs, output, tokenizer, text_field, split, where, bos, eos, un
             + (f", {counts.skipped} skipped" if counts.skipped else "")
             + f" -> {output}"
         )
+
+
+def _show_progress(line: ProgressLine, done: int, total: int, documents: int, tokens: int) -> None:
+    line.show(
+        f"count {bar(done / total if total else 1.0)} {done}/{total} units, {human(documents)} documents, "
+        f"{human(tokens)} tokens",
+        final=done == total and done > 0,
+    )

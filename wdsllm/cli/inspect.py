@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from ..errors import WdsllmError
-from .options import setup_logging
-from .output import ProgressLine, bar, echo, fail, human, human_bytes, message, plural
+from .options import COUNT, json_option, setup_logging
+from .output import ProgressLine, bar, echo, fail, human, human_bytes, message, plural, to_json
 
 
 @click.command()
 @click.argument("dataset")
-@click.option("--json", "as_json", is_flag=True, help="Print index.json as it is.")
-def info(dataset, as_json):
+@json_option("Print index.json as it is (NaN and infinities as null).")
+@click.pass_context
+def info(ctx, dataset, as_json):
     """Summarise a dataset's index (DATASET: a directory, URL, or index.json URL).
 
     \b
@@ -22,18 +21,26 @@ def info(dataset, as_json):
       wdsllm info out/wiki
       wdsllm info https://host/wiki/index.json
       wdsllm info s3://bucket/wiki/ --json | jq .totals
+
+    Exits non-zero when the index contradicts itself (totals that are not the sum of its shards, a
+    NaN or infinite number); `wdsllm verify` also reads the shards.
     """
-    from ..format.verify import load
+    from ..format.verify import index_problems, load
 
     try:
         root, index, raw = load(dataset)
     except (WdsllmError, OSError, ValueError) as exc:  # storage, format and JSON errors: no usable index
         fail(exc)
     if as_json:
-        echo(json.dumps(raw, indent=1))
-        return
-    for text in info_lines(root, index):
-        echo(text)
+        echo(to_json(raw, indent=1))
+    else:
+        for text in info_lines(root, index):
+            echo(text)
+    problems = index_problems(index, raw)
+    for problem in problems:
+        echo(f"Error: {problem}", err=True)
+    if problems:
+        ctx.exit(1)
 
 
 def info_lines(root: str, index) -> list[str]:
@@ -105,9 +112,9 @@ def _num(v) -> str:
 
 @click.command()
 @click.argument("dataset")
-@click.option("--jobs", "-j", type=int, default=0, help="Parallel processes [default: one per core].")
+@click.option("--jobs", "-j", type=COUNT, default=0, help="Parallel processes [default: one per core].")
 @click.option("-q", "--quiet", is_flag=True, help="Only failures and the final line.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object (ok, counts, failures).")
+@json_option("Print the result as one JSON object (ok, counts, failures).")
 @click.pass_context
 def verify(ctx, dataset, jobs, quiet, as_json):
     """Check every shard against the index: existence, size, sha256, header checksums, and counts
@@ -132,7 +139,7 @@ def verify(ctx, dataset, jobs, quiet, as_json):
     t = report.index.totals()
     if as_json:
         echo(
-            json.dumps(
+            to_json(
                 {
                     "dataset": report.root,
                     "ok": report.ok,
@@ -153,7 +160,7 @@ def verify(ctx, dataset, jobs, quiet, as_json):
         echo(f"OK: {plural(t['shards'], 'shard')}, {t['documents']:,} documents, {t['tokens']:,} tokens verified")
         return
     bad = sum(1 for s in report.shards if s.errors)
-    echo(f"FAILED: {len(report.failures)} problems; {bad} of {plural(t['shards'], 'shard')} bad", err=True)
+    echo(f"FAILED: {plural(len(report.failures), 'problem')}; {bad} of {plural(t['shards'], 'shard')} bad", err=True)
     ctx.exit(1)
 
 
@@ -182,14 +189,14 @@ class VerifyProgress:
 @click.command()
 @click.argument("dataset")
 @click.option(
-    "-n", "count", type=int, default=5, show_default=True, help="How many documents (docs mode) or rows (packed)."
+    "-n", "count", type=COUNT, default=5, show_default=True, help="How many documents (docs mode) or rows (packed)."
 )
 @click.option(
     "--tokenizer",
     "-t",
     help="Tokenizer to decode with [default: the dataset's own tokenizer.json; a dataset without one needs this].",
 )
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@json_option("One JSON object per line.")
 @click.option("--ids", is_flag=True, help="Also show the token ids.")
 @click.option("--skip-special-tokens", is_flag=True, help="Leave BOS/EOS and other special tokens out of the text.")
 def head(dataset, count, tokenizer, as_json, ids, skip_special_tokens):
@@ -255,7 +262,7 @@ def _head_json(item, text: str, ids: bool) -> str:
         record["segments"] = item.segments
     if ids:
         record["ids"] = item.tokens.tolist()
-    return json.dumps(record, ensure_ascii=False)
+    return to_json(record, ensure_ascii=False)
 
 
 def _head_text(item, text: str, ids: bool, mode: str) -> str:

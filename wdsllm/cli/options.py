@@ -36,10 +36,35 @@ def parse_size(text: str) -> int:
 
 
 class SizeType(click.ParamType):
+    """A size in bytes, at least one."""
+
     name = "size"
 
     def convert(self, value, param, ctx):
-        return value if isinstance(value, int) else parse_size(value)
+        size = value if isinstance(value, int) else parse_size(value)
+        if size < 1:
+            self.fail(f"{value!r} is not a size of at least 1 byte", param, ctx)
+        return size
+
+
+#: a count that must be at least one (a batch size, a length, a number of tasks)
+POSITIVE = click.IntRange(min=1)
+#: a count that may be zero (0 often means "all" or "as many as there are cores")
+COUNT = click.IntRange(min=0)
+
+
+def _remember_json(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    """Note that the command answers in JSON, so that main() answers an error in JSON too."""
+    if value:
+        ctx.ensure_object(dict)["json"] = True
+    return value
+
+
+def json_option(help: str):
+    """--json: the command's answer as JSON on stdout; a failure is then a JSON error object there.
+
+    Eager, so that it is noted before the other options are checked."""
+    return click.option("--json", "as_json", is_flag=True, is_eager=True, callback=_remember_json, help=help)
 
 
 def setup_logging(verbose: int, quiet: bool) -> None:

@@ -5,6 +5,8 @@ Only the cli package prints; the library logs.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
 import time
@@ -46,6 +48,21 @@ def fail(exc: Exception) -> None:
     if isinstance(exc, BrokenPipeError):
         raise exc  # the reader went away: main() ends quietly
     raise click.ClickException(message(exc))
+
+
+def to_json(value: object, indent: int | None = None, ensure_ascii: bool = True) -> str:
+    """JSON that every parser reads: NaN and the infinities, which JSON has no word for, become null."""
+    return json.dumps(_finite(value), indent=indent, ensure_ascii=ensure_ascii, allow_nan=False)
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def human(n: float, unit: str = "") -> str:

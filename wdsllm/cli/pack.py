@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 from functools import partial
@@ -10,8 +9,8 @@ from functools import partial
 import click
 
 from ..errors import ON_ERROR, WdsllmError
-from .options import SizeType, setup_logging
-from .output import INTERRUPTED, ProgressLine, bar, echo, fail, human, human_bytes, plural
+from .options import COUNT, POSITIVE, SizeType, json_option, setup_logging
+from .output import INTERRUPTED, ProgressLine, bar, echo, fail, human, human_bytes, plural, to_json
 
 
 @click.command()
@@ -30,8 +29,10 @@ from .output import INTERRUPTED, ProgressLine, bar, echo, fail, human, human_byt
     show_default=True,
     help="One document per sample, or fixed rows.",
 )
-@click.option("--seq-len", type=int, help="Row length for --mode packed.")
-@click.option("--max-doc-tokens", type=int, help="Split longer documents into pieces (docs mode). Never truncates.")
+@click.option("--seq-len", type=POSITIVE, help="Row length for --mode packed.")
+@click.option(
+    "--max-doc-tokens", type=POSITIVE, help="Split longer documents into pieces (docs mode). Never truncates."
+)
 @click.option(
     "--split",
     type=click.Choice(["line", "paragraph", "file"]),
@@ -73,10 +74,10 @@ from .output import INTERRUPTED, ProgressLine, bar, echo, fail, human, human_byt
 @click.option("--bos-token", help="BOS token text, when the tokenizer does not name one.")
 @click.option("--eos-token", help="EOS token text, when the tokenizer does not name one.")
 @click.option("--shard-size", type=SizeType(), default="128MiB", show_default=True, help="Largest shard in bytes.")
-@click.option("--shard-samples", type=int, help="Most documents (docs mode) or rows (packed) per shard.")
+@click.option("--shard-samples", type=POSITIVE, help="Most documents (docs mode) or rows (packed) per shard.")
 @click.option(
     "--sample-tokens",
-    type=int,
+    type=POSITIVE,
     default=262144,
     show_default=True,
     help="Tokens per tar sample (a group of documents or rows).",
@@ -87,7 +88,7 @@ from .output import INTERRUPTED, ProgressLine, bar, echo, fail, human, human_byt
     type=click.Choice(["uint16", "uint32"]),
     help="Token dtype [default: the smallest that holds the vocabulary]; uint32 leaves room to extend it.",
 )
-@click.option("--workers", "-j", type=int, default=0, help="Tokenizer processes [default: all cores].")
+@click.option("--workers", "-j", type=COUNT, default=0, help="Tokenizer processes [default: all cores].")
 @click.option(
     "--on-error",
     type=click.Choice([*ON_ERROR, "stop"]),
@@ -98,18 +99,16 @@ from .output import INTERRUPTED, ProgressLine, bar, echo, fail, human, human_byt
 )
 @click.option(
     "--num-tasks",
-    type=int,
+    type=POSITIVE,
     help="Split the inputs into this many disjoint tasks [default: SLURM array or torchrun size, else 1].",
 )
 @click.option(
-    "--task-index", type=int, help="Which task this process packs [default: SLURM array id or torchrun rank]."
+    "--task-index", type=COUNT, help="Which task this process packs [default: SLURM array id or torchrun rank]."
 )
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty output.")
 @click.option("--resume", is_flag=True, help="Finish an interrupted pack into the same output.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress line and no summary.")
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print the summary as one JSON object (progress stays on stderr)."
-)
+@json_option("Print the summary as one JSON object (progress stays on stderr).")
 @click.pass_context
 def pack(ctx, inputs, quiet, as_json, **settings):
     """Tokenize INPUT... (files, directories, globs, {a,b} patterns, or - for stdin) into shards.
@@ -142,7 +141,7 @@ def pack(ctx, inputs, quiet, as_json, **settings):
     except (WdsllmError, OSError) as exc:
         fail(exc)
     if as_json:
-        echo(json.dumps(_pack_json(result)))
+        echo(to_json(_pack_json(result)))
     elif not quiet:
         _pack_summary(result)
 
@@ -170,12 +169,11 @@ def _task(settings: dict, quiet: bool) -> tuple[int, int]:
 
 
 def _show_progress(line: ProgressLine, p) -> None:
-    rate = p.tokens / p.elapsed if p.elapsed else 0
-    drate = p.documents / p.elapsed if p.elapsed else 0
     fraction = min(1.0, p.input_bytes / p.input_total) if p.input_total else 0.0
     shown = f"{bar(fraction)} {100 * fraction:5.1f}% " if p.input_total else ""
     line.show(
-        f"{shown}{human(p.documents)} docs {human(p.tokens)} tokens | {human(drate)} docs/s {human(rate)} tok/s | "
+        f"{shown}{human(p.documents)} docs {human(p.tokens)} tokens | "
+        f"{human(p.documents_per_s)} docs/s {human(p.tokens_per_s)} tok/s | "
         f"{plural(p.shards, 'shard')} | {human(p.skipped)} skipped",
         final=p.done,
     )
@@ -199,7 +197,7 @@ def _pack_json(result) -> dict:
         "seq_len": idx.seq_len,
         **idx.totals(),
         "elapsed_s": round(p.elapsed, 3),
-        "tokens_per_s": round(p.tokens / max(p.elapsed, 1e-9)),
+        "tokens_per_s": round(p.tokens_per_s),
         "resumed_shards": result.resumed_shards,
         "skipped": {"total": idx.skipped.get("total", 0), "counts": idx.skipped.get("counts", {})},
     }
@@ -214,7 +212,7 @@ def _pack_summary(result) -> None:
         f"({human_bytes(t['bytes'])}) at {result.output}"
     )
     echo(
-        f"  {p.tokens / max(p.elapsed, 1e-9):,.0f} tokens/s over {p.elapsed:.1f} s; "
+        f"  {p.tokens_per_s:,.0f} tokens/s over {p.elapsed:.1f} s; "
         f"{t['bytes'] / max(t['tokens'], 1):.3f} bytes/token; "
         f"dtype {idx.dtype}; mode {idx.mode}"
         + (f" seq_len {idx.seq_len}, {t.get('rows', 0):,} rows" if idx.seq_len else "")

@@ -2,35 +2,36 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from ..errors import WdsllmError
 from .inspect import histogram_lines
-from .output import echo, fail
+from .options import COUNT, POSITIVE, json_option
+from .output import echo, fail, to_json
 
 
 @click.command()
 @click.argument("dataset")
-@click.option("--batch-size", type=int, default=32, show_default=True, help="Documents per batch (random and bucket).")
+@click.option(
+    "--batch-size", type=POSITIVE, default=32, show_default=True, help="Documents per batch (random and bucket)."
+)
 @click.option(
     "--max-tokens",
-    type=int,
+    type=POSITIVE,
     default=65536,
     show_default=True,
     help="Padded tokens per batch (bucket with a token budget).",
 )
 @click.option(
     "--seq-len",
-    type=int,
+    type=POSITIVE,
     default=2048,
     show_default=True,
     help="Row length (pack, concat) and the length cap of the other modes.",
 )
-@click.option("--window", type=int, default=10_000, show_default=True, help="Documents per bucket/pack window.")
-@click.option("--pad-to-multiple-of", type=int, help="Round padded lengths up.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--window", type=POSITIVE, default=10_000, show_default=True, help="Documents per bucket/pack window.")
+@click.option("--pad-to-multiple-of", type=POSITIVE, help="Round padded lengths up.")
+@click.option("--seed", type=COUNT, default=0, show_default=True)
 @click.option(
     "--plot",
     type=click.Path(dir_okay=False),
@@ -38,12 +39,12 @@ from .output import echo, fail
 )
 @click.option(
     "--sample",
-    type=int,
+    type=COUNT,
     default=None,
     help="Runs of windows to simulate (0: the whole stream) [default: the whole stream up to 5,000,000 "
     "documents, else 400 runs].",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+@json_option("Print the figures as JSON.")
 def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, seed, plot, sample, as_json):
     """Length histogram, and the padding and truncation each batching mode would give.
 
@@ -90,7 +91,7 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
 
         mix = mixture_summary(catalog)
     if as_json:
-        echo(json.dumps(_stats_json(hist, costs, sample, mix), indent=1))
+        echo(to_json(_stats_json(hist, costs, sample, mix), indent=1))
     else:
         _print_stats(hist, costs, sample, mix, catalog)
     if plot:

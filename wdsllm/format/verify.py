@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import re
 from collections import deque
@@ -122,8 +123,10 @@ def load(source: str) -> tuple[str, fmt.Index, dict]:
     return root, index, body
 
 
-def check_shard(root: str, entry: fmt.ShardEntry, index: fmt.Index) -> ShardCheck:
-    """Decode every sample of one shard; compare its counts, size and checksum with the index."""
+def check_shard(root: str, entry: fmt.ShardEntry, index: fmt.Index, listed: np.ndarray | None = None) -> ShardCheck:
+    """Decode every sample of one shard; compare its counts, size and checksum with the index, and
+    each sample's bytes with its row of groups.npy (``listed``: the shard's rows), so that a changed
+    byte is named by its sample and byte range, as the loader names it."""
     check = ShardCheck(entry.name)
     url = storage.join_url(root, entry.name)
     try:
@@ -139,6 +142,7 @@ def check_shard(root: str, entry: fmt.ShardEntry, index: fmt.Index) -> ShardChec
                 # a sample comes out once the next header block (another sample's, or the end of
                 # the archive) is read: its group's bytes end where that block starts
                 data = reader.take(raw.offset, reader.size - tario.BLOCK) if index.checks_groups else b""
+                _check_group_bytes(check, raw, data, listed)
                 _check_sample(check, raw, index, data)
             complete = True
             reader.drain()
@@ -149,6 +153,20 @@ def check_shard(root: str, entry: fmt.ShardEntry, index: fmt.Index) -> ShardChec
     check.bytes = reader.size
     _compare_entry(check, entry, reader.sha.hexdigest(), counts=complete)
     return check
+
+
+def _check_group_bytes(check: ShardCheck, raw: tario.RawSample, data: bytes, listed: np.ndarray | None) -> None:
+    """The sample's bytes against the checksum groups.npy lists for it (when the index has one)."""
+    g = check.samples
+    if listed is None or g >= len(listed):
+        return
+    offset, size, checksum = int(listed[g][0]), int(listed[g][3]), int(listed[g][4])
+    if offset == raw.offset and size == len(data) and checksum == fmt.group_checksum(data):
+        return
+    check.fail(
+        f"{check.name}: sample {raw.key}, bytes {offset}-{offset + size}: the bytes do not match the checksum in "
+        f"{fmt.GROUPS_NAME} (a changed or corrupted sample)"
+    )
 
 
 def _check_sample(check: ShardCheck, raw: tario.RawSample, index: fmt.Index, data: bytes) -> None:
@@ -253,7 +271,7 @@ def verify(source: str, jobs: int = 1, on_shard: Callable[[int, int, ShardCheck]
     keys: dict[str, str] = {}
     key_errors: list[str] = []
     jobs = jobs or len(os.sched_getaffinity(0))
-    for check in _checked_in_order(root, index, jobs):
+    for check in _checked_in_order(root, index, jobs, sides.listed_rows):
         sides.add(check)
         _note_keys(check, keys, key_errors)
         check.lengths, check.starts, check.groups, check.keys = [], [], [], []
@@ -271,25 +289,27 @@ def _init_worker(root: str, index: fmt.Index) -> None:
     _WORKER["root"], _WORKER["index"] = root, index
 
 
-def _check_in_worker(position: int) -> ShardCheck:
+def _check_in_worker(position: int, listed: np.ndarray | None) -> ShardCheck:
     index = _WORKER["index"]
-    return check_shard(_WORKER["root"], index.shards[position], index)
+    return check_shard(_WORKER["root"], index.shards[position], index, listed)
 
 
-def _checked_in_order(root: str, index: fmt.Index, jobs: int) -> Iterator[ShardCheck]:
+def _checked_in_order(
+    root: str, index: fmt.Index, jobs: int, listed_rows: Callable[[int], np.ndarray | None]
+) -> Iterator[ShardCheck]:
     """Every shard's check, in shard order; with several jobs, a bounded window of shards is in
     flight in worker processes (decoding tars is Python work: threads would share one core)."""
     n = len(index.shards)
     if jobs <= 1 or n <= 1:
         for i in range(n):
-            yield check_shard(root, index.shards[i], index)
+            yield check_shard(root, index.shards[i], index, listed_rows(i))
         return
     with ProcessPoolExecutor(min(jobs, n), initializer=_init_worker, initargs=(root, index)) as pool:
         pending: deque = deque()
         submitted = 0
         while submitted < n or pending:
             while submitted < n and len(pending) < 4 * jobs:
-                pending.append(pool.submit(_check_in_worker, submitted))
+                pending.append(pool.submit(_check_in_worker, submitted, listed_rows(submitted)))
                 submitted += 1
             yield pending.popleft().result()
 
@@ -302,12 +322,36 @@ def _note_keys(check: ShardCheck, seen: dict[str, str], errors: list[str]) -> No
         seen[key] = check.name
 
 
-def _check_index(index: fmt.Index, raw: dict, checks: list[ShardCheck]) -> list[str]:
+def index_problems(index: fmt.Index, raw: dict) -> list[str]:
+    """What the index says against itself, without reading a shard: totals that are not the sum of
+    the shard entries, and numbers JSON has no word for (NaN, infinities)."""
     errors = []
     totals = index.totals()
     for key, value in (raw.get("totals") or {}).items():
-        if totals.get(key) != value:
+        if totals.get(key) != value and not _is_non_finite(value):
             errors.append(f"{fmt.INDEX_NAME}: totals.{key} is {value}, the shard entries add up to {totals.get(key)}")
+    errors.extend(f"{fmt.INDEX_NAME}: {path} is {value}, not a number" for path, value in _non_finite(raw, ""))
+    return errors
+
+
+def _is_non_finite(value: object) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def _non_finite(value: object, path: str, depth: int = 0) -> Iterator[tuple[str, float]]:
+    """(path, value) of every NaN or infinity in parsed JSON (the index's depth is bounded when parsed)."""
+    if _is_non_finite(value):
+        yield path or "(top)", value
+    elif isinstance(value, dict) and depth < 64:
+        for k, v in value.items():
+            yield from _non_finite(v, f"{path}.{k}" if path else str(k), depth + 1)
+    elif isinstance(value, list) and depth < 64:
+        for i, v in enumerate(value):
+            yield from _non_finite(v, f"{path}[{i}]", depth + 1)
+
+
+def _check_index(index: fmt.Index, raw: dict, checks: list[ShardCheck]) -> list[str]:
+    errors = index_problems(index, raw)
     hist = index.doc_lengths or {}
     if hist.get("count", 0) != index.documents or sum(hist.get("counts", [])) != index.documents:
         errors.append(
@@ -339,6 +383,9 @@ class _SideChecks:
         self.index = index
         self.errors: list[str] = []
         self.shard_errors = False
+        self.vouched: set[str] = set()  # side files whose digests match the index
+        samples = index.shards.column("samples") if len(index.shards) else np.zeros(0, np.int64)
+        self.samples_before = np.concatenate([[0], np.cumsum(samples, dtype=np.int64)])
         self.lengths = self._open(root, index.lengths_file, "lengths")
         self.groups = self._open(root, index.groups_file, "groups") if index.groups_file else None
         if self.lengths is not None and self.lengths.dtype != np.uint32:
@@ -377,7 +424,21 @@ class _SideChecks:
             self.errors.append(f"{ref.name}: size or sha256 differs from the index")
         elif ref.chunks and chunks != list(ref.chunks):
             self.errors.append(f"{ref.name}: its chunk digests differ from the index's")
+        else:
+            self.vouched.add(what)
         return side
+
+    def listed_rows(self, position: int) -> np.ndarray | None:
+        """Shard ``position``'s rows of groups.npy, shaped (samples, columns), when the file is the
+        one the index vouches for and holds group checksums; else None."""
+        if self.groups is None or "groups" not in self.vouched or not self.index.checks_groups:
+            return None
+        columns = self.index.group_columns
+        a = columns * self.samples_before[position]
+        b = a + columns * self.index.shards[position].samples
+        if b > self.groups.count:
+            return None
+        return self.groups.read(a, b, check=False).astype(np.int64).reshape(-1, columns)
 
     def add(self, check: ShardCheck) -> None:
         if check.errors:

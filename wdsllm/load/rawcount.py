@@ -15,6 +15,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -40,20 +41,42 @@ def _count(unit: int) -> tuple[np.ndarray, int]:
     return unit_lengths(_catalog["c"], unit)
 
 
-def count_raw(catalog: RawCatalog, processes: int = 1) -> RawCounts:
-    """Tokenize every unit once and count (``processes`` spawned workers, one tokenizer thread each)."""
+def count_raw(
+    catalog: RawCatalog, processes: int = 1, on_unit: Callable[[int, int, int, int], None] | None = None
+) -> RawCounts:
+    """Tokenize every unit once and count (``processes`` spawned workers, one tokenizer thread each).
+
+    ``on_unit(done, total, documents, tokens)`` is called after each unit, in unit order, with the
+    running sums: the caller's progress report (the library only logs)."""
     units = range(len(catalog.units))
+    results: list[tuple[np.ndarray, int]] = []
     if processes <= 1:
-        results = [unit_lengths(catalog, u) for u in units]
+        _gather((unit_lengths(catalog, u) for u in units), len(units), results, on_unit)
     else:
         ctx = mp.get_context("spawn")
         with ProcessPoolExecutor(processes, mp_context=ctx, initializer=_init, initargs=(catalog,)) as pool:
-            results = list(pool.map(_count, units))
+            _gather(pool.map(_count, units), len(units), results, on_unit)
     lengths = [r[0] for r in results]
     documents = np.array([len(x) for x in lengths], np.int64)
     tokens = np.array([int(x.sum(dtype=np.int64)) for x in lengths], np.int64)
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.uint32)
     return RawCounts(catalog.fingerprint(), documents, tokens, all_lengths, sum(r[1] for r in results))
+
+
+def _gather(
+    counted: Iterable[tuple[np.ndarray, int]],
+    total: int,
+    results: list[tuple[np.ndarray, int]],
+    on_unit: Callable[[int, int, int, int], None] | None,
+) -> None:
+    documents = tokens = 0
+    for result in counted:
+        results.append(result)
+        documents += len(result[0])
+        tokens += int(result[0].sum(dtype=np.int64))
+        log.debug("counted unit %d of %d", len(results), total)
+        if on_unit is not None:
+            on_unit(len(results), total, documents, tokens)
 
 
 def save_counts(counts: RawCounts, catalog: RawCatalog, path: str) -> None:

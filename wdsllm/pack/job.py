@@ -128,6 +128,17 @@ class PackProgress:
     text_bytes: int = 0
     elapsed: float = 0.0
     done: bool = False
+    resumed_documents: int = 0  # of documents and tokens, those a resumed pack found already written
+    resumed_tokens: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens packed per second by this run (a resume's kept shards are not this run's work)."""
+        return (self.tokens - self.resumed_tokens) / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def documents_per_s(self) -> float:
+        return (self.documents - self.resumed_documents) / self.elapsed if self.elapsed > 0 else 0.0
 
 
 @dataclass
@@ -470,6 +481,7 @@ def _pack_into(
         skipped=sum(sum(rec["counters"]["skipped"].values()) for rec in records),
         input_total=sum(p.size for p in parts),
     )
+    progress.resumed_documents, progress.resumed_tokens = progress.documents, progress.tokens
     bytes_before = {}
     running = 0
     for part in parts:
@@ -480,8 +492,6 @@ def _pack_into(
     def write_groups(groups) -> None:
         for group in groups:
             sink.write(group)
-            progress.documents += group.documents
-            progress.tokens += len(group.tokens)
 
     def consume(chunk: EncodedChunk) -> None:
         nonlocal last_report
@@ -491,6 +501,11 @@ def _pack_into(
             tallies = {reason: lines[lines > position.line] for reason, lines in tallies.items()}
         sink.add_skips(skips, [(chunk.file_index, reason, lines) for reason, lines in tallies.items()])
         progress.skipped += sum(s.count for s in skips) + sum(len(lines) for lines in tallies.values())
+        # counted as read, so that the documents keep pace with the input fraction (the shaper holds
+        # a group's worth before it writes); the written totals replace these at the end
+        taken = _taken_documents(chunk, position)
+        progress.documents += int(taken.sum())
+        progress.tokens += int(chunk.lengths[taken].sum())
         write_groups(shaper.feed(chunk))
         if len(sink.entries) != progress.shards:
             lock.refresh()
@@ -526,6 +541,8 @@ def _pack_into(
 
     index = _write_index(out, cfg, tok, use_bos, eos_id is not None, sink.entries, parts, sink)
     progress.shards = len(sink.entries)
+    progress.documents = sum(e.documents for e in sink.entries)
+    progress.tokens = sum(e.tokens for e in sink.entries)
     progress.elapsed = time.monotonic() - start_time
     progress.input_bytes = progress.input_total
     progress.done = True
@@ -534,6 +551,16 @@ def _pack_into(
     return PackResult(
         index=index, output=out.url, progress=progress, skipped=index.skipped, resumed_shards=len(records)
     )
+
+
+def _taken_documents(chunk: EncodedChunk, position: Position | None) -> np.ndarray:
+    """Which documents of a chunk this run packs: a resumed pack's chunk at its position holds
+    documents that are already in kept shards."""
+    if position is None or chunk.file_index > position.file:
+        return np.ones(len(chunk.lengths), bool)
+    if chunk.file_index < position.file:
+        return np.zeros(len(chunk.lengths), bool)
+    return chunk.lines > position.line
 
 
 def _input_entry(part: Part, totals: Counters) -> dict:
