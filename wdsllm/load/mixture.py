@@ -10,7 +10,9 @@ in ``mixcatalog.py``.
 
 from __future__ import annotations
 
+import math
 import os
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +42,22 @@ RAW_SOURCE_KEYS: dict[str, tuple[type, ...]] = {
     "on_error": (str,),
 }
 _CHOICES = {"split": ("line", "paragraph", "file"), "on_error": ("raise", "skip")}
+#: the largest weight: far above any count of tokens, far below where a sum of floats overflows
+MAX_WEIGHT = 1e18
+#: the largest epoch and schedule positions: an epoch's plan holds an entry per item
+MAX_EPOCH_ITEMS = 1 << 40
+MAX_EPOCH_TOKENS = 1 << 56
+#: a mixture file: its bytes, and the values it may expand to (YAML aliases repeat a value)
+MAX_FILE_BYTES = 1 << 20
+MAX_FILE_VALUES = 100_000
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict, _SHOW.maxset = 2, 4, 4, 4, 4
+_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 60, 60, 40
+
+
+def _show(value: Any) -> str:
+    """A value in a message, never whole: a mixture file's value can be huge (YAML aliases)."""
+    return _SHOW.repr(value)
 
 
 @dataclass(frozen=True)
@@ -80,21 +98,26 @@ class Mixture:
             raise MixtureError(f"{self._at('sources')} must map at least one name to a dataset")
         for name, src in self.sources.items():
             if not isinstance(name, str) or not name:
-                raise MixtureError(f"{self._at('sources')}: every source needs a non-empty name, not {name!r}")
+                raise MixtureError(f"{self._at('sources')}: every source needs a non-empty name, not {_show(name)}")
             if isinstance(src, Mapping):
                 self._check_raw(name, src)
+            elif is_mixture_source(src):
+                raise MixtureError(
+                    f"{self._at(f'sources.{name}')} names a mixture ({_show(_named(src))}): mixtures do not nest "
+                    "(a file that names itself would never end); list its sources instead"
+                )
         if self.unit not in UNITS:
-            raise MixtureError(f"{self._at('unit')} must be one of {UNITS}, not {self.unit!r}")
+            raise MixtureError(f"{self._at('unit')} must be one of {UNITS}, not {_show(self.unit)}")
         if self.unit == "items" and self.epoch_tokens is not None:
             raise MixtureError(f"{self._at('epoch_tokens')} counts tokens; with unit 'items' give epoch_items")
         if self.unit == "tokens" and self.epoch_items is not None:
             raise MixtureError(f"{self._at('epoch_items')} counts items; with unit 'tokens' give epoch_tokens")
-        for key in ("epoch_tokens", "epoch_items"):
+        for key, most in (("epoch_tokens", MAX_EPOCH_TOKENS), ("epoch_items", MAX_EPOCH_ITEMS)):
             value = getattr(self, key)
-            if value is not None and (not _is_int(value) or value < 1):
-                raise MixtureError(f"{self._at(key)} must be a positive integer, not {value!r}")
+            if value is not None and (not _is_int(value) or not 1 <= value <= most):
+                raise MixtureError(f"{self._at(key)} must be an integer from 1 to {most}, not {_show(value)}")
         if not isinstance(self.stratified, bool):
-            raise MixtureError(f"{self._at('stratified')} must be true or false, not {self.stratified!r}")
+            raise MixtureError(f"{self._at('stratified')} must be true or false, not {_show(self.stratified)}")
         object.__setattr__(self, "_base", self._weights(self.weights, "weights"))
         object.__setattr__(self, "_phases", self._parse_schedule(self.schedule))
 
@@ -131,6 +154,7 @@ class Mixture:
 
     # -- checks ---------------------------------------------------------------------------------
     def _at(self, key: str) -> str:
+        key = key if len(key) <= 100 else key[:100] + "..."
         return f"{self.where}: key '{key}'" if self.where else f"mixture key '{key}'"
 
     def _check_raw(self, name: str, spec: Mapping) -> None:
@@ -144,22 +168,22 @@ class Mixture:
             if value is None and key in ("bos", "where", "tokenizer", "bos_token", "eos_token", "input_format"):
                 continue
             if not isinstance(value, types) or (int in types and isinstance(value, bool)):
-                raise MixtureError(f"{where} must be {' or '.join(t.__name__ for t in types)}, not {value!r}")
+                raise MixtureError(f"{where} must be {' or '.join(t.__name__ for t in types)}, not {_show(value)}")
             if key == "raw" and (
                 not value or (isinstance(value, list) and not all(isinstance(v, str) and v for v in value))
             ):
-                raise MixtureError(f"{where} must name input files or patterns, not {value!r}")
+                raise MixtureError(f"{where} must name input files or patterns, not {_show(value)}")
             if int in types and value < 1:
-                raise MixtureError(f"{where} must be a positive integer, not {value!r}")
+                raise MixtureError(f"{where} must be a positive integer, not {_show(value)}")
             if key in _CHOICES and value not in _CHOICES[key]:
-                raise MixtureError(f"{where} must be one of {_CHOICES[key]}, not {value!r}")
+                raise MixtureError(f"{where} must be one of {_CHOICES[key]}, not {_show(value)}")
         if "raw" not in spec:
             raise MixtureError(f"{self._at(f'sources.{name}.raw')} is missing: a source given by options is raw text")
         if not spec.get("counts"):
             raise MixtureError(
-                f"{self._at(f'sources.{name}.counts')} is missing: raw source {name!r} needs a count sidecar to be "
-                f"planned in a mixture; run `wdsllm count {_inputs(spec['raw'])} -t TOKENIZER -o {name}.counts.npz` "
-                "and give it as counts"
+                f"{self._at(f'sources.{name}.counts')} is missing: raw source {_show(name)} needs a count sidecar "
+                f"to be planned in a mixture; run `wdsllm count {_inputs(spec['raw'])} -t TOKENIZER "
+                f"-o {name}.counts.npz` and give it as counts"
             )
 
     def _weights(self, weights: Any, key: str) -> tuple[float, ...]:
@@ -171,7 +195,7 @@ class Mixture:
         unknown = [k for k in weights if k not in self.sources]
         if unknown:
             where = self._at(f"{key}.{unknown[0]}")
-            raise MixtureError(f"{where}: no source is named {unknown[0]!r} (sources: {names})")
+            raise MixtureError(f"{where}: no source is named {_show(unknown[0])} (sources: {names})")
         missing = [n for n in names if n not in weights]
         if missing:
             where = self._at(f"{key}.{missing[0]}")
@@ -179,10 +203,12 @@ class Mixture:
         values = []
         for n in names:
             w = weights[n]
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0 or w == float("inf"):
-                raise MixtureError(f"{self._at(f'{key}.{n}')} must be a non-negative number, not {w!r}")
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= MAX_WEIGHT:
+                raise MixtureError(
+                    f"{self._at(f'{key}.{n}')} must be a number from 0 to {MAX_WEIGHT:g}, not {_show(w)}"
+                )
             values.append(float(w))
-        total = sum(values)
+        total = math.fsum(values)
         if total <= 0:
             raise MixtureError(f"{self._at(key)}: at least one weight must be positive")
         return tuple(v / total for v in values)
@@ -207,8 +233,9 @@ class Mixture:
             if len(given) != 1:
                 raise MixtureError(f"{self._at(key)} needs exactly one of {at_key} and at_step")
             at = entry[given[0]]
-            if not _is_int(at) or at < 0:
-                raise MixtureError(f"{self._at(f'{key}.{given[0]}')} must be a non-negative integer, not {at!r}")
+            if not _is_int(at) or not 0 <= at <= MAX_EPOCH_TOKENS:
+                where = self._at(f"{key}.{given[0]}")
+                raise MixtureError(f"{where} must be an integer from 0 to {MAX_EPOCH_TOKENS}, not {_show(at)}")
             if "weights" not in entry:
                 raise MixtureError(f"{self._at(f'{key}.weights')} is missing")
             weights = self._weights(entry["weights"], f"{key}.weights")
@@ -232,6 +259,10 @@ def _inputs(raw: Any) -> str:
     return " ".join(f"'{r}'" for r in ([raw] if isinstance(raw, str) else raw))
 
 
+def _named(src: Any) -> Any:
+    return src.where or "a Mixture" if isinstance(src, Mixture) else src
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -248,19 +279,13 @@ def is_mixture_source(source: Any) -> bool:
 def load_mixture_file(url: str, retry: storage.RetryPolicy | None = None) -> Mixture:
     """A Mixture from a YAML file (local or any storage URL). Relative source paths are relative to
     the file's directory. Errors name the file and the key."""
-    import yaml  # a real YAML parser, as mixture files are hand-written
-
     url = os.fspath(url)
-    data = storage.read_bytes(url, retry=retry)
     where = storage.redact(url)
-    try:
-        doc = yaml.safe_load(bytes(data).decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise MixtureError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise MixtureError(f"{where}: not valid YAML{line}: {getattr(exc, 'problem', None) or exc}") from None
+    with storage.open_stream(url, retry=retry) as f:
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise MixtureError(f"{where}: more than {MAX_FILE_BYTES} bytes, too large for a mixture file")
+    doc = _parse_yaml(bytes(data), where)
     if not isinstance(doc, Mapping):
         raise MixtureError(f"{where}: a mixture file holds a mapping with 'sources' and 'weights'")
     unknown = [k for k in doc if k not in _FILE_KEYS]
@@ -280,11 +305,86 @@ def load_mixture_file(url: str, retry: storage.RetryPolicy | None = None) -> Mix
         if not isinstance(path, str) or not path:
             raise MixtureError(
                 f"{where}: key 'sources.{name}' must be a path or URL, or a raw source {{raw: ..., counts: ...}}, "
-                f"not {path!r}"
+                f"not {_show(path)}"
             )
         resolved[str(name)] = _relative_to(base, path)
+        if _same_file(resolved[str(name)], url):
+            raise MixtureError(f"{where}: key 'sources.{name}' names this mixture file itself")
     kwargs = {k: doc[k] for k in _FILE_KEYS[1:] if k in doc}
     return Mixture(resolved, where=where, **kwargs)
+
+
+def _parse_yaml(data: bytes, where: str) -> Any:
+    """The document of a mixture file: YAML with unique keys, expanding to at most
+    :data:`MAX_FILE_VALUES` values (aliases counted each time they are used)."""
+    import yaml  # a real YAML parser, as mixture files are hand-written
+
+    try:
+        loader = _strict_loader(yaml)(data.decode("utf-8"))
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _check_expansion(node, where)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except UnicodeDecodeError as exc:
+        raise MixtureError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise MixtureError(f"{where}: not valid YAML{line}: {str(exc.problem or exc)[:200]}") from None
+    except yaml.YAMLError as exc:
+        raise MixtureError(f"{where}: not valid YAML: {str(exc)[:200]}") from None
+
+
+def _strict_loader(yaml: Any) -> type:
+    """yaml.SafeLoader that refuses a key given twice in one mapping (SafeLoader keeps the last)."""
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            seen: set = set()
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = (key_node.tag, key_node.value)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {_show(key_node.value)} is given twice", key_node.start_mark
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
+def _check_expansion(root: Any, where: str) -> None:
+    """Refuse a document whose values, with every alias expanded, are more than MAX_FILE_VALUES
+    (a few hundred bytes of nested aliases expand to gigabytes)."""
+    import yaml
+
+    count, stack = 0, [root]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > MAX_FILE_VALUES:
+            raise MixtureError(
+                f"{where}: expands to more than {MAX_FILE_VALUES} values (YAML aliases?); a mixture file is small"
+            )
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                stack.append(key)
+                stack.append(value)
+
+
+def _same_file(path: str, url: str) -> bool:
+    """Whether a source path names the mixture file itself."""
+    if storage.scheme_of(path) == "file" and storage.scheme_of(url) == "file":
+        return os.path.realpath(path.removeprefix("file://")) == os.path.realpath(url.removeprefix("file://"))
+    return path == url
 
 
 def _relative_to(base: str, path: str) -> str:
