@@ -31,6 +31,17 @@ class _Commands(click.Group):
         except BrokenPipeError:
             quiet_stdout()
             raise click.exceptions.Exit(0) from None
+        except (click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except click.ClickException as exc:
+            _answer_error(ctx.obj, exc.format_message())
+            raise
+        except WdsllmError as exc:
+            _answer_error(ctx.obj, message(exc))
+            raise
+        except Exception as exc:
+            _answer_error(ctx.obj, unexpected(exc))
+            raise
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -73,11 +84,9 @@ def main(argv: list[str] | None = None) -> None:
         echo("interrupted", err=True)
         sys.exit(INTERRUPTED)
     except click.ClickException as exc:
-        _answer_error(obj, exc.format_message())
         exc.show()
         sys.exit(exc.exit_code)
     except WdsllmError as exc:
-        _answer_error(obj, message(exc))
         echo(f"Error: {message(exc)}", err=True)
         sys.exit(1)
     except Exception as exc:  # a bug: one line, and the traceback only when asked for
@@ -85,20 +94,23 @@ def main(argv: list[str] | None = None) -> None:
             import traceback
 
             traceback.print_exc()
-        text = (
-            f"unexpected {type(exc).__name__}: {message(exc)} (a bug in wdsllm: please report it with the "
-            "command; -vv shows the traceback)"
-        )
-        _answer_error(obj, text)
-        echo(f"Error: {text}", err=True)
+        echo(f"Error: {unexpected(exc)}", err=True)
         sys.exit(1)
     sys.exit(status if isinstance(status, int) else 0)
 
 
-def _answer_error(obj: dict, text: str) -> None:
+def unexpected(exc: Exception) -> str:
+    """The one line for an error that is a bug of ours."""
+    return (
+        f"unexpected {type(exc).__name__}: {message(exc)} (a bug in wdsllm: please report it with the command; "
+        "-vv shows the traceback)"
+    )
+
+
+def _answer_error(obj: dict | None, text: str) -> None:
     """A command asked for --json answers a failure as one JSON object on stdout, which is what a
     script reads; the line on stderr stays for people."""
-    if obj.get("json"):
+    if obj and obj.get("json"):
         try:
             echo(to_json({"ok": False, "error": text}))
         except BrokenPipeError:

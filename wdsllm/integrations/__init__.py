@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-#: keys of a wdsllm batch that describe it and are no model input
-META_KEYS = ("docs", "rows", "lengths", "epoch", "cu_seqlens", "max_seqlen")
+#: keys of a wdsllm batch that describe it and are no model input (a model whose forward takes no
+#: ``**kwargs`` raises TypeError on any of them)
+META_KEYS = ("docs", "rows", "lengths", "epoch", "cu_seqlens", "max_seqlen", "sources")
 #: the padding-free packing keys of Hugging Face models (FlashAttention's varlen path)
 FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -38,6 +39,29 @@ def model_inputs(batch: Mapping[str, Any], *, flash_keys: bool = True) -> dict[s
     return out
 
 
+def world_mismatch(loader_rank: int, loader_world: int, rank: int, world: int, who: str, cpu_fix: str) -> str:
+    """Why the loader's (rank, world size) are not the trainer's, and what to do about it.
+
+    The loader reads them from torch.distributed. ``accelerate launch --multi_gpu`` on a machine
+    without GPUs starts the process group but leaves an ``Accelerator()`` without ``cpu=True``
+    undistributed (one process), so the two disagree although no rank was given."""
+    import torch.distributed as dist
+
+    said = f"the loader is rank {loader_rank} of {loader_world}, the {who} is rank {rank} of {world}"
+    group = dist.is_available() and dist.is_initialized()
+    if group and world < dist.get_world_size() == loader_world:
+        return (
+            f"{said}: torch.distributed runs {loader_world} processes but the {who} runs as {world} (what a launch "
+            f"with --multi_gpu gives on a machine without GPUs); on CPUs, {cpu_fix}"
+        )
+    if not group and world > 1:
+        return (
+            f"{said}: torch.distributed is not initialized in this process; create the {who} (which starts the "
+            "process group) before the loader iterates"
+        )
+    return f"{said}: build the loader without rank=/world_size= (it reads them from torch.distributed)"
+
+
 def _need(module: str, extra: str) -> None:
     """Raise MissingDependencyError naming the pip command when ``module`` is not installed."""
     import importlib.util
@@ -48,4 +72,4 @@ def _need(module: str, extra: str) -> None:
         raise MissingDependencyError(f"this integration needs {module}, which is not installed: pip install {extra}")
 
 
-__all__ = ["FLASH_KEYS", "META_KEYS", "model_inputs"]
+__all__ = ["FLASH_KEYS", "META_KEYS", "model_inputs", "world_mismatch"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from . import _need
+from . import _need, world_mismatch
 
 _need("accelerate", "accelerate")
 
@@ -95,8 +95,14 @@ def prepare(accelerator: Any, loader: Loader, *, device_placement: bool = True) 
     loader._settle_world()
     if (loader.rank, loader.world_size) != (accelerator.process_index, accelerator.num_processes):
         raise UsageError(
-            f"the loader is rank {loader.rank} of {loader.world_size}, the accelerator's process is rank "
-            f"{accelerator.process_index} of {accelerator.num_processes}: build the loader without rank=/world_size="
+            world_mismatch(
+                loader.rank,
+                loader.world_size,
+                accelerator.process_index,
+                accelerator.num_processes,
+                "accelerator",
+                "create Accelerator(cpu=True)",
+            )
         )
     accelerator.register_for_checkpointing(loader)
     device = accelerator.device if device_placement else None

@@ -38,7 +38,7 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 from ..errors import StateError, UsageError  # noqa: E402
 from ..load.dataset import WdsPipeline  # noqa: E402
 from ..load.loader import Loader  # noqa: E402
-from . import model_inputs  # noqa: E402
+from . import model_inputs, world_mismatch  # noqa: E402
 
 #: the loader's state in a checkpoint directory, one file per rank
 STATE_FILE = "wdsllm_loader_rank{rank}.json"
@@ -70,9 +70,14 @@ class Trainer(transformers.Trainer):
         loader._settle_world()
         if (loader.rank, loader.world_size) != (self.args.process_index, self.args.world_size):
             raise UsageError(
-                f"the loader is rank {loader.rank} of {loader.world_size}, the Trainer's process is rank "
-                f"{self.args.process_index} of {self.args.world_size}: build the loader without rank=/world_size= "
-                "(it reads them from torch.distributed)"
+                world_mismatch(
+                    loader.rank,
+                    loader.world_size,
+                    self.args.process_index,
+                    self.args.world_size,
+                    "Trainer",
+                    "pass TrainingArguments(use_cpu=True)",
+                )
             )
         return loader
 
