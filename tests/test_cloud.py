@@ -515,7 +515,7 @@ def test_hf_revision_is_pinned_for_the_run(fake_hub, synth):
     before = storage.read_bytes(f"{url}/{NAMES[0]}")
     repo.commit({f"ds/{NAMES[0]}": b"a new commit on main"})
     assert storage.read_bytes(f"{url}/{NAMES[0]}") == before, "a push to main mid-run changes nothing"
-    storage.hf._revisions.clear()  # another process (a rank started later) resolves main again...
+    storage.hf.HUB.reset()  # another process (a rank started later) resolves main again...
     assert storage.read_bytes(f"hf://datasets/{store_name}@{first}/ds/{NAMES[0]}") == before  # ...the pinned URL not
     assert storage.hf.commit_of(url, 5) == repo.refs["main"] != first
     assert (
@@ -719,7 +719,7 @@ def test_a_spools_mapping_is_recycled_only_once_nothing_views_it(http_server, mo
     from wdsllm.storage import mappings
 
     gc.collect()  # earlier tests' spools give their mappings back as they are collected
-    monkeypatch.setattr(mappings, "_free", [])
+    mappings.POOL.reset()
     one, two = payload(300_000), payload(250_000)[::-1]
     (http_server.root / "one.bin").write_bytes(one)
     (http_server.root / "two.bin").write_bytes(two)
@@ -750,10 +750,10 @@ def test_a_spools_mapping_is_recycled_only_once_nothing_views_it(http_server, mo
     assert third.mm is first.mm or third.mm is second.mm, "a mapping nothing views is reused"
     assert len(third.mm) == len(two) and third.mm[:] == two, "resized to the object, every byte its own"
     third.close()
-    assert len(mappings._free) <= mappings.KEEP
+    assert len(mappings.POOL.free) <= mappings.KEEP
     # a recycled mapping grown for a larger object: every new page is writable (a shared anonymous
     # mapping grown this way raises SIGBUS past its first size)
-    monkeypatch.setattr(mappings, "_free", [])
+    mappings.POOL.reset()
     small = mappings.take(100_000)
     mappings.give(small)
     grown = mappings.take(3_000_000)
@@ -790,13 +790,13 @@ def test_hf_second_block_goes_straight_to_the_cdn_and_a_refused_address_is_resol
     resolves, cdn = _hub_gets(fake_hub, "ds/blob.bin")
     assert len(resolves) == 2 and len(cdn) == 4  # the refused GET, then the new address
     # an address past its Expires is not tried at all
-    key = next(k for k in storage.hf._cdn if k[0].endswith("ds/blob.bin") and name in k[0])
-    storage.hf._cdn[key] += "&Expires=1000"
+    key = next(k for k in storage.hf.HUB.cdn if k[0].endswith("ds/blob.bin") and name in k[0])
+    storage.hf.HUB.cdn[key] += "&Expires=1000"
     assert ranged(10, 20) == data[10:30]
     resolves, cdn = _hub_gets(fake_hub, "ds/blob.bin")
     assert len(resolves) == 3 and len(cdn) == 5
-    assert "Expires" not in storage.hf._cdn[key]
-    storage.hf._cdn[key] += "&X-Amz-Date=20200101T000000Z&X-Amz-Expires=3600"  # S3-style presigned, long gone
+    assert "Expires" not in storage.hf.HUB.cdn[key]
+    storage.hf.HUB.cdn[key] += "&X-Amz-Date=20200101T000000Z&X-Amz-Expires=3600"  # S3-style presigned, long gone
     assert ranged(20, 20) == data[20:40]
     resolves, cdn = _hub_gets(fake_hub, "ds/blob.bin")
     assert len(resolves) == 4 and len(cdn) == 6

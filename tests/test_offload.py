@@ -1,4 +1,4 @@
-"""The fetch process (storage/offload.py): remote shards downloaded by a forked process into shared
+"""The fetch process (storage/offload.py): remote shards downloaded by a spawned process into shared
 memory, for a loader that decodes in the training process itself. Against the real HTTP server on
 127.0.0.1: every byte in place, its errors, retries and log records back in this process, the
 environment as it is now, its death, recycled memory, and the pacing of a spool's blocks."""
@@ -22,16 +22,16 @@ from wdsllm import storage
 from wdsllm.errors import NotFoundError, StorageError
 from wdsllm.storage import offload, parallel
 
-pytestmark = pytest.mark.skipif(not offload.SUPPORTED, reason="the fetch process needs Linux (memfd, fork)")
+pytestmark = pytest.mark.skipif(not offload.SUPPORTED, reason="the fetch process needs Linux (memfd, SCM_RIGHTS)")
 
 
 @pytest.fixture(autouse=True)
 def fresh_fetch_process(monkeypatch):
     """Each test starts its own fetch process, and stops it."""
     monkeypatch.delenv("WDSLLM_FETCH_PROCESS", raising=False)
-    offload.shutdown()
+    storage.reset()
     yield
-    offload.shutdown()
+    storage.reset()
 
 
 def spool_of(server, name: str, data: bytes, offset: int = 0) -> offload.OffloadedSpool:
@@ -53,14 +53,14 @@ def test_a_spool_arrives_whole_through_the_fetch_process(http_server, caplog):
         assert spool.mm[1000:] == data[1000:]
         assert spool.read(10) == data[1000:1010], "as a stream it reads in order from its offset"
         spool.close()
-    fetcher = offload._fetcher
-    assert fetcher is not None and fetcher.pid != os.getpid()
+    pid = offload.running_pid()
+    assert pid is not None and pid != os.getpid()
     # its counters are this process's: every byte once, plus the one resumed
     assert storage.stats()["received_bytes"] - before >= len(data) - 1000
     assert any("retry" in r.getMessage() or "resum" in r.getMessage() for r in caplog.records), (
         "its log records are handled here"
     )
-    assert any(r.process == fetcher.pid for r in caplog.records)
+    assert any(r.process == pid for r in caplog.records)
 
 
 def test_its_errors_come_back_named(http_server):
@@ -103,8 +103,7 @@ def test_its_death_fails_its_spools_by_name_and_later_ones_download_here(http_se
     http_server.faults.add("*/stalled.bin", "stall", bytes=100_000, seconds=30)
     stalled = spool_of(http_server, "stalled.bin", data)
     stalled.wait(100_000)
-    fetcher = offload._fetcher
-    os.kill(fetcher.pid, signal.SIGKILL)
+    os.kill(offload.running_pid(), signal.SIGKILL)
     with pytest.raises(StorageError, match=r"stalled.bin.*fetch process \d+ exited"):
         stalled.wait(len(data))
     assert stalled.mm[:100_000] == data[:100_000], "what arrived stays readable"
@@ -129,12 +128,12 @@ def test_a_loader_without_workers_uses_it_and_one_with_workers_does_not(http_ser
         b["input_ids"].numpy().tobytes() for b in wdsllm.loader(str(http_server.root / "ds"), batch_size=4, seed=1)
     ]
     assert batches(fetch_process=False) == expected
-    assert offload._fetcher is None, "fetch_process=False reads in this process"
+    assert offload.running_pid() is None, "fetch_process=False reads in this process"
     with_workers = wdsllm.loader(str(http_server.root / "ds"), batch_size=4, seed=1, num_workers=2)
     assert batches(num_workers=2) == [b["input_ids"].numpy().tobytes() for b in with_workers]
-    assert offload._fetcher is None, "DataLoader workers read themselves"
+    assert offload.running_pid() is None, "DataLoader workers read themselves"
     assert batches() == expected
-    assert offload._fetcher is not None, "without workers, a fetch process downloads"
+    assert offload.running_pid() is not None, "without workers, a fetch process downloads"
 
 
 def test_a_forked_child_does_not_share_its_parents_fetch_process(http_server):
@@ -146,7 +145,7 @@ def test_a_forked_child_does_not_share_its_parents_fetch_process(http_server):
 
 
 def _has_fetcher() -> bool:
-    return offload._fetcher is not None
+    return offload.running_pid() is not None
 
 
 def test_shared_memory_is_recycled_once_nothing_writes_or_views_it(http_server):
@@ -178,7 +177,7 @@ def test_a_store_that_sends_fast_after_a_slow_first_byte_is_read_in_larger_block
     data = payload(5_000_000)
     (http_server.root / "big.bin").write_bytes(data)
     url = http_server.url_for("big.bin")
-    monkeypatch.setattr(parallel, "_queue", None)  # this test's own queue, unmeasured
+    storage.reset()  # no store measured yet
     monkeypatch.setattr(parallel, "BLOCK_SIZE", 1_000_000)
     monkeypatch.setattr(parallel, "SERIAL_BLOCK_SIZE", 2_500_000)
     monkeypatch.setattr(parallel, "SERIAL_RATE", 20e6)  # 4 MiB in the 0.4 s below would be slower
@@ -195,7 +194,7 @@ def test_a_store_that_sends_fast_after_a_slow_first_byte_is_read_in_larger_block
     first = spool()
     first.wait(len(data))
     first.close()
-    assert parallel.block_queue().fast, "the wait for the first byte is not the rate"
+    assert parallel.block_queue().pace_of(parallel.store_of(url)).fast, "the wait for the first byte is not the rate"
     assert sorted(int(r[6:].split("-")[0]) for r in http_server.ranges("/big.bin")) == [
         0,
         1_000_000,
@@ -238,14 +237,14 @@ def test_spools_read_one_block_at_a_time_while_they_arrive_fast(http_server, mon
 
         return storage.Spool(open_range, 0, len(data), name=url, block_size=400_000, in_flight=4)
 
-    monkeypatch.setattr(parallel, "_queue", None)  # this test's own queue
+    storage.reset()  # no store measured yet
     monkeypatch.setattr(parallel, "SERIAL_RATE", 1.0)  # every store is fast
     fast = spool()
     fast.wait(len(data))
-    assert parallel.block_queue().want == 1 and fast.mm[:] == data
+    assert parallel.block_queue().pace_of(parallel.store_of(url)).want == 1 and fast.mm[:] == data
     fast.close()
     monkeypatch.setattr(parallel, "SERIAL_RATE", 1e15)  # every store is slow
     slow = spool()
     slow.wait(len(data))
-    assert parallel.block_queue().want == parallel.IN_FLIGHT and slow.mm[:] == data
+    assert parallel.block_queue().pace_of(parallel.store_of(url)).want == parallel.IN_FLIGHT and slow.mm[:] == data
     slow.close()

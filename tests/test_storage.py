@@ -754,8 +754,8 @@ def test_s3_worker_forked_after_prepare_workers_reads_with_the_prepared_client(s
         monkeypatch.setenv("WDSLLM_ANONYMOUS", "s3")
     assert storage.read_bytes(url) == data  # the parent's own client
     storage.prepare_workers()
-    assert s3mod._prepared, "a prepared session for the workers"
-    prepared = dict(s3mod._prepared)
+    assert s3mod.CLIENTS.prepared, "a prepared session for the workers"
+    prepared = dict(s3mod.CLIENTS.prepared)
     clients = [session.prepared[1] for session in prepared.values()]  # built, not entered
     # the TLS contexts (the CA bundle loaded: 43 ms of CPU) are built here, once, for every child
     contexts = [c._endpoint.http_session._build_ssl_contexts(None)[0] for c in clients]
@@ -771,7 +771,7 @@ def test_s3_worker_forked_after_prepare_workers_reads_with_the_prepared_client(s
                 with storage.open_stream(url, offset=1000, length=5000) as f:
                     ok = ok and f.read() == data[1000:6000]
                 fs = s3mod.filesystem()
-                took = any(fs._s3 is c for c in clients) and len(s3mod._prepared) == len(prepared) - 1
+                took = any(fs._s3 is c for c in clients) and len(s3mod.CLIENTS.prepared) == len(prepared) - 1
                 tls = fs._s3._endpoint.http_session._build_ssl_contexts(None)[0]
                 took = took and any(tls is ctx for ctx in contexts)
                 os.write(w, f"{ok} {took}".encode())
@@ -782,5 +782,5 @@ def test_s3_worker_forked_after_prepare_workers_reads_with_the_prepared_client(s
         _, status = os.waitpid(pid, 0)
         assert os.read(r, 100).decode() == "True True" and status == 0
         os.close(r)
-    assert s3mod._prepared == prepared  # the parent never uses it
+    assert s3mod.CLIENTS.prepared == prepared  # the parent never uses it
     assert storage.read_bytes(url) == data

@@ -43,9 +43,9 @@ def wait_for(condition, timeout: float = 10.0) -> None:
 
 @pytest.fixture(autouse=True)
 def nothing_parked():
-    parking.forget_parked()
+    storage.reset()
     yield
-    parking.forget_parked()
+    storage.reset()
 
 
 def test_the_next_pass_adopts_the_shards_the_last_one_warmed(http_server):
@@ -119,9 +119,10 @@ def test_a_forked_child_leaves_its_parents_fetch_process_memories_alone(http_ser
         [(a_url, a_kw)], spool=True, ahead_bytes=4 << 20, offload=True, then=[(b_url, b_kw)]
     )
     assert [s.read() for s in streams] == [a]  # a's memory is now idle, b's holds b, parked
-    (parked,) = [entry[-1] for entry in parking.PARKING._streams]
+    parked = parking.PARKING.adopt(storage.WarmKey(), b_url, b_kw)
+    parking.PARKING.park(storage.WarmKey(), b_url, b_kw, parked)
     parked.wait(parked.end)
-    wait_for(lambda: not offload._fetcher.spools)  # its download reported done: only the parking holds it
+    wait_for(lambda: not offload.SERVICE.busy())  # its download reported done: only the parking holds it
     del parked
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -239,7 +240,7 @@ def test_a_next_pass_that_cannot_be_planned_leaves_this_one_alone(http_server):
 
     def following():
         raise ValueError("no such epoch")
-        yield  # a generator, as plan_items's is
+        yield  # a generator, as read_plan_stream's is
 
     assert read_all([(a_url, a_kw)], then=following()) == [a]
     assert parking.parked_count() == 0

@@ -15,7 +15,6 @@ store (a flaky proxy heals); a mismatch that persists is a :class:`ChecksumError
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 from collections import OrderedDict
@@ -26,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ChecksumError, FormatError, ShardError
+from ..storage.state import own
 from . import group as fmt
 from .index import Index
 from .tar import MappedReader, changed_file, decode_sample, iter_samples
@@ -176,9 +176,15 @@ class _RecentGroups:
                 _, (_, gone) = self.entries.popitem(last=False)
                 self.bytes -= gone
 
+    def reset(self) -> None:
+        with self.lock:
+            self.entries, self.bytes = OrderedDict(), 0
 
-_recent = _RecentGroups()
-os.register_at_fork(after_in_child=lambda: setattr(_recent, "lock", threading.Lock()))
+    def after_fork(self) -> None:
+        self.lock = threading.Lock()  # the parent's may have been held by another thread at fork time
+
+
+_recent = own("recent groups", _RecentGroups())
 
 
 def _fetch_checked(

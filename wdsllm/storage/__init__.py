@@ -6,8 +6,10 @@ a maintained client (fsspec's HTTP filesystem, s3fs, gcsfs, adlfs, huggingface_h
 :mod:`.cache` keeps verified local copies, :mod:`.prefetch` overlaps the next shard's latency,
 and :mod:`.output` writes datasets atomically. This package moves bytes; it never decodes them.
 
-Process-global state (connection pools, clients, counters) lives in the module that owns it, and
-each such module drops it in a forked child (``os.register_at_fork``).
+Process-global state (connection pools, clients, counters, measured store speeds, parked spools,
+the fetch process) lives in one owned object per concern, registered with :mod:`.state`, which
+has the one fork hook; :func:`reset` drops all of it. :func:`release` is what a loader's
+``close()`` calls: what was started for it stops.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ from . import s3 as _s3  # noqa: F401 - registers s3://
 from .backends import CHUNK_SIZE, backend_for, is_remote, prepare_workers
 from .cache import ShardCache
 from .counters import reset_stats, stats
+from .helpers import release
 from .listing import ObjectInfo, glob_objects, has_magic, list_prefix, stat_object
 from .output import Output
-from .prefetch import ReadAhead, Spool, SpooledRange, prefetch_iter
+from .parking import WarmKey
+from .prefetch import OpenSpec, Prefetcher, PrefetchOptions, ReadAhead, Spool, SpooledRange, prefetch_iter
 from .ranged import RangedFile, open_ranged
 from .resumable import STREAM_BUFFER, exists, open_stream, read_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .s3 import MULTIPART_THRESHOLD, s3_endpoint
+from .state import reset
 from .urls import (
     check_name,
     dirname_url,
@@ -48,7 +53,10 @@ __all__ = [
     "STREAM_BUFFER",
     "NotFoundError",
     "ObjectInfo",
+    "OpenSpec",
     "Output",
+    "PrefetchOptions",
+    "Prefetcher",
     "RangedFile",
     "ReadAhead",
     "RetryPolicy",
@@ -57,6 +65,7 @@ __all__ = [
     "SpooledRange",
     "StorageError",
     "TransientError",
+    "WarmKey",
     "backend_for",
     "check_name",
     "dirname_url",
@@ -75,6 +84,8 @@ __all__ = [
     "read_bytes",
     "redact",
     "redact_text",
+    "release",
+    "reset",
     "reset_stats",
     "s3_endpoint",
     "scheme_of",

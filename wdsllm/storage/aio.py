@@ -27,6 +27,7 @@ import fsspec.asyn
 from .backends import EmptyBody, parse_content_range
 from .counters import count
 from .retry import add_classifier, make_error, parse_retry_after
+from .state import own
 
 log = logging.getLogger(__name__)
 
@@ -244,11 +245,6 @@ add_classifier(_classify_aiohttp)
 # One filesystem instance per (scheme, options) and process
 
 
-_instances: dict[Any, Any] = {}
-_instances_lock = threading.Lock()
-_inherited: list[Any] = []  # a forked child's copies of the parent's filesystems: never used, never freed
-
-
 _PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
 
 
@@ -278,37 +274,52 @@ def process_key(key: Any) -> Any:
     return (key, tuple(os.environ.get(v) for v in _PROXY_VARIABLES), environment_to_trust())
 
 
+class Filesystems:
+    """This process's filesystems by :func:`process_key` (a scheme and its options, the proxies)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._made: dict[Any, Any] = {}
+        #: a forked child's copies of the parent's filesystems: never used, never freed (collecting
+        #: them would warn about the parent's unclosed sessions)
+        self._inherited: list[Any] = []
+
+    def get(self, key: Any, make: Callable[[], Any]) -> Any:
+        with self._lock:
+            fs = self._made.get(key)
+            if fs is None:
+                fs = self._made[key] = make()
+        return fs
+
+    def reset(self) -> None:
+        """Forget the filesystems (their sessions close with them, on fsspec's loop)."""
+        with self._lock:
+            self._made = {}
+
+    def after_fork(self) -> None:
+        """Objects of the parent's loop are not ours to use in a forked child.
+
+        fsspec resets its loop in the child, and a filesystem made by the parent raises
+        "not fork-safe" there: start without them. fsspec's own hook misses its ``_lock``
+        (``reset_lock`` resets it), and the parent's instances leave ``weakref.finalize`` callbacks
+        that would run ``sync()`` on the parent's loop at the child's exit and hang (adlfs) or wait
+        (s3fs, http): the parent owns those sessions, so they are detached.
+        """
+        self._lock = threading.Lock()
+        self._inherited.extend(self._made.values())
+        self._made = {}
+        fsspec.asyn.reset_lock()
+        for ref, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]
+            func = getattr(info, "func", None)
+            module = getattr(func, "__module__", "") or ""
+            if func is fsspec.asyn.sync or module.startswith(("s3fs", "fsspec", "adlfs", "gcsfs")):
+                ref.detach()
+
+
+FILESYSTEMS = own("filesystems", Filesystems())
+
+
 def instance(key: Any, make: Callable[[], Any]) -> Any:
     """The filesystem of this process for ``key``, made once with ``make()`` (again when the proxy
     variables change: some clients read them only when they are made)."""
-    key = process_key(key)
-    with _instances_lock:
-        fs = _instances.get(key)
-        if fs is None:
-            fs = _instances[key] = make()
-    return fs
-
-
-def _after_fork() -> None:
-    """Objects of the parent's loop are not ours to use in a forked child.
-
-    fsspec resets its loop in the child, and a filesystem made by the parent raises
-    "not fork-safe" there: start without them. fsspec's own hook misses its ``_lock``
-    (``reset_lock`` resets it), and the parent's instances leave ``weakref.finalize`` callbacks
-    that would run ``sync()`` on the parent's loop at the child's exit and hang (adlfs) or wait
-    (s3fs, http): the parent owns those sessions, so they are detached.
-    """
-    global _instances_lock
-    _instances_lock = threading.Lock()
-    # kept alive, not dropped: collecting them would warn about the parent's unclosed sessions
-    _inherited.extend(_instances.values())
-    _instances.clear()
-    fsspec.asyn.reset_lock()
-    for ref, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]
-        func = getattr(info, "func", None)
-        module = getattr(func, "__module__", "") or ""
-        if func is fsspec.asyn.sync or module.startswith(("s3fs", "fsspec", "adlfs", "gcsfs")):
-            ref.detach()
-
-
-os.register_at_fork(after_in_child=_after_fork)
+    return FILESYSTEMS.get(process_key(key), make)

@@ -2,17 +2,41 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
+from .state import own
+
 NAMES = ("requests", "retries", "resumed_bytes", "received_bytes", "skipped_bytes", "cache_hits", "cache_misses")
-_counts: dict[str, int] = dict.fromkeys(NAMES, 0)
-_lock = threading.Lock()
+
+
+class Counters:
+    """The process's counters by name."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = dict.fromkeys(NAMES, 0)
+
+    def add(self, name: str, n: int) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counts = dict.fromkeys(NAMES, 0)
+
+    def after_fork(self) -> None:
+        self._lock = threading.Lock()  # the parent's may have been held by another thread at fork time
+
+
+COUNTERS = own("counters", Counters())
 
 
 def count(name: str, n: int = 1) -> None:
-    with _lock:
-        _counts[name] += n
+    COUNTERS.add(name, n)
 
 
 def stats() -> dict[str, int]:
@@ -24,19 +48,8 @@ def stats() -> dict[str, int]:
     ``skipped_bytes``: bytes read and dropped because a server ignored Range; ``cache_hits`` /
     ``cache_misses``: :class:`~wdsllm.storage.cache.ShardCache` lookups.
     """
-    with _lock:
-        return dict(_counts)
+    return COUNTERS.snapshot()
 
 
 def reset_stats() -> None:
-    with _lock:
-        for k in _counts:
-            _counts[k] = 0
-
-
-def _after_fork_in_child() -> None:
-    global _lock
-    _lock = threading.Lock()  # the parent's may have been held by another thread at fork time
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+    COUNTERS.reset()

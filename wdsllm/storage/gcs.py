@@ -25,11 +25,8 @@ from .backends import anonymous, register
 from .fsoutput import FsspecOutput, bucket_path
 from .output import Output
 from .retry import DEFAULT_RETRY, make_error
+from .state import carry, own, picklable
 from .urls import scheme_of, split_query
-
-# Read by gcsfs when it is imported (default "true"): the experimental class first probes a gRPC
-# API, which waits ~60 s behind emulators and proxies. wdsllm uses the plain class either way.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 _SCHEMES = ("gs", "gcs")
 
@@ -48,11 +45,29 @@ _SEARCH_ENV = (
     "GCE_METADATA_IP",
 )
 
-#: What the credential search found in this process, by filesystem key: (method, credentials,
-#: project). A forked child (a DataLoader worker, the fetch process) inherits it and starts from
-#: there: off Google Cloud and without credentials the search asks the metadata server, which
-#: took 14-15 s per process on the project's VM, in every worker of every epoch.
-_found: dict[tuple, tuple[str, Any, str]] = {}
+
+class Credentials:
+    """What the credential search found in this process, by filesystem key: (method, credentials,
+    project). A forked child (a DataLoader worker) inherits it and starts from there: off Google
+    Cloud and without credentials the search waits for the metadata server in every process."""
+
+    def __init__(self) -> None:
+        self.found: dict[tuple, tuple[str, Any, str]] = {}
+
+    def reset(self) -> None:
+        self.found = {}
+
+    def after_fork(self) -> None:
+        """Kept: what the parent found is the child's too."""
+
+    def export(self) -> dict[tuple, tuple[str, Any, str]]:
+        return {key: found for key, found in self.found.items() if picklable(found)}
+
+    def adopt(self, snapshot: dict[tuple, tuple[str, Any, str]]) -> None:
+        self.found.update(snapshot)
+
+
+CREDENTIALS = carry("gcs credentials", own("gcs credentials", Credentials()))
 
 
 def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "gs://") -> Any:
@@ -64,7 +79,7 @@ def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "gs://") -> An
             from gcsfs.core import GCSFileSystem
         except ImportError as exc:
             raise make_error(url, "gs:// URLs need gcsfs, which is not installed: pip install 'wdsllm[gcs]'") from exc
-        method, credentials, project = _found.get(key, (None, None, ""))
+        method, credentials, project = CREDENTIALS.found.get(key, (None, None, ""))
         if anon:
             token: Any = "anon"
         elif method is not None:  # found by this process or the one it was forked from
@@ -79,7 +94,7 @@ def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "gs://") -> An
             skip_instance_cache=True,
         )
         if method is None:
-            _found[key] = (fs.credentials.method, fs.credentials.credentials, fs.credentials.project or "")
+            CREDENTIALS.found[key] = (fs.credentials.method, fs.credentials.credentials, fs.credentials.project or "")
             searched = time.monotonic() - started
             if fs.credentials.method == "anon" and searched > 2:
                 log.warning(

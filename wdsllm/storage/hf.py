@@ -21,6 +21,7 @@ import re
 import threading
 import time
 from datetime import datetime, timezone
+from functools import partial
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -29,6 +30,7 @@ from .backends import anonymous, register
 from .http import head, open_url
 from .output import Output
 from .retry import make_error
+from .state import carry, own
 from .urls import split_query
 
 _KINDS = {"datasets": "dataset", "spaces": "space", "models": "model"}
@@ -36,8 +38,38 @@ _SHA = re.compile(r"[0-9a-f]{40}")
 
 log = logging.getLogger(__name__)
 
-_revisions: dict[tuple[str, str, str, str], str] = {}  # kept across fork: children read the same commit
-_lock = threading.Lock()
+
+class HubState:
+    """What this process resolved at the Hub.
+
+    ``revisions``: (endpoint, repo type, repo, revision) -> commit, kept across a fork (children
+    read the same commit); ``cdn``: (a file's resolve URL at a commit, Authorization) -> the CDN
+    URL it redirected to (signed: never logged).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.revisions: dict[tuple[str, str, str, str], str] = {}
+        self.cdn: dict[tuple[str, str | None], str] = {}
+
+    def reset(self) -> None:
+        with self.lock:
+            self.revisions, self.cdn = {}, {}
+
+    def after_fork(self) -> None:
+        self.lock = threading.Lock()
+
+    def export(self) -> dict[tuple[str, str, str, str], str]:
+        """The commits resolved here: a helper reads the same ones."""
+        with self.lock:
+            return dict(self.revisions)
+
+    def adopt(self, snapshot: dict[tuple[str, str, str, str], str]) -> None:
+        with self.lock:
+            self.revisions.update(snapshot)
+
+
+HUB = carry("hub", own("hub", HubState()))
 
 
 def parse(url: str) -> tuple[str, str, str, str]:
@@ -83,8 +115,8 @@ def commit_of(url: str, timeout: float) -> str:
     if _SHA.fullmatch(revision):
         return revision
     key = (endpoint(), kind, repo, revision)
-    with _lock:
-        sha = _revisions.get(key)
+    with HUB.lock:
+        sha = HUB.revisions.get(key)
     if sha is not None:
         return sha
     try:
@@ -109,8 +141,8 @@ def commit_of(url: str, timeout: float) -> str:
         raise make_error(
             url, f"the Hub answered HTTP {status}", transient=status in (408, 429) or status >= 500
         ) from exc
-    with _lock:
-        _revisions[key] = sha = info.sha
+    with HUB.lock:
+        HUB.revisions[key] = sha = info.sha
     return sha
 
 
@@ -143,8 +175,6 @@ def _headers() -> dict[str, str]:
 
 #: Seconds before a signed CDN URL's ``Expires`` that it is no longer used.
 _EXPIRY_MARGIN = 60.0
-#: (resolve URL at a commit, Authorization) -> the CDN URL it redirected to (signed: never logged)
-_cdn: dict[tuple[str, str | None], str] = {}
 
 
 def _expired(target: str) -> bool:
@@ -175,7 +205,7 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
     resolve = file_url(url, timeout)
     headers = _headers()
     key = (resolve, headers.get("Authorization"))  # a private repository's address is the token's only
-    target = _cdn.get(key)
+    target = HUB.cdn.get(key)
     if target is not None and not _expired(target):
         same_host = urlsplit(target).netloc == urlsplit(resolve).netloc  # aiohttp keeps the token there
         try:
@@ -184,12 +214,10 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
             if isinstance(exc, TransientError):
                 raise
         log.debug("%s: the CDN refused a remembered address; resolving it again", url)
-    _cdn.pop(key, None)
-
-    def remember(final: str) -> None:
-        _cdn[key] = final
-
-    return open_url(resolve, start, end, timeout, etag, headers=headers, shown=url, redirected=remember)
+    HUB.cdn.pop(key, None)
+    return open_url(
+        resolve, start, end, timeout, etag, headers=headers, shown=url, redirected=partial(HUB.cdn.__setitem__, key)
+    )
 
 
 class HfBackend:
@@ -236,10 +264,4 @@ class HfBackend:
         )
 
 
-def _after_fork() -> None:
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork)
 register(HfBackend())

@@ -11,7 +11,7 @@ it any more.
 "Nothing views it" is what ``mmap.resize`` checks: it refuses while any buffer (a NumPy array of
 tokens, a memoryview of a reader, a block download in flight) is exported from the mapping. A
 mapping some batch still views stays that batch's, and a new one is made. Where ``resize`` is not
-available (no ``mremap``), every spool gets a fresh mapping, as before.
+available (no ``mremap``), every spool gets a fresh mapping.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+
+from .state import own
 
 #: Mappings kept for reuse, and their total size (``WDSLLM_SPOOL_KEEP_BYTES``, bytes): a free
 #: mapping stays resident, so what is kept is bounded by about one large shard. As many as the
@@ -29,44 +31,61 @@ KEEP_BYTES = int(os.environ.get("WDSLLM_SPOOL_KEEP_BYTES") or 1 << 30)
 #: Private, not mmap's default shared anonymous memory: a shared one is a file of fixed size, and
 #: growing it with ``resize`` leaves pages past that size that raise SIGBUS when touched.
 _PRIVATE = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_ANONYMOUS") else {}
-_free: list[mmap.mmap] = []
-_lock = threading.Lock()
+
+
+class MappingPool:
+    """Released mappings, oldest first, kept for a later spool while they fit :data:`KEEP` and
+    :data:`KEEP_BYTES`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.free: list[mmap.mmap] = []
+
+    def take(self, size: int) -> mmap.mmap:
+        """A writable anonymous mapping of exactly ``size`` bytes (at least one): a recycled one
+        when one is free, whose bytes are stale (a spool hands out only the bytes it has written)."""
+        size = max(size, 1)
+        with self._lock:
+            # the closest in size first: resizing keeps the pages both sizes share
+            for mm in sorted(self.free, key=lambda m: abs(len(m) - size)):
+                if not _PRIVATE and len(mm) < size:
+                    continue  # without private mappings, never grown (see _PRIVATE)
+                try:
+                    mm.resize(size)  # BufferError while anything views it; OSError/SystemError: no mremap
+                except (BufferError, OSError, SystemError, ValueError):
+                    continue
+                self.free.remove(mm)
+                return mm
+        return mmap.mmap(-1, size, **_PRIVATE)
+
+    def give(self, mm: mmap.mmap) -> None:
+        """Keep ``mm`` for a later :meth:`take` (it is reused only once nothing views it)."""
+        if mm.closed or len(mm) > KEEP_BYTES:
+            return
+        with self._lock:
+            self.free.append(mm)
+            while len(self.free) > KEEP or sum(len(m) for m in self.free) > KEEP_BYTES:
+                self.free.pop(0)  # the oldest: arrays that still view it keep it alive until they go
+
+    def reset(self) -> None:
+        with self._lock:
+            self.free = []
+
+    def after_fork(self) -> None:
+        """A child's copies of the parent's mappings are copy-on-write: a write to one costs more
+        than a fresh page. The child starts with none."""
+        self._lock = threading.Lock()
+        self.free = []
+
+
+POOL = own("mappings", MappingPool())
 
 
 def take(size: int) -> mmap.mmap:
-    """A writable anonymous mapping of exactly ``size`` bytes (at least one): a recycled one when
-    one is free, whose bytes are stale (a spool hands out only the bytes it has written)."""
-    size = max(size, 1)
-    with _lock:
-        # the closest in size first: resizing keeps the pages both sizes share
-        for mm in sorted(_free, key=lambda m: abs(len(m) - size)):
-            if not _PRIVATE and len(mm) < size:
-                continue  # without private mappings, never grown (see _PRIVATE)
-            try:
-                mm.resize(size)  # BufferError while anything views it; OSError/SystemError: no mremap
-            except (BufferError, OSError, SystemError, ValueError):
-                continue
-            _free.remove(mm)
-            return mm
-    return mmap.mmap(-1, size, **_PRIVATE)
+    """A mapping of ``size`` bytes from the process's pool (:meth:`MappingPool.take`)."""
+    return POOL.take(size)
 
 
 def give(mm: mmap.mmap) -> None:
-    """Keep ``mm`` for a later :func:`take` (it is reused only once nothing views it)."""
-    if mm.closed or len(mm) > KEEP_BYTES:
-        return
-    with _lock:
-        _free.append(mm)
-        while len(_free) > KEEP or sum(len(m) for m in _free) > KEEP_BYTES:
-            _free.pop(0)  # the oldest: arrays that still view it keep it alive until they go
-
-
-def _after_fork() -> None:
-    """A child's copies of the parent's mappings are copy-on-write: a write to one costs more than
-    a fresh page. The child starts with none."""
-    global _lock
-    _free.clear()
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork)
+    """Back to the process's pool (:meth:`MappingPool.give`)."""
+    POOL.give(mm)

@@ -1,28 +1,29 @@
 """Remote shards downloaded by a process of their own (the fetch process), into shared memory.
 
 Receiving through the async clients costs the receiving process's GIL: every socket read goes
-through the event loop, the HTTP parser and a copy (about 15 ms of the GIL per 27 MB, on top of
-the kernel's copy). A loader that decodes in the training process itself (``num_workers=0``)
-then decodes and receives in turns, never at once: on a fast store the epoch takes the sum of
-both. Here the downloads run in a fetch process instead, with its own GIL, and this process only
-waits for the bytes: a spool's memory is a memfd that both processes map, and the fetch process
-reports over a Unix socket how far the bytes have arrived in order, as
+through the event loop, the HTTP parser and a copy. A loader that decodes in the training process
+itself (``num_workers=0``) then decodes and receives in turns, never at once: on a fast store the
+epoch takes the sum of both. Here the downloads run in a fetch process instead, with its own GIL,
+and this process only waits for the bytes: a spool's memory is a memfd that both processes map,
+and the fetch process reports over a Unix socket how far the bytes have arrived in order, as
 :class:`~wdsllm.storage.prefetch.Spool` does between threads.
 
-The fetch process is forked from this one the first time a spool is offloaded, so it has this
-process's backends, credentials and logging; every request carries the changes to the
-environment since the last one (credentials, endpoints and proxies are read from it), and it downloads with the same
-:class:`~wdsllm.storage.prefetch.Spool` (blocks in flight, resumable ranged GETs, version checks).
-Its errors come back as they were raised there (a :class:`~wdsllm.errors.StorageError` naming the
-URL). The shared memory is recycled as :mod:`~wdsllm.storage.mappings` recycles anonymous
-mappings (a fresh page costs a fault and zeroing in both processes: 18 ms per 27 MB): a memfd
-goes to a later spool once the fetch process says it writes no more into it and nothing here
-views it. It exits when its socket's other end closes: this process closing it at exit, or the
-kernel closing it when this process dies. If it dies first, the spools it was filling fail with
-a named error and later spools are downloaded in this process again.
+The fetch process is a new interpreter (``subprocess``: spawned, never a fork of this process,
+which may hold CUDA contexts, NCCL threads and clients' event loops), started the first time a
+spool is offloaded. It inherits the environment; every request carries the changes to the
+environment since the last one (credentials, endpoints and proxies are read from it) and this
+process's log level, and it downloads with the same :class:`~wdsllm.storage.prefetch.Spool`
+(blocks in flight, resumable ranged GETs, version checks). Its errors come back as they were
+raised there (a :class:`~wdsllm.errors.StorageError` naming the URL), its log records are handled
+by this process's loggers, its counters added to this process's. The shared memory is recycled as
+:mod:`~wdsllm.storage.mappings` recycles anonymous mappings: a memfd goes to a later spool once
+the fetch process says it writes no more into it and nothing here views it. It exits when its
+socket's other end closes: :func:`shutdown` (a loader's ``close()``, :func:`wdsllm.storage.reset`),
+or the kernel closing it when this process dies. If it dies first, the spools it was filling fail
+with a named error and later spools are downloaded in this process again.
 
-Linux only (memfd, SCM_RIGHTS, fork); elsewhere :func:`offloaded_spool` answers None and the
-caller spools in process. ``WDSLLM_FETCH_PROCESS=0`` turns it off.
+Linux only (memfd, SCM_RIGHTS); elsewhere :func:`offloaded_spool` answers None and the caller
+spools in process. ``WDSLLM_FETCH_PROCESS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -36,14 +37,16 @@ import os
 import pickle
 import signal
 import socket
+import subprocess
+import sys
 import threading
-import warnings
 from functools import partial
 
 from .counters import count, stats
 from .mappings import KEEP, KEEP_BYTES
 from .prefetch import Spool, SpooledRange, open_spool_block
 from .retry import make_error
+from .state import adopt, exported, own
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +54,14 @@ log = logging.getLogger(__name__)
 _MAX_MESSAGE = 1 << 16
 
 SUPPORTED = all(
-    hasattr(mod, name)
-    for mod, name in ((os, "memfd_create"), (os, "fork"), (socket, "send_fds"), (socket, "SOCK_SEQPACKET"))
+    hasattr(mod, name) for mod, name in ((os, "memfd_create"), (socket, "send_fds"), (socket, "SOCK_SEQPACKET"))
+)
+
+#: The fetch process's program: this package from where this process imports it, then serve the
+#: socket whose descriptor is the first argument.
+_CHILD = (
+    "import sys; sys.path[:0] = sys.argv[2:]; "
+    "from wdsllm.storage.offload import serve_descriptor; serve_descriptor(int(sys.argv[1]))"
 )
 
 
@@ -146,21 +155,21 @@ class _FetchProcess:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with warnings.catch_warnings():  # Python 3.12+ warns about fork with threads; see _serve
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:  # the fetch process
-            code = 1
-            try:
-                ours.close()
-                signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; its exit stops us
-                _serve(theirs)
-                code = 0
-            finally:
-                os._exit(code)
-        theirs.close()
-        self.pid, self.sock = pid, ours
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, str(theirs.fileno()), *_package_path()],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.pid, self.sock = self.process.pid, ours
         self.environ = dict(os.environ)  # as the fetch process has it
+        self.carried = b""  # the last snapshot of carried state sent
         self.spools: dict[int, OffloadedSpool] = {}
         self.writing: dict[int, _Memory] = {}  # by spool: memories the fetch process may write into
         self.idle: list[_Memory] = []  # given back by closed spools, oldest first
@@ -172,9 +181,20 @@ class _FetchProcess:
         self.closing = False
         self._thread = threading.Thread(target=self._receive, name="wdsllm-fetch-reports", daemon=True)
         self._thread.start()
-        log.debug("started the fetch process %d", pid)
+        log.debug("started the fetch process %d", self.pid)
+
+    def _carry(self) -> None:
+        """Send what this process found that the fetch process would have to find again
+        (credentials, commits: :func:`~wdsllm.storage.state.exported`), when it changed."""
+        snapshot = pickle.dumps(exported())
+        if snapshot == self.carried or len(snapshot) > _MAX_MESSAGE // 2:
+            return
+        with self.lock:
+            self.sock.send(pickle.dumps(("carry", 0, snapshot)))
+            self.carried = snapshot
 
     def spool(self, url: str, kwargs: dict, offset: int, end: int) -> OffloadedSpool:
+        self._carry()
         sid = next(self.ids)
         size = max(end, 1)
         environ = dict(os.environ)
@@ -276,11 +296,7 @@ class _FetchProcess:
             if spool is not None:
                 spool._arrived(filled, kind == "done", error)
             spool = None  # dropped outside the lock (a spool nothing else holds closes as it goes)
-        try:
-            _, status = os.waitpid(self.pid, 0)
-            how = f"exit status {os.waitstatus_to_exitcode(status)}"
-        except OSError:
-            how = "status unknown"
+        how = f"exit status {self.process.wait()}"
         with self.lock:
             self.dead = f"the fetch process {self.pid} exited ({how})"
             orphans, self.spools = list(self.spools.values()), {}
@@ -292,17 +308,84 @@ class _FetchProcess:
         if not self.closing:
             log.warning("%s; remote shards are downloaded in this process from now on", self.dead)
 
-    def close(self) -> None:
-        """Close our end: the fetch process stops its downloads and exits."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Close our end: the fetch process stops its downloads and exits; wait for it."""
         self.closing = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("the fetch process %d did not exit %.0f s after its socket closed; killed", self.pid, timeout)
+            self.process.kill()
+            self.process.wait()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def busy(self) -> bool:
+        """Whether a spool of this process waits for it."""
+        with self.lock:
+            return bool(self.spools) and not self.dead
+
+    def forget(self) -> None:
+        """In a forked child: the parent's fetch process is not ours. The child's copy of the
+        socket is closed (the parent's stays open); nothing is waited for."""
+        self.sock.close()
 
 
-_fetcher: _FetchProcess | None = None
-_lock = threading.Lock()
-_unavailable: list[str] = []  # why this process could not start one (it does not try again)
+def _package_path() -> list[str]:
+    """Where this process imports wdsllm from, for the fetch process to import the same."""
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return [package]
+
+
+class FetchService:
+    """This process's fetch process: started on first use, once; none after it could not start."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.fetcher: _FetchProcess | None = None
+        self.unavailable: str | None = None  # why this process could not start one
+        self._inherited: list[_FetchProcess] = []  # a forked child's copy of its parent's
+
+    def get(self) -> _FetchProcess | None:
+        with self._lock:
+            if self.fetcher is None and self.unavailable is None:
+                try:
+                    self.fetcher = _FetchProcess()
+                except OSError as exc:
+                    log.warning("cannot start a fetch process (%s); downloading in this process", exc)
+                    self.unavailable = str(exc)
+            return self.fetcher
+
+    def busy(self) -> bool:
+        with self._lock:
+            fetcher = self.fetcher
+        return fetcher is not None and fetcher.busy()
+
+    def stop(self) -> None:
+        """Stop the fetch process, if one runs; a later spool starts another."""
+        with self._lock:
+            fetcher, self.fetcher = self.fetcher, None
+        if fetcher is not None:
+            fetcher.close()
+
+    def reset(self) -> None:
+        self.stop()
+        self.unavailable = None
+
+    def after_fork(self) -> None:
+        """A forked child (a DataLoader worker) does not share its parent's fetch process: it
+        starts its own if it offloads."""
+        self._lock = threading.Lock()
+        fetcher, self.fetcher = self.fetcher, None
+        if fetcher is not None:
+            fetcher.forget()
+            self._inherited.append(fetcher)
+
+
+SERVICE = own("fetch process", FetchService())
 
 
 def offloaded_spool(url: str, kwargs: dict, offset: int, end: int) -> OffloadedSpool | None:
@@ -310,19 +393,10 @@ def offloaded_spool(url: str, kwargs: dict, offset: int, end: int) -> OffloadedS
     per block) filled by the fetch process, which is started on first use; None where that cannot
     be (not Linux, turned off, ``kwargs`` that do not pickle, the fetch process gone): the caller
     spools in this process."""
-    global _fetcher
-    if not enabled() or _unavailable:
+    if not enabled():
         return None
-    with _lock:
-        if _fetcher is None:
-            try:
-                _fetcher = _FetchProcess()
-            except OSError as exc:
-                log.warning("cannot start a fetch process (%s); downloading in this process", exc)
-                _unavailable.append(str(exc))
-                return None
-        fetcher = _fetcher
-    if fetcher.dead:
+    fetcher = SERVICE.get()
+    if fetcher is None or fetcher.dead:
         return None
     try:
         return fetcher.spool(url, kwargs, offset, end)
@@ -331,13 +405,15 @@ def offloaded_spool(url: str, kwargs: dict, offset: int, end: int) -> OffloadedS
         return None
 
 
+def running_pid() -> int | None:
+    """The fetch process's id while one runs for this process (tests, tools)."""
+    fetcher = SERVICE.fetcher
+    return None if fetcher is None or fetcher.dead else fetcher.pid
+
+
 def shutdown() -> None:
-    """Stop the fetch process, if one runs (at exit; also for tests)."""
-    global _fetcher
-    with _lock:
-        fetcher, _fetcher = _fetcher, None
-    if fetcher is not None:
-        fetcher.close()
+    """Stop the fetch process, if one runs."""
+    SERVICE.stop()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,12 +491,7 @@ def _report(reports: _Reports, sid: int, spool: Spool, spools: dict[int, Spool])
 
 
 def _serve(sock: socket.socket) -> None:
-    """The fetch process: a spool per request, until the parent closes its end.
-
-    Forked from a process that may run threads (fsspec's IO loop, block readers): the modules
-    that own process-global state reset it in a forked child (``os.register_at_fork``), as they
-    do for DataLoader workers, so every client here is made afresh.
-    """
+    """The fetch process: a spool per request, until the parent closes its end."""
     reports = _Reports(sock)
     ours = logging.getLogger("wdsllm")
     ours.handlers, ours.propagate = [_ForwardLogs(reports)], False
@@ -434,6 +505,9 @@ def _serve(sock: socket.socket) -> None:
         if not data:
             break
         kind, sid, *args = pickle.loads(data)
+        if kind == "carry":
+            adopt(pickle.loads(args[0]))
+            continue
         if kind == "cancel":
             spool = spools.get(sid)
             if spool is not None:
@@ -469,14 +543,13 @@ def _serve(sock: socket.socket) -> None:
         spool.close()
 
 
-def _after_fork() -> None:
-    """A forked child (a DataLoader worker, the fetch process itself) does not share its parent's
-    fetch process: it starts its own if it offloads."""
-    global _fetcher, _lock
-    _lock = threading.Lock()
-    fetcher, _fetcher = _fetcher, None
-    if fetcher is not None:
-        fetcher.sock.close()  # the child's copy; the parent's stays open
-
-
-os.register_at_fork(after_in_child=_after_fork)
+def serve_descriptor(fd: int) -> None:
+    """The fetch process's main: serve the socket ``fd``, then exit at once (the downloads it
+    closed need not end first)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; its closing stops us
+    code = 1
+    try:
+        _serve(socket.socket(fileno=fd))
+        code = 0
+    finally:
+        os._exit(code)

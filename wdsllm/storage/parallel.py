@@ -18,9 +18,11 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from .retry import make_error
+from .state import own
 from .urls import redact
 
 #: Bytes per ranged GET, and GETs in flight per stream (``WDSLLM_BLOCK_SIZE``,
@@ -42,31 +44,43 @@ SERIAL_RATE = float(os.environ.get("WDSLLM_SERIAL_RATE") or 256e6)
 #: and 22 ms). A block that breaks still resumes at the byte where it broke.
 SERIAL_BLOCK_SIZE = int(os.environ.get("WDSLLM_SERIAL_BLOCK_SIZE") or 4 * BLOCK_SIZE)
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
-
-def executor() -> ThreadPoolExecutor:
-    """The process's pool of block readers (made on first use, again in a forked child)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=4 * IN_FLIGHT, thread_name_prefix="wdsllm-block")
-        return _pool
+def store_of(url: str) -> tuple[str, str]:
+    """The store a URL names, as its speed is kept: (scheme, host) without credentials or port
+    of a user name (an S3 or GCS bucket, an Azure container, a Hub organisation's repository)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return ("file", "")
+    host = rest.split("/", 1)[0].rsplit("@", 1)[-1].split("?", 1)[0]
+    if scheme == "hf":  # hf://datasets/ORG/NAME@REV/...: one repository
+        host = "/".join(rest.split("/", 3)[:3]).split("@", 1)[0]
+    return (scheme.lower(), host.lower())
 
 
 class Ticket:
     """One queued block: ``run(ticket)`` downloads it, and calls :meth:`half_in` once half of it
     has arrived (the queue then starts the next block, so that its first-byte wait overlaps)."""
 
-    __slots__ = ("busy", "owner", "queue", "run")
+    __slots__ = ("busy", "owner", "queue", "run", "store")
 
-    def __init__(self, queue: BlockQueue, owner: Any, run: Callable[[Ticket], None]) -> None:
-        self.queue, self.owner, self.run = queue, owner, run
+    def __init__(self, queue: BlockQueue, owner: Any, store: tuple[str, str], run: Callable[[Ticket], None]) -> None:
+        self.queue, self.owner, self.store, self.run = queue, owner, store, run
         self.busy = False
 
     def half_in(self) -> None:
         self.queue._idle(self)
+
+
+class StorePace:
+    """What a store's spools measured: blocks of it start one at a time (``want`` 1) while it
+    sends at least :data:`SERIAL_RATE`, ``IN_FLIGHT`` at a time below."""
+
+    __slots__ = ("busy", "fast", "want")
+
+    def __init__(self) -> None:
+        self.want = 1
+        self.fast = False  # measured at least SERIAL_RATE by its last spool
+        self.busy = 0  # its blocks started and not yet half in
 
 
 class BlockQueue:
@@ -74,23 +88,31 @@ class BlockQueue:
 
     Spools are made in the order their shards are read, so a first-in-first-out queue gives the
     bytes the reader needs next the whole rate: blocks (and shards) downloading together share
-    it, and with 7 small shards started at once the first one arrived at a seventh of it. Blocks
-    start one at a time (a block half in counting as done) while the store is fast, and
-    ``IN_FLIGHT`` at a time once a spool has found it slower than :data:`SERIAL_RATE`; at most
+    it. Each store is paced on its own (:class:`StorePace`, by :func:`store_of`): a fast bucket
+    and a slow repository in one mixture each get what their own measurement says. At most
     ``limit`` of one owner's blocks run at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, submit: Callable[[Callable[[], None]], Any]) -> None:
+        self._submit = submit
         self._lock = threading.Lock()
         self._pending: deque[tuple[Ticket, int]] = deque()
-        self._busy = 0  # started and not yet half in
         self._running: dict[Any, int] = {}  # started and not finished, by owner
-        self.want = 1
-        self.fast = False  # the last spool measured: at least SERIAL_RATE
+        self._stores: dict[tuple[str, str], StorePace] = {}
 
-    def put(self, owner: Any, run: Callable[[Ticket], None], limit: int) -> None:
+    def pace_of(self, store: tuple[str, str]) -> StorePace:
         with self._lock:
-            self._pending.append((Ticket(self, owner, run), limit))
+            return self._pace(store)
+
+    def _pace(self, store: tuple[str, str]) -> StorePace:
+        pace = self._stores.get(store)
+        if pace is None:
+            pace = self._stores[store] = StorePace()
+        return pace
+
+    def put(self, owner: Any, store: tuple[str, str], run: Callable[[Ticket], None], limit: int) -> None:
+        with self._lock:
+            self._pending.append((Ticket(self, owner, store, run), limit))
             self._start()
 
     def drop(self, owner: Any) -> list[Ticket]:
@@ -101,26 +123,34 @@ class BlockQueue:
             self._start()
         return mine
 
-    def pace(self, slow: bool) -> None:
-        """A spool's measured rate: below SERIAL_RATE (``slow``) or not."""
+    def measured(self, store: tuple[str, str], slow: bool) -> None:
+        """A spool of ``store`` measured its rate: below SERIAL_RATE (``slow``) or not."""
         with self._lock:
-            self.want = IN_FLIGHT if slow else 1
-            self.fast = not slow
+            pace = self._pace(store)
+            pace.want = IN_FLIGHT if slow else 1
+            pace.fast = not slow
             self._start()
 
+    def idle(self) -> bool:
+        """Whether no block waits or runs."""
+        with self._lock:
+            return not self._pending and not self._running
+
     def _start(self) -> None:
-        """Start queued blocks in order while fewer than ``want`` are busy (the caller holds the lock)."""
+        """Start queued blocks in order while their store has fewer than it wants busy (the
+        caller holds the lock)."""
         running = sum(self._running.values())
-        while self._pending and self._busy < self.want and running < 2 * IN_FLIGHT:
+        while self._pending and running < 2 * IN_FLIGHT:
             ticket, limit = self._pending[0]
-            if self._running.get(ticket.owner, 0) >= limit:
-                return  # in order: the next block waits for its spool's
+            pace = self._pace(ticket.store)
+            if pace.busy >= pace.want or self._running.get(ticket.owner, 0) >= limit:
+                return  # in order: the next block waits for its store's or its spool's
             self._pending.popleft()
             ticket.busy = True
-            self._busy += 1
+            pace.busy += 1
             self._running[ticket.owner] = self._running.get(ticket.owner, 0) + 1
             running += 1
-            executor().submit(self._run, ticket)
+            self._submit(partial(self._run, ticket))
 
     def _run(self, ticket: Ticket) -> None:
         try:
@@ -139,29 +169,75 @@ class BlockQueue:
         with self._lock:
             if ticket.busy:
                 ticket.busy = False
-                self._busy -= 1
+                self._pace(ticket.store).busy -= 1
                 self._start()
 
 
-_queue: BlockQueue | None = None
+class BlockReaders:
+    """The process's block reader threads and its :class:`BlockQueue` (made on first use)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._queue: BlockQueue | None = None
+
+    def executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=4 * IN_FLIGHT, thread_name_prefix="wdsllm-block")
+            return self._pool
+
+    def queue(self) -> BlockQueue:
+        with self._lock:
+            if self._queue is None:
+                self._queue = BlockQueue(self._submit)
+            return self._queue
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """``fn(*args)`` on a reader thread (on a new pool where :meth:`stop_threads` just
+        stopped the one this asked first)."""
+        while True:
+            pool = self.executor()
+            try:
+                return pool.submit(fn, *args)
+            except RuntimeError:  # shut down between the two lines above
+                with self._lock:
+                    if self._pool is pool:
+                        self._pool = None
+
+    def _submit(self, run: Callable[[], None]) -> None:
+        self.submit(run)
+
+    def idle(self) -> bool:
+        with self._lock:
+            queue = self._queue
+        return queue is None or queue.idle()
+
+    def stop_threads(self) -> None:
+        """Stop the reader threads once their blocks end (closed spools end theirs at once; a
+        stalled read within its timeout). Measured paces are kept; a later block starts new ones."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def reset(self) -> None:
+        self.stop_threads()
+        with self._lock:
+            self._queue = None
+
+    def after_fork(self) -> None:
+        """The parent's threads do not exist in a forked child: a new pool on first use."""
+        self._lock = threading.Lock()
+        self._pool, self._queue = None, None
+
+
+READERS = own("block readers", BlockReaders())
 
 
 def block_queue() -> BlockQueue:
-    """The process's queue of spool blocks (made on first use, again in a forked child)."""
-    global _queue
-    with _pool_lock:
-        if _queue is None:
-            _queue = BlockQueue()
-        return _queue
-
-
-def _after_fork() -> None:
-    """The parent's pool threads do not exist in a forked child: make a new pool on first use."""
-    global _pool, _pool_lock, _queue
-    _pool, _pool_lock, _queue = None, threading.Lock(), None
-
-
-os.register_at_fork(after_in_child=_after_fork)
+    """The process's queue of spool blocks."""
+    return READERS.queue()
 
 
 class _Block:
@@ -217,7 +293,7 @@ class ParallelStream(io.RawIOBase):
     def _fill(self) -> None:
         while len(self._pending) < self._in_flight and self._next < self._end:
             length = min(self._block_size, self._end - self._next)
-            future = executor().submit(self._fetch, self._next, length, self._stop)
+            future = READERS.submit(self._fetch, self._next, length, self._stop)
             self._pending.append((self._next, future))
             self._next += length
 

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
+import itertools
 import logging
 import mmap
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, BinaryIO, Union
 
 from .backends import CHUNK_SIZE, is_remote
+from .parking import WarmKey
 from .resumable import STREAM_BUFFER, open_stream
 
 log = logging.getLogger(__name__)
@@ -203,11 +207,12 @@ class Spool(SpooledRange):
     of ``block_size`` bytes (``open_range(offset, length)`` opens one: a resumable stream), each
     written straight to its place in the mapping. Blocks go through the process's
     :class:`~wdsllm.storage.parallel.BlockQueue` in order (one at a time from a fast store, several
-    from a slow one), at most ``in_flight`` of this spool's at once.
+    from a slow one: each store as its own spools measured it), at most ``in_flight`` of this
+    spool's at once.
     :meth:`wait` blocks until the bytes up to a position have arrived, or raises the error that
     stopped them; bytes that arrived before an error stay usable. Every block must come from the
     same version of the object (ETag and size compared). ``block_size`` by default:
-    ``SERIAL_BLOCK_SIZE`` once the queue found the store fast, else ``BLOCK_SIZE``. Closing stops
+    ``SERIAL_BLOCK_SIZE`` once the queue found this store fast, else ``BLOCK_SIZE``. Closing stops
     the download; the mapping lives as long as arrays view it, and is then recycled for a later
     spool (:mod:`~wdsllm.storage.mappings`): a closed spool answers no more reads or waits.
     ``mm``: a mapping of at least ``end`` bytes to write into instead (the caller's: not
@@ -233,8 +238,10 @@ class Spool(SpooledRange):
         self._recycle = mm is None
         self.mm = mappings.take(end) if mm is None else mm
         self._queue = parallel.block_queue()
+        self._store = parallel.store_of(name)
         if block_size is None:  # a fast store's blocks go one at a time: fewer, larger GETs
-            block_size = parallel.SERIAL_BLOCK_SIZE if self._queue.fast else parallel.BLOCK_SIZE
+            fast = self._queue.pace_of(self._store).fast
+            block_size = parallel.SERIAL_BLOCK_SIZE if fast else parallel.BLOCK_SIZE
         size = max(1, block_size)
         self._blocks = [(o, min(size, end - o)) for o in range(offset, end, size)]
         self._got = [0] * len(self._blocks)
@@ -253,11 +260,11 @@ class Spool(SpooledRange):
         self._paced = False
         self._next = len(self._blocks)  # every block is queued now, in order
         for i in range(len(self._blocks)):
-            self._queue.put(self, partial(self._fetch, i), self._in_flight)
+            self._queue.put(self, self._store, partial(self._fetch, i), self._in_flight)
 
     def _pace(self, n: int) -> None:
         """``n`` more bytes arrived: once 4 MiB or 50 ms after the first ones tell, the queue learns
-        whether this store sends slower than SERIAL_RATE (the caller holds the condition). The
+        whether this spool's store sends slower than SERIAL_RATE (the caller holds the condition). The
         first-byte wait does not count: blocks one at a time overlap it (each starts while the one
         before is half in), and larger blocks pay it less often; a slow connection needs several."""
         from . import parallel
@@ -277,7 +284,7 @@ class Spool(SpooledRange):
                 self._received / max(elapsed, 1e-6) / 1e6,
                 "a slow" if slow else "a fast",
             )
-            self._queue.pace(slow=slow)
+            self._queue.measured(self._store, slow)
 
     def _fetch(self, i: int, ticket: Any) -> None:
         offset, length = self._blocks[i]
@@ -410,10 +417,11 @@ class _Failed(io.RawIOBase):
         raise self.error
 
 
-StreamSpec = Union[str, "tuple[str, dict[str, Any]]"]
+OpenSpec = Union[str, "tuple[str, dict[str, Any]]"]
+"""What a prefetcher opens: a URL, or a URL with ``open_stream`` keyword arguments."""
 
 
-def _url_and_kwargs(item: StreamSpec) -> tuple[str, dict[str, Any]]:
+def _url_and_kwargs(item: OpenSpec) -> tuple[str, dict[str, Any]]:
     return (item, {}) if isinstance(item, str) else item
 
 
@@ -429,8 +437,232 @@ def open_spool_block(url: str, kwargs: dict[str, Any], start: int, size: int) ->
     return open_stream(url, **{**kwargs, "offset": start, "length": size, "one_request": True})
 
 
+def _open_now(url: str, kwargs: dict[str, Any]) -> BinaryIO:
+    """A stream opened here, its error raised where it is read, not while another one is."""
+    try:
+        return open_stream(url, **kwargs)
+    except Exception as exc:
+        return _Failed(url, exc)
+
+
+def _open_read_ahead(url: str, kwargs: dict[str, Any]) -> BinaryIO:
+    return open_stream(url, **kwargs)
+
+
+@dataclass(frozen=True)
+class PrefetchOptions:
+    """How far ahead a :class:`Prefetcher` opens, and how.
+
+    ``depth``: remote objects started behind the current one. ``chunk_size``, ``max_chunks``: a
+    :class:`ReadAhead`'s bound. ``spool``: remote objects of known size read whole into a
+    :class:`Spool`. ``ahead_bytes``, ``max_depth``: more objects of known size started while
+    those behind the current one hold at most that many bytes (small shards are read faster than
+    one request's latency). ``offload``: spools filled by the fetch process where one can run.
+    """
+
+    depth: int = 1
+    chunk_size: int = CHUNK_SIZE
+    max_chunks: int = 4
+    spool: bool = False
+    ahead_bytes: int = 0
+    max_depth: int = 8
+    offload: bool = False
+
+    @property
+    def started(self) -> int:
+        """Objects started at once whatever their size: the current one and ``depth`` behind it."""
+        return max(self.depth, 0) + 1
+
+    @property
+    def most(self) -> int:
+        """The most objects started and not yet handed out, warmed ones included."""
+        return self.started + self.max_depth
+
+    def spooled(self, url: str, kwargs: dict[str, Any]) -> bool:
+        """Whether ``url`` is read whole into a spool (remote, of known size, no cache)."""
+        if not self.spool or not is_remote(url) or self.depth <= 0 or kwargs.get("cache") is not None:
+            return False
+        offset, end = _byte_range(kwargs)
+        return end is not None and end - offset <= SPOOL_MAX
+
+    def open(self, item: OpenSpec, owner: WarmKey) -> BinaryIO:
+        """``item``'s stream, started: a spool (one parked for ``owner``, or filled by the fetch
+        process, or by this process), a read-ahead, or a plain stream for local objects."""
+        url, kwargs = _url_and_kwargs(item)
+        if not is_remote(url) or self.depth <= 0:
+            return _open_now(url, kwargs)
+        if not self.spooled(url, kwargs):
+            ahead = ReadAhead(
+                partial(_open_read_ahead, url, kwargs),
+                name=url,
+                chunk_size=self.chunk_size,
+                max_chunks=self.max_chunks,
+            )
+            return io.BufferedReader(ahead, buffer_size=STREAM_BUFFER)
+        from . import parking
+
+        adopted = parking.PARKING.adopt(owner, url, kwargs)
+        if adopted is not None:
+            return adopted
+        offset, end = _byte_range(kwargs)
+        if self.offload:
+            from .offload import offloaded_spool
+
+            offloaded = offloaded_spool(url, kwargs, offset, end)
+            if offloaded is not None:
+                return offloaded  # type: ignore[return-value]
+        return Spool(partial(open_spool_block, url, kwargs), offset, end, name=url)  # type: ignore[return-value,arg-type]
+
+
+def size_ahead(item: OpenSpec) -> int | None:
+    """The bytes a remote object holds while it waits its turn (None: unknown, or local)."""
+    url, kwargs = _url_and_kwargs(item)
+    if not is_remote(url):
+        return None  # opened when its turn comes: nothing to hide
+    offset, end = _byte_range(kwargs)
+    return None if end is None else end - offset
+
+
+@dataclass
+class _Started:
+    """A stream started ahead of its turn, with what it was opened for and the bytes it holds."""
+
+    stream: BinaryIO
+    size: int | None
+    url: str = ""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class Prefetcher(Iterator[BinaryIO]):
+    """Streams of the given objects in order, remote ones started ahead (:func:`prefetch_iter`).
+
+    A yielded stream belongs to the consumer until it asks for the next one; then it is closed.
+    :meth:`close` (also when the prefetcher is collected) closes every stream it started and
+    parks the warmed ones for ``owner``.
+    """
+
+    def __init__(self, items: Iterable[OpenSpec], options: PrefetchOptions, owner: WarmKey | None = None) -> None:
+        self.options = options
+        self.owner = WarmKey() if owner is None else owner
+        self._items = iter(items)
+        self._held: list[OpenSpec] = []  # the next item, taken to learn its size but not started
+        self._pending: collections.deque[_Started] = collections.deque()
+        self._current: BinaryIO | None = None
+        self._to_warm: list[OpenSpec] = []  # the next pass's first items, not started yet
+        self._warmed: list[_Started] = []
+        self._pass: int | None = None  # the parking's number of this pass, once it began
+        self._closed = False
+        self.all_started = False  # every item has started
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> BinaryIO:
+        if self._closed:
+            raise StopIteration
+        if self._pass is None:
+            from . import parking
+
+            self._pass = parking.PARKING.begin()
+        if self._current is not None:
+            current, self._current = self._current, None
+            current.close()
+        self._fill()
+        self._warm()
+        if not self._pending:
+            self.close()
+            raise StopIteration
+        self._current = self._pending.popleft().stream
+        return self._current
+
+    def warm(self, items: Iterable[OpenSpec]) -> None:
+        """Once every item of this pass has started, start these (what the next pass will likely
+        read first) within the same bytes ahead, and park them for the owner when this pass ends:
+        the owner's next pass adopts a parked spool when it opens the same object with the same
+        arguments. Only spooled objects are warmed, from the first on, up to the first that is not.
+        At most :attr:`PrefetchOptions.most` items are taken, here and now; an error taking them
+        stops the warming, not this pass."""
+        try:
+            taken = list(itertools.islice(items, self.options.most))
+        except Exception as exc:
+            log.debug("not warming the next pass: %s", exc)
+            taken = []
+        for n, item in enumerate(taken):
+            if not self.options.spooled(*_url_and_kwargs(item)) or size_ahead(item) is None:
+                taken = taken[:n]  # the next pass opens it, and what follows it, when its turn comes
+                break
+        self._to_warm = taken
+        if self._pass is not None:
+            self._warm()
+
+    def _fits(self, size: int | None) -> bool:
+        """Whether one more object of ``size`` may start: ``started`` in all are started at once,
+        more while those behind the current one hold at most ``ahead_bytes``."""
+        if len(self._pending) + len(self._warmed) < self.options.started:
+            return True
+        behind = [s.size for s in list(self._pending)[1:]] + [w.size for w in self._warmed]
+        if size is None or None in behind:
+            return False
+        return sum(behind) + size <= self.options.ahead_bytes  # type: ignore[arg-type]
+
+    def _fill(self) -> None:
+        """The one to yield now, ``depth`` started behind it, and more while they fit."""
+        while len(self._pending) < self.options.most:
+            item = self._held.pop() if self._held else next(self._items, _EOF)
+            if item is _EOF:
+                self.all_started = True
+                return
+            size = size_ahead(item)  # type: ignore[arg-type]
+            if not self._fits(size):
+                self._held.append(item)  # type: ignore[arg-type]
+                return
+            self._pending.append(_Started(self.options.open(item, self.owner), size))  # type: ignore[arg-type]
+
+    def _warm(self) -> None:
+        """After the last item started: the next pass's first items, while they fit. A guess:
+        what fails here stops the warming, not this pass; the next pass meets it again if real."""
+        while self.all_started and self._to_warm and len(self._pending) + len(self._warmed) < self.options.most:
+            item = self._to_warm[0]
+            size = size_ahead(item)
+            if not self._fits(size):
+                return
+            url, kwargs = _url_and_kwargs(item)
+            try:
+                stream = self.options.open(item, self.owner)
+            except Exception as exc:
+                log.debug("not starting the next pass's first objects: %s", exc)
+                self._to_warm = []
+                return
+            self._to_warm.pop(0)
+            self._warmed.append(_Started(stream, size, url, kwargs))
+
+    def close(self) -> None:
+        """Close every stream started and not handed over; park the warmed ones."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._current is not None:
+            self._current.close()
+            self._current = None
+        for started in self._pending:
+            started.stream.close()
+        self._pending.clear()
+        if self._pass is None:
+            return
+        from . import parking
+
+        parking.PARKING.end(self.owner, self._pass)
+        for warmed in self._warmed:
+            parking.PARKING.park(self.owner, warmed.url, warmed.kwargs, warmed.stream)
+        self._warmed = []
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit, modules may be gone already
+            self.close()
+
+
 def prefetch_iter(
-    urls_and_kwargs: Iterable[StreamSpec],
+    urls_and_kwargs: Iterable[OpenSpec],
     depth: int = 1,
     *,
     chunk_size: int = CHUNK_SIZE,
@@ -439,9 +671,9 @@ def prefetch_iter(
     ahead_bytes: int = 0,
     max_depth: int = 8,
     offload: bool = False,
-    then: Iterable[StreamSpec] = (),
-    owner: Hashable = None,
-) -> Iterator[BinaryIO]:
+    then: Iterable[OpenSpec] = (),
+    owner: WarmKey | None = None,
+) -> Prefetcher:
     """Streams of the given objects in order, each remote one started ``depth`` shards early.
 
     Items are URLs or ``(url, open_stream keyword arguments)``. Remote objects are read through
@@ -450,130 +682,11 @@ def prefetch_iter(
     ``max_chunks * chunk_size`` bytes each. Local files and pipes open at once and need no thread.
     With ``spool``, a remote object whose size is known (``expected_size`` or ``length``) is read
     whole into a :class:`Spool` instead, which a reader can use in place like a mapped shard.
-    A yielded stream belongs to the consumer until it asks for the next one; then it is closed.
-    Stopping the iteration early closes every stream it started.
-
-    ``ahead_bytes``: beyond ``depth``, more objects of known size are started while those behind
-    the current one hold no more than that many bytes (at most ``max_depth``): small shards are
-    consumed faster than one request's latency, so one started ahead cannot hide it.
-
-    ``offload``: spools are filled by a fetch process (:mod:`~wdsllm.storage.offload`) where one
-    can run, so that receiving does not share this process's GIL with the consumer.
-
-    ``then``: what the next pass will likely read first (the next epoch's first shards). Once
-    every item has started, those that would be spooled are started too, under the same
-    ``ahead_bytes``, and parked for ``owner`` when this iteration ends
-    (:mod:`~wdsllm.storage.parking`); the owner's next iteration adopts a parked spool when it
-    asks for the same object with the same arguments, and closes it when it ends without it.
+    ``ahead_bytes``, ``max_depth``, ``offload``: :class:`PrefetchOptions`. ``then``: the next
+    pass's first objects, warmed for ``owner`` (:meth:`Prefetcher.warm`).
     """
-    from . import parking
-
-    def spooled(url: str, kwargs: dict[str, Any]) -> bool:
-        """Whether ``url`` is read whole into a spool (remote, of known size, no cache)."""
-        if not spool or not is_remote(url) or depth <= 0 or kwargs.get("cache") is not None:
-            return False
-        offset, end = _byte_range(kwargs)
-        return end is not None and end - offset <= SPOOL_MAX
-
-    def start(item: StreamSpec) -> BinaryIO:
-        url, kwargs = _url_and_kwargs(item)
-        if not is_remote(url) or depth <= 0:
-            try:
-                return open_stream(url, **kwargs)
-            except Exception as exc:  # raised where this object is read, not while another one is
-                return _Failed(url, exc)
-        if spooled(url, kwargs):
-            offset, end = _byte_range(kwargs)
-            adopted = parking.PARKING.adopt(owner, url, kwargs)
-            if adopted is not None:
-                return adopted
-            if offload:
-                from .offload import offloaded_spool
-
-                offloaded = offloaded_spool(url, kwargs, offset, end)
-                if offloaded is not None:
-                    return offloaded  # type: ignore[return-value]
-            return Spool(partial(open_spool_block, url, kwargs), offset, end, name=url)  # type: ignore[return-value]
-        ahead = ReadAhead(lambda: open_stream(url, **kwargs), name=url, chunk_size=chunk_size, max_chunks=max_chunks)
-        return io.BufferedReader(ahead, buffer_size=STREAM_BUFFER)
-
-    def size_of(item: StreamSpec) -> int | None:
-        url, kwargs = _url_and_kwargs(item)
-        if not is_remote(url):
-            return None  # opened when its turn comes: nothing to hide
-        offset, end = _byte_range(kwargs)
-        return None if end is None else end - offset
-
-    items = iter(urls_and_kwargs)
-    pending: collections.deque[tuple[BinaryIO, int | None]] = collections.deque()
-    held: list[StreamSpec] = []  # the next item, taken to learn its size but not started
-    current: BinaryIO | None = None
-    following = iter(then)
-    warmed: list[tuple[str, dict[str, Any], BinaryIO, int]] = []  # started for the next pass
-    held_next: list[StreamSpec] = []  # the next of ``then``, taken to learn its size
-    last_started = False  # every item has started
-
-    def fits(n: int, size: int | None) -> bool:
-        """Whether one more object of ``size`` may start: ``n`` in all are started at once,
-        more while those behind the current one hold at most ``ahead_bytes``."""
-        if len(pending) + len(warmed) < n:
-            return True
-        behind = [b for _, b in list(pending)[1:]] + [w[3] for w in warmed]
-        return size is not None and None not in behind and sum(behind) + size <= ahead_bytes  # type: ignore[arg-type]
-
-    def fill(n: int) -> None:
-        """The one to yield now, ``depth`` started behind it, and more while they fit ``ahead_bytes``."""
-        nonlocal last_started
-        while len(pending) < max(n, 1) + max_depth:
-            item = held.pop() if held else next(items, _EOF)
-            if item is _EOF:
-                last_started = True
-                return
-            size = size_of(item)
-            if not fits(n, size):
-                held.append(item)
-                return
-            pending.append((start(item), size))
-
-    def warm(n: int) -> None:
-        """After the last item started: the next pass's first spooled items, while they fit. A
-        guess: what fails here (planning the next pass, starting a spool) stops the warming, not
-        this pass; the next pass meets it again if it is real."""
-        nonlocal following
-        while last_started and len(pending) + len(warmed) < max(n, 1) + max_depth:
-            try:
-                item = held_next.pop() if held_next else next(following, _EOF)
-                if item is _EOF:
-                    return
-                url, kwargs = _url_and_kwargs(item)
-                size = size_of(item)
-                if not spooled(url, kwargs) or size is None:
-                    return  # the next pass opens it, and what follows it, when its turn comes
-                if not fits(n, size):
-                    held_next.append(item)
-                    return
-                warmed.append((url, kwargs, start(item), size))
-            except Exception as exc:
-                log.debug("not starting the next pass's first objects: %s", exc)
-                following, held_next[:] = iter(()), []
-                return
-
-    begun = parking.PARKING.begin()
-    try:
-        while True:
-            fill(max(depth, 0) + 1)
-            warm(max(depth, 0) + 1)
-            if not pending:
-                return
-            current = pending.popleft()[0]
-            yield current
-            current.close()
-            current = None
-    finally:
-        if current is not None:
-            current.close()
-        for stream, _ in pending:
-            stream.close()
-        parking.PARKING.end(owner, begun)
-        for url, kwargs, stream, _ in warmed:
-            parking.PARKING.park(owner, url, kwargs, stream)
+    options = PrefetchOptions(depth, chunk_size, max_chunks, spool, ahead_bytes, max_depth, offload)
+    prefetcher = Prefetcher(urls_and_kwargs, options, owner)
+    if then:
+        prefetcher.warm(then)
+    return prefetcher

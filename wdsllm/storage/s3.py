@@ -22,6 +22,7 @@ from .counters import count
 from .fsoutput import FsspecOutput, bucket_path
 from .output import Output
 from .retry import DEFAULT_RETRY, add_classifier, classification, make_error, parse_retry_after
+from .state import own
 from .urls import split_query
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,29 @@ def s3_endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
-_boto_loader: Any = None  # botocore's parsed service models, kept across fork (see _session)
+class S3Clients:
+    """What this process knows of its S3 clients, by filesystem key.
+
+    ``made``: the filesystems made here (key -> endpoint, anonymity, timeout); ``prepared``:
+    sessions holding a built, never-entered client, for forked children to enter (they stay across
+    a fork: that is what they are for); ``models``: botocore's parsed service models (plain data,
+    kept across a fork, see :func:`_session`).
+    """
+
+    def __init__(self) -> None:
+        self.made: dict[Any, tuple[str | None, bool, float]] = {}
+        self.prepared: dict[Any, Any] = {}
+        self.models: Any = None
+
+    def reset(self) -> None:
+        self.made, self.prepared = {}, {}
+
+    def after_fork(self) -> None:
+        self.made = {}  # the parent's filesystems are not this process's (aio drops them)
+
+
+CLIENTS = own("s3 clients", S3Clients())
 _session_class: Any = None
-_made: dict[Any, tuple[str | None, bool, float]] = {}  # this process's filesystems: key -> (endpoint, anon, timeout)
-_prepared: dict[Any, Any] = {}  # key -> a session holding a built, never-entered client, for forked children
 
 
 def _session() -> Any:
@@ -67,12 +87,11 @@ def _session() -> Any:
     sockets), but the models are plain data: a DataLoader worker forked from a process that has
     used S3 then makes its client without parsing botocore's S3 model again (about a second).
     """
-    global _boto_loader
     session = _prepared_session_class()()
-    if _boto_loader is None:
-        _boto_loader = session.get_component("data_loader")
+    if CLIENTS.models is None:
+        CLIENTS.models = session.get_component("data_loader")
     else:
-        session.register_component("data_loader", _boto_loader)
+        session.register_component("data_loader", CLIENTS.models)
     session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=parse_timestamp)
     return session
 
@@ -183,11 +202,11 @@ async def _prepare(endpoint: str | None, anon: bool, timeout: float) -> Any:
 
 def _prepare_workers() -> None:
     """For every S3 filesystem of this process, a prepared session that forked workers take."""
-    for key, (endpoint, anon, timeout) in list(_made.items()):
-        if key not in _prepared:
+    for key, (endpoint, anon, timeout) in list(CLIENTS.made.items()):
+        if key not in CLIENTS.prepared:
             session = run(_prepare, endpoint, anon, timeout, timeout=timeout + 5)
             _keep_tls_contexts(session.prepared[1])
-            _prepared[key] = session
+            CLIENTS.prepared[key] = session
 
 
 def _keep_tls_contexts(client: Any) -> None:
@@ -234,7 +253,7 @@ def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "s3://") -> An
             raise make_error(url, "s3:// URLs need s3fs, which is not installed: pip install 'wdsllm[s3]'") from exc
         full_key = process_key(key)
         # a worker forked after prepare_workers() takes the parent's prepared client
-        session = _prepared.pop(full_key, None) or _session()
+        session = CLIENTS.prepared.pop(full_key, None) or _session()
         fs = s3fs.S3FileSystem(
             anon=anon,
             endpoint_url=endpoint,
@@ -243,7 +262,7 @@ def filesystem(timeout: float = DEFAULT_RETRY.timeout, url: str = "s3://") -> An
             skip_instance_cache=True,
         )
         fs.retries = 1  # a class attribute (5 by default), not an argument
-        _made[full_key] = (endpoint, anon, timeout)
+        CLIENTS.made[full_key] = (endpoint, anon, timeout)
         return fs
 
     return instance(key, make)
@@ -463,11 +482,6 @@ class S3Backend:
         return S3Output
 
 
-def _after_fork() -> None:
-    _made.clear()  # the parent's filesystems are not this process's (aio drops them); _prepared stays
-
-
 add_classifier(_classify_boto, _is_missing)
 register(S3Backend())
 on_prepare_workers(_prepare_workers)
-os.register_at_fork(after_in_child=_after_fork)
