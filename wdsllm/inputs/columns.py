@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import SourceError
 from .records import RecordChunk, empty_chunk
-from .sources import STDIN, InputFile, ParseOptions, Part, Skip, Units, close_input, open_seekable, too_long
+from .sources import OPEN_READS, STDIN, InputFile, ParseOptions, Part, Skip, Units, close_input, open_seekable, too_long
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +260,9 @@ class ParquetReader:
             f.close()
 
     def chunks(self, part: Part, opts: ParseOptions, chunk_bytes: int, start_line: int) -> Iterator[RecordChunk]:
+        return OPEN_READS.track(self._chunks(part, opts, chunk_bytes, start_line))
+
+    def _chunks(self, part: Part, opts: ParseOptions, chunk_bytes: int, start_line: int) -> Iterator[RecordChunk]:
         inp = part.input
         try:
             f, pf = self._open(inp)
@@ -366,6 +369,9 @@ class ArrowReader:
             source.close()
 
     def chunks(self, part: Part, opts: ParseOptions, chunk_bytes: int, start_line: int) -> Iterator[RecordChunk]:
+        return OPEN_READS.track(self._chunks(part, opts, chunk_bytes, start_line))
+
+    def _chunks(self, part: Part, opts: ParseOptions, chunk_bytes: int, start_line: int) -> Iterator[RecordChunk]:
         inp = part.input
         try:
             source, reader, random_access = _open_ipc(inp)

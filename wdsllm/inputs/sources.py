@@ -17,10 +17,12 @@ counted (tallies).
 
 from __future__ import annotations
 
+import atexit
 import glob
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol
@@ -318,6 +320,33 @@ class Reader(Protocol):
     def chunks(self, part: Part, opts: ParseOptions, chunk_bytes: int, start_line: int) -> Iterator[Chunk]:
         """The part's documents in chunks of about ``chunk_bytes``, from ``start_line`` on (--resume)."""
         ...
+
+
+class _OpenReads:
+    """Chunk iterators begun and not finished, closed at interpreter exit while the modules their
+    ``finally`` blocks use still exist: a generator dropped half-read (a loader with
+    ``num_workers=0`` left at exit) is otherwise finalized after module teardown, where its cleanup
+    fails with "Exception ignored ... 'NoneType' object is not callable"."""
+
+    def __init__(self) -> None:
+        self.live: weakref.WeakSet = weakref.WeakSet()
+        atexit.register(self.close_all)
+
+    def track(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+        self.live.add(chunks)
+        return chunks
+
+    def close_all(self) -> None:
+        for chunks in list(self.live):
+            try:
+                chunks.close()
+            except Exception as exc:  # at exit: say it, never raise
+                log.debug("closing an input at exit: %s", exc)
+        self.live.clear()
+
+
+#: every reader's chunk iterators, tracked here (``Reader.chunks`` returns ``OPEN_READS.track(...)``)
+OPEN_READS = _OpenReads()
 
 
 def reader_for(kind: str) -> Reader:

@@ -24,6 +24,7 @@ import numpy as np
 from .records import RecordChunk, empty_chunk
 from .sources import (
     DEFAULT_MAX_DOC_BYTES,
+    OPEN_READS,
     READ_ERRORS,
     InputFile,
     ParseOptions,
@@ -280,6 +281,9 @@ class TarReader:
         return None  # a tar is a stream of members: read from its start
 
     def chunks(self, part: Part, opts: ParseOptions, chunk_bytes: int, start_line: int) -> Iterator[RecordChunk]:
+        return OPEN_READS.track(self._chunks(part, opts, chunk_bytes, start_line))
+
+    def _chunks(self, part: Part, opts: ParseOptions, chunk_bytes: int, start_line: int) -> Iterator[RecordChunk]:
         inp = part.input
         limit = opts.max_doc_bytes
         stream, raw = open_decompressed(inp)

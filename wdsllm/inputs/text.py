@@ -26,6 +26,7 @@ from typing import BinaryIO
 import numpy as np
 
 from .sources import (
+    OPEN_READS,
     STDIN,
     ParsedChunk,
     ParseOptions,
@@ -79,7 +80,7 @@ class TextReader:
         return Units("bytes")
 
     def chunks(self, part: Part, opts: ParseOptions, chunk_bytes: int, start_line: int) -> Iterator[TextChunk]:
-        return read_chunks(part, opts.split, chunk_bytes, start_line, opts.max_doc_bytes)
+        return OPEN_READS.track(read_chunks(part, opts.split, chunk_bytes, start_line, opts.max_doc_bytes))
 
 
 # ----------------------------------------------------------------------------------------------
