@@ -82,9 +82,10 @@ def _task_dirs(url: str, allow_partial: bool) -> list[str]:
     if unfinished:
         shown = ", ".join(unfinished[:20]) + (f" and {len(unfinished) - 20} more" if len(unfinished) > 20 else "")
         if not allow_partial:
+            others = f"; {len(unfinished)} parts have not finished: {shown}" if len(unfinished) > 1 else ""
             raise MergeError(
-                f"{url}: {len(unfinished)} part(s) have no {fmt.INDEX_NAME} and have not finished: {shown} (finish "
-                "them: --resume for a pack task, a rerun for a cluster part; or pass --allow-partial)"
+                f"{storage.join_url(url, unfinished[0])} has no {fmt.INDEX_NAME}: that part has not finished{others} "
+                "(finish it with --resume for a pack task, a rerun for a cluster part; or pass --allow-partial)"
             )
         log.warning("%s: leaving out %d unfinished part(s): %s", url, len(unfinished), shown)
     return [storage.join_url(url, d) for d in dirs if d in complete]

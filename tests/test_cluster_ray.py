@@ -1,0 +1,97 @@
+"""Ray Data: PackSink packs a real local Ray cluster's write tasks into parts and merges them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from cluster_helpers import GPT2, SMALL, documents_by_origin, local_pack, source_records, visible_files
+from pack_helpers import dataset_files
+
+# read when ray is imported: a local cluster then listens on 127.0.0.1 only, not on every interface
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+ray = pytest.importorskip("ray")
+
+from wdsllm.errors import PackError  # noqa: E402
+from wdsllm.integrations.ray import PackSink  # noqa: E402
+from wdsllm.pack.part import pack_part  # noqa: E402
+
+N = 2000
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One small local cluster for the module: 2 CPUs, a small object store, on 127.0.0.1 only."""
+    ray.init(
+        num_cpus=2,
+        object_store_memory=100 * 1024 * 1024,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+    )
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+def dataset(records: list[dict]):
+    return ray.data.from_items(records, override_num_blocks=4)
+
+
+def sink(out: Path, sources: list[str], cls=PackSink, **kw) -> PackSink:
+    return cls(str(out), tokenizer=str(GPT2), sources=sources, **{**SMALL, **kw})
+
+
+def test_ray_pack_equals_a_local_pack(ray_cluster, tmp_path):
+    name, records = source_records(N)
+    packer = sink(tmp_path / "a", [name])
+    dataset(records).write_datasink(packer)
+    assert [m.part_id for m in packer.manifests] == [0, 1, 2, 3]
+    assert packer.index.documents == N
+    assert documents_by_origin(tmp_path / "a") == documents_by_origin(local_pack(N))
+    # a second run of the same pipeline: byte-identical
+    dataset(records).write_datasink(sink(tmp_path / "b", [name]))
+    assert dataset_files(tmp_path / "a") == dataset_files(tmp_path / "b")
+    with pytest.raises(PackError, match="already holds a packed dataset"):
+        dataset(records).write_datasink(sink(tmp_path / "a", [name]))
+
+
+class CrashOnce(PackSink):
+    """Kills its worker (as a preemption or an OOM kill would) in the middle of part 1, once."""
+
+    def __init__(self, *args, marker: str, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.marker = marker
+
+    def write(self, blocks, ctx):
+        if ctx.task_idx == 1 and not os.path.exists(self.marker):
+            return pack_part(die_after(self.records(blocks), 300, self.marker), 1, self.out, self.options)
+        return super().write(blocks, ctx)
+
+
+def die_after(rows, n: int, marker: str):
+    for i, row in enumerate(rows):
+        if i == n:
+            Path(marker).touch()
+            os._exit(1)
+        yield row
+
+
+def test_a_killed_write_task_is_retried_without_duplicates_or_orphans(ray_cluster, tmp_path):
+    name, records = source_records(N)
+    marker = str(tmp_path / "crashed")
+    packer = sink(tmp_path / "out", [name], cls=CrashOnce, marker=marker)
+    dataset(records).write_datasink(packer, ray_remote_args={"max_retries": 2})
+    assert os.path.exists(marker)  # the first attempt of part 1 did die
+    part1 = next(m for m in packer.manifests if m.part_id == 1)
+    assert part1.resumed_shards > 0  # its retry kept what the dead attempt had committed
+    assert documents_by_origin(tmp_path / "out") == documents_by_origin(local_pack(N))
+    sides = ("index.json", "lengths.npy", "groups.npy", "tokenizer.json")
+    assert all(n.startswith("shard-") or n in sides for n in visible_files(tmp_path / "out"))
