@@ -90,7 +90,7 @@ PACKED_MODES = {
 def _make(ds: Path, rank: int = 0, world: int = 1, workers: int = 0, **kw):
     kw.setdefault("seed", 5)
     kw.setdefault("shuffle_buffer", 6)
-    return wdsllm.loader(ds, rank=rank, world_size=world, num_workers=workers, workers_in_process=True, **kw)
+    return wdsllm.loader(ds, rank=rank, world_size=world, num_workers=workers, _in_process=True, **kw)
 
 
 def _epochs(loader, epochs=(0, 1)) -> list[str]:

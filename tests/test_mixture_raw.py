@@ -112,7 +112,7 @@ def test_exactly_once_within_the_quota_across_ranks_and_workers(parts):
 
 def test_resume_is_bit_exact_in_pack_mode(parts):
     mix = _mix(parts, epoch_tokens=30_000)
-    kw = dict(batching="pack", seq_len=128, window=16, batch_size=2, seed=2, num_workers=2, workers_in_process=True)
+    kw = dict(batching="pack", seq_len=128, window=16, batch_size=2, seed=2, num_workers=2, _in_process=True)
     kw.update(rank=1, world_size=2, shuffle_buffer=64)
     full = list(wdsllm.loader(mix, **kw))
     assert len(full) > 8 and any((b["sources"] == 1).any() for b in full)
@@ -200,7 +200,7 @@ def test_unreadable_shard_of_one_source_is_skipped(tmp_path):
     counts, skipped, refilled = [], [], 0
     for rank in range(2):
         ld = wdsllm.loader(
-            mix, batch_size=2, rank=rank, world_size=2, num_workers=2, workers_in_process=True, on_error="skip"
+            mix, batch_size=2, rank=rank, world_size=2, num_workers=2, _in_process=True, on_error="skip"
         )
         counts.append(len(list(ld)))
         skipped.extend(ld.skipped_shards)

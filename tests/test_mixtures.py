@@ -292,7 +292,7 @@ def _small_mix(sources, **kw):
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_resume_is_bit_exact_before_at_and_after_a_schedule_change(sources, mode):
     mix = _small_mix(sources)
-    kw = dict(MODES[mode], seed=2, num_workers=2, workers_in_process=True, rank=1, world_size=2, shuffle_buffer=64)
+    kw = dict(MODES[mode], seed=2, num_workers=2, _in_process=True, rank=1, world_size=2, shuffle_buffer=64)
     full = list(wdsllm.loader(mix, **kw))
     assert full
     # where the change is: the first batch after which lines dominate
@@ -333,7 +333,7 @@ def test_schedule_takes_effect_where_it_says(sources):
 def test_elastic_resume_three_ranks_to_two(sources):
     schedule = [{"at_tokens": 30_000, "weights": {"wiki": 0.2, "para": 0.2, "lines": 0.6}}]
     mix = mixture(sources, epoch_tokens=60_000, schedule=schedule)
-    kw = dict(batch_size=4, seed=5, workers_in_process=True)
+    kw = dict(batch_size=4, seed=5, _in_process=True)
     per = [Counter() for _ in range(3)]
     states = []
     for r in range(3):
@@ -360,7 +360,7 @@ def test_elastic_resume_refused_with_an_at_step_schedule(sources):
     the plan of the epoch being resumed), so the resume is refused, naming the way out."""
     schedule = [{"at_step": 5, "weights": {"wiki": 0.2, "para": 0.2, "lines": 0.6}}]
     mix = mixture(sources, epoch_tokens=None, epoch_items=6_000, unit="items", schedule=schedule)
-    kw = dict(batch_size=4, seed=5, workers_in_process=True, num_workers=1)
+    kw = dict(batch_size=4, seed=5, _in_process=True, num_workers=1)
     ld = wdsllm.loader(mix, rank=0, world_size=3, **kw)
     it = iter(ld)
     for _ in range(3):
@@ -573,7 +573,7 @@ def test_stats_on_a_mixture_file(sources, tmp_path):
 
 def test_endless_stream_continues_the_passes_and_resumes(sources):
     mix = mixture(sources, epoch_tokens=20_000)
-    kw = dict(batch_size=8, epochs=None, seed=3, rank=0, world_size=1, num_workers=2, workers_in_process=True)
+    kw = dict(batch_size=8, epochs=None, seed=3, rank=0, world_size=1, num_workers=2, _in_process=True)
     full_it = iter(wdsllm.loader(mix, **kw))
     full = [next(full_it) for _ in range(160)]  # several epochs of the mixture
     assert len({b["epoch"] for b in full}) > 2
@@ -657,7 +657,7 @@ def test_equal_batches_on_every_rank_with_the_count_in_the_background(sources, m
     world, workers = 3, 2
     per_rank = []
     for rank in range(world):
-        opts = dict(rank=rank, world_size=world, num_workers=workers, workers_in_process=True, seed=2)
+        opts = dict(rank=rank, world_size=world, num_workers=workers, _in_process=True, seed=2)
         loader = wdsllm.loader(mix, **opts, **MODES[mode])
         n = sum(1 for _ in loader)  # streamed from the bound, not waiting for the count
         # (len() of an epoch's end is the next epoch's: asked of a fresh loader)

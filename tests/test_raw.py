@@ -84,7 +84,7 @@ def test_exactly_once_across_ranks_and_workers(corpus, world, workers, with_coun
             rank=rank,
             world_size=world,
             num_workers=workers,
-            workers_in_process=True,
+            _in_process=True,
             equal_batches=False,
             counts=corpus["counts"] if with_counts else None,
         )
@@ -123,7 +123,7 @@ def test_resume_is_exact_and_does_not_tokenize_again(corpus, options, monkeypatc
     encoded = []
     real = rawread.Encoder.encode
     monkeypatch.setattr(rawread.Encoder, "encode", lambda self, texts: encoded.append(len(texts)) or real(self, texts))
-    second = _loader(corpus, counts=corpus["counts"], num_workers=2, workers_in_process=True, **options)
+    second = _loader(corpus, counts=corpus["counts"], num_workers=2, _in_process=True, **options)
     second.load_state_dict(state)
     rest = [b["input_ids"].tolist() for b in second]
     assert full[cut:] == rest
@@ -134,7 +134,7 @@ def test_counts_give_equal_batches_and_len(corpus):
     lens, counts = set(), []
     for rank in range(3):
         loader = _loader(
-            corpus, counts=corpus["counts"], rank=rank, world_size=3, num_workers=2, workers_in_process=True
+            corpus, counts=corpus["counts"], rank=rank, world_size=3, num_workers=2, _in_process=True
         )
         n = sum(1 for _ in loader)
         counts.append(n)
@@ -239,7 +239,7 @@ def test_resume_without_counts_reads_again_and_is_exact(corpus):
 
 
 def test_elastic_resume_with_counts_three_ranks_to_two(corpus):
-    kw = dict(counts=corpus["counts"], num_workers=2, workers_in_process=True)
+    kw = dict(counts=corpus["counts"], num_workers=2, _in_process=True)
     consumed, states = [], []
     for r in range(3):
         loader = _loader(corpus, rank=r, world_size=3, **kw)

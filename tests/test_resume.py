@@ -43,7 +43,7 @@ def same(a: dict, b: dict) -> bool:
 
 def make(tmp, rank, world, workers, **kw):
     return wdsllm.loader(
-        tmp, rank=rank, world_size=world, num_workers=workers, workers_in_process=True, seed=11, shuffle_buffer=5, **kw
+        tmp, rank=rank, world_size=world, num_workers=workers, _in_process=True, seed=11, shuffle_buffer=5, **kw
     )
 
 
@@ -102,7 +102,7 @@ def test_resume_equals_uninterrupted(sizes, world, workers, mode, cut, rank, via
 def test_state_is_small_json(tmp_path):
     write_dataset(tmp_path, [40, 30, 25])
     loader = wdsllm.loader(
-        str(tmp_path), batch_size=4, num_workers=2, workers_in_process=True, batching="bucket", window=16
+        str(tmp_path), batch_size=4, num_workers=2, _in_process=True, batching="bucket", window=16
     )
     it = iter(loader)
     for _ in range(5):
@@ -248,7 +248,7 @@ def test_elastic_three_ranks_to_two_and_two_workers_to_three(tmp_path):
     consumed = []
     states = []
     for r in range(3):
-        ld = wdsllm.loader(str(tmp_path), rank=r, world_size=3, num_workers=2, workers_in_process=True, seed=5, **kw)
+        ld = wdsllm.loader(str(tmp_path), rank=r, world_size=3, num_workers=2, _in_process=True, seed=5, **kw)
         it = iter(ld)
         for _ in range(3):
             consumed.extend(_ids(next(it)))
@@ -259,14 +259,14 @@ def test_elastic_three_ranks_to_two_and_two_workers_to_three(tmp_path):
     kw = dict(batch_size=4)
     consumed, states = [], []
     for r in range(3):
-        ld = wdsllm.loader(str(tmp_path), rank=r, world_size=3, num_workers=2, workers_in_process=True, seed=5, **kw)
+        ld = wdsllm.loader(str(tmp_path), rank=r, world_size=3, num_workers=2, _in_process=True, seed=5, **kw)
         it = iter(ld)
         for _ in range(3):
             consumed.extend(_ids(next(it)))
         states.append(ld.state_dict())
     rest = []
     for r in range(2):
-        ld = wdsllm.loader(str(tmp_path), rank=r, world_size=2, num_workers=3, workers_in_process=True, seed=5, **kw)
+        ld = wdsllm.loader(str(tmp_path), rank=r, world_size=2, num_workers=3, _in_process=True, seed=5, **kw)
         ld.load_state_dict(states[2])
         rest.extend(i for b in ld for i in _ids(b))
     seen = Counter(consumed + rest)
@@ -276,12 +276,12 @@ def test_elastic_three_ranks_to_two_and_two_workers_to_three(tmp_path):
     # The next epoch follows the normal plan for the new layout.
     nxt = []
     for r in range(2):
-        ld = wdsllm.loader(str(tmp_path), rank=r, world_size=2, num_workers=3, workers_in_process=True, seed=5, **kw)
+        ld = wdsllm.loader(str(tmp_path), rank=r, world_size=2, num_workers=3, _in_process=True, seed=5, **kw)
         ld.load_state_dict(states[2])
         list(ld)
         ld.set_epoch(1)
         nxt.append([i for b in ld for i in _ids(b)])
-        fresh = wdsllm.loader(str(tmp_path), rank=r, world_size=2, num_workers=3, workers_in_process=True, seed=5, **kw)
+        fresh = wdsllm.loader(str(tmp_path), rank=r, world_size=2, num_workers=3, _in_process=True, seed=5, **kw)
         fresh.set_epoch(1)
         assert nxt[-1] == [i for b in fresh for i in _ids(b)]
 

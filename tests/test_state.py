@@ -45,7 +45,7 @@ def _data() -> Path:
 
 def make(config: str, world: int = 1, rank: int = 0, workers: int = 2, **extra) -> wdsllm.Loader:
     kw = dict(CONFIGS[config], seed=4, shuffle_buffer=5, **extra)
-    return wdsllm.loader(_data(), rank=rank, world_size=world, num_workers=workers, workers_in_process=True, **kw)
+    return wdsllm.loader(_data(), rank=rank, world_size=world, num_workers=workers, _in_process=True, **kw)
 
 
 def key(batch: dict) -> bytes:

@@ -37,14 +37,14 @@ def _epoch(loader, epoch: int, limit: int | None = None) -> list:
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_workers_send_the_batches_one_process_makes(packed, context):
     kw = dict(batch_size=3, seed=4, boundaries=True, max_segments=16)
-    want = [_flat(_epoch(wdsllm.loader(packed, num_workers=2, workers_in_process=True, **kw), e)) for e in (0, 1)]
+    want = [_flat(_epoch(wdsllm.loader(packed, num_workers=2, _in_process=True, **kw), e)) for e in (0, 1)]
     loader = wdsllm.loader(packed, num_workers=2, persistent_workers=True, multiprocessing_context=context, **kw)
     assert [_flat(_epoch(loader, e)) for e in (0, 1)] == want
 
 
 def test_bundles_larger_than_a_slot_are_pickled(packed, monkeypatch):
     kw = dict(batch_size=3, seed=5)
-    want = _flat(_epoch(wdsllm.loader(packed, num_workers=2, workers_in_process=True, **kw), 0))
+    want = _flat(_epoch(wdsllm.loader(packed, num_workers=2, _in_process=True, **kw), 0))
     loader = wdsllm.loader(packed, num_workers=2, **kw)
     ring_sizes = []
     orig = transport.TokenRing.__init__
@@ -60,7 +60,7 @@ def test_bundles_larger_than_a_slot_are_pickled(packed, monkeypatch):
 @pytest.mark.parametrize("persistent", [True, False])
 def test_abandoned_epochs_do_not_stall_the_next(packed, persistent):
     kw = dict(batch_size=2, seed=6, prefetch_factor=1)
-    want = [_flat(_epoch(wdsllm.loader(packed, num_workers=2, workers_in_process=True, **kw), e)) for e in range(4)]
+    want = [_flat(_epoch(wdsllm.loader(packed, num_workers=2, _in_process=True, **kw), e)) for e in range(4)]
     loader = wdsllm.loader(packed, num_workers=2, persistent_workers=persistent, **kw)
     for e in range(4):
         for _ in range(2):  # two passes abandoned after their first batch

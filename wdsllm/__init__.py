@@ -28,16 +28,24 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+#: the option records (``load/options.py``): importable without torch
+OPTION_RECORDS = ("BatchOptions", "LayoutOptions", "OrderOptions", "RawTextSource", "ReadingOptions", "WorkerOptions")
+
 __all__ = [
+    "BatchOptions",
     "ConfigError",
     "FormatError",
+    "LayoutOptions",
     "Loader",
     "MergeError",
     "MissingDependencyError",
     "Mixture",
     "MixtureError",
     "NotFoundError",
+    "OrderOptions",
     "PackError",
+    "RawTextSource",
+    "ReadingOptions",
     "ShardError",
     "SourceError",
     "StateError",
@@ -45,6 +53,7 @@ __all__ = [
     "TokenizerError",
     "UsageError",
     "WdsllmError",
+    "WorkerOptions",
     "__version__",
     "dataset",
     "loader",
@@ -61,6 +70,10 @@ def __getattr__(name: str) -> Any:
         from .load.mixture import Mixture
 
         return Mixture
+    if name in OPTION_RECORDS:  # no torch either: records are built and checked before the loader
+        from .load import options
+
+        return getattr(options, name)
     if name not in ("dataset", "loader", "Loader"):
         raise AttributeError(f"module 'wdsllm' has no attribute {name!r}")
     try:

@@ -20,8 +20,8 @@ from ..errors import ConfigError
 from .block import Block, row_view
 
 if TYPE_CHECKING:
-    from .catalog import Catalog
     from .config import Config
+    from .sources.protocol import Source
 
 IGNORE_INDEX = -100
 #: the Hugging Face names of ``cu_seqlens`` and ``max_seqlen`` (padding-free packing, transformers >= 4.47)
@@ -40,9 +40,10 @@ class CollateOptions:
     dtype: torch.dtype = torch.long
     docs: bool = True  # a `docs` tensor: the identity of every document (docs) or of a row's documents (rows)
     mixing: Any = None  # a mixture's mixplan.Mixing: a `sources` tensor aligned with `docs`
+    rows: bool = False  # batches are rows of a fixed length (collate_rows), else documents
 
     @classmethod
-    def for_config(cls, cfg: Config, catalog: Catalog) -> CollateOptions:
+    def for_config(cls, cfg: Config, catalog: Source) -> CollateOptions:
         """What the loader settings and the dataset ask of collation."""
         tok = catalog.index.tokenizer if catalog.index else None
         pad = cfg.pad_id
@@ -66,6 +67,7 @@ class CollateOptions:
             max_segments=max_seg,
             docs=cfg.docs,
             mixing=catalog.mixing,
+            rows=cfg.rows_out(catalog),
         )
 
 
@@ -138,6 +140,14 @@ def _flat_positions(lengths: np.ndarray, width: int) -> torch.Tensor:
     total = int(lengths.sum())
     row_base = np.arange(len(lengths), dtype=np.int64) * width - (np.cumsum(lengths) - lengths)
     return torch.from_numpy(np.repeat(row_base, lengths) + np.arange(total, dtype=np.int64))
+
+
+def assemble(items: Block, epoch: int, opts: CollateOptions) -> dict:
+    """A batch as a training step takes it: the collated tensors and the data epoch the batch
+    belongs to. The one place a batch dict is made."""
+    out = collate_rows(items, opts) if opts.rows else collate_docs(items, opts)
+    out["epoch"] = epoch
+    return out
 
 
 def collate_docs(items: Block, opts: CollateOptions) -> dict:

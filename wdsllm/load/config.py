@@ -1,6 +1,7 @@
 """Loader settings: what decides which batches come out, checked once and asked in one place.
 
-``Config`` holds the options that decide the batches (and so belong in a resume state); the
+``Config`` is the order and batch records (``options.py``) taken together: the options that
+decide the batches, and so belong in a resume state. The
 questions every stage asks of them (is the stream endless, are batch counts made equal, what does
 a worker's stream look like) are answered here and nowhere else. No torch.
 """
@@ -13,8 +14,9 @@ from dataclasses import dataclass, replace
 from .. import storage
 from ..errors import ConfigError, normalize_on_error
 from .batching import Batcher, BatchingMode, mode_of
-from .catalog import Catalog
+from .options import BatchOptions, OrderOptions, ReadingOptions
 from .read import ReadOptions
+from .sources.protocol import Source
 from .stream import StreamSpec
 
 DEFAULT_DOC_BUFFER = 10_000
@@ -22,29 +24,13 @@ DEFAULT_ROW_BUFFER_TOKENS = 1 << 22
 
 
 @dataclass(frozen=True)
-class Config:
-    """Loader settings that decide which batches come out (and so belong in a resume state)."""
+class Config(OrderOptions, BatchOptions):
+    """The options that decide which batches come out (and so belong in a resume state): the
+    order and batch records together, with the questions every stage asks of them."""
 
-    batch_size: int | None = 32
-    seed: int = 0
-    shuffle: bool = True
-    shuffle_buffer: int | None = None  # items per shuffle block; None: 10,000 documents or ~4M tokens of rows
-    epochs: int | None = 1  # None: stream epoch after epoch forever
-    resample: bool = False
-    steps_per_epoch: int | None = None
-    equal_batches: bool | None = None  # default: True when world_size > 1
-    drop_last: bool = False
-    max_len: int | None = None
-    max_len_mode: str = "split"
-    batching: str = "fixed"
-    window: int = 10_000  # bucket/pack: items per window
-    max_tokens: int | None = None  # bucket: padded tokens per batch instead of batch_size
-    seq_len: int | None = None  # pack/concat: row length
-    pad_id: int | None = None
-    pad_to_multiple_of: int | None = None
-    boundaries: bool = False
-    max_segments: int | None = None
-    docs: bool = True  # batches carry `docs` (packed rows: every row's documents); output only
+    @classmethod
+    def of(cls, order: OrderOptions, batch: BatchOptions) -> Config:
+        return cls(**vars(order), **vars(batch))
 
     @property
     def mode(self) -> BatchingMode:
@@ -67,38 +53,31 @@ class Config:
         equal = self.equal_batches if self.equal_batches is not None else world > 1
         return equal and not self.infinite
 
-    def rows_out(self, catalog: Catalog) -> bool:
+    def rows_out(self, catalog: Source) -> bool:
         """Whether batches are rows of a fixed length (packed data, or a mode that makes rows)."""
         return catalog.mode == "packed" or self.mode.rows
 
     def make_batcher(self) -> Batcher:
         return self.mode.make(self)
 
-    def check(self, catalog: Catalog) -> None:
+    def check(self, catalog: Source) -> None:
+        """What the options ask of each other and of the dataset (each number was checked when
+        its record was built)."""
         mode = self.mode
-        if self.batching == "bucket" and self.max_tokens is not None:
-            if self.max_tokens < 1:
-                raise ConfigError("max_tokens must be positive")
-        elif self.unbatched:
-            pass
-        elif self.batch_size is None or self.batch_size < 1:
-            raise ConfigError("batch_size must be a positive integer")
+        if self.batch_size is None and not self.unbatched and not (self.batching == "bucket" and self.max_tokens):
+            raise ConfigError(f"batching={self.batching!r} needs batch_size=")
         if mode.docs_only and catalog.mode != "docs":
             raise ConfigError(
                 f"batching={self.batching!r} works on docs-mode datasets; this one is packed (rows are fixed)"
             )
         if mode.needs_seq_len and not self.seq_len:
             raise ConfigError(f"batching={self.batching!r} needs seq_len=")
-        if mode.uses_window and self.window < 1:
-            raise ConfigError("window must be positive")
-        if self.max_len_mode not in ("split", "truncate"):
-            raise ConfigError("max_len_mode must be 'split' or 'truncate'")
         if catalog.mode == "packed" and self.max_len is not None:
             raise ConfigError("max_len applies to docs-mode datasets; packed rows have the index's seq_len")
         if self.resample and not catalog.urls:
             raise ConfigError("resample needs at least one shard")
 
-    def resolved(self, catalog: Catalog) -> Config:
+    def resolved(self, catalog: Source) -> Config:
         """Defaults that depend on the dataset filled in (the shuffle buffer is counted in items,
         and a packed row is thousands of tokens, so rows get a smaller count)."""
         if self.shuffle_buffer is not None:
@@ -170,3 +149,9 @@ def read_options(
         check_groups=check_groups,
         fetch_process=fetch_process,
     )
+
+
+def reading_options(reading: ReadingOptions) -> ReadOptions:
+    """The reading record as the readers take it (the cache opened)."""
+    r = reading
+    return read_options(r.retry, r.cache_dir, r.cache_size, r.on_error, r.check_groups, r.fetch_process)

@@ -20,29 +20,36 @@ import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .. import format as fmt
-from .. import storage
-from ..errors import ConfigError, ShardError, StateError, TokenizerError, WdsllmError
+from ..errors import ConfigError, ShardError, StateError, WdsllmError
 from ..format.tar import changed_file
-from ..inputs.sources import DEFAULT_MAX_DOC_BYTES
 from . import resume as resumemod
 from . import state as statemod
 from .batching import Batch
-from .catalog import Catalog, open_catalog
-from .collate import CollateOptions, collate_docs, collate_rows
-from .config import Config, read_options, resolve_world
+from .collate import CollateOptions, assemble
+from .config import Config, reading_options, resolve_world
 from .counts import EpochLimits, EpochPlan, WorkerLimit, epoch_limits, slices_for
 from .guard import refuse_rewrapping
-from .mixcatalog import mix_counts
+from .mixstats import mix_counts
+from .options import (
+    BatchOptions,
+    FaceOptions,
+    LayoutOptions,
+    OrderOptions,
+    RawTextSource,
+    ReadingOptions,
+    split_options,
+)
 from .plan import resampled_slices
-from .raw import RAW_OPTIONS, RawCatalog, check_world, take_raw_options
+from .raw import open_raw
 from .read import ReadOptions
+from .sources.open import open_source
+from .sources.protocol import Source
 from .stream import (
     PlanLabels,
     StreamSpec,
     StreamStats,
-    plan_items,
     plan_labels,
+    read_plan_stream,
     shuffle_lengths,
     shuffled_items,
     slice_item_lengths,
@@ -75,12 +82,36 @@ class EpochTask:
 
 
 @dataclass
+class DataStats:
+    """What the stages count beside the batches: tokens cut by ``max_len_mode="truncate"``,
+    shards skipped as unreadable and bad raw documents skipped (``on_error="skip"``), and batches
+    repeated to keep counts equal after shards were skipped. A worker sends what it counted with
+    its next batch (mostly nothing, so mostly no record) and with its end marker; the loader adds
+    them up in one record of its own."""
+
+    truncated_tokens: int = 0
+    skipped_shards: list[str] = field(default_factory=list)
+    skipped_docs: int = 0
+    refilled_batches: int = 0
+
+    @classmethod
+    def of(cls, stream: StreamStats, refilled: int = 0) -> DataStats:
+        return cls(stream.truncated_tokens, list(stream.skipped_shards), stream.skipped_docs, refilled)
+
+    def add(self, other: DataStats) -> None:
+        self.truncated_tokens += other.truncated_tokens
+        self.skipped_shards.extend(other.skipped_shards)
+        self.skipped_docs += other.skipped_docs
+        self.refilled_batches += other.refilled_batches
+
+
+@dataclass
 class EndOfWorker:
     """Marks the end of a worker's batches (the loader uses it to keep the round-robin order)."""
 
     worker: int
     epoch: int
-    stats: dict = field(default_factory=dict)
+    stats: DataStats = field(default_factory=DataStats)
 
 
 class EpochSource(IterableDataset):
@@ -91,7 +122,7 @@ class EpochSource(IterableDataset):
     and the batch limits that depend on them are recomputed when they change.
     """
 
-    def __init__(self, catalog: Catalog, cfg: Config, rank: int, world: int):
+    def __init__(self, catalog: Source, cfg: Config, rank: int, world: int):
         super().__init__()
         self.catalog = catalog
         self.cfg = cfg
@@ -187,7 +218,7 @@ class EpochSource(IterableDataset):
 
 
 def _epoch_batches(
-    tasks: Iterator[EpochTask], catalog: Catalog, cfg: Config, read: ReadOptions, end_marker: bool, shared: bool = False
+    tasks: Iterator[EpochTask], catalog: Source, cfg: Config, read: ReadOptions, end_marker: bool, shared: bool = False
 ) -> Iterator:
     """Second stage: read, shuffle and batch each task's stream (runs inside a worker).
 
@@ -218,12 +249,7 @@ def _epoch_batches(
         if catalog.mixing is not None:  # the realized mix, counted here (in the worker), not in the main process
             batch.mix = mix_counts(items, catalog.mixing, catalog.mode)
         if stats.truncated_tokens or stats.skipped_shards or stats.skipped_docs or refill:  # mostly nothing
-            batch.stats = {
-                "truncated_tokens": stats.truncated_tokens,
-                "skipped_shards": stats.skipped_shards,
-                "skipped_docs": stats.skipped_docs,
-                "refilled": int(refill),
-            }
+            batch.stats = DataStats.of(stats, refilled=int(refill))
             stats.truncated_tokens = 0
             stats.skipped_shards = []
             stats.skipped_docs = 0
@@ -251,7 +277,7 @@ def _epoch_batches(
             return task_slices(catalog, cfg, next_spec, None), next_spec
 
         def blocks_from(position: int, slices=slices, spec=spec, following=following):
-            return plan_items(catalog, slices, spec, start=position, options=read, stats=stats, then=following)
+            return read_plan_stream(catalog, slices, spec, start=position, options=read, stats=stats, then=following)
 
         index = task.first_batch
         for index, items, hint in batcher.batches(
@@ -278,18 +304,10 @@ def _epoch_batches(
         if limit is not None and failed and index < limit.value():
             yield from _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit.value(), emit)
     if end_marker and last is not None:
-        yield EndOfWorker(
-            worker=last.worker,
-            epoch=last.epoch,
-            stats={
-                "truncated_tokens": stats.truncated_tokens,
-                "skipped_shards": stats.skipped_shards,
-                "skipped_docs": stats.skipped_docs,
-            },
-        )
+        yield EndOfWorker(worker=last.worker, epoch=last.epoch, stats=DataStats.of(stats))
 
 
-def task_slices(catalog: Catalog, cfg: Config, spec: StreamSpec, plan: EpochPlan | None) -> list:
+def task_slices(catalog: Source, cfg: Config, spec: StreamSpec, plan: EpochPlan | None) -> list:
     """The slices a stream reads: resampled, or its epoch's plan (``plan``: one that replaces it)."""
     if spec.resample:
         return resampled_slices(len(catalog.urls), spec.seed, spec.epoch, spec.rank, spec.worker)
@@ -314,7 +332,7 @@ def _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit, e
         made = False
 
         def blocks_from(position: int):
-            return plan_items(catalog, readable, spec, start=position, options=read, stats=stats)
+            return read_plan_stream(catalog, readable, spec, start=position, options=read, stats=stats)
 
         labels = PlanLabels.of(catalog, readable, spec)
         shuffled = shuffled_items(blocks_from, spec, start=0, mixing=catalog.mixing, labels=labels)
@@ -404,36 +422,23 @@ def _items_one_by_one(batches: Iterator, rows: bool, tracker: Tracker | None = N
                 yield {"input_ids": tokens[a:b], name: item, "piece": piece, "epoch": epoch}
 
 
-def _collate(batches: Iterator, rows: bool, opts: CollateOptions, tracker: Tracker | None = None) -> Iterator[dict]:
+def _collate(batches: Iterator, opts: CollateOptions, tracker: Tracker | None = None) -> Iterator[dict]:
     """Third stage: compact batches to dicts of tensors."""
-    fn = collate_rows if rows else collate_docs
     for batch in batches:
         if isinstance(batch, EndOfWorker):
             continue
-        out = fn(batch.items, opts)
-        out["epoch"] = batch.epoch
+        out = assemble(batch.items, batch.epoch, opts)
         if tracker is not None:
             tracker.position = (batch.epoch, batch.index + 1, batch.hint)
         yield out
 
 
-def dataset_tokenizer(catalog: Catalog) -> Any:
+def dataset_tokenizer(catalog: Source) -> Any:
     """The ``tokenizers.Tokenizer`` the dataset was packed with, from the tokenizer.json it carries
     (checked against the index's sha256)."""
     from tokenizers import Tokenizer
 
-    if isinstance(catalog, RawCatalog):  # raw text: the tokenizer it is tokenized with
-        return Tokenizer.from_str(catalog.text.tokenizer_json)
-    index, root = catalog.index, catalog.root
-    if index is None or root is None:
-        raise TokenizerError("a dataset without index.json names no tokenizer")
-    text = fmt.read_tokenizer_json(root, index, retry=catalog.retry)
-    if text is None:
-        raise TokenizerError(
-            f"{root} carries no {fmt.TOKENIZER_NAME} (it was packed before datasets stored their tokenizer): load "
-            f"{index.tokenizer.source!r} yourself (sha256 {index.tokenizer.sha256[:16]}...)"
-        )
-    return Tokenizer.from_str(text)
+    return Tokenizer.from_str(catalog.tokenizer_json())
 
 
 class WdsPipeline(wds.DataPipeline):
@@ -442,7 +447,7 @@ class WdsPipeline(wds.DataPipeline):
     the loader needs."""
 
     source: EpochSource
-    catalog: Catalog
+    catalog: Source
     cfg: Config
     #: rank and world size were found, not given: looked up again when iteration starts
     implicit_world: bool = False
@@ -559,7 +564,7 @@ class WdsPipeline(wds.DataPipeline):
 
 
 def build_pipeline(
-    catalog: Catalog,
+    catalog: Source,
     cfg: Config,
     rank: int,
     world: int,
@@ -585,11 +590,7 @@ def build_pipeline(
     if collate and cfg.unbatched:
         stages.append(wds.filters.pipelinefilter(_items_one_by_one)(cfg.rows_out(catalog), tracker))
     elif collate:
-        stages.append(
-            wds.filters.pipelinefilter(_collate)(
-                cfg.rows_out(catalog), CollateOptions.for_config(cfg, catalog), tracker
-            )
-        )
+        stages.append(wds.filters.pipelinefilter(_collate)(CollateOptions.for_config(cfg, catalog), tracker))
     pipe = WdsPipeline(*stages)
     pipe.source = source
     pipe.catalog = catalog
@@ -599,91 +600,52 @@ def build_pipeline(
     return pipe
 
 
+def open_given(face: FaceOptions) -> tuple[Source, BatchOptions]:
+    """The catalog of a face's source, and its batch options with what the source decides by
+    default (a raw source's pad id: its tokenizer's pad, else EOS)."""
+    given, reading, batch = face.source, face.reading, face.batch
+    if isinstance(given, RawTextSource):
+        text = {k: v for k, v in given.items() if k not in ("raw", "on_error")}
+        catalog = open_raw(given.raw, on_error=given.on_error or reading.on_error, **text)
+        if batch.pad_id is None:
+            batch = replace(batch, pad_id=catalog.text.pad_id)
+        return catalog, batch
+    return open_source(given, retry=reading.retry, on_error=reading.on_error), batch
+
+
 def dataset(
     source: Any,
     *,
-    batch_size: int | None = 32,
-    seed: int = 0,
-    shuffle: bool = True,
-    shuffle_buffer: int | None = None,
-    epochs: int | None = 1,
-    resample: bool = False,
-    steps_per_epoch: int | None = None,
-    equal_batches: bool | None = None,
-    drop_last: bool = False,
-    max_len: int | None = None,
-    max_len_mode: str = "split",
-    batching: str = "fixed",
-    window: int = 10_000,
-    max_tokens: int | None = None,
-    seq_len: int | None = None,
-    pad_id: int | None = None,
-    pad_to_multiple_of: int | None = None,
-    boundaries: bool = False,
-    max_segments: int | None = None,
-    docs: bool = True,
-    rank: int | None = None,
-    world_size: int | None = None,
-    retry: storage.RetryPolicy | None = None,
-    cache_dir: str | None = None,
-    cache_size: int = 64 << 30,
-    on_error: str = "raise",
-    check_groups: bool = True,
-    fetch_process: bool | None = None,
-    tokenizer: Any = None,
-    text_field: str = "text",
-    counts: str | None = None,
-    where: str | None = None,
-    split: str = "line",
-    bos: bool | None = None,
-    eos: bool = True,
-    input_format: str | None = None,
-    unit_bytes: int | None = None,
-    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
+    order: OrderOptions | None = None,
+    batch: BatchOptions | None = None,
+    reading: ReadingOptions | None = None,
+    layout: LayoutOptions | None = None,
+    **options: Any,
 ) -> WdsPipeline:
     """A webdataset.DataPipeline that yields collated batches (dicts of tensors).
 
-    ``source`` is a dataset directory or URL holding index.json, the URL of an index.json, or
-    shard URLs / brace patterns; with ``tokenizer=``, raw text files or patterns (txt, jsonl,
-    Parquet, Arrow, raw-text tars) tokenized in the workers (``load/raw.py``). See docs/loader.md
-    for every option and guarantee.
+    ``source`` is a dataset directory or URL holding index.json, the URL of an index.json, shard
+    URLs / brace patterns, a mixture, or a :class:`RawTextSource` (raw text tokenized in the
+    workers). The options are the fields of the records, as keywords (``batch_size=32``) or whole
+    (``batch=BatchOptions(...)``); see docs/loader.md for every option and guarantee.
     """
-    raw_args = {k: v for k, v in locals().items() if k in (*RAW_OPTIONS, "source", "on_error", "pad_id")}
-    source = take_raw_options(raw_args)
-    pad_id = raw_args["pad_id"]
-    catalog = open_catalog(source, retry=retry, on_error=on_error)
-    r, w = resolve_world(rank, world_size)
-    cfg = Config(
-        batch_size=batch_size,
-        seed=seed,
-        shuffle=shuffle,
-        shuffle_buffer=shuffle_buffer,
-        epochs=epochs,
-        resample=resample,
-        steps_per_epoch=steps_per_epoch,
-        equal_batches=equal_batches,
-        drop_last=drop_last,
-        max_len=max_len,
-        max_len_mode=max_len_mode,
-        batching=batching,
-        window=window,
-        max_tokens=max_tokens,
-        seq_len=seq_len,
-        pad_id=pad_id,
-        pad_to_multiple_of=pad_to_multiple_of,
-        boundaries=boundaries,
-        max_segments=max_segments,
-        docs=docs,
-    )
-    read = read_options(retry, cache_dir, cache_size, on_error, check_groups, fetch_process)
-    check_world(catalog, cfg.keeps_equal_batches(w), steps_per_epoch)
+    records = {"order": order, "batch": batch, "reading": reading, "layout": layout}
+    face = split_options(source, records, options, face="wdsllm.dataset")
+    if face.workers.changed():
+        raise ConfigError(
+            f"{', '.join(face.workers.changed())}: wdsllm.dataset has no workers of its own; pass them to the "
+            "DataLoader you wrap it in, or use wdsllm.loader"
+        )
+    catalog, batch = open_given(face)
+    r, w = resolve_world(face.layout.rank, face.layout.world_size)
+    cfg = Config.of(face.order, batch)
     return build_pipeline(
         catalog,
         cfg.resolved(catalog),
         r,
         w,
-        read,
+        reading_options(face.reading),
         collate=True,
         end_marker=False,
-        implicit_world=rank is None and world_size is None,
+        implicit_world=not face.explicit_world,
     )

@@ -15,30 +15,28 @@ to the caller (not merely prefetched), the round-robin turn, and the rank's batc
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import weakref
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
-from .. import storage
 from ..errors import ConfigError, NotADatasetError, StateError, UsageError
-from ..inputs.sources import DEFAULT_MAX_DOC_BYTES
 from . import resume as resumemod
 from . import state as statemod
 from .batching import Batch
-from .catalog import open_catalog
-from .collate import CollateOptions, collate_docs, collate_rows
-from .config import Config, read_options, resolve_world
+from .collate import CollateOptions, assemble
+from .config import Config, reading_options, resolve_world
 from .counts import EpochCounts, EpochPlan, batch_counts, equalised, round_robin_share
-from .dataset import EndOfWorker, build_pipeline, dataset_tokenizer
-from .mixcatalog import MixTally
-from .raw import check_world, take_raw_options
-from .transport import RingHolder, TokenRing, received
+from .cursor import Cursor, RoundRobin, positions_of_share, turn_after
+from .dataset import DataStats, EndOfWorker, build_pipeline, dataset_tokenizer, open_given
+from .mixstats import MixTally
+from .options import BatchOptions, LayoutOptions, OrderOptions, ReadingOptions, WorkerOptions, split_options
+from .transport import WorkerBatches
 
 log = logging.getLogger(__name__)
 
@@ -46,169 +44,77 @@ log = logging.getLogger(__name__)
 BUNDLE_BATCHES = 16
 
 
-def _identity(x: Any) -> Any:
-    return x
-
-
-class RoundRobin:
-    """DataLoader's order: turns over the workers that still have batches, starting at ``turn``."""
-
-    def __init__(self, workers: int, turn: int = 0, active: list[int] | None = None):
-        self.queues = [deque() for _ in range(workers)]
-        self.active = list(range(workers)) if active is None else list(active)
-        self.turn = turn
-
-    def _advance(self) -> None:
-        if self.active:
-            self.turn = min((w for w in self.active if w > self.turn), default=self.active[0])
-
-    def run(self, raw: Iterator, on_end: Callable[[EndOfWorker], None]) -> Iterator[Batch]:
-        while self.active:
-            if self.turn not in self.active:
-                self._advance()
-            while not self.queues[self.turn]:
-                item = next(raw, None)
-                if item is None:
-                    break
-                self.queues[item.worker].append(item)
-            if not self.queues[self.turn]:  # DataLoader ended without this worker's end marker
-                self.active.remove(self.turn)
-                continue
-            item = self.queues[self.turn].popleft()
-            if isinstance(item, EndOfWorker):
-                on_end(item)
-                self.active.remove(self.turn)
-                continue
-            self._advance()
-            yield item
-
-
 def _note_end(loader: weakref.ref, end: EndOfWorker) -> None:
     """A worker's end marker, counted by its loader while there is one."""
     live = loader()
     if live is not None:
-        live._note_stats(end.stats)
+        live.stats.add(end.stats)
 
 
 class Loader:
-    """Iterate batches for this rank; call ``set_epoch(e)`` before each epoch (see docs/loader.md)."""
+    """Iterate batches for this rank; call ``set_epoch(e)`` before each epoch (see docs/loader.md).
+
+    A cursor (``cursor.Cursor``: the epoch, the pass, each worker's position; its get/set is the
+    state dict's position) over stages: the workers' pipeline (``dataset.build_pipeline``), the
+    transport of their batches (``transport.WorkerBatches``), DataLoader's round-robin order, and
+    collation here (``collate.assemble``).
+    """
 
     def __init__(
         self,
         source: Any,
         *,
-        batch_size: int | None = 32,
-        seed: int = 0,
-        shuffle: bool = True,
-        shuffle_buffer: int | None = None,
-        epochs: int | None = 1,
-        resample: bool = False,
-        steps_per_epoch: int | None = None,
-        equal_batches: bool | None = None,
-        drop_last: bool = False,
-        max_len: int | None = None,
-        max_len_mode: str = "split",
-        batching: str = "fixed",
-        window: int = 10_000,
-        max_tokens: int | None = None,
-        seq_len: int | None = None,
-        pad_id: int | None = None,
-        pad_to_multiple_of: int | None = None,
-        boundaries: bool = False,
-        max_segments: int | None = None,
-        docs: bool = True,
-        num_workers: int = 0,
-        prefetch_factor: int | None = 2,
-        persistent_workers: bool | None = None,
-        pin_memory: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        retry: storage.RetryPolicy | None = None,
-        cache_dir: str | None = None,
-        cache_size: int = 64 << 30,
-        on_error: str = "raise",
-        check_groups: bool = True,
-        multiprocessing_context: Any = None,
-        workers_in_process: bool = False,
-        fetch_process: bool | None = None,
+        order: OrderOptions | None = None,
+        batch: BatchOptions | None = None,
+        workers: WorkerOptions | None = None,
+        reading: ReadingOptions | None = None,
+        layout: LayoutOptions | None = None,
+        _in_process: bool = False,
+        **options: Any,
     ):
-        options = dict(
-            batch_size=batch_size,
-            seed=seed,
-            shuffle=shuffle,
-            shuffle_buffer=shuffle_buffer,
-            epochs=epochs,
-            resample=resample,
-            steps_per_epoch=steps_per_epoch,
-            equal_batches=equal_batches,
-            drop_last=drop_last,
-            max_len=max_len,
-            max_len_mode=max_len_mode,
-            batching=batching,
-            window=window,
-            max_tokens=max_tokens,
-            seq_len=seq_len,
-            pad_id=pad_id,
-            pad_to_multiple_of=pad_to_multiple_of,
-            boundaries=boundaries,
-            max_segments=max_segments,
-            docs=docs,
-        )
-        self.catalog = open_catalog(source, retry=retry, on_error=on_error)
+        records = {"order": order, "batch": batch, "workers": workers, "reading": reading, "layout": layout}
+        face = split_options(source, records, options, face="wdsllm.loader")
+        self.catalog, batch = open_given(face)
         #: rank and world size given, or found (torch.distributed, RANK/WORLD_SIZE); found ones are
         #: looked up again when iteration starts, in case the process group came up after this
-        self._explicit_world = rank is not None or world_size is not None
-        self.rank, self.world_size = resolve_world(rank, world_size)
-        self.cfg = Config(**options).resolved(self.catalog)
+        self._explicit_world = face.explicit_world
+        self.rank, self.world_size = resolve_world(face.layout.rank, face.layout.world_size)
+        self.cfg = Config.of(face.order, batch).resolved(self.catalog)
         if self.cfg.unbatched:
             raise ConfigError(
                 "the loader yields batches: pass batch_size (or max_tokens with batching='bucket'); "
                 "for one document at a time use wdsllm.dataset(..., batch_size=None)"
             )
-        self.num_workers = int(num_workers)
-        if self.num_workers < 0:
-            raise ConfigError(f"num_workers must be 0 or more, not {num_workers}")
-        self.prefetch_factor = prefetch_factor if self.num_workers > 0 else None
-        if persistent_workers is None:
+        w = face.workers
+        persistent = w.persistent_workers
+        if persistent is None:
             # from a store, a worker forked afresh each epoch builds its clients and connections
             # again and cannot start the next epoch's first shards (docs/remote.md)
-            persistent_workers = self.num_workers > 0 and any(storage.is_remote(u) for u in self.catalog.urls)
-        self.persistent_workers = bool(persistent_workers) and self.num_workers > 0
-        self.pin_memory = pin_memory
-        self.multiprocessing_context = multiprocessing_context
-        #: run the workers' streams in this process, one after another (debugging and tests)
-        self.workers_in_process = workers_in_process
-        self.read_options = read_options(retry, cache_dir, cache_size, on_error, check_groups, fetch_process)
-        self._ring = RingHolder()  # shared memory the workers send tokens through (transport.py)
+            persistent = w.num_workers > 0 and self.catalog.reads_remote()
+        #: tests (``_in_process``): the workers' streams run here, one after another, in DataLoader's order
+        self._transport = WorkerBatches(
+            w.num_workers,
+            w.prefetch_factor if w.num_workers > 0 else None,
+            bool(persistent) and w.num_workers > 0,
+            w.multiprocessing_context,
+            in_process=_in_process,
+        )
+        self.pin_memory = w.pin_memory
+        self.read_options = reading_options(face.reading)
         self._tokenizer: Any = None
         self._build()
         self.collate_options = CollateOptions.for_config(self.cfg, self.catalog)
-        self._collate = collate_rows if self.cfg.rows_out(self.catalog) else collate_docs
         #: a mixture's delivered tokens and items per source (``mix_stats``)
         self._mix = MixTally(self.catalog) if self.catalog.mixing is not None else None
-        self._epoch = 0
-        self._auto_epoch = True  # until set_epoch is called, each completed pass advances the epoch
-        self._completed: int | None = None  # the last epoch iterated to its end
-        self._dataloader: DataLoader | None = None
+        self.cursor = Cursor(self.workers)
         self._stream: Iterator | None = None  # the endless stream of an infinite loader
-        self._rr: RoundRobin | None = None
         self._started = False  # whether any iteration has begun (rank and world are then fixed)
-        self._pass = 0  # the current pass; a pass abandoned by its caller must not touch a later one
-        self._positions: dict[int, tuple] = {}  # worker -> (epoch, batches handed out, batcher hint)
-        self._yielded = 0  # batches handed out this epoch (finite) or since the stream began
-        self._steps = 0  # batches handed out in the current steps_per_epoch loop
-        self._pending_resume: dict | None = None
         self._total_key, self._total = None, None  # cached batch count of the current epoch
         #: the equal-batches decision of the current epoch: dropped batches of this rank etc.
         self.limits = None
         self.dropped_batches = 0
-        #: tokens cut by max_len_mode="truncate", and shards skipped as unreadable (on_error="skip")
-        self.truncated_tokens = 0
-        self.skipped_shards: list[str] = []
-        #: raw text: bad lines or rows skipped (on_error="skip"), counted once each
-        self.skipped_docs = 0
-        #: batches repeated to keep counts equal after shards were skipped (on_error="skip")
-        self.refilled_batches = 0
+        #: what the stages counted beside the batches (truncated tokens, skipped shards and documents, refills)
+        self.stats = DataStats()
 
     def _build(self) -> None:
         self.pipeline = build_pipeline(
@@ -219,14 +125,52 @@ class Loader:
             self.read_options,
             collate=False,
             end_marker=True,
-            bundle=BUNDLE_BATCHES if self.num_workers > 0 and not self.workers_in_process else 0,
-            ring=self._ring,
+            bundle=BUNDLE_BATCHES if self._transport.bundled else 0,
+            ring=self._transport.ring,
         )
         self.source = self.pipeline.source
 
     @property
+    def num_workers(self) -> int:
+        return self._transport.num_workers
+
+    @property
     def workers(self) -> int:
+        """Streams per rank: the DataLoader workers, or this process alone."""
         return max(1, self.num_workers)
+
+    @property
+    def persistent_workers(self) -> bool:
+        return self._transport.persistent
+
+    @property
+    def _dataloader(self) -> Any:
+        return self._transport.dataloader
+
+    @_dataloader.setter
+    def _dataloader(self, value: Any) -> None:
+        self._transport.dataloader = value
+
+    # -- what the stages counted (``DataStats``) ------------------------------------------------
+    @property
+    def truncated_tokens(self) -> int:
+        """Tokens cut by max_len_mode="truncate"."""
+        return self.stats.truncated_tokens
+
+    @property
+    def skipped_shards(self) -> list[str]:
+        """Shards skipped as unreadable (on_error="skip")."""
+        return self.stats.skipped_shards
+
+    @property
+    def skipped_docs(self) -> int:
+        """Raw text: bad lines or rows skipped (on_error="skip"), counted once each."""
+        return self.stats.skipped_docs
+
+    @property
+    def refilled_batches(self) -> int:
+        """Batches repeated to keep counts equal after shards were skipped (on_error="skip")."""
+        return self.stats.refilled_batches
 
     @property
     def tokenizer(self) -> Any:
@@ -280,14 +224,14 @@ class Loader:
         self.rank, self.world_size = rank, world
         self._build()
         self._total_key, self._total = None, None
-        self._dataloader = None
+        self._transport.forget()
 
     # -- epochs ---------------------------------------------------------------------------------
     @property
     def epoch(self) -> int:
         """The epoch the next pass runs (or the one in progress)."""
         self._settle_epoch()
-        return self._epoch
+        return self.cursor.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose shuffle the next iteration uses (as DistributedSampler does).
@@ -295,11 +239,12 @@ class Loader:
         Without calls the epoch advances by one after every completed pass.
         """
         self._settle_epoch()
-        if self._pending_resume is not None and int(epoch) != self._epoch:
-            log.warning("set_epoch(%d) after load_state_dict: the restored epoch %d is abandoned", epoch, self._epoch)
+        cursor = self.cursor
+        if cursor.restored is not None and int(epoch) != cursor.epoch:
+            log.warning("set_epoch(%d) after load_state_dict: the restored epoch %d is abandoned", epoch, cursor.epoch)
             self._drop_resume()
-        self._epoch = int(epoch)
-        self._auto_epoch = False
+        cursor.epoch = int(epoch)
+        cursor.auto_epoch = False
 
     def _settle_epoch(self) -> None:
         """Close a pass whose last batch was handed out but whose iterator was never exhausted.
@@ -307,18 +252,16 @@ class Loader:
         Trainers (Lightning) stop after ``len(loader)`` batches without asking for one more, so
         the generator never reaches its end; without this the next pass would repeat the epoch.
         """
-        if self._rr is None or self.infinite or not self._yielded or not self._epoch_done(self._yielded):
+        cursor = self.cursor
+        if cursor.order is None or self.infinite or not cursor.yielded or not self._epoch_done(cursor.yielded):
             return
-        self._finish_pass(self._epoch)
+        self._finish_pass(cursor.epoch)
 
     def _finish_pass(self, epoch: int) -> None:
-        self._pass += 1  # the finished pass's generator, if resumed or collected later, does nothing
-        self._rr = None
-        self._completed = epoch
-        if self.source.resume_positions or self._pending_resume is not None:
+        """The pass over ``epoch`` is complete: its generator, if resumed or collected later, does nothing."""
+        if self.source.resume_positions or self.cursor.restored is not None:
             self._drop_resume()
-        if self._auto_epoch:
-            self._epoch = epoch + 1
+        self.cursor.finish(epoch)
 
     @property
     def infinite(self) -> bool:
@@ -328,11 +271,12 @@ class Loader:
         """Whether the batch just handed out was the last of this pass (the epoch's, or the
         ``steps_per_epoch`` loop's); never for an endless stream without ``steps_per_epoch``.
         Also right after a resume, where the pass began mid-way."""
+        cursor = self.cursor
         if self.cfg.steps_per_epoch is not None:
-            return self._steps == self.cfg.steps_per_epoch
-        if self.infinite or self._rr is None:
+            return cursor.steps == self.cfg.steps_per_epoch
+        if self.infinite or cursor.order is None:
             return False
-        return self._yielded > 0 and self._epoch_done(self._yielded)
+        return cursor.yielded > 0 and self._epoch_done(cursor.yielded)
 
     def __len__(self) -> int:
         if self.cfg.steps_per_epoch is not None:
@@ -349,15 +293,16 @@ class Loader:
 
     def _epoch_total(self) -> int | None:
         """Batches this rank yields in the current epoch, from the index (None without one)."""
-        plan = self.source.plan_for(self._epoch)
-        key = (self._epoch, id(plan), self.world_size)
+        epoch = self.cursor.epoch
+        plan = self.source.plan_for(epoch)
+        key = (epoch, id(plan), self.world_size)
         if self._total_key != key:
-            limits = self.source.limits(self._epoch, self.workers)
+            limits = self.source.limits(epoch, self.workers)
             if limits is not None:
                 total = limits.per_rank
             else:  # this rank's own batches: its own shares alone
                 counts = EpochCounts.create(
-                    self.catalog, self.cfg, self._epoch, self.world_size, self.workers, plan, ranks=[self.rank]
+                    self.catalog, self.cfg, epoch, self.world_size, self.workers, plan, ranks=[self.rank]
                 )
                 total = None if counts is None else int(counts.exact()[self.rank].sum())
             self._total_key, self._total = key, total
@@ -384,60 +329,40 @@ class Loader:
             )
 
     # -- iteration ------------------------------------------------------------------------------
-    def _worker_batches(self) -> Iterator:
-        """Compact batches and end markers from the workers (or this process)."""
-        if self.num_workers == 0:
-            return iter(self.pipeline)
-        if self.workers_in_process:
-            return self._interleave([self.pipeline.worker_iter(w, self.num_workers) for w in range(self.num_workers)])
-        fresh_workers = self._dataloader is None or not self.persistent_workers
-        if fresh_workers:
-            # workers about to be forked get a ring of their own (an abandoned iterator's workers
-            # may still be writing into the old one)
-            self._ring.ring = TokenRing(self.num_workers, slots=(self.prefetch_factor or 2) + 2)
-            storage.prepare_workers()  # what each worker would build again (an S3 client), built once here
-        if self._dataloader is None:
-            self._dataloader = DataLoader(
-                self.pipeline,
-                batch_size=None,
-                num_workers=self.num_workers,
-                collate_fn=_identity,
-                prefetch_factor=self.prefetch_factor,
-                persistent_workers=self.persistent_workers,
-                multiprocessing_context=self.multiprocessing_context,
-            )
-        return (item for bundle in iter(self._dataloader) for item in received(bundle))
-
-    @staticmethod
-    def _interleave(streams: list) -> Iterator:
-        """One item from each worker's stream in turn, as DataLoader asks its workers."""
-        live = list(streams)
-        while live:
-            for stream in list(live):
-                item = next(stream, None)
-                if item is None:
-                    live.remove(stream)
-                else:
-                    yield item
-
-    def _note_stats(self, stats: dict) -> None:
-        self.truncated_tokens += stats.get("truncated_tokens", 0)
-        self.skipped_shards.extend(stats.get("skipped_shards", ()))
-        self.skipped_docs += stats.get("skipped_docs", 0)
-        self.refilled_batches += stats.get("refilled", 0)
-
     def _hand_out(self, batch: Batch) -> dict:
         if self._mix is not None:
             self._mix.add(batch.mix, batch.epoch)
-        out = self._collate(batch.items, self.collate_options)
-        out["epoch"] = batch.epoch
+        out = assemble(batch.items, batch.epoch, self.collate_options)
         if batch.stats:
-            self._note_stats(batch.stats)
-        self._positions[batch.worker] = (batch.epoch, batch.index + 1, batch.hint)
-        self._yielded += 1
+            self.stats.add(batch.stats)
+        self.cursor.handed_out(batch.worker, batch.epoch, batch.index, batch.hint)
         if self.pin_memory and torch.cuda.is_available():
             out = {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
         return out
+
+    def close(self) -> None:
+        """Stop what was started for this loader: its DataLoader workers, its endless stream, and
+        what storage started for it (``storage.release``). Also on ``with`` exit and collection."""
+        from .. import storage
+
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+        dataloader, self._dataloader = self._dataloader, None
+        workers = None if dataloader is None else dataloader._iterator  # kept between epochs
+        if workers is not None:
+            workers._shutdown_workers()
+        storage.release(id(self.catalog))
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit, modules may be gone already
+            self.close()
 
     def __iter__(self) -> Iterator[dict]:
         self._settle_world()
@@ -448,68 +373,60 @@ class Loader:
         return self._iter_epoch()
 
     def _begin(self) -> RoundRobin:
-        """Start the stream, from a restored state if one is pending."""
-        rr = RoundRobin(self.workers)
-        if self._pending_resume is not None:
-            st = self._pending_resume
-            rr = RoundRobin(self.workers, st["turn"], st["active"])
-            self._positions = self.source.resume_positions
-            self._yielded = st["yielded"]
-            self._steps = st["steps"]
-            self._pending_resume = None
-        else:
-            self._positions = {}
-            self._yielded = 0
-        self._rr = rr
-        return rr
+        """The turns of a pass that starts now (from a restored position if one is waiting)."""
+        return self.cursor.begin(self.source.resume_positions)
 
     def _iter_epoch(self) -> Iterator[dict]:
-        self._pass += 1
-        this_pass = self._pass
-        epoch = self._epoch
+        cursor = self.cursor
+        this_pass = cursor.new_pass()
+        epoch = cursor.epoch
         self.source.set_epoch(epoch)
         self.limits = self.source.limits(epoch, self.workers)
         noted = self.limits is not None and self.limits.ready()  # else once the count is done
         if noted:
             self._note_limits(epoch)
-        rr = self._begin()
+        order = self._begin()
         resumed = bool(self.source.resume_positions)
         try:
-            for batch in rr.run(self._worker_batches(), lambda end: self._note_stats(end.stats)):
+            for batch in order.run(self._transport.stream(self.pipeline), self._note_end):
                 yield self._hand_out(batch)
         finally:
-            if resumed and self._pass == this_pass:
+            if resumed and cursor.pass_no == this_pass:
                 self._drop_resume()
         if self.limits is not None and not noted:
             self._note_limits(epoch)
-        if self._pass == this_pass:  # the epoch is complete (unless a later pass took over)
+        if cursor.pass_no == this_pass:  # the epoch is complete (unless a later pass took over)
             self._finish_pass(epoch)
 
+    def _note_end(self, end: EndOfWorker) -> None:
+        self.stats.add(end.stats)
+
     def _iter_infinite(self) -> Iterator[dict]:
+        cursor = self.cursor
         if self._stream is None:
-            self.source.set_epoch(self._epoch)
-            rr = self._begin()
+            self.source.set_epoch(cursor.epoch)
+            order = self._begin()
             # The loader keeps its endless stream between iterations; a stream that held the loader
             # too would make a cycle, so a dropped loader would keep its DataLoader workers and
             # downloads running until a garbage collection, which may come in a process forked later.
-            loader = weakref.ref(self)
-            self._stream = rr.run(self._worker_batches(), lambda end: _note_end(loader, end))
+            on_end = functools.partial(_note_end, weakref.ref(self))
+            self._stream = order.run(self._transport.stream(self.pipeline), on_end)
         steps = self.cfg.steps_per_epoch
-        while steps is None or self._steps < steps:
+        while steps is None or cursor.steps < steps:
             try:
                 batch = next(self._stream)
             except StopIteration:
                 return
-            self._steps += 1
+            cursor.steps += 1
             yield self._hand_out(batch)
-        self._steps = 0
+        cursor.steps = 0
 
     def _drop_resume(self) -> None:
         """Forget a restored position once it has been used (or abandoned): later epochs start
         fresh, and persistent workers, which hold a copy of it, are restarted once."""
         self.source.resume_from({})
-        self._pending_resume = None
-        self._dataloader = None
+        self.cursor.restored = None
+        self._transport.forget()
 
     def mix_stats(self) -> dict[str, dict]:
         """A mixture's realized mix on this rank: per source, tokens and items delivered so far
@@ -528,36 +445,28 @@ class Loader:
         """Where this rank's stream stands, as ``{"format": "wdsllm.loader/2", "state": JSON}``:
         two strings that every checkpointer keeps whole (see docs/loader.md and state.py)."""
         self._settle_epoch()
-        if self._pending_resume is not None:
-            return self._pending_resume["state"].sealed()
-        in_epoch = self._rr is not None or (self.infinite and self._stream is not None)
-        if in_epoch and not self.infinite and self._yielded and self._epoch_done(self._yielded):
+        cursor = self.cursor
+        if cursor.restored is not None:
+            return cursor.restored.state.sealed()
+        in_epoch = cursor.order is not None or (self.infinite and self._stream is not None)
+        if in_epoch and not self.infinite and cursor.yielded and self._epoch_done(cursor.yielded):
             # The last batch is out: a resume starts the next epoch, not an empty rest of this one.
             in_epoch = False
-            self._completed = self._epoch
-        equal = self.cfg.keeps_equal_batches(self.world_size)
-        epoch = self._epoch
-        if not in_epoch and self._completed is not None and self._completed == epoch:
-            epoch += 1  # saved after a finished epoch: the next one is what a resume runs
-        plan = self.source.plan_for(epoch)
-        st = statemod.LoaderState(
+            cursor.completed = cursor.epoch
+        position = cursor.get(in_epoch)
+        plan = self.source.plan_for(position["epoch"])
+        return statemod.LoaderState(
             dataset=self.catalog.fingerprint(),
             settings=self._settings(),
             config=dict(vars(self.cfg)),
             rank=self.rank,
             world_size=self.world_size,
             num_workers=self.workers,
-            equal_batches=bool(equal),
+            equal_batches=bool(self.cfg.keeps_equal_batches(self.world_size)),
             infinite=self.infinite,
-            epoch=epoch,
-            yielded=self._yielded if in_epoch else 0,
-            steps=self._steps,
-            workers={w: statemod.Position(*p) for w, p in sorted(self._positions.items())} if in_epoch else {},
-            turn=self._rr.turn if (in_epoch and self._rr is not None) else 0,
-            active=list(self._rr.active) if (in_epoch and self._rr is not None) else None,
             plan=plan if isinstance(plan, resumemod.RemainderPlan) else None,
-        )
-        return st.sealed()
+            **position,
+        ).sealed()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a state saved by ``state_dict`` (on any rank when batches were equal).
@@ -574,9 +483,8 @@ class Loader:
         statemod.check_identity(
             st, dataset=self.catalog.fingerprint(), settings=self._settings(), infinite=self.infinite
         )
-        mixture = getattr(self.catalog, "mixture", None)
-        moved = st.world_size != self.world_size and mixture is not None
-        if st.workers and moved and any(p.at_step is not None for p in mixture.phases):
+        moved = st.world_size != self.world_size
+        if st.workers and moved and self.catalog.has_step_schedule():
             raise StateError(
                 f"the mixture's schedule has at_step points, which are converted with the world size "
                 f"({st.world_size} when saved, {self.world_size} now): an elastic resume would move them; "
@@ -594,31 +502,23 @@ class Loader:
         if st.workers and not same_layout and st.world_size > 1 and not st.equal_batches:
             raise StateError("an elastic resume needs equal batch counts on the old ranks (equal_batches=True)")
         # The state fits: from here on nothing is refused.
-        self._pass += 1  # an iterator of an earlier pass no longer touches this loader
-        self._rr = None
         self._total_key = None
         self._stream = None
-        self._dataloader = None
-        self._epoch = st.epoch
-        self._completed = None
-        self._pending_resume = None
+        self._transport.forget()
         self.source.set_plan(st.plan.epoch if st.plan else None, st.plan)
-        if not st.workers:
-            self.source.resume_from({})
-            return  # saved between epochs: the next iteration starts epoch `epoch` afresh
-        if not same_layout:
-            self._elastic(st)
+        if not st.workers or not same_layout:
+            self.cursor.set(st)  # an iterator of an earlier pass no longer touches this loader
+            self.source.resume_from({})  # between epochs: the next iteration starts epoch `epoch` afresh
+            if not same_layout and st.workers:
+                self._elastic(st)
             return
         if st.rank == self.rank:
             positions = {w: p.as_tuple() for w, p in st.workers.items()}
         else:
             positions = self._positions_from(st)
-        if self.infinite:
-            turn, active = st.turn, list(range(self.workers))
-        else:
-            turn, active = self._turn_from(positions)
+        turn = st.turn if self.infinite else turn_after(positions, self.workers)
         self.source.resume_from(positions)
-        self._pending_resume = {"turn": turn, "active": active, "yielded": st.yielded, "steps": st.steps, "state": st}
+        self.cursor.set(st, turn, list(range(self.workers)))
 
     # -- helpers for loading ----------------------------------------------------------------------
     def _worker_counts(self, epoch: int, world: int, workers: int, plan: EpochPlan | None) -> np.ndarray:
@@ -631,20 +531,7 @@ class Loader:
         """This rank's per-worker positions, from another rank's state (equal batch counts)."""
         epoch, k = st.epoch, st.yielded
         counts = self._worker_counts(epoch, self.world_size, self.workers, self.source.plan_for(epoch))[self.rank]
-        share = round_robin_share(counts, k)
-        return {w: (epoch, int(share[w]), None) for w in range(self.workers)}
-
-    def _turn_from(self, positions: dict) -> tuple[int, list[int]]:
-        """The round-robin turn after these per-worker counts: the worker after the last one
-        served (the last in worker order among those that served the most rounds). Workers that
-        are done stay in the turn order: their end markers are consumed when their turn comes,
-        which yields no batch, so the sequence of batches is the same."""
-        served = [positions.get(w, (0, 0))[1] for w in range(self.workers)]
-        most = max(served) if served else 0
-        if most == 0:
-            return 0, list(range(self.workers))
-        last = max(w for w in range(self.workers) if served[w] == most)
-        return (last + 1) % self.workers, list(range(self.workers))
+        return positions_of_share(epoch, counts, k)
 
     def _elastic(self, st: statemod.LoaderState) -> None:
         """Re-plan the rest of the saved epoch for this world size and worker count."""
@@ -670,57 +557,15 @@ class Loader:
 def loader(
     source: Any,
     *,
-    batch_size: int | None = 32,
-    seed: int = 0,
-    shuffle: bool = True,
-    shuffle_buffer: int | None = None,
-    epochs: int | None = 1,
-    resample: bool = False,
-    steps_per_epoch: int | None = None,
-    equal_batches: bool | None = None,
-    drop_last: bool = False,
-    max_len: int | None = None,
-    max_len_mode: str = "split",
-    batching: str = "fixed",
-    window: int = 10_000,
-    max_tokens: int | None = None,
-    seq_len: int | None = None,
-    pad_id: int | None = None,
-    pad_to_multiple_of: int | None = None,
-    boundaries: bool = False,
-    max_segments: int | None = None,
-    docs: bool = True,
-    num_workers: int = 0,
-    prefetch_factor: int | None = 2,
-    persistent_workers: bool | None = None,
-    pin_memory: bool = False,
-    rank: int | None = None,
-    world_size: int | None = None,
-    retry: storage.RetryPolicy | None = None,
-    cache_dir: str | None = None,
-    cache_size: int = 64 << 30,
-    on_error: str = "raise",
-    check_groups: bool = True,
-    multiprocessing_context: Any = None,
-    workers_in_process: bool = False,
-    fetch_process: bool | None = None,
-    tokenizer: Any = None,
-    text_field: str = "text",
-    counts: str | None = None,
-    where: str | None = None,
-    split: str = "line",
-    bos: bool | None = None,
-    eos: bool = True,
-    input_format: str | None = None,
-    unit_bytes: int | None = None,
-    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
+    order: OrderOptions | None = None,
+    batch: BatchOptions | None = None,
+    workers: WorkerOptions | None = None,
+    reading: ReadingOptions | None = None,
+    layout: LayoutOptions | None = None,
+    **options: Any,
 ) -> Loader:
     """Batches of ``source`` for this rank, with DataLoader workers, ``set_epoch`` and an exact
-    ``state_dict``. Every option is described in docs/loader.md; the batching options are those of
-    ``wdsllm.dataset``."""
-    args = dict(locals())
-    source = take_raw_options(args)  # with tokenizer=: raw text, tokenized in the workers (raw.py)
-    del args["source"]
-    out = Loader(source, **args)
-    check_world(out.catalog, out.cfg.keeps_equal_batches(out.world_size), out.cfg.steps_per_epoch)
-    return out
+    ``state_dict``. The options are the fields of the records (``OrderOptions``, ``BatchOptions``,
+    ``WorkerOptions``, ``ReadingOptions``, ``LayoutOptions``), as keywords (``batch_size=32``) or
+    whole (``batch=BatchOptions(...)``); each is described in docs/loader.md."""
+    return Loader(source, order=order, batch=batch, workers=workers, reading=reading, layout=layout, **options)

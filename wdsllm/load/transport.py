@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from torch.utils.data import DataLoader, get_worker_info
 
+from .. import storage
 from ..errors import ConfigError, WdsllmError
 from .batching import Batch
 
@@ -152,8 +154,6 @@ class RingHolder:
 def send_bundles(bundles: Iterable[list], holder: RingHolder) -> Iterator[Any]:
     """Stage after ``dataset._bundle`` in DataLoader workers: bundles through the ring where
     possible, else as they are (then compacted, to be pickled)."""
-    from torch.utils.data import get_worker_info
-
     info = get_worker_info()
     ring = holder.ring
     for bundle in bundles:
@@ -172,3 +172,68 @@ def send_bundles(bundles: Iterable[list], holder: RingHolder) -> Iterator[Any]:
 def received(bundle: Any) -> list:
     """The batches of a message from a worker (main process)."""
     return bundle.unpack() if isinstance(bundle, RingBundle) else bundle
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class WorkerBatches:
+    """The stage between a loader's workers and its round-robin: compact batches and end markers
+    as they arrive, from DataLoader workers (kept between passes, or forked afresh for each with a
+    ring of their own) or, for tests, from the workers' streams run here one after another."""
+
+    def __init__(
+        self, num_workers: int, prefetch_factor: int | None, persistent: bool, context: Any, in_process: bool = False
+    ):
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self.persistent = persistent
+        self.context = context
+        self.in_process = in_process
+        self.ring = RingHolder()  # shared memory the workers send tokens through
+        self.dataloader: Any = None
+
+    @property
+    def bundled(self) -> bool:
+        """Whether workers send bundles of batches (through the ring): real worker processes."""
+        return self.num_workers > 0 and not self.in_process
+
+    def forget(self) -> None:
+        """The next pass starts workers afresh (a new plan or position to ship to them)."""
+        self.dataloader = None
+
+    def stream(self, pipeline: Any) -> Iterator:
+        """One pass of ``pipeline``'s batches and end markers from the workers (or this process)."""
+        if self.num_workers == 0:
+            return iter(pipeline)
+        if self.in_process:
+            return _interleave([pipeline.worker_iter(w, self.num_workers) for w in range(self.num_workers)])
+        if self.dataloader is None or not self.persistent:
+            # workers about to be forked get a ring of their own (an abandoned iterator's workers
+            # may still be writing into the old one)
+            self.ring.ring = TokenRing(self.num_workers, slots=(self.prefetch_factor or 2) + 2)
+            storage.prepare_workers()  # what each worker would build again (an S3 client), built once here
+        if self.dataloader is None:
+            self.dataloader = DataLoader(
+                pipeline,
+                batch_size=None,
+                num_workers=self.num_workers,
+                collate_fn=_identity,
+                prefetch_factor=self.prefetch_factor,
+                persistent_workers=self.persistent,
+                multiprocessing_context=self.context,
+            )
+        return (item for bundle in iter(self.dataloader) for item in received(bundle))
+
+
+def _interleave(streams: list) -> Iterator:
+    """One item from each worker's stream in turn, as DataLoader asks its workers."""
+    live = list(streams)
+    while live:
+        for stream in list(live):
+            item = next(stream, None)
+            if item is None:
+                live.remove(stream)
+            else:
+                yield item

@@ -1,0 +1,340 @@
+"""The loader's options, each declared once: a few small records grouped by concern.
+
+``wdsllm.loader`` and ``wdsllm.dataset`` take each record whole (``batch=BatchOptions(...)``) or
+its fields as plain keywords (``batch_size=32``); :func:`split_options` sorts the keywords into
+the records by field name, so the faces never repeat the list. Every field carries its default,
+a one-line doc (the table in docs/loader.md is checked against it) and its bounds, which the
+record checks when it is built: a bad number or word is a ``ConfigError`` naming the option,
+before anything is opened. No torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import operator
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..errors import ConfigError, normalize_on_error
+from ..inputs.sources import DEFAULT_MAX_DOC_BYTES
+
+if TYPE_CHECKING:
+    from ..storage import RetryPolicy
+
+MAX_LEN_MODES = ("split", "truncate")
+SPLITS = ("line", "paragraph", "file")
+
+
+def option(
+    default: Any, doc: str, *, low: int | None = None, choices: tuple | None = None, shown: str | None = None
+) -> Any:
+    """A record field: its default (``shown`` in the docs, if not as written), its one-line doc,
+    and what values it takes (integers of at least ``low``, or one of ``choices``; None wherever
+    the annotation allows it)."""
+    return field(default=default, metadata={"doc": doc, "low": low, "choices": choices, "shown": shown})
+
+
+def _check_int(where: str, value: Any, low: int) -> None:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where} must be an integer, not {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ConfigError(f"{where} must be an integer, not {value!r}") from None
+    if number < low:
+        raise ConfigError(f"{where} must be {'positive' if low == 1 else f'at least {low}'}, not {value!r}")
+
+
+class Options:
+    """What every option record does: check its fields against their declared bounds."""
+
+    #: the keyword that takes the whole record in ``wdsllm.loader(...)``
+    KEYWORD: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            low, choices = f.metadata.get("low"), f.metadata.get("choices")
+            if low is not None:
+                _check_int(f.name, value, low)
+            elif choices is not None and value not in choices:
+                raise ConfigError(f"{f.name} must be one of {', '.join(map(repr, choices))}, not {value!r}")
+
+    def changed(self) -> dict[str, Any]:
+        """The fields that differ from their defaults."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class OrderOptions(Options):
+    """What is read in which order, and for how long (same on every rank)."""
+
+    KEYWORD: ClassVar[str] = "order"
+
+    seed: int = option(0, "all randomness derives from (seed, epoch, rank, worker)", low=-(1 << 63))
+    shuffle: bool = option(True, "shuffle the plan each epoch (False: index order and no sample shuffle)")
+    shuffle_buffer: int | None = option(
+        None,
+        "items per shuffle block; 0 keeps the plan's order",
+        low=0,
+        shown="10,000 documents, or ~4M tokens of rows",
+    )
+    epochs: int | None = option(1, "None streams forever, epoch after epoch, each pass reshuffled", low=1)
+    resample: bool = option(False, "draw whole shards with replacement, forever")
+    steps_per_epoch: int | None = option(None, "batches per `for` loop; the stream continues across loops", low=1)
+    equal_batches: bool | None = option(
+        None, "every rank yields the same number of batches per epoch", shown="world_size > 1"
+    )
+
+
+@dataclass(frozen=True)
+class BatchOptions(Options):
+    """How items become batches, and what a batch carries."""
+
+    KEYWORD: ClassVar[str] = "batch"
+
+    batch_size: int | None = option(
+        32, "items per batch: documents, or rows (packed data, pack and concat); None: see below", low=1
+    )
+    drop_last: bool = option(False, "drop each worker's final short batch")
+    batching: str = option("fixed", '"fixed", "bucket", "pack" or "concat": see batching.md')
+    window: int = option(10_000, "bucket/pack: items per window", low=1)
+    max_tokens: int | None = option(None, "bucket: padded tokens per batch instead of batch_size", low=1)
+    seq_len: int | None = option(None, "pack/concat: row length", low=1)
+    max_len: int | None = option(None, "longer documents are split into pieces or cut (max_len_mode)", low=1)
+    max_len_mode: str = option("split", '"split" into pieces, nothing lost, or "truncate"', choices=MAX_LEN_MODES)
+    pad_id: int | None = option(None, "padding value of input_ids", low=0, shown="tokenizer's pad, else EOS, else 0")
+    pad_to_multiple_of: int | None = option(None, "round the padded length up", low=1)
+    boundaries: bool = option(False, "packed rows: position_ids, cu_seqlens, max_seqlen, boundary labels")
+    max_segments: int | None = option(
+        None, "documents per row that cu_seqlens is padded for", low=1, shown="the index's, else seq_len"
+    )
+    docs: bool = option(True, "batches carry `docs` (False: left out, packed batches come faster)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from .batching import MODES  # the registry of modes: a new mode is accepted where it is added
+
+        if self.batching not in MODES:
+            raise ConfigError(f"batching must be one of {', '.join(map(repr, MODES))}, not {self.batching!r}")
+
+
+@dataclass(frozen=True)
+class WorkerOptions(Options):
+    """DataLoader workers (``wdsllm.loader`` only)."""
+
+    KEYWORD: ClassVar[str] = "workers"
+
+    num_workers: int = option(0, "DataLoader worker processes (0: read in this process)", low=0)
+    prefetch_factor: int | None = option(2, "bundles of batches each worker prepares ahead", low=1)
+    persistent_workers: bool | None = option(
+        None, "keep workers between epochs", shown="True where any shard is remote"
+    )
+    pin_memory: bool = option(False, "batches in pinned memory (with CUDA)")
+    multiprocessing_context: str | None = option(None, "how workers start, as in DataLoader (default: fork on Linux)")
+
+
+@dataclass(frozen=True)
+class ReadingOptions(Options):
+    """How shards are read: retries, a local cache, bad shards, checks, the fetch process."""
+
+    KEYWORD: ClassVar[str] = "reading"
+
+    retry: RetryPolicy | None = option(None, "a storage.RetryPolicy for remote reads", shown="RetryPolicy()")  # noqa: RUF009
+    cache_dir: str | None = option(None, "keep remote shards and side files here (see remote.md)")
+    cache_size: int = option(64 << 30, "bytes the cache may hold", low=0, shown="64 GiB")
+    on_error: str = option("raise", '"raise", or "skip" unreadable shards and bad documents (counted)')
+    check_groups: bool = option(True, "check every group against its checksum (reliability.md)")
+    fetch_process: bool | None = option(
+        None, "a fetch process downloads remote shards (remote.md)", shown="True with num_workers=0"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "on_error", normalize_on_error(self.on_error))
+
+
+@dataclass(frozen=True)
+class LayoutOptions(Options):
+    """Where this process sits among the ranks (None: found from torch.distributed or RANK/WORLD_SIZE)."""
+
+    KEYWORD: ClassVar[str] = "layout"
+
+    rank: int | None = option(None, "this process's rank", low=0)
+    world_size: int | None = option(None, "the number of ranks", low=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.rank is None) != (self.world_size is None):
+            raise ConfigError("pass rank= and world_size= together")
+        if self.rank is not None and self.rank >= self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside world size {self.world_size}")
+
+
+@dataclass(frozen=True)
+class RawTextSource(Options, Mapping):
+    """Raw text as a source, tokenized in the workers.
+
+    ``wdsllm.loader(RawTextSource("data/*.jsonl", tokenizer="tok.json"), ...)``. Its fields are the
+    keys of a mixture's raw source, and it is one (a mapping of the fields that are set), so it
+    also goes into ``wdsllm.Mixture(sources=...)``."""
+
+    KEYWORD: ClassVar[str] = ""
+
+    raw: str | Sequence[str] | None = option(
+        None, "input files, globs or URLs (txt, jsonl, Parquet, Arrow, raw-text tars)"
+    )
+    tokenizer: str | None = option(None, "a tokenizer.json, a directory, a hub name, or a loaded tokenizer")
+    counts: str | None = option(None, "the count sidecar of `wdsllm count`: equal batches, exact resumes")
+    text_field: str = option("text", "the field that holds the text (dotted names reach nested fields)")
+    split: str = option("line", '"line", "paragraph" or "file" (for .txt)', choices=SPLITS)
+    where: str | None = option(None, "keep only the documents this filter selects")
+    bos: bool | None = option(None, "prepend BOS (None: pack's rule for the tokenizer)")
+    eos: bool = option(True, "append EOS")
+    bos_token: str | None = option(None, "the BOS token by name (default: the tokenizer's)")
+    eos_token: str | None = option(None, "the EOS token by name (default: the tokenizer's)")
+    max_doc_bytes: int = option(
+        DEFAULT_MAX_DOC_BYTES, "longest document in bytes; longer is bad input", low=1, shown="16 MiB"
+    )
+    input_format: str | None = option(None, "the inputs' format when their names do not say it")
+    unit_bytes: int | None = option(None, "input bytes per unit of work", low=1, shown="16 MiB")
+    on_error: str | None = option(
+        None, "bad documents and unreadable units: raise or skip", shown="the loader's on_error"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.raw is None:
+            raise ConfigError("RawTextSource needs its inputs (raw=)")
+        if self.on_error is not None:
+            object.__setattr__(self, "on_error", normalize_on_error(self.on_error))
+
+    def _set(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._set()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._set())
+
+    def __len__(self) -> int:
+        return len(self._set())
+
+
+#: the records a face takes, in the order the docs list them
+FACE_RECORDS: tuple[type[Options], ...] = (OrderOptions, BatchOptions, WorkerOptions, ReadingOptions, LayoutOptions)
+#: raw-text fields that the faces still take as keywords (deprecated: pass a RawTextSource)
+RAW_KEYWORDS = tuple(f.name for f in fields(RawTextSource) if f.name not in ("raw", "on_error"))
+
+
+@dataclass(frozen=True)
+class FaceOptions:
+    """Every record a face was given, complete (defaults where nothing was said)."""
+
+    order: OrderOptions
+    batch: BatchOptions
+    workers: WorkerOptions
+    reading: ReadingOptions
+    layout: LayoutOptions
+    source: Any
+
+    @property
+    def explicit_world(self) -> bool:
+        return self.layout.rank is not None
+
+
+def _field_owner() -> dict[str, type[Options]]:
+    return {f.name: record for record in FACE_RECORDS for f in fields(record)}
+
+
+FIELD_OWNER = _field_owner()
+
+
+def _unknown(name: str, allowed: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, allowed, n=1)
+    hint = f"; did you mean {close[0]}=?" if close else " (see docs/loader.md)"
+    return ConfigError(f"unknown option {name}={hint}")
+
+
+def split_options(source: Any, records: dict[str, Any], keywords: dict[str, Any], *, face: str) -> FaceOptions:
+    """The records of one call: each given whole (``records``: keyword -> record or None) or
+    built from the plain keywords that name its fields; a field given both ways, or a keyword no
+    record has, is refused. Raw-text keywords make ``source`` a :class:`RawTextSource` (deprecated)."""
+    raw = {k: keywords.pop(k) for k in RAW_KEYWORDS if k in keywords}
+    if raw:
+        source = _raw_from_keywords(source, raw)
+    by_record: dict[type[Options], dict[str, Any]] = {record: {} for record in FACE_RECORDS}
+    for name, value in keywords.items():
+        owner = FIELD_OWNER.get(name)
+        if owner is None:
+            raise _unknown(name, [*FIELD_OWNER, *(r.KEYWORD for r in FACE_RECORDS), *RAW_KEYWORDS])
+        by_record[owner][name] = value
+    built = {}
+    for record in FACE_RECORDS:
+        given, loose = records.get(record.KEYWORD), by_record[record]
+        if given is not None and not isinstance(given, record):
+            raise ConfigError(f"{face}({record.KEYWORD}=...) takes a {record.__name__}, not {type(given).__name__}")
+        if given is not None and loose:
+            raise ConfigError(f"{', '.join(loose)} given both as keywords and in {record.KEYWORD}=: pass one")
+        built[record.KEYWORD] = given if given is not None else record(**loose)
+    return FaceOptions(source=source, **built)
+
+
+def _raw_from_keywords(source: Any, raw: dict[str, Any]) -> Any:
+    """The raw-text keywords of a face as the source record they describe."""
+    if raw.get("tokenizer") is None:
+        defaults = {f.name: f.default for f in fields(RawTextSource)}
+        given = [k for k, v in raw.items() if v != defaults[k]]
+        if given:
+            raise ConfigError(f"{', '.join(given)} apply to raw text sources: pass tokenizer= as well")
+        return source
+    warnings.warn(
+        "raw-text keywords (tokenizer=, counts=, text_field=, ...) of wdsllm.loader/dataset are deprecated: pass "
+        "wdsllm.RawTextSource(patterns, tokenizer=..., ...) as the source",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return RawTextSource(raw=source, **raw)
+
+
+def record_fields(record: type[Options]) -> list[tuple[str, str, str]]:
+    """(name, default as the docs show it, doc) of each field of ``record``, in declaration order
+    (a literal default in backticks, a described one as words)."""
+    out = []
+    for f in fields(record):  # type: ignore[arg-type]
+        shown = f.metadata.get("shown")
+        if shown is None:
+            number = isinstance(f.default, int) and not isinstance(f.default, bool)
+            shown = "`" + (f"{f.default:,}" if number else repr(f.default).replace("'", '"')) + "`"
+        out.append((f.name, shown, f.metadata.get("doc", "")))
+    return out
+
+
+def markdown_table(record: type[Options]) -> str:
+    """The docs' table of ``record`` (docs/loader.md holds each one verbatim; a test checks)."""
+    rows = ["| option | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{name}` | {shown} | {doc} |" for name, shown, doc in record_fields(record)]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m wdsllm.load.options: the tables for docs/loader.md
+    for face_record in (*FACE_RECORDS, RawTextSource):
+        print(f"`{face_record.__name__}`: {face_record.__doc__.splitlines()[0]}\n")
+        print(markdown_table(face_record) + "\n")
+
+
+__all__ = [
+    "BatchOptions",
+    "FaceOptions",
+    "LayoutOptions",
+    "OrderOptions",
+    "RawTextSource",
+    "ReadingOptions",
+    "WorkerOptions",
+    "split_options",
+]
