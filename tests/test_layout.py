@@ -66,7 +66,7 @@ def test_rooms_import_only_what_the_layout_allows(room, never):
         "import wdsllm.pack.job, wdsllm.pack.merge, wdsllm.format.verify, wdsllm.format.head",
         "import wdsllm.inputs.sources, wdsllm.inputs.tasks, wdsllm.inputs.tokenizer, wdsllm.inputs.text",
         "import wdsllm.load.raw, wdsllm.load.rawread, wdsllm.load.rawcount",
-        "import wdsllm.load.stats, wdsllm.load.counts, wdsllm.load.catalog, wdsllm.load.state",
+        "import wdsllm.load.stats, wdsllm.load.counts, wdsllm.load.sources.open, wdsllm.load.state",
         "import wdsllm.integrations\nassert wdsllm.integrations.model_inputs({'epoch': 0}) == {}",
     ],
 )

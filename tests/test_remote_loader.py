@@ -20,7 +20,7 @@ from synth import write_dataset
 
 import wdsllm
 from wdsllm import storage
-from wdsllm.load.catalog import open_catalog
+from wdsllm.load.sources.open import open_source
 from wdsllm.storage import NotFoundError, RetryPolicy, StorageError
 
 SHARED_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"  # as in conftest.py
@@ -140,7 +140,7 @@ SOURCES = {
 @pytest.mark.parametrize("kind", list(SOURCES))
 def test_every_kind_of_source_gives_the_local_documents_in_the_local_order(kind, synth, served, s3_synth, local_run):
     source = SOURCES[kind](synth[0], served[0], s3_synth)
-    catalog = open_catalog(source)
+    catalog = open_source(source)
     assert catalog.index is not None, f"{source}: the index beside the shards should be found"
     assert documents(wdsllm.loader(source, **LOAD)) == local_run
     assert documents(wdsllm.dataset(source, **LOAD)) == local_run
@@ -213,7 +213,7 @@ def test_faults_on_every_shard_change_nothing(fault, workers, served, http_serve
     loader = wdsllm.loader(served[0], num_workers=workers, retry=FAST, **LOAD)
     assert documents(loader) == reference
     opens = shard_opens(served[0], max(1, workers))
-    catalog = open_catalog(served[0])
+    catalog = open_source(served[0])
     for shard, name in enumerate(NAMES):
         ranges = http_server.ranges(f"*/{name}")
         group_starts = set(catalog.group_table(shard)[:, 0].tolist())
@@ -244,7 +244,7 @@ def shard_opens(source: str, workers: int) -> dict[int, int]:
     from wdsllm.load.config import Config
     from wdsllm.load.stream import epoch_slices
 
-    catalog, cfg = open_catalog(source), Config(**LOAD)
+    catalog, cfg = open_source(source), Config(**LOAD)
     return Counter(sl.shard for w in range(workers) for sl in epoch_slices(catalog, cfg.spec(0, 0, 1, w, workers)))
 
 

@@ -31,7 +31,7 @@ from wdsllm import format as fmt
 from wdsllm.format.verify import verify
 from wdsllm.load import counts as countsmod
 from wdsllm.load.batching import ArrayLengths, BucketBatcher, best_fit_decreasing, bfd_count, budget_count
-from wdsllm.load.catalog import open_catalog
+from wdsllm.load.sources.open import open_source
 from wdsllm.load.config import Config
 from wdsllm.load.stats import all_modes
 from wdsllm.load.stream import ShareLengths, epoch_slices, shuffle_lengths, slice_item_lengths
@@ -64,7 +64,7 @@ def scale_root(tmp_path_factory) -> Path:
 
 def _load(root: Path, rank: int, world: int, workers: int, **options) -> wdsllm.load.loader.Loader:
     return wdsllm.loader(
-        str(root), rank=rank, world_size=world, num_workers=workers, workers_in_process=True, seed=7, **options
+        str(root), rank=rank, world_size=world, num_workers=workers, _in_process=True, seed=7, **options
     )
 
 
@@ -95,7 +95,7 @@ def test_a_changed_shard_table_is_refused(scale_root, tmp_path):
     table[3] += 1  # shard 0's tokens
     np.save(root / fmt.SHARDS_NAME, table)
     with pytest.raises(fmt.FormatError, match="shards.npy"):
-        open_catalog(str(root))
+        open_source(str(root))
 
 
 def test_verify_checks_the_copies_in_parallel_processes(scale_root):
@@ -173,7 +173,7 @@ def test_a_worker_maps_the_lengths_and_holds_no_copy(scale_root):
     def probe(batches):
         for _ in batches:  # in the worker, after it made a batch
             sides = catalog._sides
-            lengths = catalog.lengths()
+            lengths = catalog.lengths().whole()
             yield {
                 "pid": os.getpid(),
                 "mapped": isinstance(lengths, np.memmap) and lengths.mode == "r" and not lengths.flags.owndata,
@@ -232,7 +232,7 @@ def test_counts_equal_the_shuffled_streams_and_bounds_hold(sizes, world, workers
     streaming bound never exceeds its share of the equal count."""
     with tempfile.TemporaryDirectory() as tmp:
         write_dataset(tmp, sizes, seed=epoch, max_len=50)
-        catalog = open_catalog(tmp)
+        catalog = open_source(tmp)
         cfg = Config(seed=3, shuffle_buffer=buffer, **MODES[mode])
         table = countsmod.EpochCounts.create(catalog, cfg, epoch, world, workers)
         exact = table.exact()
@@ -262,7 +262,7 @@ def test_a_forked_process_counts_again_or_reads_the_node_cache(scale_root, tmp_p
     import tempfile as tf
 
     monkeypatch.setattr(tf, "tempdir", None)  # gettempdir() follows TMPDIR again
-    catalog = open_catalog(str(scale_root))
+    catalog = open_source(str(scale_root))
     cfg = Config(seed=1, shuffle_buffer=50, **MODES["pack"])
     counts = countsmod.EpochCounts.create(catalog, cfg, 0, 4, 2)
     ctx = mp.get_context("fork")
@@ -281,7 +281,7 @@ def test_a_forked_process_counts_again_or_reads_the_node_cache(scale_root, tmp_p
 
 
 def test_stats_on_a_sample_agree_with_the_whole_stream(scale_root):
-    catalog = open_catalog(str(scale_root))
+    catalog = open_source(str(scale_root))
     settings_ = dict(batch_size=8, max_tokens=400, seq_len=40, window=60, seed=2)
     whole, none = all_modes(catalog, sample=0, **settings_)
     sampled, sample = all_modes(catalog, sample=60, **settings_)
@@ -422,7 +422,7 @@ def test_a_format_3_and_a_format_4_part_merge_into_format_4_with_shards_npy(tmp_
     assert (out / "shard-000059.tar").read_bytes() == first and (out / "shard-000060.tar").read_bytes() == last
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
     # the loader reads it: every document of the last shard, through shards.npy
-    catalog = open_catalog(str(out))
+    catalog = open_source(str(out))
     assert catalog.index.shards_file is not None and len(catalog.index.shards) == shards
 
 

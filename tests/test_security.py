@@ -23,7 +23,7 @@ from synth import write_dataset
 import wdsllm
 from wdsllm import format as fmt
 from wdsllm import storage
-from wdsllm.load.catalog import open_catalog
+from wdsllm.load.sources.open import open_source
 
 LOAD = dict(batch_size=8, seed=1)
 
@@ -112,7 +112,7 @@ def test_hostile_shard_names_in_a_local_index_are_refused_and_nothing_runs(datas
     for name in (None, 7, ["x.tar"]):
         set_shard_name(directory, 1, name)
         with pytest.raises(fmt.FormatError):
-            open_catalog(str(directory))
+            open_source(str(directory))
     assert not marker.exists()
 
 
@@ -137,7 +137,7 @@ def test_a_hostile_lengths_file_name_is_refused(dataset, tmp_path, opened):
     index["lengths_file"]["name"] = "../../etc/passwd"
     (directory / "index.json").write_text(json.dumps(index))
     with pytest.raises(fmt.FormatError, match="refusing shard name '../../etc/passwd'"):
-        open_catalog(str(directory))  # refused as the index is read, before any side file
+        open_source(str(directory))  # refused as the index is read, before any side file
     assert opened == [str(directory / "index.json")]
 
 
@@ -167,7 +167,7 @@ def test_a_hostile_index_beside_user_typed_shards_is_ignored(dataset, tmp_path, 
     shutil.copytree(dataset[0], http_server.root / "ds")
     set_shard_name(http_server.root / "ds", 2, f"pipe:touch {marker}")
     pattern = http_server.url_for("ds/shard-{000000..000002}.tar")
-    catalog = open_catalog(pattern)
+    catalog = open_source(pattern)
     assert not catalog.index is not None and catalog.urls == storage.expand_urls(pattern)
     assert any("unusable" in r.message and "refusing" in r.message for r in caplog.records)
     got = read_all(pattern)
@@ -235,7 +235,7 @@ def test_an_object_array_as_the_lengths_file_is_rejected_unread(dataset, tmp_pat
     index["lengths_file"].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     (directory / "index.json").write_text(json.dumps(index))
     with pytest.raises(fmt.FormatError, match="lengths.npy.*expected a 1-D numeric array"):
-        open_catalog(str(directory)).lengths()
+        open_source(str(directory)).lengths()
     assert not marker.exists()
 
 
@@ -267,7 +267,7 @@ def test_a_file_named_like_a_pipe_is_read_as_a_file(how, dataset, tmp_path, monk
     shutil.copy(directory / "shard-000000.tar", work / name)
     monkeypatch.chdir(work)
     source = "*.tar" if how == "glob" else "."
-    catalog = open_catalog(source)
+    catalog = open_source(source)
     assert [storage.scheme_of(u) for u in catalog.urls] == ["file"]
     got = read_all(source)
     assert len(got) == 12

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from wdsllm.load import stats  # noqa: E402
-from wdsllm.load.catalog import open_catalog  # noqa: E402
+from wdsllm.load.sources.open import open_source  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 MAX_LEN = 2048
@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--skip-load", action="store_true", help="padding tables only")
     args = ap.parse_args()
     data = Path(args.data) if args.data else ensure_docs_dataset(Path(args.work))
-    catalog = open_catalog(str(data))
+    catalog = open_source(str(data))
     lengths, _ = stats.stream_lengths(catalog, max_len=MAX_LEN)
     print(
         f"{len(lengths):,} documents (pieces of at most {MAX_LEN}), {int(lengths.sum()):,} tokens; "

@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from bench_batching import MAX_LEN, ensure_docs_dataset, greedy_infinibatch  # noqa: E402
 
 from wdsllm.load import stats  # noqa: E402
-from wdsllm.load.catalog import open_catalog  # noqa: E402
+from wdsllm.load.sources.open import open_source  # noqa: E402
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "docs" / "img" / "batching.png"))
     args = ap.parse_args()
     data = args.data or ensure_docs_dataset(REPO / "bench-out")
-    lengths, _ = stats.stream_lengths(open_catalog(str(data)), max_len=MAX_LEN)
+    lengths, _ = stats.stream_lengths(open_source(str(data)), max_len=MAX_LEN)
     windows = [320, 1000, 3200, 10_000, 32_000, 100_000]
     series = {
         "bucket, batch 32": [stats.bucket_batches(lengths, w, batch_size=32).padding_pct for w in windows],

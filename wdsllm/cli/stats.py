@@ -62,10 +62,10 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
       wdsllm stats mix.yaml --plot shares.png
     """
     from ..load import stats as statsmod
-    from ..load.catalog import open_catalog
+    from ..load.sources.open import open_source
 
     try:
-        catalog = open_catalog(dataset)
+        catalog = open_source(dataset)
         if catalog.index is None:
             raise click.ClickException(f"{dataset}: stats need a dataset with index.json and lengths.npy")
         if catalog.mode != "docs":
@@ -87,7 +87,7 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
     hist = catalog.index.doc_lengths or {}
     mix = None
     if catalog.mixing is not None:
-        from ..load.mixcatalog import mixture_summary
+        from ..load.mixstats import mixture_summary
 
         mix = mixture_summary(catalog)
     if as_json:
@@ -164,7 +164,7 @@ def _plot_shares(catalog, path: str, title: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise click.ClickException("--plot needs matplotlib: pip install wdsllm[plot]") from None
-    from ..load.mixcatalog import planned_shares
+    from ..load.mixstats import planned_shares
 
     planner = catalog.planner
     last = max((p for p, _ in planner.phases()), default=0)

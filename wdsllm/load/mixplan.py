@@ -36,8 +36,8 @@ from .plan import Slice, split_range
 from .stream import StreamSpec
 
 if TYPE_CHECKING:
-    from .mixcatalog import MixSource
     from .mixture import Mixture
+    from .sources.mixture import MixturePart
 
 #: the random stream of a source's pass orders (plan.py's streams are 1-5)
 STREAM_MIX_PASS = 6
@@ -215,7 +215,7 @@ def _stable_order(labels: np.ndarray) -> np.ndarray:
 class PassStream:
     """Source ``source``'s items as an endless sequence of passes (positions 0, 1, ...)."""
 
-    def __init__(self, source: MixSource, seed: int, shuffle: bool):
+    def __init__(self, source: MixturePart, seed: int, shuffle: bool):
         self.source = source
         self.items = np.asarray(source.items_per_shard(), np.int64)
         self.tokens = np.asarray(source.tokens_per_shard(), np.int64)
@@ -313,7 +313,7 @@ class MixPlanner:
     """Every epoch's stretches of every source, and each consumer's slices (an ``EpochPlan`` per
     epoch through ``plan``)."""
 
-    def __init__(self, mixture: Mixture, sources: list[MixSource], bases: np.ndarray, seed: int, shuffle: bool):
+    def __init__(self, mixture: Mixture, sources: list[MixturePart], bases: np.ndarray, seed: int, shuffle: bool):
         self.mixture = mixture
         self.bases = bases
         self.streams = [PassStream(s, seed, shuffle) for s in sources]

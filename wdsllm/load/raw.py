@@ -1,6 +1,6 @@
 """Raw text as a loader source: the inputs ``wdsllm pack`` reads, tokenized in the DataLoader workers.
 
-A raw source is a :class:`RawCatalog`: a catalog whose "shards" are **units** of input, each a
+A raw source is a :class:`RawSource`: a source whose units are ranges of input, each a
 row group range, a record batch range, or a byte range cut at line boundaries (whole files only
 for what must be read from its start: compressed streams, tars). Units come from the pack's own
 division of work (``inputs.tasks.assign_tasks`` with one task per ``unit_bytes`` of input), so
@@ -16,7 +16,7 @@ Without it units are dealt whole, a resume re-reads the worker's share up to its
 multi-rank run must pass ``steps_per_epoch`` (refused otherwise: ranks could not stay in step).
 
 A document's identity is ``(input file, line or row)``: its item id is ``file << 32 | line``
-(``block.split_id`` gives them back; ``RawCatalog.inputs[file]`` names the file).
+(``block.split_id`` gives them back; ``RawSource.inputs[file]`` names the file).
 """
 
 from __future__ import annotations
@@ -27,18 +27,25 @@ import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from .. import format as fmt
-from ..errors import ConfigError
+from .. import storage
+from ..errors import ConfigError, MixtureError
 from ..inputs.sources import DEFAULT_MAX_DOC_BYTES, InputFile, ParseOptions, Part, expand_inputs
 from ..inputs.tasks import assign_tasks
 from ..inputs.tokenizer import LoadedTokenizer, load_tokenizer, resolve_specials
 from ..inputs.where import parse_where
 from .block import Block
-from .catalog import Catalog
+from .plan import Slice
+from .rawcount import load_counts
+from .rawread import read_unit
+from .rawtext import RawCounts, RawText
+from .read import ReadOptions
+from .sources.lengths import CountedLengths
+from .sources.protocol import Opening
 
 log = logging.getLogger(__name__)
 
@@ -46,151 +53,41 @@ log = logging.getLogger(__name__)
 DEFAULT_UNIT_BYTES = 16 << 20
 
 
-class UnitReader(Protocol):
-    """The seam between a raw source and the stream: a unit's selected documents as blocks.
-
-    ``first``/``stop``/``stride`` select the unit's documents (ordinals among its parsed
-    documents) as a plan slice does, and ``skip`` drops the first selected ones without
-    tokenizing them (a resume). A mixture will hold a raw source through this and ``RawCatalog``.
-    """
-
-    def read_unit(
-        self, unit: int, first: int, stop: int | None, stride: int, skip: int, stats: Any = None
-    ) -> Iterator[Block]: ...
-
-
-@dataclass(frozen=True)
-class RawText:
-    """How raw text becomes tokens: the tokenizer (by its JSON text), BOS/EOS, and the parse options."""
-
-    tokenizer_json: str
-    tokenizer_source: str
-    tokenizer_sha256: str
-    vocab_size: int
-    dtype: str
-    bos_id: int | None
-    eos_id: int | None
-    pad_id: int | None
-    parse: ParseOptions
-    where_text: str | None = None
-
-    def identity(self) -> dict:
-        """What decides the tokens of every document (checked against a count sidecar)."""
-        p = self.parse
-        return {
-            "tokenizer_sha256": self.tokenizer_sha256,
-            "bos_id": self.bos_id,
-            "eos_id": self.eos_id,
-            "text_field": p.text_field,
-            "split": p.split,
-            "where": self.where_text,
-            "max_doc_bytes": p.max_doc_bytes,
-        }
-
-
-@dataclass(frozen=True)
-class RawCounts:
-    """The count sidecar's content: per unit documents and tokens, and every document's length
-    (unit after unit, in reading order)."""
-
-    fingerprint: str
-    documents: np.ndarray  # int64 per unit
-    tokens: np.ndarray  # int64 per unit
-    lengths: np.ndarray  # uint32 per document
-    skipped: int = 0  # bad documents skipped while counting (on_error="skip")
-
-    def __post_init__(self) -> None:
-        starts = np.zeros(len(self.documents) + 1, np.int64)
-        np.cumsum(self.documents, out=starts[1:])
-        object.__setattr__(self, "starts", starts)
-        if int(starts[-1]) != len(self.lengths):
-            raise fmt.FormatError(f"count sidecar lists {len(self.lengths)} lengths for {int(starts[-1])} documents")
-
-
-class _Lengths:
-    """The sidecar's lengths where the loader asks for lengths.npy (``catalog.lengths_file()``)."""
-
-    def __init__(self, lengths: np.ndarray):
-        self._a = lengths
-        self.count = len(lengths)
-        self.url = "count sidecar"
-
-    def read(self, a: int, b: int, check: bool = True) -> np.ndarray:
-        return self._a[a:b]
-
-    def check_range(self, a: int, b: int) -> None:
-        return None
-
-    def range_sums(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """The sum of lengths [a[i], b[i]) for every i (SideArray's, over the sidecar's array)."""
-        if not hasattr(self, "_cumsum"):
-            self._cumsum = np.concatenate([[0], np.cumsum(self._a, dtype=np.int64)])
-        return self._cumsum[np.asarray(b, np.int64)] - self._cumsum[np.asarray(a, np.int64)]
-
-    def array(self) -> np.ndarray:
-        return self._a
-
-
 @dataclass
-class RawCatalog(Catalog):
-    """Units of raw input as the loader's shards (see the module's docstring)."""
+class RawSource:
+    """Units of raw input as a source (see the module's docstring), and their reader."""
 
+    urls: Sequence[str]  # each unit's name (``unit_name``)
     inputs: list[InputFile] = field(default_factory=list)
     units: list[Part] = field(default_factory=list)
     text: RawText | None = None
     counts: RawCounts | None = None
     unit_bytes: int = DEFAULT_UNIT_BYTES
+    side_cache: Any = field(default=None, repr=False)
+    _lengths: CountedLengths | None = field(default=None, repr=False)
 
-    @property
-    def mode(self) -> str:
-        return "docs"
-
-    @property
-    def shard_entries(self) -> Sequence | None:
-        return None
+    #: raw text has no index: its counts, when known, come from the count sidecar
+    index = None
+    #: raw text is documents
+    mode = "docs"
+    #: units are files the reader parses; the stream opens none of them
+    opens_units = False
 
     @property
     def items_per_shard(self) -> np.ndarray | None:
         return None if self.counts is None else self.counts.documents
 
     @property
-    def docs_per_shard(self) -> np.ndarray | None:
-        return self.items_per_shard
-
-    @property
     def tokens_per_shard(self) -> np.ndarray | None:
         return None if self.counts is None else self.counts.tokens
 
-    def lengths_file(self) -> _Lengths | None:
+    def lengths(self) -> CountedLengths | None:
+        """The count sidecar's lengths; None without one."""
         if self.counts is None:
             return None
-        if "lengths" not in self._sides:
-            self._sides["lengths"] = _Lengths(self.counts.lengths)
-        return self._sides["lengths"]
-
-    def document_starts(self) -> np.ndarray:
-        return self.counts.starts[:-1]
-
-    def lengths_range(self, shard: int, start: int = 0, stop: int | None = None) -> tuple[int, int]:
-        n = int(self.counts.documents[shard])
-        stop = n if stop is None else min(int(stop), n)
-        base = int(self.counts.starts[shard])
-        return base + max(0, int(start)), base + stop
-
-    def shard_lengths(self, shard: int, start: int = 0, stop: int | None = None, *, check: bool = True):
-        if self.counts is None:
-            return None
-        a, b = self.lengths_range(shard, start, stop)
-        return self.counts.lengths[a:b].astype(np.int64)
-
-    def check_lengths(self, ranges: list[tuple[int, int]]) -> None:
-        return None
-
-    def lengths(self) -> np.ndarray | None:
-        return None if self.counts is None else self.counts.lengths
-
-    def group_table(self, shard: int) -> None:
-        return None
+        if self._lengths is None:
+            self._lengths = CountedLengths(self.counts.lengths, self.counts.documents, self.counts.starts[:-1])
+        return self._lengths
 
     def fingerprint(self) -> str:
         """The units (files, sizes, ranges) and what decides their tokens: a state or a sidecar
@@ -203,12 +100,73 @@ class RawCatalog(Catalog):
             h.update(f"{u.input.index}:{u.unit}:{u.start}:{u.stop}|".encode())
         return h.hexdigest()[:16]
 
-    def read_unit(
-        self, unit: int, first: int, stop: int | None, stride: int, skip: int, stats: Any = None
-    ) -> Iterator[Block]:
-        from .rawread import read_unit
+    def tokenizer_json(self) -> str:
+        """The tokenizer the text is tokenized with."""
+        return self.text.tokenizer_json
 
-        return read_unit(self, unit, first, stop, stride, skip, stats)
+    def reads_remote(self) -> bool:
+        return any(storage.is_remote(u) for u in self.urls)
+
+    def describe_for_mixture(self, name: str) -> fmt.Index:
+        """The source as an index describes it (``describe_raw``): a mixture plans its quotas,
+        repeats and equal batches from its count sidecar."""
+        if self.counts is None:
+            raise MixtureError(
+                f"mixture source {name!r} is raw text without a count sidecar: a mixture plans its quotas, "
+                "repeats and equal batches from counts; run `wdsllm count` over its inputs and pass counts="
+            )
+        files = [u.input.index for u in self.units]
+        if files and max(files) >= len(self.units):
+            # ids are file << 32 | line, moved by the source's first unit: a file number must stay in its range
+            raise MixtureError(
+                f"mixture source {name!r} has more input files than units of work ({len(self.inputs)} "
+                f"files, {len(self.units)} units: empty files?): leave the empty files out"
+            )
+        return describe_raw(self)
+
+    # -- the plan: one dataset's ---------------------------------------------------------------
+    @property
+    def mixing(self) -> None:
+        return None
+
+    def default_plan(self, epoch: int) -> None:
+        return None
+
+    def has_step_schedule(self) -> bool:
+        return False
+
+    def bind(self, cfg: Any, world: int) -> None:
+        """A multi-rank run needs counts (equal batches as with an index) or steps_per_epoch:
+        otherwise a rank that runs dry first would leave the others waiting in a collective."""
+        if self.counts is None and cfg.keeps_equal_batches(world) and not cfg.steps_per_epoch:
+            raise ConfigError(
+                "raw text without a count sidecar cannot keep ranks in step: run `wdsllm count` and pass counts=, "
+                "or pass steps_per_epoch="
+            )
+
+    def components(self) -> list[RawSource]:
+        return [self]
+
+    # -- reading (``UnitReader``) ----------------------------------------------------------------
+    def reader(self, unit: int) -> tuple[RawSource, int]:
+        return self, unit
+
+    def opening(self, sl: Slice, skip: int, options: ReadOptions) -> None:
+        """Nothing is opened by the stream: the reader parses the unit's files itself."""
+        return None
+
+    def read(
+        self,
+        sl: Slice,
+        *,
+        skip: int,
+        options: ReadOptions,
+        opened: Opening | None = None,
+        stream: Any = None,
+        stats: Any = None,
+    ) -> Iterator[Block]:
+        """The slice's documents, tokenized (``rawread.read_unit``)."""
+        return read_unit(self, sl.shard, sl.start, sl.stop, sl.stride, skip, stats)
 
 
 def unit_name(part: Part) -> str:
@@ -243,7 +201,7 @@ def open_raw(
     unit_bytes: int | None = None,
     counts: str | None = None,
     on_error: str = "raise",
-) -> RawCatalog:
+) -> RawSource:
     """A raw source: input files or patterns (what ``wdsllm pack`` reads), tokenized with
     ``tokenizer`` (a tokenizer.json path, a directory, a hub name, or a loaded one) by pack's BOS/EOS rules."""
     patterns = [source] if isinstance(source, str) else [str(s) for s in source]
@@ -272,25 +230,11 @@ def open_raw(
     )
     unit_bytes = int(unit_bytes or DEFAULT_UNIT_BYTES)
     units = make_units(inputs, unit_bytes, opts)
-    catalog = RawCatalog(
-        urls=[unit_name(u) for u in units], inputs=inputs, units=units, text=text, unit_bytes=unit_bytes
-    )
+    source = RawSource(urls=[unit_name(u) for u in units], inputs=inputs, units=units, text=text, unit_bytes=unit_bytes)
     if counts is not None:
-        from .rawcount import load_counts
-
-        catalog.counts = load_counts(counts, catalog)
+        source.counts = load_counts(counts, source)
     log.info("raw source: %d input(s) in %d unit(s)%s", len(inputs), len(units), " with counts" if counts else "")
-    return catalog
-
-
-def check_world(catalog: Catalog, keeps_equal_batches: bool, steps_per_epoch: int | None) -> None:
-    """A multi-rank raw run needs counts (equal batches as with an index) or steps_per_epoch:
-    otherwise a rank that runs dry first would leave the others waiting in a collective."""
-    if isinstance(catalog, RawCatalog) and catalog.counts is None and keeps_equal_batches and not steps_per_epoch:
-        raise ConfigError(
-            "raw text without a count sidecar cannot keep ranks in step: run `wdsllm count` and pass counts=, "
-            "or pass steps_per_epoch="
-        )
+    return source
 
 
 #: the options of ``wdsllm.loader`` and ``wdsllm.dataset`` that make a source raw text, and their defaults
@@ -308,16 +252,30 @@ RAW_OPTIONS = {
 }
 
 
-def take_raw_options(args: dict) -> Any:
-    """Pop the raw-text options from a face's arguments; with ``tokenizer`` set, turn the source
-    into a :class:`RawCatalog` (and default ``pad_id`` to the tokenizer's pad, else EOS)."""
-    raw = {k: args.pop(k) for k in RAW_OPTIONS}
-    if raw["tokenizer"] is None:
-        given = [k for k, v in raw.items() if v != RAW_OPTIONS[k]]
-        if given:
-            raise ConfigError(f"{', '.join(given)} apply to raw text sources: pass tokenizer= as well")
-        return args["source"]
-    catalog = open_raw(args["source"], on_error=args.get("on_error", "raise"), **raw)
-    if args.get("pad_id") is None:
-        args["pad_id"] = catalog.text.pad_id
-    return catalog
+def describe_raw(source: RawSource) -> fmt.Index:
+    """The raw source as an index would describe it: one "shard" per unit (documents, tokens, input
+    bytes), its tokenizer and BOS/EOS rules, the longest document. Nothing is written."""
+    text, counts = source.text, source.counts
+    columns = np.zeros((len(source.units), len(fmt.SHARD_COLUMNS)), np.int64)
+    columns[:, fmt.SHARD_COLUMNS.index("documents")] = counts.documents
+    columns[:, fmt.SHARD_COLUMNS.index("tokens")] = counts.tokens
+    columns[:, fmt.SHARD_COLUMNS.index("bytes")] = [u.size for u in source.units]
+    tokenizer = fmt.TokenizerInfo(
+        source=text.tokenizer_source,
+        sha256=text.tokenizer_sha256,
+        vocab_size=text.vocab_size,
+        bos_id=text.bos_id,
+        eos_id=text.eos_id,
+        pad_id=text.pad_id,
+    )
+    return fmt.Index(
+        mode="docs",  # raw text is documents
+        dtype=text.dtype,
+        seq_len=None,
+        tokenizer=tokenizer,
+        shards=fmt.ShardTable(columns, names=list(source.urls)),
+        doc_lengths={"max": int(counts.lengths.max()) if len(counts.lengths) else 0},
+        options={"bos": text.bos_id is not None, "eos": text.eos_id is not None, "raw": True},
+        inputs=[],
+        skipped={},
+    )

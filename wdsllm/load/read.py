@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -17,8 +17,10 @@ from ..errors import FormatError
 from ..format import tar as tario
 from ..format.shard import CheckedGroup, expect_of, read_checked, sequential_fetch
 from .block import Block, make_id
-from .catalog import Catalog
 from .plan import Slice
+
+if TYPE_CHECKING:
+    from .sources.packed import PackedSource
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,6 @@ class ReadOptions:
     retry: storage.RetryPolicy | None = None
     cache: storage.ShardCache | None = None
     on_error: str = "raise"  # or "skip": a shard that cannot be read is logged, counted, skipped
-    prefetch: bool = True
     row_docs: bool = True  # packed rows: each row's first document and document count (docs)
     segments: bool = True  # packed rows: the segment table with offsets within rows (boundaries)
     check_groups: bool = True  # check every group against groups.npy (format 3) before decoding it
@@ -126,7 +127,7 @@ def _in_place(stream: Any, url: str) -> tario.MappedReader | None:
     return tario.mapped(stream, local)
 
 
-def open_kwargs(catalog: Catalog, shard: int, options: ReadOptions, start: GroupStart | None = None) -> dict:
+def open_kwargs(catalog: PackedSource, shard: int, options: ReadOptions, start: GroupStart | None = None) -> dict:
     """How ``storage.open_stream`` opens shard ``shard``: with the index's size, with its sha256
     where a cache will keep the bytes (a cache entry must match the index's checksum), and at a
     group's offset for a ranged start."""
@@ -166,7 +167,7 @@ class GroupStart:
     length: int | None = None  # bytes to request: through the header of the group after the last one needed
 
 
-def group_range(catalog: Catalog, sl: Slice, skip: int) -> tuple[np.ndarray, int, int] | None:
+def group_range(catalog: PackedSource, sl: Slice, skip: int) -> tuple[np.ndarray, int, int] | None:
     """(the shard's group table, first group, one past the last) holding items ``sl.start + skip``
     to ``sl.stop`` of the slice; None without groups.npy or for a slice dealt out by stride."""
     if sl.stride != 1:
@@ -180,7 +181,7 @@ def group_range(catalog: Catalog, sl: Slice, skip: int) -> tuple[np.ndarray, int
     return table, first, max(first, after)
 
 
-def ranged_start(catalog: Catalog, sl: Slice, skip: int, options: ReadOptions) -> GroupStart | None:
+def ranged_start(catalog: PackedSource, sl: Slice, skip: int, options: ReadOptions) -> GroupStart | None:
     """Where a ranged read of a remote shard covers the slice (groups.npy, format 2 on): from the
     group holding its first wanted item to the end of the group holding its last (format 3: the
     groups' sizes are known; format 2: through the first member header of the group after it, where
@@ -204,12 +205,12 @@ def ranged_start(catalog: Catalog, sl: Slice, skip: int, options: ReadOptions) -
     return GroupStart(int(table[g, 0]), items_before, int(table[g, fmt.DOCS]), end_items - items_before, length)
 
 
-def _shard_items(catalog: Catalog, entry: fmt.ShardEntry) -> int:
+def _shard_items(catalog: PackedSource, entry: fmt.ShardEntry) -> int:
     return entry.rows if catalog.mode == "packed" else entry.documents
 
 
 def read_slice(
-    catalog: Catalog,
+    catalog: PackedSource,
     sl: Slice,
     *,
     skip: int = 0,
@@ -245,7 +246,7 @@ def read_slice(
 
 
 def _checked_groups(
-    catalog: Catalog, sl: Slice, source: Any, groups: tuple, start: GroupStart | None, options: ReadOptions
+    catalog: PackedSource, sl: Slice, source: Any, groups: tuple, start: GroupStart | None, options: ReadOptions
 ) -> Iterator[CheckedGroup]:
     table, first, after = groups
     url = catalog.urls[sl.shard]
@@ -284,7 +285,7 @@ def _checked_groups(
 
 
 def _streamed_groups(
-    catalog: Catalog, sl: Slice, skip: int, source: Any, start: GroupStart | None
+    catalog: PackedSource, sl: Slice, skip: int, source: Any, start: GroupStart | None
 ) -> Iterator[CheckedGroup]:
     """Groups parsed as the shard streams (no checksums): unwanted ones are skipped by their JSON."""
     url = catalog.urls[sl.shard]
@@ -318,7 +319,7 @@ def _streamed_groups(
 
 
 def _blocks(
-    catalog: Catalog, sl: Slice, skip: int, source: Any, groups: Iterator[CheckedGroup], options: ReadOptions
+    catalog: PackedSource, sl: Slice, skip: int, source: Any, groups: Iterator[CheckedGroup], options: ReadOptions
 ) -> Iterator[Block]:
     """The slice's items of each group, as blocks (over the whole mapped shard when it is one)."""
     mode = catalog.mode

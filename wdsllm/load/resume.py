@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from ..errors import StateError
 from . import plan as planmod
 from .batching import Batcher
-from .catalog import Catalog
 from .config import Config
 from .counts import slices_for
 from .plan import Slice
+from .sources.protocol import Source
 from .stream import (
     StreamSpec,
     inverse_shuffle,
@@ -37,9 +36,6 @@ from .stream import (
     slice_item_counts,
     slice_item_lengths,
 )
-
-STATE_VERSION = 1
-STATE_KIND = "wdsllm.loader"
 
 
 def settings_fingerprint(cfg: Config) -> str:
@@ -127,6 +123,8 @@ class RemainderPlan:
     workers: int
     consumed: list[list[int]]
     base: RemainderPlan | None = None
+    #: ``sequence``'s answer, once made (it takes a pass over every old share's lengths)
+    _sequence: tuple[list[Slice], list[int]] | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
         return {
@@ -143,55 +141,33 @@ class RemainderPlan:
             return None
         return cls(d["epoch"], d["world"], d["workers"], d["consumed"], cls.from_json(d.get("base")))
 
-    def sequence(self, catalog: Catalog, cfg: Config) -> tuple[list[Slice], list[int]]:
+    def sequence(self, source: Source, cfg: Config) -> tuple[list[Slice], list[int]]:
         """Every remaining item, in a fixed order: old ranks, then old workers, plan order."""
-        cache = getattr(self, "_sequence", None)
-        if cache is not None:
-            return cache
+        if self._sequence is not None:
+            return self._sequence
         slices_out: list[Slice] = []
         for r in range(self.world):
             for w in range(self.workers):
                 spec = cfg.spec(self.epoch, r, self.world, w, self.workers)
-                slices = slices_for(catalog, cfg, spec, self.base)
-                counts = slice_item_counts(catalog, slices, spec)
-                lengths = slice_item_lengths(catalog, slices, spec)
+                slices = slices_for(source, cfg, spec, self.base)
+                counts = slice_item_counts(source, slices, spec)
+                lengths = slice_item_lengths(source, slices, spec)
                 if counts is None or lengths is None:
                     raise StateError(
                         "resuming with another world size or worker count needs the dataset's index (lengths.npy)"
                     )
-                labels = plan_labels(catalog, slices, spec)
+                labels = plan_labels(source, slices, spec)
                 batcher = cfg.make_batcher()
-                gone = consumed_plan_positions(batcher, lengths, spec, self.consumed[r][w], catalog.mixing, labels)
+                gone = consumed_plan_positions(batcher, lengths, spec, self.consumed[r][w], source.mixing, labels)
                 slices_out.extend(remaining_slices(slices, counts, gone))
-        counts_out = slice_item_counts(catalog, slices_out, cfg.spec(self.epoch, 0, 1, 0, 1))
+        counts_out = slice_item_counts(source, slices_out, cfg.spec(self.epoch, 0, 1, 0, 1))
         self._sequence = (slices_out, counts_out)
         return self._sequence
 
-    def slices_for(
-        self, catalog: Catalog, cfg: Config, rank: int, world: int, worker: int, workers: int
-    ) -> list[Slice]:
-        slices, counts = self.sequence(catalog, cfg)
+    def slices_for(self, source: Source, cfg: Config, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
+        slices, counts = self.sequence(source, cfg)
         total = int(sum(counts))
         ra, rb = planmod.split_range(total, world, rank)
         wa, wb = planmod.split_range(rb - ra, workers, worker)
-        split = cfg.spec(self.epoch, 0, 1, 0, 1).splits(catalog.mode)
+        split = cfg.spec(self.epoch, 0, 1, 0, 1).splits(source.mode)
         return cut_sequence(slices, counts, ra + wa, ra + wb, split)
-
-
-def check_state(state: Any, *, dataset: str, settings: str) -> None:
-    if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
-        raise StateError("not a wdsllm loader state (missing kind 'wdsllm.loader')")
-    if state.get("version") != STATE_VERSION:
-        raise StateError(
-            f"loader state version {state.get('version')} is not supported (this wdsllm reads {STATE_VERSION})"
-        )
-    if state.get("dataset") != dataset:
-        raise StateError(
-            f"the state was saved for another dataset (fingerprint {state.get('dataset')}, this one is {dataset}); "
-            "shards or their order differ"
-        )
-    if state.get("settings") != settings:
-        raise StateError(
-            "the state was saved with other loader settings (batch size, seed, shuffle, batching, max_len, ...): "
-            f"saved {state.get('config')}"
-        )

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import StateError
-from .catalog import Catalog
 from .config import Config
 from .counts import batch_counts, equalised, round_robin_share, worker_batch_count
 from .resume import RemainderPlan
+from .sources.protocol import Source
 
 LOADER_KIND = "wdsllm.loader"
 DATASET_KIND = "wdsllm.dataset"
@@ -308,16 +308,16 @@ def check_identity(st: LoaderState, *, dataset: str, settings: str, infinite: bo
         raise StateError("the state is from an endless loader and this one is finite, or the other way round")
 
 
-def rank_counts(catalog: Catalog, cfg: Config, st: LoaderState) -> np.ndarray | None:
+def rank_counts(source: Source, cfg: Config, st: LoaderState) -> np.ndarray | None:
     """[num_workers] batch counts of the state's rank in its epoch, as the saving loader capped
     them (None without an index)."""
-    counts = batch_counts(catalog, cfg, st.epoch, st.world_size, st.num_workers, st.plan)
+    counts = batch_counts(source, cfg, st.epoch, st.world_size, st.num_workers, st.plan)
     if counts is None:
         return None
     return (equalised(counts) if st.equal_batches else counts)[st.rank]
 
 
-def check_positions(st: LoaderState, catalog: Catalog, cfg: Config, *, exact_order: bool) -> None:
+def check_positions(st: LoaderState, source: Source, cfg: Config, *, exact_order: bool) -> None:
     """The positions agree with each other and with the epoch's batch counts.
 
     ``exact_order``: every worker yields its full count (``on_error="raise"``), so the positions
@@ -330,9 +330,9 @@ def check_positions(st: LoaderState, catalog: Catalog, cfg: Config, *, exact_ord
                 f"batching={cfg.batching!r} writes {sorted(keys) or 'no hint'}"
             )
     if st.plan is not None:
-        _check_plan(st, catalog, cfg)
+        _check_plan(st, source, cfg)
     if st.infinite:
-        _check_endless(st, catalog, cfg)
+        _check_endless(st, source, cfg)
         return
     if st.steps:
         raise StateError(f"{_where('steps')} is {st.steps}; a finite loader counts no steps")
@@ -344,7 +344,7 @@ def check_positions(st: LoaderState, catalog: Catalog, cfg: Config, *, exact_ord
         if pos.epoch != st.epoch:
             raise StateError(f"{_where(f'workers.{w}')} is in epoch {pos.epoch}, the state in epoch {st.epoch}")
     handed = sum(p.batches for p in st.workers.values())
-    mine = rank_counts(catalog, cfg, st)
+    mine = rank_counts(source, cfg, st)
     if mine is None:  # no index: the positions must at least add up
         _check_sum(st, handed)
         return
@@ -369,13 +369,13 @@ def _check_sum(st: LoaderState, handed: int) -> None:
         raise StateError(f"the workers' positions add up to {handed} batches, {_where('yielded')} says {st.yielded}")
 
 
-def _check_plan(st: LoaderState, catalog: Catalog, cfg: Config) -> None:
+def _check_plan(st: LoaderState, source: Source, cfg: Config) -> None:
     plan = st.plan
     key = "plan"
     while plan is not None:
         if plan.epoch != st.epoch:
             raise StateError(f"{_where(key + '.epoch')} is {plan.epoch}; the state is in epoch {st.epoch}")
-        counts = batch_counts(catalog, cfg, plan.epoch, plan.world, plan.workers, plan.base)
+        counts = batch_counts(source, cfg, plan.epoch, plan.world, plan.workers, plan.base)
         if counts is not None:
             over = np.asarray(plan.consumed) > counts
             if over.any():
@@ -389,7 +389,7 @@ def _check_plan(st: LoaderState, catalog: Catalog, cfg: Config) -> None:
         raise StateError(f"{_where('plan')} is set, but an endless stream is never re-planned")
 
 
-def _check_endless(st: LoaderState, catalog: Catalog, cfg: Config) -> None:
+def _check_endless(st: LoaderState, source: Source, cfg: Config) -> None:
     """An endless stream's workers never end: the i-th batch came from worker i % W."""
     n = st.num_workers
     if cfg.steps_per_epoch is not None and st.steps > cfg.steps_per_epoch:
@@ -417,7 +417,7 @@ def _check_endless(st: LoaderState, catalog: Catalog, cfg: Config) -> None:
         return  # a long-running stream: the digest vouches for it
     counts = {}
     for e in range(st.epoch, high + 1):
-        c = batch_counts(catalog, cfg, e, st.world_size, n)
+        c = batch_counts(source, cfg, e, st.world_size, n)
         if c is None:
             return
         counts[e] = c[st.rank]
@@ -489,7 +489,7 @@ class DatasetState:
             DATASET_KIND,
         )
 
-    def check(self, catalog: Catalog, cfg: Config, *, dataset: str, settings: str, rank: int, world: int) -> None:
+    def check(self, source: Source, cfg: Config, *, dataset: str, settings: str, rank: int, world: int) -> None:
         """The state is this pipeline's, and its position lies within the worker's epoch."""
         if self.dataset != dataset:
             raise StateError("the dataset state was saved for another dataset (shards or their order differ)")
@@ -502,7 +502,7 @@ class DatasetState:
         if cfg.infinite:
             return
         spec = cfg.spec(self.position.epoch, rank, world, self.worker, self.num_workers)
-        count = worker_batch_count(catalog, cfg, spec)
+        count = worker_batch_count(source, cfg, spec)
         if count is not None and self.position.batches > count:
             raise StateError(
                 f"{_where('position')} is at batch {self.position.batches}, beyond the worker's {count} batches"

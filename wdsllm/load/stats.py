@@ -20,9 +20,9 @@ import numpy as np
 
 from ..errors import ConfigError
 from .batching import BucketBatcher, bfd_count, round_up
-from .catalog import Catalog
 from .config import Config
 from .plan import epoch_layout
+from .sources.protocol import Source
 from .stream import _max_len_lengths, epoch_slices, plan_labels, shuffle_lengths, slice_item_lengths
 
 #: datasets up to this many documents are simulated whole (beyond: a sample of windows)
@@ -56,7 +56,7 @@ class ModeCost:
 
 
 def stream_lengths(
-    catalog: Catalog, *, max_len: int | None, max_len_mode: str = "split", shuffle_buffer: int = 10_000, seed: int = 0
+    catalog: Source, *, max_len: int | None, max_len_mode: str = "split", shuffle_buffer: int = 10_000, seed: int = 0
 ) -> tuple[np.ndarray, int]:
     """Lengths one consumer sees in epoch 0 (after splitting or truncating), and tokens truncated."""
     cfg = Config(seed=seed, shuffle_buffer=shuffle_buffer, max_len=max_len, max_len_mode=max_len_mode)
@@ -139,7 +139,7 @@ class Sample:
 
 
 def all_modes(
-    catalog: Catalog,
+    catalog: Source,
     *,
     batch_size: int,
     max_tokens: int,
@@ -163,7 +163,7 @@ def all_modes(
 
 
 def _whole(
-    catalog: Catalog, batch_size: int, max_tokens: int, seq_len: int, window: int, multiple: int | None, seed: int
+    catalog: Source, batch_size: int, max_tokens: int, seq_len: int, window: int, multiple: int | None, seed: int
 ) -> list[ModeCost]:
     split, _ = stream_lengths(catalog, max_len=seq_len, max_len_mode="split", seed=seed)
     capped, cut = stream_lengths(catalog, max_len=seq_len, max_len_mode="truncate", seed=seed)
@@ -181,7 +181,7 @@ def _whole(
 
 
 def _sampled(
-    catalog: Catalog,
+    catalog: Source,
     batch_size: int,
     max_tokens: int,
     seq_len: int,
@@ -192,7 +192,7 @@ def _sampled(
 ) -> tuple[list[ModeCost], Sample]:
     """Every mode simulated on ``runs`` runs of RUN_WINDOWS windows of consecutive documents of
     the epoch-0 stream, at seeded places; padding as ratio estimates with 95% intervals."""
-    if catalog.lengths_file() is None:
+    if catalog.lengths() is None:
         raise ConfigError("this dataset has no lengths.npy; stats need the index")
     cfg = Config(seed=seed, shuffle_buffer=10_000)
     layout = epoch_layout(catalog.items_per_shard, seed=seed, epoch=0, world=1, workers=1, shuffle=True)
@@ -289,14 +289,14 @@ def _bucket_steady(
     return ModeCost("bucket", "", batches, tokens, padded, 0, small), items
 
 
-def _plan_lengths(catalog: Catalog, layout, a: int, b: int) -> np.ndarray:
+def _plan_lengths(catalog: Source, layout, a: int, b: int) -> np.ndarray:
     """Lengths of documents [a, b) of the epoch's plan order (the shards in their epoch order)."""
     parts = []
     i = int(np.searchsorted(layout.ends, a, side="right"))
     while a < b and i < len(layout.order):
         first = int(layout.ends[i] - layout.counts[i])
         stop = min(b, int(layout.ends[i]))
-        parts.append(catalog.shard_lengths(int(layout.order[i]), a - first, stop - first))
+        parts.append(catalog.lengths().of_unit(int(layout.order[i]), a - first, stop - first))
         a = stop
         i += 1
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)

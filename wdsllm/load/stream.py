@@ -26,9 +26,9 @@ from ..errors import SourceError
 from ..format import FormatError
 from . import plan as planmod
 from .block import Block, rebase, windows
-from .catalog import Catalog
 from .plan import Slice
-from .read import ReadOptions, open_kwargs, ranged_start, read_slice
+from .read import ReadOptions
+from .sources.protocol import Opening, Source, UnitReader
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,10 @@ def block_size(spec: StreamSpec, mixing=None) -> int:
     return spec.shuffle_buffer if mixing is None else mixing.block_size(spec)
 
 
-def plan_labels(catalog: Catalog, slices: list[Slice], spec: StreamSpec) -> np.ndarray | None:
+def plan_labels(source: Source, slices: list[Slice], spec: StreamSpec) -> np.ndarray | None:
     """A mixture's label of each item of the plan stream (source + sources x part of the epoch:
     what ``mixing.permutation`` orders by); None for one dataset."""
-    labels = PlanLabels.of(catalog, slices, spec)
+    labels = PlanLabels.of(source, slices, spec)
     return None if labels is None else labels.at(0, labels.total)
 
 
@@ -98,15 +98,15 @@ class PlanLabels:
         self._ends: list[int] = []
 
     @classmethod
-    def of(cls, catalog: Catalog, slices: list[Slice], spec: StreamSpec) -> PlanLabels | None:
-        mixing = catalog.mixing
+    def of(cls, source: Source, slices: list[Slice], spec: StreamSpec) -> PlanLabels | None:
+        mixing = source.mixing
         if mixing is None:
             return None
         shards = np.asarray([sl.shard for sl in slices], np.int64)
         groups = np.asarray([sl.group for sl in slices], np.int64)
         return cls(
             mixing.sources_of_shards(shards) + mixing.sources * groups,
-            lambda i: slice_item_count(catalog, slices[i], spec),
+            lambda i: slice_item_count(source, slices[i], spec),
         )
 
     def _counted(self, upto: int | None) -> None:
@@ -135,10 +135,10 @@ class PlanLabels:
         return np.repeat(self.per_slice[i : j + 1], counts)
 
 
-def epoch_slices(catalog: Catalog, spec: StreamSpec) -> list[Slice]:
+def epoch_slices(source: Source, spec: StreamSpec) -> list[Slice]:
     return planmod.plan_epoch(
-        catalog.items_per_shard,
-        len(catalog.urls),
+        source.items_per_shard,
+        len(source.urls),
         seed=spec.seed,
         epoch=spec.epoch,
         rank=spec.rank,
@@ -149,34 +149,35 @@ def epoch_slices(catalog: Catalog, spec: StreamSpec) -> list[Slice]:
     )
 
 
-def slice_item_lengths(catalog: Catalog, slices: list[Slice], spec: StreamSpec) -> np.ndarray | None:
+def slice_item_lengths(source: Source, slices: list[Slice], spec: StreamSpec) -> np.ndarray | None:
     """Token lengths of the plan stream's items (pieces after splitting), in plan order; None
     without an index. This is how counts are known before any shard is read (a whole share:
     counting uses ``ShareLengths``, which holds a window at a time)."""
-    if not has_lengths(catalog):
+    if not has_lengths(source):
         return None
-    parts = [slice_items(catalog, sl, spec) for sl in slices]
+    parts = [slice_items(source, sl, spec) for sl in slices]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-def has_lengths(catalog: Catalog) -> bool:
-    """Whether items' lengths are known without reading shards (an index; docs mode: lengths.npy)."""
-    if catalog.mode == "packed":
-        return catalog.shard_entries is not None
-    return catalog.lengths_file() is not None
+def has_lengths(source: Source) -> bool:
+    """Whether items' lengths are known without reading units (packed rows: the index's tokens per
+    shard; documents: lengths.npy, or a count sidecar)."""
+    if source.mode == "packed":
+        return source.tokens_per_shard is not None
+    return source.lengths() is not None
 
 
-def slice_items(catalog: Catalog, sl: Slice, spec: StreamSpec) -> np.ndarray:
+def slice_items(source: Source, sl: Slice, spec: StreamSpec) -> np.ndarray:
     """Token lengths of one slice's items, in plan order (int64)."""
-    if catalog.mode == "packed":
-        e = catalog.shard_entries[sl.shard]
-        seq_len = catalog.index.seq_len
-        rows = np.full(e.rows, seq_len, np.int64)
-        if e.rows:
-            rows[-1] = e.tokens - seq_len * (e.rows - 1)
+    if source.mode == "packed":
+        n_rows = int(source.items_per_shard[sl.shard])
+        seq_len = source.index.seq_len
+        rows = np.full(n_rows, seq_len, np.int64)
+        if n_rows:
+            rows[-1] = int(source.tokens_per_shard[sl.shard]) - seq_len * (n_rows - 1)
         items = rows[sl.start : sl.stop : sl.stride]
     else:
-        items = _max_len_lengths(slice_doc_lengths(catalog, sl), spec)
+        items = _max_len_lengths(slice_doc_lengths(source, sl), spec)
     return items if sl.pick is None else items[sl.pick]
 
 
@@ -189,8 +190,8 @@ class ShareLengths:
     get the stream's own block permutations.
     """
 
-    def __init__(self, catalog: Catalog, slices: list[Slice], spec: StreamSpec):
-        self.catalog = catalog
+    def __init__(self, source: Source, slices: list[Slice], spec: StreamSpec):
+        self.source = source
         self.slices = slices
         self.spec = spec
         self._total: int | None = None
@@ -200,14 +201,14 @@ class ShareLengths:
     def n_items(self) -> int:
         """Items of the share (pieces counted)."""
         if self._n is None:
-            counts = slice_item_counts(self.catalog, self.slices, self.spec)
+            counts = slice_item_counts(self.source, self.slices, self.spec)
             self._n = int(sum(counts)) if counts is not None else None
         return self._n
 
     def plan_chunks(self) -> Iterator[np.ndarray]:
         """The items' lengths in plan order, a slice at a time."""
         for sl in self.slices:
-            yield slice_items(self.catalog, sl, self.spec)
+            yield slice_items(self.source, sl, self.spec)
 
     def total(self) -> int:
         if self._total is None:
@@ -215,7 +216,7 @@ class ShareLengths:
         return self._total
 
     def windows(self, size: int) -> Iterator[np.ndarray]:
-        mixing = self.catalog.mixing
+        mixing = self.source.mixing
         buffer = block_size(self.spec, mixing)
         if buffer <= 1 or size % buffer == 0:
             return rechunk(self.plan_chunks(), size)
@@ -225,7 +226,7 @@ class ShareLengths:
                 for k, block in enumerate(rechunk(self.plan_chunks(), buffer))
             )
         else:
-            labels = rechunk(iter([plan_labels(self.catalog, self.slices, self.spec)]), buffer)
+            labels = rechunk(iter([plan_labels(self.source, self.slices, self.spec)]), buffer)
             blocks = (
                 block[mixing.permutation(self.spec, k, lab)]
                 for k, (block, lab) in enumerate(zip(rechunk(self.plan_chunks(), buffer), labels))
@@ -250,11 +251,10 @@ def rechunk(chunks: Iterable[np.ndarray], size: int) -> Iterator[np.ndarray]:
         yield held[0] if len(held) == 1 else np.concatenate(held)
 
 
-def slice_doc_lengths(catalog: Catalog, sl: Slice) -> np.ndarray:
+def slice_doc_lengths(source: Source, sl: Slice) -> np.ndarray:
     """Token counts of the documents a slice covers (int64; read from lengths.npy)."""
-    if sl.stride == 1:
-        return catalog.shard_lengths(sl.shard, sl.start, sl.stop)
-    return catalog.shard_lengths(sl.shard, sl.start, sl.stop)[:: sl.stride]
+    lengths = source.lengths().of_unit(sl.shard, sl.start, sl.stop)
+    return lengths if sl.stride == 1 else lengths[:: sl.stride]
 
 
 def _max_len_lengths(lengths: np.ndarray, spec: StreamSpec) -> np.ndarray:
@@ -284,31 +284,31 @@ def shuffle_lengths(lengths: np.ndarray, spec: StreamSpec, mixing=None, labels: 
     return out
 
 
-def slice_item_counts(catalog: Catalog, slices: list[Slice], spec: StreamSpec) -> list[int] | None:
+def slice_item_counts(source: Source, slices: list[Slice], spec: StreamSpec) -> list[int] | None:
     """Items of each slice in the plan stream (pieces counted)."""
-    counts = [slice_item_count(catalog, sl, spec) for sl in slices]
+    counts = [slice_item_count(source, sl, spec) for sl in slices]
     return None if any(c is None for c in counts) else counts
 
 
-def slice_item_count(catalog: Catalog, sl: Slice, spec: StreamSpec) -> int | None:
+def slice_item_count(source: Source, sl: Slice, spec: StreamSpec) -> int | None:
     if sl.pick is not None:
         return len(sl.pick)
-    if not spec.splits(catalog.mode):
-        if sl.stop is None and sl.stride == 1 and sl.start == 0 and catalog.items_per_shard is not None:
-            return int(catalog.items_per_shard[sl.shard])  # a whole shard (resampled streams)
+    if not spec.splits(source.mode):
+        if sl.stop is None and sl.stride == 1 and sl.start == 0 and source.items_per_shard is not None:
+            return int(source.items_per_shard[sl.shard])  # a whole shard (resampled streams)
         return sl.count
-    if catalog.lengths_file() is None:
+    if source.lengths() is None:
         return None
-    return int(pieces_per_doc(slice_doc_lengths(catalog, sl), spec.max_len).sum())
+    return int(pieces_per_doc(slice_doc_lengths(source, sl), spec.max_len).sum())
 
 
-def _docs_before(catalog: Catalog, sl: Slice, spec: StreamSpec, item: int) -> tuple[int, int]:
+def _docs_before(source: Source, sl: Slice, spec: StreamSpec, item: int) -> tuple[int, int]:
     """(whole documents before in-slice item position ``item``, items those documents make)."""
     if item <= 0:
         return 0, 0
-    if not spec.splits(catalog.mode):
+    if not spec.splits(source.mode):
         return item, item
-    pieces_through = np.cumsum(pieces_per_doc(slice_doc_lengths(catalog, sl), spec.max_len))
+    pieces_through = np.cumsum(pieces_per_doc(slice_doc_lengths(source, sl), spec.max_len))
     docs = int(np.searchsorted(pieces_through, item, side="right"))
     return docs, int(pieces_through[docs - 1]) if docs else 0
 
@@ -349,8 +349,8 @@ PREFETCH_AHEAD_BYTES = 64 << 20
 WARM_NEXT_EPOCH = os.environ.get("WDSLLM_WARM_NEXT_EPOCH", "1") != "0"
 
 
-def plan_items(
-    catalog: Catalog,
+def read_plan_stream(
+    source: Source,
     slices: list[Slice] | Iterator[Slice],
     spec: StreamSpec,
     *,
@@ -359,118 +359,156 @@ def plan_items(
     stats: StreamStats | None = None,
     then: Callable[[], tuple[list[Slice], StreamSpec] | None] | None = None,
 ) -> Iterator[Block]:
-    """The plan stream from plan position ``start``: blocks of items in plan order.
+    """The plan stream from plan position ``start``, read: blocks of items in plan order.
 
     With counts from the index, slices before ``start`` are not opened and the slice holding it
     is entered by skipping groups; without them the items before ``start`` are read and dropped.
     The next shard is opened (and, when remote, read ahead) while the current one is consumed.
     ``then``: the slices and spec of the stream read next in this process (the next epoch's),
-    asked for once the last shard here has started; its first remote shards start then too
-    (``storage.prefetch_iter``'s ``then``).
+    asked for once the last shard here has started; storage is then asked to start its first
+    remote shards (``storage.Prefetcher.warm``).
     """
     options = options or ReadOptions()
-    raw = getattr(catalog, "read_unit", None)  # raw text: units read and tokenized here (load/raw.py)
-
-    def is_raw(sl: Slice) -> bool:  # a unit of raw text (one raw source, or a mixture's raw source)
-        return raw is not None or hasattr(catalog.owner(sl.shard)[0], "read_unit")
-
-    def with_starts(slices, spec: StreamSpec, start: int) -> Iterator[tuple]:
-        """Each slice with where a ranged read can enter its shard (remote shards, groups.npy)."""
-        for sl, skip, drop in _slice_work(catalog, slices, spec, start):
-            yield sl, skip, drop, None if is_raw(sl) else ranged_start(*_reader(catalog, sl), skip, options)
-
-    def opened(work: Iterable[tuple]) -> Iterator[tuple[str, dict]]:
-        """What prefetch_iter opens for each slice."""
-        for sl, _, _, at in work:
-            if not is_raw(sl):  # a mixture's raw units are read by their source, not opened here
-                yield catalog.urls[sl.shard], open_kwargs(*_reader(catalog, sl, shard=True), options, at)
-
-    def next_pass() -> Iterator[tuple[str, dict]]:
-        following = then() if then is not None and WARM_NEXT_EPOCH else None
-        if following is not None:
-            yield from opened(with_starts(*following, 0))
-
-    work = with_starts(slices, spec, start)
-    if options.prefetch and not raw:
+    work = _planned_work(source, slices, spec, start, options)
+    streams = None
+    if source.opens_units:
         work, ahead = itertools.tee(work)
         streams = storage.prefetch_iter(
-            opened(ahead),
+            _openings(ahead),
             spool=True,  # remote shards of known size are read in place, as mapped local ones are
             ahead_bytes=PREFETCH_AHEAD_BYTES,
             offload=bool(options.fetch_process),  # a fetch process fills the spools (storage/offload.py)
-            then=next_pass(),
-            owner=(id(catalog), spec.rank, spec.world, spec.worker, spec.workers),  # whose warmed shards
+            owner=storage.WarmKey(id(source), (spec.rank, spec.world, spec.worker, spec.workers)),
         )
-    else:
-        streams = None
-    leftover = 0  # items still to drop when counts are unknown and a slice ran out first
-    for sl, skip_docs, drop, at in work:
-        drop += leftover
-        position = _items_of_docs(catalog, sl, spec, skip_docs) if sl.pick is not None else 0
+    warmer = _NextPass(source, then, options) if then is not None and streams is not None else None
+    to_drop = _Drop()  # items still to drop when counts are unknown and a slice ran out first
+    for w in work:
+        to_drop.items += w.drop
+        position = _items_of_docs(source, w.sl, spec, w.skip) if w.sl.pick is not None else 0
         try:
-            owner, local = _reader(catalog, sl)
-            base = sl.shard - local.shard
-            read_unit = getattr(owner, "read_unit", None)  # raw text: read and tokenized here (load/raw.py)
-            stream = next(streams) if streams is not None and read_unit is None else None
-            if read_unit is not None:
-                blocks = read_unit(local.shard, local.start, local.stop, local.stride, skip_docs, stats)
-            else:
-                blocks = read_slice(owner, local, skip=skip_docs, options=options, stream=stream, start=at)
-            for block in blocks:
-                block = rebase(block, base)
-                if catalog.mode == "docs":
-                    block, cut = _apply_max_len(block, spec)
-                    if stats is not None:
-                        stats.truncated_tokens += cut
-                if sl.pick is not None:
-                    here = position + np.arange(len(block))
-                    position += len(block)
-                    block = block.take(np.nonzero(np.isin(here, sl.pick, assume_unique=True))[0])
-                if drop:
-                    take = min(drop, len(block))
-                    drop -= take
-                    block = block.slice(take, len(block))
-                if len(block):
-                    yield block
+            stream = next(streams) if w.opening is not None else None
+            if warmer is not None and streams.all_started:
+                warmer.warm(streams)
+                warmer = None
+            blocks = w.reader.read(w.local, skip=w.skip, options=options, opened=w.opening, stream=stream, stats=stats)
+            yield from _cut_blocks(source, w, blocks, spec, position, to_drop, stats)
         except GeneratorExit:  # closed early (at interpreter exit, module globals may be gone already)
             raise
         except (storage.StorageError, FormatError, SourceError) as exc:
             if options.on_error != "skip":
                 raise
-            url = catalog.urls[sl.shard]
+            url = source.urls[w.sl.shard]
             log.warning("skipping unreadable shard %s: %s", storage.redact(url), exc)
             if stats is not None:
                 stats.skipped_shards.append(url)
-        leftover = drop
 
 
-def _reader(catalog: Catalog, sl: Slice, shard: bool = False) -> tuple[Catalog, Slice | int]:
-    """The catalog that reads a slice's shard and the slice in its numbering (a mixture's source;
-    one dataset reads its own), or with ``shard`` the shard's number there."""
-    owner, local, _ = catalog.owner(sl.shard)
-    if shard:
-        return owner, local
-    return owner, (sl if owner is catalog else replace(sl, shard=local))
+@dataclass(frozen=True)
+class _Work:
+    """One slice to read: ``skip`` documents skipped by group and ``drop`` items dropped after
+    reading; ``reader`` reads it as ``local`` (in its own numbering), opened as ``opening`` says."""
+
+    sl: Slice
+    skip: int
+    drop: int
+    reader: UnitReader
+    local: Slice
+    opening: Opening | None
 
 
-def _items_of_docs(catalog: Catalog, sl: Slice, spec: StreamSpec, docs: int) -> int:
+class _Drop:
+    """Items still to drop, carried from slice to slice (counts unknown: a slice may run out first)."""
+
+    def __init__(self) -> None:
+        self.items = 0
+
+
+def _planned_work(
+    source: Source, slices: Iterable[Slice], spec: StreamSpec, start: int, options: ReadOptions
+) -> Iterator[_Work]:
+    """Each slice to read with its reader, and where a ranged read can enter its unit."""
+    for sl, skip, drop in _slice_work(source, slices, spec, start):
+        reader, unit = source.reader(sl.shard)
+        local = sl if unit == sl.shard else replace(sl, shard=unit)
+        yield _Work(sl, skip, drop, reader, local, reader.opening(local, skip, options))
+
+
+def _openings(work: Iterable[_Work]) -> Iterator[tuple[str, dict]]:
+    """What the prefetcher opens: the units the stream opens (a mixture's raw units are read by
+    their source, not opened here)."""
+    for w in work:
+        if w.opening is not None:
+            yield w.opening.url, w.opening.kwargs
+
+
+class _NextPass:
+    """The next pass's first units, warmed once this pass's last ones have started."""
+
+    def __init__(self, source: Source, then: Callable[[], tuple[list[Slice], StreamSpec] | None], options: ReadOptions):
+        self.source = source
+        self.then = then
+        self.options = options
+
+    def warm(self, streams: storage.Prefetcher) -> None:
+        try:
+            following = self.then() if WARM_NEXT_EPOCH else None
+            if following is not None:
+                slices, spec = following
+                work = _planned_work(self.source, slices, spec, 0, self.options)
+                streams.warm(itertools.islice(_openings(work), streams.options.most))
+        except Exception as exc:  # a guess: the next pass plans and meets it again if it is real
+            log.debug("not warming the next pass: %s", exc)
+
+
+def _cut_blocks(
+    source: Source,
+    w: _Work,
+    blocks: Iterable[Block],
+    spec: StreamSpec,
+    position: int,
+    to_drop: _Drop,
+    stats: StreamStats | None,
+) -> Iterator[Block]:
+    """A slice's blocks numbered as the source's, cut at max_len, its picks kept, the items still
+    to drop dropped (``position``: the in-slice item position of the first block)."""
+    base = w.sl.shard - w.local.shard
+    pick = w.sl.pick
+    for block in blocks:
+        block = rebase(block, base)
+        if source.mode == "docs":
+            block, cut = _apply_max_len(block, spec)
+            if stats is not None:
+                stats.truncated_tokens += cut
+        if pick is not None:
+            here = position + np.arange(len(block))
+            position += len(block)
+            block = block.take(np.nonzero(np.isin(here, pick, assume_unique=True))[0])
+        if to_drop.items:
+            take = min(to_drop.items, len(block))
+            to_drop.items -= take
+            block = block.slice(take, len(block))
+        if len(block):
+            yield block
+
+
+def _items_of_docs(source: Source, sl: Slice, spec: StreamSpec, docs: int) -> int:
     """In-slice item position of the first item of document ``docs``."""
     if docs <= 0:
         return 0
-    if not spec.splits(catalog.mode):
+    if not spec.splits(source.mode):
         return docs
-    lengths = slice_doc_lengths(catalog, sl)[:docs]
+    lengths = slice_doc_lengths(source, sl)[:docs]
     return int(pieces_per_doc(lengths, spec.max_len).sum())
 
 
 def _slice_work(
-    catalog: Catalog, slices: Iterable[Slice], spec: StreamSpec, start: int
+    source: Source, slices: Iterable[Slice], spec: StreamSpec, start: int
 ) -> Iterator[tuple[Slice, int, int]]:
     """(slice, documents to skip by group, items to drop after reading) for each slice to read."""
     pos = 0  # plan position of the current slice's first item
     remaining = start  # items still to pass when counts are unknown
     for sl in slices:
-        n = slice_item_count(catalog, sl, spec)
+        n = slice_item_count(source, sl, spec)
         if n is None:
             # Unknown counts: read from the first slice and drop items until ``start``.
             yield sl, 0, remaining
@@ -484,10 +522,10 @@ def _slice_work(
         if sl.pick is not None:
             # keep the picks from skip_items on; read from the document holding the first one
             sl = Slice(sl.shard, sl.start, sl.stop, sl.stride, sl.pick[skip_items:])
-            skip_docs, _ = _docs_before(catalog, sl, spec, int(sl.pick[0]))
+            skip_docs, _ = _docs_before(source, sl, spec, int(sl.pick[0]))
             yield sl, skip_docs, 0
             continue
-        skip_docs, passed = _docs_before(catalog, sl, spec, skip_items)
+        skip_docs, passed = _docs_before(source, sl, spec, skip_items)
         yield sl, skip_docs, skip_items - passed
 
 

@@ -1,4 +1,5 @@
-"""Resolving a source (dataset root, index URL, shard URLs or patterns) into shards + index.
+"""A packed dataset as a source: its shards and its index, resolved from a dataset root, an index
+URL, or shard URLs and patterns.
 
 A source is one of: a dataset root holding index.json (a directory, ``file://``, ``http(s)://``
 or ``s3://`` URL, with or without a trailing slash); the URL of an index.json; shard URLs or
@@ -17,15 +18,21 @@ import hashlib
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import quote
 
 import numpy as np
 
-from .. import format as fmt
-from .. import storage
-from ..format.side import SideArray
+from ... import format as fmt
+from ... import storage
+from ...errors import MixtureError, TokenizerError
+from ...format.side import SideArray
+from ..block import Block
+from ..plan import Slice
+from ..read import ReadOptions, open_kwargs, ranged_start, read_slice
+from .lengths import IndexLengths
+from .protocol import Opening
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +65,14 @@ GROUP_TABLES_KEPT = 256
 
 
 @dataclass
-class Catalog:
-    """The shards to read, in index order, and the index when there is one.
+class PackedSource:
+    """The shards to read, in index order, and the index when there is one (a ``Source``, and
+    the ``UnitReader`` of its own shards).
 
     Everything of dataset size stays out of Python objects: per-shard counts are int64 columns of
     the index's shard table, and lengths.npy and groups.npy are side files read in ranges
     (``format.side.SideArray``: memory-mapped, each range checked once per process), so opening a
-    catalog costs the same for a thousand shards and for a million, and so does a worker.
+    source costs the same for a thousand shards and for a million, and so does a worker.
     """
 
     urls: Sequence[str]
@@ -77,6 +85,10 @@ class Catalog:
     _sides: dict = field(default_factory=dict, repr=False)  # side file name -> SideArray
     _columns: dict = field(default_factory=dict, repr=False)  # cached per-shard int64 columns
     _tables: dict = field(default_factory=dict, repr=False)  # shard -> its checked rows of groups.npy
+    _lengths: IndexLengths | None = field(default=None, repr=False)  # lengths.npy, once opened
+
+    #: the stream opens the shards, reading the next one ahead while this one is consumed
+    opens_units = True
 
     @property
     def mode(self) -> str:
@@ -94,7 +106,7 @@ class Catalog:
         return self._columns["entries"]
 
     def _column(self, name: str) -> np.ndarray | None:
-        """One int64 count per catalog shard, from the index's shard table (cached)."""
+        """One int64 count per shard of the source, from the index's shard table (cached)."""
         if self.index is None:
             return None
         if name not in self._columns:
@@ -116,7 +128,7 @@ class Catalog:
         return self._column("tokens")
 
     def _starts(self, name: str) -> np.ndarray:
-        """Where each catalog shard's entries begin in a dataset-order file (documents in
+        """Where each of the source's shards' entries begin in a dataset-order file (documents in
         lengths.npy, groups in groups.npy): the index-wide running sum of ``name``."""
         key = f"start:{name}"
         if key not in self._columns:
@@ -126,30 +138,55 @@ class Catalog:
             self._columns[key] = starts[:-1] if self.positions is None else starts[self.positions]
         return self._columns[key]
 
-    # -- what a mixture (mixcatalog.MixtureCatalog) answers otherwise ----------------------------
+    # -- what a mixture answers otherwise (``sources.mixture.MixtureSource``) ---------------------
     @property
-    def mixing(self) -> Any:
-        """How a shuffle block orders its items by source (``mixplan.Mixing``); None: one dataset."""
+    def mixing(self) -> None:
+        """One dataset: a shuffle block is a plain permutation."""
         return None
 
-    def owner(self, shard: int) -> tuple[Catalog, int, int]:
-        """(the catalog that reads shard ``shard``, its number there, the first shard it owns here)."""
-        return self, shard, 0
-
-    def default_plan(self, epoch: int) -> Any:
-        """The ``counts.EpochPlan`` of every epoch (a mixture's); None: the normal plan."""
+    def default_plan(self, epoch: int) -> None:
+        """One dataset: every epoch is ``plan.plan_epoch``'s."""
         return None
+
+    def has_step_schedule(self) -> bool:
+        return False
 
     def bind(self, cfg: Any, world: int) -> None:
-        """Settle what depends on the loader's settings (a mixture's); nothing for one dataset."""
+        """Nothing of one dataset depends on the loader's settings."""
+
+    def components(self) -> list[PackedSource]:
+        return [self]
+
+    def reader(self, unit: int) -> tuple[PackedSource, int]:
+        return self, unit
 
     def __getstate__(self) -> dict:
-        # Workers started by spawn get the catalog pickled: side files travel as references and
+        # Workers started by spawn get the source pickled: side files travel as references and
         # are mapped again there; checked group tables are cheap to check again.
         state = dict(self.__dict__)
         state["_tables"] = {}
         state["_columns"] = {}
         return state
+
+    # -- reading its shards (``UnitReader``) ------------------------------------------------------
+    def opening(self, sl: Slice, skip: int, options: ReadOptions) -> Opening:
+        """The shard opened by the stream (read ahead), entered at a group where a ranged read of
+        a remote shard can be (``read.ranged_start``)."""
+        start = ranged_start(self, sl, skip, options)
+        return Opening(self.urls[sl.shard], open_kwargs(self, sl.shard, options, start), start)
+
+    def read(
+        self,
+        sl: Slice,
+        *,
+        skip: int,
+        options: ReadOptions,
+        opened: Opening | None = None,
+        stream: Any = None,
+        stats: Any = None,
+    ) -> Iterator[Block]:
+        start = opened.start if opened is not None else None
+        return read_slice(self, sl, skip=skip, options=options, stream=stream, start=start)
 
     # -- side files -------------------------------------------------------------------------
     def side(self, ref: fmt.SideFile | None) -> SideArray | None:
@@ -162,72 +199,23 @@ class Catalog:
             self._sides[ref.name] = side
         return side
 
-    def lengths_file(self) -> SideArray | None:
-        """lengths.npy (every document's length, dataset order) as a checked, mapped side file."""
+    def lengths(self) -> IndexLengths | None:
+        """lengths.npy (every document's length, dataset order) as a checked, mapped side file;
+        None without one."""
+        if self._lengths is not None:
+            return self._lengths
         if self.index is None or not self.index.lengths_file:
             return None
-        known = self._sides.get(self.index.lengths_file.name)
-        if known is not None:
-            return known
         side = self.side(self.index.lengths_file)
-        if side is not None and side.count != self.index.documents:
+        if side is None:
+            return None
+        if side.count != self.index.documents:
             self._sides.pop(self.index.lengths_file.name)
             raise fmt.FormatError(
                 f"{side.url} has {side.count} entries, the index counts {self.index.documents} documents"
             )
-        return side
-
-    def shard_lengths(
-        self, shard: int, start: int = 0, stop: int | None = None, *, check: bool = True
-    ) -> np.ndarray | None:
-        """Token counts of documents [start, stop) of catalog shard ``shard`` (int64, a copy);
-        None without lengths.npy. ``check=False``: read now, checked later (``check_lengths``)."""
-        side = self.lengths_file()
-        if side is None:
-            return None
-        a, b = self.lengths_range(shard, start, stop)
-        return side.read(a, b, check=check).astype(np.int64)
-
-    def lengths_range(self, shard: int, start: int = 0, stop: int | None = None) -> tuple[int, int]:
-        """Where documents [start, stop) of catalog shard ``shard`` are in lengths.npy."""
-        n = int(self.docs_per_shard[shard])
-        stop = n if stop is None else min(int(stop), n)
-        base = int(self._starts("documents")[shard])
-        return base + max(0, int(start)), base + stop
-
-    def lengths_sums(
-        self, shards: np.ndarray, starts: np.ndarray, stops: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens, a, b): the sum of the lengths of documents [starts, stops) of each catalog
-        shard in ``shards``, and where those are in lengths.npy, read now and checked later
-        (``check_lengths``); one read per range, no Python object per document."""
-        side = self.lengths_file()
-        first = self.document_starts()[shards]
-        a = first + np.asarray(starts, np.int64)
-        b = first + np.asarray(stops, np.int64)
-        return side.range_sums(a, b), a, b
-
-    def document_starts(self) -> np.ndarray:
-        """Where each catalog shard's documents begin in lengths.npy."""
-        return self._starts("documents")
-
-    def check_lengths(self, ranges: list[tuple[int, int]]) -> None:
-        """Check ranges of lengths.npy read with ``check=False`` (each chunk once per process)."""
-        side = self.lengths_file()
-        for a, b in ranges:
-            side.check_range(a, b)
-
-    def lengths(self) -> np.ndarray | None:
-        """Per-document token counts for the catalog's shards, in catalog order (docs mode): the
-        uint32 map of lengths.npy itself when the catalog is the whole index (never widened, never
-        copied: processes share its pages), else the catalog's shards' parts joined."""
-        side = self.lengths_file()
-        if side is None:
-            return None
-        if self.positions is None:
-            return side.array()
-        parts = [self.shard_lengths(i).astype(np.uint32) for i in range(len(self.positions))]
-        return np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+        self._lengths = IndexLengths(side, self.docs_per_shard, self._starts("documents"), self.positions is None)
+        return self._lengths
 
     def group_table(self, shard: int) -> np.ndarray | None:
         """Where each group of shard ``shard`` starts (and, format 3, its size and checksum):
@@ -271,6 +259,36 @@ class Catalog:
             for u in self.urls:
                 h.update(f"{u}|".encode())
         return h.hexdigest()[:16]
+
+    def reads_remote(self) -> bool:
+        """Shards an index names sit under its root, so the root's scheme answers for all of
+        them, at any shard count; shards the user listed are asked one by one."""
+        if self.root is not None and not self.user_urls:
+            return storage.is_remote(self.root)
+        return any(storage.is_remote(u) for u in self.urls)
+
+    def describe_for_mixture(self, name: str) -> fmt.Index:
+        """The index, its shard table cut to the source's shards: what a mixture plans it from."""
+        if self.index is None:
+            raise MixtureError(f"mixture source {name!r} has no index.json: a mixture is planned from the indexes")
+        if self.positions is None:
+            return self.index
+        shards = self.index.shards
+        names = [shards.name(int(p)) for p in self.positions]
+        return replace(self.index, shards=fmt.ShardTable(shards.columns[self.positions], names=names))
+
+    def tokenizer_json(self) -> str:
+        """The tokenizer.json the dataset carries (checked against the index's sha256)."""
+        index, root = self.index, self.root
+        if index is None or root is None:
+            raise TokenizerError("a dataset without index.json names no tokenizer")
+        text = fmt.read_tokenizer_json(root, index, retry=self.retry)
+        if text is None:
+            raise TokenizerError(
+                f"{root} carries no {fmt.TOKENIZER_NAME} (it was packed before datasets stored their tokenizer): "
+                f"load {index.tokenizer.source!r} yourself (sha256 {index.tokenizer.sha256[:16]}...)"
+            )
+        return text
 
 
 def _read_index(root: str, retry: storage.RetryPolicy | None = None) -> tuple[fmt.Index | None, str]:
@@ -323,27 +341,14 @@ def _expand(patterns: list[str]) -> list[str]:
     return urls
 
 
-def open_catalog(
-    source: Any, *, index_for_shards: bool = True, retry: storage.RetryPolicy | None = None, on_error: str = "raise"
-) -> Catalog:
-    """Resolve a source into a Catalog.
-
-    A ``Mixture``, or the path or URL of a mixture file (``.yaml``/``.yml``), becomes a
-    ``mixcatalog.MixtureCatalog``. Otherwise ``source`` is a dataset root (directory or URL
-    holding index.json), the URL of an index.json, or shard URLs/patterns (a string or a list).
-    For shard URLs, an index.json beside them is used when it lists every one of them, so the
-    guarantees that need an index still hold. ``retry`` governs reading the index and
-    ``lengths.npy``; a missing index, a 403 or a 404 fail at once. ``on_error`` is the loader's:
-    a mixture's raw-text sources parse with it unless they set their own.
-    """
-    if isinstance(source, Catalog):
-        return source
-    from .mixture import is_mixture_source  # mixtures are catalogs of catalogs (mixcatalog imports this module)
-
-    if is_mixture_source(source):
-        from .mixcatalog import open_mixture
-
-        return open_mixture(source, retry=retry, on_error=on_error)
+def open_packed(
+    source: Any, *, index_for_shards: bool = True, retry: storage.RetryPolicy | None = None
+) -> PackedSource:
+    """A packed dataset: ``source`` is a dataset root (directory or URL holding index.json), the
+    URL of an index.json, or shard URLs/patterns (a string or a list). For shard URLs, an
+    index.json beside them is used when it lists every one of them, so the guarantees that need an
+    index still hold. ``retry`` governs reading the index and ``lengths.npy``; a missing index, a
+    403 or a 404 fail at once."""
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
     if isinstance(source, (list, tuple)):
@@ -359,7 +364,7 @@ def open_catalog(
     return _from_root(source, retry)
 
 
-def _from_root(root: str, retry: storage.RetryPolicy | None = None) -> Catalog:
+def _from_root(root: str, retry: storage.RetryPolicy | None = None) -> PackedSource:
     index_url = storage.join_url(root, fmt.INDEX_NAME)
     index, missing = _read_index(root, retry)
     if index is None:
@@ -381,7 +386,7 @@ def _from_root(root: str, retry: storage.RetryPolicy | None = None) -> Catalog:
                     len(names),
                 )
                 urls = [storage.join_url(root, n) for n in names]
-                return Catalog(urls=[_listed_path(u) for u in urls], user_urls=False, root=root, retry=retry)
+                return PackedSource(urls=[_listed_path(u) for u in urls], user_urls=False, root=root, retry=retry)
         raise storage.NotFoundError(
             f"{index_url}: {missing}: {root} is not a dataset root (it holds no {fmt.INDEX_NAME}); pass shard "
             f"URLs or patterns (such as {root.rstrip('/')}/shard-{{000000..000009}}.tar) instead",
@@ -389,7 +394,7 @@ def _from_root(root: str, retry: storage.RetryPolicy | None = None) -> Catalog:
             reason=missing,
         )
     _note_unchecked(root, index)
-    return Catalog(urls=ShardUrls(root, index.shards), index=index, root=root, retry=retry)
+    return PackedSource(urls=ShardUrls(root, index.shards), index=index, root=root, retry=retry)
 
 
 _told_unchecked: set[str] = set()
@@ -406,10 +411,10 @@ def _note_unchecked(root: str, index: fmt.Index | None) -> None:
     )
 
 
-def _from_shards(urls: list[str], index_for_shards: bool, retry: storage.RetryPolicy | None = None) -> Catalog:
+def _from_shards(urls: list[str], index_for_shards: bool, retry: storage.RetryPolicy | None = None) -> PackedSource:
     if not urls:
         raise storage.StorageError("no shards given")
-    catalog = Catalog(urls=urls, user_urls=True, retry=retry)
+    catalog = PackedSource(urls=urls, user_urls=True, retry=retry)
     if not index_for_shards or any(u.startswith("pipe:") for u in urls):
         return catalog
     roots = {storage.dirname_url(u) for u in urls}
