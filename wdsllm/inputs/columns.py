@@ -21,7 +21,19 @@ import numpy as np
 
 from ..errors import SourceError
 from .records import RecordChunk, empty_chunk
-from .sources import OPEN_READS, STDIN, InputFile, ParseOptions, Part, Skip, Units, close_input, open_seekable, too_long
+from .sources import (
+    OPEN_READS,
+    STDIN,
+    InputFile,
+    ParseOptions,
+    Part,
+    Skip,
+    Units,
+    check_unchanged,
+    close_input,
+    open_seekable,
+    too_long,
+)
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +255,7 @@ class ParquetReader:
 
         f = open_seekable(inp.path, inp.size)
         try:
+            check_unchanged(inp, f)
             return f, pq.ParquetFile(f, page_checksum_verification=True)  # pages written with a CRC are checked
         except BaseException:
             f.close()
@@ -266,6 +279,8 @@ class ParquetReader:
         inp = part.input
         try:
             f, pf = self._open(inp)
+        except SourceError:
+            raise
         except _arrow_errors() as exc:
             yield _unreadable(inp, 0, "not a readable Parquet file", exc)
             return
@@ -337,6 +352,7 @@ def _open_ipc(inp: InputFile):
         raise SourceError("stdin cannot be read as Arrow here; write it to a file")
     source = pa.memory_map(inp.path) if _local(inp.path) else open_seekable(inp.path, inp.size)
     try:
+        check_unchanged(inp, source)
         try:
             return source, pa.ipc.open_file(source), True
         except pa.ArrowInvalid:
@@ -375,6 +391,8 @@ class ArrowReader:
         inp = part.input
         try:
             source, reader, random_access = _open_ipc(inp)
+        except SourceError:
+            raise
         except _arrow_errors() as exc:
             yield _unreadable(inp, 0, "not a readable Arrow file", exc)
             return

@@ -69,6 +69,15 @@ class InputFile:
     compression: str | None
     size: int  # bytes on disk (compressed), 0 for stdin
     version: str = ""  # a remote object's version (ETag, generation, commit); local files: ""
+    mtime_ns: int = 0  # a local file's modification time when it was listed (0: remote, stdin)
+
+    @property
+    def identity(self) -> str:
+        """What tells this version of the input from a rewritten one: a remote object's version
+        (as its store lists it), a local file's size and modification time."""
+        if self.path == STDIN or "://" in self.path:
+            return self.version
+        return f"size={self.size} mtime_ns={self.mtime_ns}"
 
     @property
     def display(self) -> str:
@@ -159,7 +168,8 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
             obj = objects[path]
             inputs.append(InputFile(len(inputs), path, kind, compression, obj.size, obj.version))
             continue
-        inputs.append(InputFile(len(inputs), path, kind, compression, os.path.getsize(path)))
+        st = os.stat(path)
+        inputs.append(InputFile(len(inputs), path, kind, compression, st.st_size, mtime_ns=st.st_mtime_ns))
     if sum(p == STDIN for p in paths) > 1:
         raise SourceError("stdin ('-') can be read only once")
     return inputs
@@ -192,11 +202,27 @@ def open_seekable(path: str, size: int | None = None) -> BinaryIO:
     return open_input(path)
 
 
+def check_unchanged(inp: InputFile, f: BinaryIO) -> None:
+    """Refuse a local input opened as ``f`` that is not the version listed (rewritten, even at the
+    same size): its documents would differ from those planned, counted or resumed from."""
+    if not inp.mtime_ns:
+        return
+    st = os.fstat(f.fileno())
+    if st.st_size != inp.size or st.st_mtime_ns != inp.mtime_ns:
+        raise SourceError(
+            f"{inp.display}: changed since it was listed (size {inp.size} -> {st.st_size}, mtime_ns "
+            f"{inp.mtime_ns} -> {st.st_mtime_ns}); its documents would not be the ones planned: start again "
+            "(and run `wdsllm count` again if it has a count sidecar)"
+        )
+
+
 def open_decompressed(inp: InputFile) -> tuple[BinaryIO, BinaryIO]:
     """The decompressed stream and the raw one under it (whose position tells the progress); a
-    truncated or damaged compressed stream raises a read error (:mod:`.decompress`)."""
+    truncated or damaged compressed stream raises a read error (:mod:`.decompress`), a local
+    input rewritten since it was listed a :class:`SourceError`."""
     raw = open_input(inp.path, inp.size)
     try:
+        check_unchanged(inp, raw)
         return decompressing(raw, inp.compression), raw
     except BaseException:
         raw.close()

@@ -10,30 +10,41 @@ split, where, max_doc_bytes), so a sidecar of other inputs or settings is refuse
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
 import multiprocessing as mp
 import os
+import zipfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import storage
-from ..errors import ConfigError
-from .raw import RawCatalog, RawCounts
+from ..errors import ConfigError, FormatError
+from ..format.index import parse_json
 from .rawread import unit_lengths
+from .rawtext import RawCounts
+
+if TYPE_CHECKING:
+    from .raw import RawSource
 
 log = logging.getLogger(__name__)
 
-COUNTS_VERSION = 1
+#: 2: a digest of its own (meta and arrays), and each input's version (size and mtime, or ETag/generation)
+COUNTS_VERSION = 2
+READABLE_COUNTS_VERSIONS = (1, 2)
+_ARRAYS = ("documents", "tokens", "lengths")
+#: the meta of a sidecar: the units' names and the inputs' versions, never more than this
+MAX_META_BYTES = 256 << 20
 
 _catalog: dict = {}
 
 
-def _init(catalog: RawCatalog) -> None:
+def _init(catalog: RawSource) -> None:
     _catalog["c"] = catalog
 
 
@@ -42,7 +53,7 @@ def _count(unit: int) -> tuple[np.ndarray, int]:
 
 
 def count_raw(
-    catalog: RawCatalog, processes: int = 1, on_unit: Callable[[int, int, int, int], None] | None = None
+    catalog: RawSource, processes: int = 1, on_unit: Callable[[int, int, int, int], None] | None = None
 ) -> RawCounts:
     """Tokenize every unit once and count (``processes`` spawned workers, one tokenizer thread each).
 
@@ -79,7 +90,7 @@ def _gather(
             on_unit(len(results), total, documents, tokens)
 
 
-def save_counts(counts: RawCounts, catalog: RawCatalog, path: str) -> None:
+def save_counts(counts: RawCounts, catalog: RawSource, path: str) -> None:
     """Write the sidecar under a temporary name, then rename: never half-written under ``path``."""
     meta = {
         "version": COUNTS_VERSION,
@@ -87,37 +98,124 @@ def save_counts(counts: RawCounts, catalog: RawCatalog, path: str) -> None:
         "units": list(catalog.urls),
         "skipped": counts.skipped,
         "identity": catalog.text.identity(),
+        "inputs": [inp.identity for inp in catalog.inputs],
     }
+    arrays = {"documents": counts.documents, "tokens": counts.tokens, "lengths": counts.lengths}
+    meta["digest"] = _digest(meta, arrays)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
-        np.savez(
-            f,
-            documents=counts.documents,
-            tokens=counts.tokens,
-            lengths=counts.lengths,
-            meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
-        )
+        np.savez(f, **arrays, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
     os.replace(tmp, path)
 
 
-def load_counts(path: str, catalog: RawCatalog) -> RawCounts:
-    """The sidecar at ``path`` (local or any storage URL), checked against the source."""
-    data = storage.read_bytes(path)
+def _digest(meta: dict, arrays: dict[str, np.ndarray]) -> str:
+    """sha256 of the meta (less its digest) and of every array's dtype, shape and bytes."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode())
+    for name in _ARRAYS:
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"|{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _read_sidecar(data: bytes, where: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta, arrays) of a sidecar's bytes; anything but a well-formed one is a named error."""
     try:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            meta = json.loads(bytes(z["meta"]).decode())
-            documents, tokens, lengths = z["documents"], z["tokens"], z["lengths"]
-    except (ValueError, KeyError, OSError) as exc:
-        raise ConfigError(f"{storage.redact(path)}: not a wdsllm count sidecar ({exc})") from None
-    if meta.get("version") != COUNTS_VERSION:
-        raise ConfigError(f"{storage.redact(path)}: count sidecar version {meta.get('version')}, expected 1")
+            missing = [k for k in (*_ARRAYS, "meta") if k not in z.files]
+            if missing:
+                raise ConfigError(f"{where}: not a wdsllm count sidecar (no {missing[0]!r} array)")
+            arrays = {k: z[k] for k in _ARRAYS}
+            meta_bytes = z["meta"]
+        meta = parse_json(meta_bytes.tobytes(), f"{where} (meta)", MAX_META_BYTES)
+    except ConfigError:
+        raise
+    except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile, FormatError) as exc:
+        raise ConfigError(f"{where}: not a wdsllm count sidecar, or a damaged one ({str(exc)[:200]})") from None
+    if not isinstance(meta, dict) or meta.get("version") not in READABLE_COUNTS_VERSIONS:
+        version = meta.get("version") if isinstance(meta, dict) else None
+        raise ConfigError(
+            f"{where}: count sidecar version {str(version)[:20]}, this wdsllm reads {list(READABLE_COUNTS_VERSIONS)}"
+        )
+    for name, a in arrays.items():
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            raise ConfigError(f"{where}: its {name} array is {a.dtype} of shape {a.shape}, not 1-D integers")
+    return meta, arrays
+
+
+def _check_sealed(meta: dict, arrays: dict[str, np.ndarray], where: str) -> None:
+    """A version 2 sidecar matches its digest; a version 1 one (no digest) is said to be unchecked."""
+    if meta["version"] < 2:
+        log.warning(
+            "%s: a version 1 count sidecar: neither its own content nor its inputs' versions can be checked; "
+            "run `wdsllm count` again to have both checked",
+            where,
+        )
+        return
+    if meta.get("digest") != _digest(meta, arrays):
+        raise ConfigError(f"{where}: the count sidecar does not match its digest: it was edited or damaged")
+
+
+def _check_counts(meta: dict, arrays: dict[str, np.ndarray], where: str) -> None:
+    """Counts that add up: non-negative, one length per document, each unit's tokens the sum of
+    its lengths (so even an unsealed sidecar's edited count is caught)."""
+    documents, tokens, lengths = arrays["documents"], arrays["tokens"], arrays["lengths"]
+    if len(tokens) != len(documents) or (documents < 0).any() or (tokens < 0).any():
+        raise ConfigError(f"{where}: documents and tokens per unit do not pair up, or are negative")
+    if int(documents.sum(dtype=np.int64)) != len(lengths):
+        raise ConfigError(f"{where}: it lists {len(lengths)} lengths for {int(documents.sum())} documents")
+    ends = np.cumsum(documents, dtype=np.int64)
+    running = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    sums = running[ends] - running[ends - documents]
+    bad = np.nonzero(sums != tokens)[0]
+    if len(bad):
+        unit = int(bad[0])
+        raise ConfigError(
+            f"{where}: unit {unit} counts {int(tokens[unit])} tokens, its lengths add up to {int(sums[unit])}"
+        )
+    if not isinstance(meta.get("skipped", 0), int) or not isinstance(meta.get("fingerprint"), str):
+        raise ConfigError(f"{where}: its meta is malformed (skipped, fingerprint)")
+
+
+def _check_inputs(meta: dict, catalog: RawSource, where: str) -> None:
+    """The inputs are the versions that were counted (a file rewritten at the same size is not)."""
+    recorded = meta.get("inputs")
+    if recorded is None:
+        return  # version 1
+    if not isinstance(recorded, list) or len(recorded) != len(catalog.inputs):
+        count = len(recorded) if isinstance(recorded, list) else "no"
+        raise ConfigError(f"{where}: it records {count} inputs, the source has {len(catalog.inputs)}")
+    for inp, then in zip(catalog.inputs, recorded):
+        now = inp.identity
+        if then and now and then != now:
+            raise ConfigError(
+                f"{where}: {inp.display} changed since it was counted ({str(then)[:60]} -> {now[:60]}): "
+                "run `wdsllm count` again"
+            )
+
+
+def load_counts(path: str, catalog: RawSource) -> RawCounts:
+    """The sidecar at ``path`` (local or any storage URL), checked against the source: its own
+    digest, counts that add up, the inputs' versions and the fingerprint."""
+    where = storage.redact(path)
+    meta, arrays = _read_sidecar(storage.read_bytes(path), where)
+    _check_sealed(meta, arrays, where)
+    _check_counts(meta, arrays, where)
+    documents = arrays["documents"]
     if meta["fingerprint"] != catalog.fingerprint() or len(documents) != len(catalog.units):
         raise ConfigError(
-            f"{storage.redact(path)} counts other inputs or settings (its tokens: {_describe(meta.get('identity'))}; "
+            f"{where} counts other inputs or settings (its tokens: {_describe(meta.get('identity'))}; "
             f"here: {_describe(catalog.text.identity())}, {len(catalog.units)} units against {len(documents)}): "
             "run `wdsllm count` again with the loader's inputs, tokenizer and options"
         )
-    return RawCounts(meta["fingerprint"], documents.astype(np.int64), tokens.astype(np.int64), lengths, meta["skipped"])
+    _check_inputs(meta, catalog, where)
+    return RawCounts(
+        meta["fingerprint"],
+        documents.astype(np.int64),
+        arrays["tokens"].astype(np.int64),
+        arrays["lengths"].astype(np.uint32),
+        meta.get("skipped", 0),
+    )
 
 
 def _describe(identity: Any) -> str:
