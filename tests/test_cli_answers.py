@@ -230,3 +230,42 @@ def test_a_resumed_pack_rates_only_the_tokens_it_packed(tmp_path):
     assert result.resumed_shards >= 2
     assert 0 < p.resumed_tokens < p.tokens == result.index.totals()["tokens"]
     assert p.tokens_per_s == pytest.approx((p.tokens - p.resumed_tokens) / p.elapsed)
+
+
+# -- stats on packed data ----------------------------------------------------------------------
+
+
+def tiny_packed(name: str, split: str) -> Path:
+    def build(d: Path) -> Path:
+        pack_api([_text(d, 60_000)], d / "ds", split=split, mode="packed", seq_len=128, sample_tokens=4096)
+        return d / "ds"
+
+    return cached(f"cli-answers-packed-{name}", build)
+
+
+def test_stats_of_a_packed_dataset_counts_rows_padding_and_cut_documents():
+    ds = tiny_packed("plays", "paragraph")
+    status, out, err = run("stats", ds, "--json")
+    assert status == 0, err
+    (rows,) = _strict_json(out)["packed"]
+    index = fmt.Index.from_json((ds / "index.json").read_text())
+    lengths = np.load(ds / "lengths.npy").astype(np.int64)
+    assert rows["rows"] == index.totals()["rows"] and rows["seq_len"] == 128
+    assert rows["padding"] == rows["rows"] * 128 - int(lengths.sum()) and rows["short_rows"] == 1
+    ends = np.cumsum(lengths)  # one shard: the row boundaries are the multiples of 128
+    assert rows["documents_cut"] == int(np.count_nonzero((ends - lengths) // 128 < (ends - 1) // 128))
+    status, out, _ = run("stats", ds)
+    assert status == 0 and "packed rows are fixed" in out and f"{rows['documents_cut']:,}" in out
+
+
+def test_stats_of_a_mixture_of_packed_datasets_tables_and_plots_its_shares(tmp_path):
+    pytest.importorskip("matplotlib")
+    mix = tmp_path / "mix.yaml"
+    plays, lines = tiny_packed("plays", "paragraph"), tiny_packed("lines", "line")
+    mix.write_text(f"sources:\n  plays: {plays}\n  lines: {lines}\nweights: {{plays: 0.7, lines: 0.3}}\n")
+    status, out, err = run("stats", mix, "--plot", tmp_path / "shares.png")
+    assert status == 0, err
+    assert "quota (tokens)" in out and "planned shares drawn to" in out
+    assert (tmp_path / "shares.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    answer = _strict_json(run("stats", mix, "--json")[1])
+    assert [r["source"] for r in answer["mixture"]] == [r["source"] for r in answer["packed"]] == ["plays", "lines"]

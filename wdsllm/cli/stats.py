@@ -54,6 +54,9 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
     planned share of each source over the run, schedule included. Longer documents are split at
     --seq-len, except in the "random, truncated" line, which shows what capping would cut. A large
     dataset is simulated on a seeded sample of its windows (it says so, with confidence bounds).
+    Packed data (a dataset, or a mixture of packed datasets) has its rows fixed: stats shows its
+    rows, the padding of each source's short last rows, and how many documents run on from one
+    row into the next (cut).
 
     \b
     Examples:
@@ -64,46 +67,60 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
     from ..load import stats as statsmod
     from ..load.sources.open import open_source
 
+    costs, sample, packed = [], None, None
     try:
-        catalog = open_source(dataset)
-        if catalog.index is None:
+        source = open_source(dataset)
+        if source.index is None:
             raise click.ClickException(f"{dataset}: stats need a dataset with index.json and lengths.npy")
-        if catalog.mode != "docs":
-            raise click.ClickException(
-                f"{dataset} is a packed dataset: its rows are fixed; stats compares batching modes of docs-mode data"
+        if source.mode == "docs":
+            costs, sample = statsmod.all_modes(
+                source,
+                batch_size=batch_size,
+                max_tokens=max_tokens,
+                seq_len=seq_len,
+                window=window,
+                multiple=pad_to_multiple_of,
+                seed=seed,
+                sample=sample,
             )
-        costs, sample = statsmod.all_modes(
-            catalog,
-            batch_size=batch_size,
-            max_tokens=max_tokens,
-            seq_len=seq_len,
-            window=window,
-            multiple=pad_to_multiple_of,
-            seed=seed,
-            sample=sample,
-        )
+        else:
+            packed = _packed_rows(source, dataset)
+        mix = _mixture(source)
     except (WdsllmError, OSError) as exc:  # storage/format errors name the file
         fail(exc)
-    hist = catalog.index.doc_lengths or {}
-    mix = None
-    if catalog.mixing is not None:
-        from ..load.mixstats import mixture_summary
-
-        mix = mixture_summary(catalog)
+    hist = source.index.doc_lengths or {}
     if as_json:
-        echo(to_json(_stats_json(hist, costs, sample, mix), indent=1))
+        echo(to_json(_stats_json(hist, costs, sample, mix, packed), indent=1))
     else:
-        _print_stats(hist, costs, sample, mix, catalog)
+        _print_stats(hist, costs, sample, mix, source, packed)
     if plot:
         if mix is not None:
-            _plot_shares(catalog, plot, dataset)
+            _plot_shares(source, plot, dataset)
         else:
             _plot_histogram(hist, plot, dataset)
         if not as_json:
             echo(f"\n{'planned shares' if mix is not None else 'histogram'} drawn to {plot}")
 
 
-def _stats_json(hist: dict, costs, sample, mix) -> dict:
+def _mixture(source) -> list[dict] | None:
+    """Each source's size and epoch quota, for a mixture; None for a single dataset."""
+    if source.mixing is None:
+        return None
+    from ..load.mixstats import mixture_summary
+
+    return mixture_summary(source)
+
+
+def _packed_rows(source, name: str) -> list:
+    """What the rows of packed data hold, per source of a mixture."""
+    from ..load.stats import packed_rows
+
+    if source.mixing is None:
+        return [packed_rows(name, source.index, source.lengths())]
+    return [packed_rows(p.name, p.source.index, p.source.lengths()) for p in source.parts]
+
+
+def _stats_json(hist: dict, costs, sample, mix, packed) -> dict:
     return {
         "doc_lengths": hist,
         "modes": [
@@ -123,16 +140,20 @@ def _stats_json(hist: dict, costs, sample, mix) -> dict:
         ],
         "sample": None if sample is None else vars(sample),
         **({"mixture": mix} if mix is not None else {}),
+        **({"packed": [{**vars(r), "padding_pct": round(r.padding_pct, 4)} for r in packed]} if packed else {}),
     }
 
 
-def _print_stats(hist: dict, costs, sample, mix, catalog) -> None:
+def _print_stats(hist: dict, costs, sample, mix, source, packed) -> None:
     if mix is not None:
-        echo(_mixture_table(mix, catalog.mixture.unit))
+        echo(_mixture_table(mix, source.mixture.unit))
     else:
         for text in histogram_lines(hist):
             echo(text)
     echo("")
+    if packed:
+        echo(_packed_table(packed))
+        return
     if sample is not None:
         echo(
             f"simulated on a seeded sample: {sample.runs:,} runs of windows, {sample.documents:,} of "
@@ -142,6 +163,24 @@ def _print_stats(hist: dict, costs, sample, mix, catalog) -> None:
     for c in costs:
         padding = f"{c.padding_pct:.2f}%" + (f" ± {c.padding_ci:.2f}" if c.padding_ci is not None else "")
         echo(f"{c.mode:<20} {c.settings:<30} {c.batches:>11,} {padding:>16} {c.truncation_pct:>9.2f}%")
+
+
+def _packed_table(rows: list) -> str:
+    """Packed rows are fixed: their count, the padding of each source's short last rows, and the
+    documents that run on from one row into the next."""
+    lines = [
+        "packed rows are fixed when packed: no batching mode changes them; padding is that of the short last rows",
+        f"{'source':<16} {'seq_len':>8} {'rows':>12} {'tokens':>14} {'short rows':>10} {'padding':>16} "
+        f"{'documents':>12} {'cut':>12}",
+    ]
+    for r in rows:
+        padding = f"{r.padding:,} ({r.padding_pct:.2f}%)"
+        cut = "-" if r.documents_cut is None else f"{r.documents_cut:,}"
+        lines.append(
+            f"{r.source:<16} {r.seq_len:>8,} {r.rows:>12,} {r.tokens:>14,} {r.short_rows:>10,} {padding:>16} "
+            f"{r.documents:>12,} {cut:>12}"
+        )
+    return "\n".join(lines)
 
 
 def _mixture_table(rows: list[dict], unit: str) -> str:

@@ -19,10 +19,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import ConfigError
+from ..format import Index
 from .batching import BucketBatcher, bfd_count, round_up
 from .config import Config
 from .plan import epoch_layout
-from .sources.protocol import Source
+from .sources.protocol import DocumentLengths, Source
 from .stream import _max_len_lengths, epoch_slices, plan_labels, shuffle_lengths, slice_item_lengths
 
 #: datasets up to this many documents are simulated whole (beyond: a sample of windows)
@@ -56,7 +57,12 @@ class ModeCost:
 
 
 def stream_lengths(
-    catalog: Source, *, max_len: int | None, max_len_mode: str = "split", shuffle_buffer: int = 10_000, seed: int = 0
+    catalog: Source,
+    *,
+    max_len: int | None,
+    max_len_mode: str = Config.max_len_mode,
+    shuffle_buffer: int = 10_000,
+    seed: int = 0,
 ) -> tuple[np.ndarray, int]:
     """Lengths one consumer sees in epoch 0 (after splitting or truncating), and tokens truncated."""
     cfg = Config(seed=seed, shuffle_buffer=shuffle_buffer, max_len=max_len, max_len_mode=max_len_mode)
@@ -323,3 +329,63 @@ def _ratio_ci(num: np.ndarray, den: np.ndarray) -> tuple[float, float]:
     residual = num - ratio * den
     var = float(residual.var(ddof=1)) / (n * (total / n) ** 2)
     return ratio, 1.96 * math.sqrt(var)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed data: its rows are fixed when it is packed, so what stats can say is what they hold.
+
+#: documents_cut is worked out up to this many documents (one pass over lengths.npy in memory)
+CUT_DOCUMENTS = 4 * EXACT_DOCUMENTS
+
+
+@dataclass
+class PackedRows:
+    """What a packed dataset's rows hold: only the last row of each task is short (padded when
+    batched), and a document that runs past a row's end continues in the next row (cut)."""
+
+    source: str
+    seq_len: int
+    rows: int
+    tokens: int
+    short_rows: int
+    padding: int  # pad tokens that fill the short rows to seq_len
+    documents: int
+    documents_cut: int | None  # documents that span a row boundary; None: not worked out
+
+    @property
+    def padding_pct(self) -> float:
+        return 100 * self.padding / max(1, self.rows * self.seq_len)
+
+
+def packed_rows(name: str, index: Index, lengths: DocumentLengths | None) -> PackedRows:
+    """The rows of one packed dataset (a mixture: of one of its sources), from its index and
+    lengths.npy; no shard is read."""
+    seq_len = int(index.seq_len or 0)
+    rows = index.shards.column("rows").astype(np.int64)
+    tokens = index.shards.column("tokens").astype(np.int64)
+    total_rows, total_tokens = int(rows.sum()), int(tokens.sum())
+    cut = None
+    if lengths is not None and seq_len and index.documents <= CUT_DOCUMENTS:
+        cut = documents_cut(np.asarray(lengths.whole(), np.int64), rows, tokens, seq_len)
+    return PackedRows(
+        source=name,
+        seq_len=seq_len,
+        rows=total_rows,
+        tokens=total_tokens,
+        short_rows=int((index.packed or {}).get("short_rows", 0)),
+        padding=total_rows * seq_len - total_tokens,
+        documents=int(index.documents),
+        documents_cut=cut,
+    )
+
+
+def documents_cut(lengths: np.ndarray, rows: np.ndarray, tokens: np.ndarray, seq_len: int) -> int:
+    """Documents that span a row boundary. Each shard starts a row; within it rows are seq_len
+    tokens, the last one possibly short; documents run on across shards."""
+    starts = np.concatenate([[0], np.cumsum(tokens)[:-1]])
+    within = [s + seq_len * np.arange(1, r, dtype=np.int64) for s, r in zip(starts, rows, strict=True) if r > 1]
+    boundaries = np.sort(np.concatenate([*within, starts[1:]])) if len(starts) else np.zeros(0, np.int64)
+    ends = np.cumsum(lengths)
+    begins = ends - lengths
+    inside = np.searchsorted(boundaries, ends, side="left") - np.searchsorted(boundaries, begins, side="right")
+    return int(np.count_nonzero(inside > 0))
