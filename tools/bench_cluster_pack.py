@@ -102,9 +102,8 @@ def main() -> None:
             for engine, run in (("cli", run_cli), ("ray", run_ray)):
                 got = run(files, work / engine, args.cpus)
                 rate = got["tokens"] / got["cpu"]
-                print(
-                    f"{round_:>5} {engine:>6} {got['wall']:>7.1f} {got['cpu']:>7.1f} {got['tokens']:>11,} {rate:>10,.0f}"
-                )
+                figures = f"{got['wall']:>7.1f} {got['cpu']:>7.1f} {got['tokens']:>11,} {rate:>10,.0f}"
+                print(f"{round_:>5} {engine:>6} {figures}", flush=True)
                 if engine not in best or got["cpu"] < best[engine]["cpu"]:
                     best[engine] = got
     finally:
