@@ -2,7 +2,7 @@
 
 Items move through the pipeline in blocks, never one by one: a block is a token buffer plus
 per-item offsets, lengths and identities, so that selecting, permuting and batching are numpy
-index operations. Per-item Python would cap the loader at a few hundred thousand items/s.
+index operations: per-item Python would cap the loader far below what training consumes.
 
 Identities: an item is ``(shard index << 32) | ordinal within the shard``, where the shard index
 is the shard's position in the catalog (the index order). A document split at load time keeps
@@ -184,8 +184,8 @@ def rebase(block: Block, first_shard: int) -> Block:
 def row_view(tokens: np.ndarray, width: int) -> np.ndarray:
     """[len - width + 1, width] view of ``tokens`` whose row i starts at token i (no copy).
 
-    Built with the ndarray constructor: ``as_strided`` costs several microseconds a call, which
-    is a tenth of what gathering a batch of rows costs."""
+    Built with the ndarray constructor, not ``as_strided``, whose per-call cost is a noticeable
+    part of gathering a batch of rows (docs/benchmarks.md)."""
     base = tokens if tokens.flags.c_contiguous else np.ascontiguousarray(tokens)
     step = base.itemsize
     return np.ndarray((max(0, len(base) - width + 1), width), base.dtype, buffer=base, strides=(step, step))

@@ -1,7 +1,7 @@
 """Who is iterating a pipeline: refuse the wrappers that would batch or shard its batches again.
 
 ``wdsllm.dataset(...)`` yields whole batches of this rank's share. Two everyday wirings silently
-train on the wrong data (issue #17): a DataLoader with a ``batch_size`` (the Hugging Face
+train on the wrong data: a DataLoader with a ``batch_size`` (the Hugging Face
 Trainer builds one from ``per_device_train_batch_size``) stacks several of our batches into one,
 and accelerate's ``prepare`` splits the rank's share across the ranks again (``IterableDatasetShard``)
 or reads rank 0's share for everybody (``DataLoaderDispatcher``). Both call ``iter(pipeline)`` a

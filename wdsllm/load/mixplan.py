@@ -9,7 +9,7 @@ passes, so every item appears floor(q/size) or one more times, each pass in a fr
 below it is a subset that differs each epoch and walks the whole source before any item repeats.
 With unit="tokens" a quota is cut at the first item whose end reaches it (within one document).
 
-Each stretch is split among the consumers (rank, then worker) as ``plan.epoch_layout`` splits a
+Each stretch is split among the consumers (rank, then worker) as ``plan.consumer_shares`` splits a
 dataset, so exactly-once holds within the quota for any layout. A consumer reads its parts of the
 sources in rounds of one shuffle block, each source's part of a round one contiguous run, and the
 shuffle block's order (``Mixing.permutation``) interleaves them smoothly: the sources' slots follow
@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import MixtureError
 from . import plan as planmod
 from .block import ID_SHIFT
-from .plan import Slice, split_range
+from .plan import Slice, consumer_share, consumer_shares
 from .stream import StreamSpec
 
 if TYPE_CHECKING:
@@ -192,7 +192,7 @@ class Mixing:
             keys = planmod.rng(
                 spec.seed, planmod.STREAM_SAMPLE_SHUFFLE, spec.epoch, spec.rank, spec.worker, block
             ).random(n)
-            by_key = np.argsort(keys)  # then stably by label: lexsort((keys, labels)), at a third of its cost
+            by_key = np.argsort(keys)  # then stably by label: lexsort((keys, labels)) for less work
             items = by_key[_stable_order(labels[by_key])]
         else:
             items = _stable_order(labels)
@@ -294,17 +294,6 @@ class PassStream:
 HeadTokens = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
-def consumer_ranges(first: int, n: int, world: int, workers: int) -> tuple[np.ndarray, np.ndarray]:
-    """[world, workers] stream positions where each consumer's part of a stretch of ``n`` items
-    from ``first`` starts and stops (``split_range`` by rank, then by worker, in closed form)."""
-    r = np.arange(world + 1, dtype=np.int64)
-    rank_starts = n * r // world
-    sizes = np.diff(rank_starts)[:, None]
-    w = np.arange(workers + 1, dtype=np.int64)[None, :]
-    cuts = first + rank_starts[:-1, None] + sizes * w // workers
-    return cuts[:, :-1], cuts[:, 1:]
-
-
 # ----------------------------------------------------------------------------------------------
 # Quotas over the run, and each consumer's share
 
@@ -392,7 +381,7 @@ class MixPlanner:
         tokens = None if head_tokens is None else np.zeros((world, workers), np.int64)
         for seg in self.segments(epoch):
             for s, (first, n) in enumerate(seg):
-                starts, stops = consumer_ranges(first, n, world, workers)
+                starts, stops = consumer_shares(n, world, workers, first)
                 items += stops - starts
                 if tokens is not None and n:
                     points, where = np.unique(np.concatenate([starts.ravel(), stops.ravel()]), return_inverse=True)
@@ -407,10 +396,9 @@ class MixPlanner:
         for group, seg in enumerate(self.segments(epoch)):
             firsts, counts = [], []
             for first, n in seg:
-                ra, rb = split_range(n, world, rank)
-                wa, wb = split_range(rb - ra, workers, worker)
-                firsts.append(first + ra + wa)
-                counts.append(wb - wa)
+                a, b = consumer_share(n, rank, world, worker, workers, first)
+                firsts.append(a)
+                counts.append(b - a)
             total = sum(counts)
             if not total:
                 continue

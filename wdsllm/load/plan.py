@@ -80,6 +80,27 @@ def split_range(total: int, parts: int, i: int) -> tuple[int, int]:
     return total * i // parts, total * (i + 1) // parts
 
 
+def consumer_shares(
+    total: int, world: int, workers: int, first: int = 0, ranks: Sequence[int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """[ranks, workers] starts and stops of each consumer's share of the ``total`` items from
+    position ``first``: by rank first, then each rank's part by worker (``split_range`` at each
+    level, in closed form). The one rule by which an epoch of one dataset, a mixture's stretch
+    and the remainder of an interrupted epoch are shared; ``ranks``: only those rows (all: None)."""
+    r = np.arange(world, dtype=np.int64) if ranks is None else np.asarray(ranks, np.int64)
+    rank_start = total * r // world
+    rank_size = total * (r + 1) // world - rank_start
+    w = np.arange(workers + 1, dtype=np.int64)
+    cuts = first + rank_start[:, None] + rank_size[:, None] * w[None, :] // workers
+    return cuts[:, :-1], cuts[:, 1:]
+
+
+def consumer_share(total: int, rank: int, world: int, worker: int, workers: int, first: int = 0) -> tuple[int, int]:
+    """Consumer (rank, worker)'s share of ``consumer_shares``: [start, stop)."""
+    starts, stops = consumer_shares(total, world, workers, first, ranks=[rank])
+    return int(starts[0, worker]), int(stops[0, worker])
+
+
 @dataclass(eq=False)
 class EpochLayout:
     """Every consumer's share of an epoch with an index, at once: the shard order, items per shard
@@ -101,18 +122,13 @@ class EpochLayout:
 def epoch_layout(
     items_per_shard: Sequence[int], *, seed: int, epoch: int, world: int, workers: int, shuffle: bool = True
 ) -> EpochLayout:
-    """The shares of every (rank, worker): by rank first, then by worker (``split_range`` twice)."""
+    """The shares of every (rank, worker) (``consumer_shares``)."""
     counts_by_shard = np.asarray(items_per_shard, dtype=np.int64)
     order = shard_order(len(counts_by_shard), seed, epoch, shuffle)
     counts = counts_by_shard[order]
     ends = np.cumsum(counts)
     total = int(ends[-1]) if len(ends) else 0
-    r = np.arange(world, dtype=np.int64)
-    ra, rb = total * r // world, total * (r + 1) // world
-    w = np.arange(workers, dtype=np.int64)
-    span = (rb - ra)[:, None]
-    starts = ra[:, None] + span * w[None, :] // workers
-    stops = ra[:, None] + span * (w[None, :] + 1) // workers
+    starts, stops = consumer_shares(total, world, workers)
     return EpochLayout(order, counts, ends, starts, stops)
 
 
@@ -134,9 +150,8 @@ def plan_epoch(
         counts = np.asarray(items_per_shard, dtype=np.int64)[order]
         ends = np.cumsum(counts)
         total = int(ends[-1]) if len(ends) else 0
-        ra, rb = split_range(total, world, rank)
-        wa, wb = split_range(rb - ra, workers, worker)
-        return slices_of_range(order, counts, ends, ra + wa, ra + wb)
+        a, b = consumer_share(total, rank, world, worker, workers)
+        return slices_of_range(order, counts, ends, a, b)
     consumers = world * workers
     if n_shards >= world:
         mine = order[rank::world]

@@ -167,7 +167,6 @@ class RemainderPlan:
     def slices_for(self, source: Source, cfg: Config, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
         slices, counts = self.sequence(source, cfg)
         total = int(sum(counts))
-        ra, rb = planmod.split_range(total, world, rank)
-        wa, wb = planmod.split_range(rb - ra, workers, worker)
+        a, b = planmod.consumer_share(total, rank, world, worker, workers)
         split = cfg.spec(self.epoch, 0, 1, 0, 1).splits(source.mode)
-        return cut_sequence(slices, counts, ra + wa, ra + wb, split)
+        return cut_sequence(slices, counts, a, b, split)
