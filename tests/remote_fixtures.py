@@ -85,6 +85,7 @@ FAULT_KINDS = {
     "ignore_range": ({}, ("GET",)),  # answer 200 with the whole object even when Range was asked
     "delay": ({"seconds": 0.5}, ("GET", "HEAD")),  # wait before answering, then answer normally
     "close_after": ({}, ("GET",)),  # answer normally, then close the kept-alive connection unannounced
+    "rate": ({"bytes_per_s": 1e6}, ("GET",)),  # the body sent no faster than this (a far or throttled store)
 }
 
 
@@ -285,6 +286,8 @@ class _Handler(BaseHTTPRequestHandler):
                     self.close_connection = True
                     return
                 sent += len(chunk)
+                if fault.kind == "rate":
+                    time.sleep(len(chunk) / fault.bytes_per_s)
         if fault is not None and fault.kind == "close_after":
             self._abort(reset=False)
         elif fault is not None and fault.kind == "drop_after" and limit < end - start:

@@ -36,6 +36,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -464,6 +465,8 @@ def _cached(path: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
     directory = os.path.dirname(path)
     found = _load(path)
     if found is not None:
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recently used: the last to be evicted
         return found
     try:
         os.makedirs(directory, exist_ok=True)
@@ -484,9 +487,40 @@ def _cached(path: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
             with open(tmp, "wb") as f:
                 np.save(f, table, allow_pickle=False)
             os.replace(tmp, path)
+        evict_counts(directory, keep=path)
         return table
     finally:
         os.close(lock)
+
+
+#: the counts cache's bounds: beyond them its least recently used tables go (``evict_counts``)
+COUNTS_KEEP = 256
+COUNTS_KEEP_BYTES = 256 << 20
+#: a temporary table older than this was left by a process that died while writing it (seconds)
+_STALE_TMP = 3600.0
+
+
+def evict_counts(directory: str, keep: str = "") -> None:
+    """Remove the least recently used tables of ``directory`` (by mtime: a hit touches its table)
+    beyond :data:`COUNTS_KEEP` tables or :data:`COUNTS_KEEP_BYTES` bytes, never ``keep``, with
+    their lock files; and temporary tables that a dead process left."""
+    tables, now = [], time.time()
+    with contextlib.suppress(OSError), os.scandir(directory) as found:
+        for entry in found:
+            with contextlib.suppress(OSError):
+                st = entry.stat()
+                if entry.name.endswith(".tmp") and now - st.st_mtime > _STALE_TMP:
+                    os.remove(entry.path)
+                elif entry.name.startswith("counts-") and entry.name.endswith(".npy"):
+                    tables.append((st.st_mtime, st.st_size, entry.path))
+    tables.sort(reverse=True)
+    total = 0
+    for n, (_, size, path) in enumerate(tables):
+        total += size
+        if path != keep and (n >= COUNTS_KEEP or total > COUNTS_KEEP_BYTES):
+            for name in (path, path + ".lock"):
+                with contextlib.suppress(OSError):
+                    os.remove(name)
 
 
 def _load(path: str) -> np.ndarray | None:

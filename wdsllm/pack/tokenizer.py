@@ -8,6 +8,7 @@ worker starts in a fraction of a second.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -34,18 +35,27 @@ _worker: dict = {}
 def init_worker(
     tokenizer_path: str, dtype: str, bos_id, eos_id, parse_opts: ParseOptions, threads: int, parent_pid: int
 ) -> None:
-    """Set up one tokenizer worker: its rayon threads, the encoder, and a watch on the parent."""
-    if threads <= 1:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    else:
-        os.environ["TOKENIZERS_PARALLELISM"] = "true"
-        os.environ["RAYON_NUM_THREADS"] = str(threads)
+    """Set up one tokenizer worker: its rayon threads, the encoder, and a watch on the parent.
+
+    Runs only in a worker the pack spawned (a pool's initializer): the variables that size the
+    tokenizer's thread pool are set there, in a process of ours, never in the user's."""
+    if multiprocessing.parent_process() is None:
+        raise RuntimeError("init_worker sets up a spawned tokenizer worker, not the process that packs")
+    os.environ.update(worker_environment(threads))
     # Ctrl-C reaches the whole process group; the packing process alone decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with open(tokenizer_path, encoding="utf-8") as f:
         _worker["encoder"] = Encoder(f.read(), dtype, bos_id, eos_id)
     _worker["parse"] = parse_opts
     _watch_parent(parent_pid)
+
+
+def worker_environment(threads: int) -> dict[str, str]:
+    """The variables a tokenizer worker with ``threads`` rayon threads runs under (read by the
+    tokenizers library when its pool starts)."""
+    if threads <= 1:
+        return {"TOKENIZERS_PARALLELISM": "false"}
+    return {"TOKENIZERS_PARALLELISM": "true", "RAYON_NUM_THREADS": str(threads)}
 
 
 def _watch_parent(parent_pid: int, interval: float = 1.0) -> None:

@@ -46,8 +46,9 @@ SERIAL_BLOCK_SIZE = int(os.environ.get("WDSLLM_SERIAL_BLOCK_SIZE") or 4 * BLOCK_
 
 
 def store_of(url: str) -> tuple[str, str]:
-    """The store a URL names, as its speed is kept: (scheme, host) without credentials or port
-    of a user name (an S3 or GCS bucket, an Azure container, a Hub organisation's repository)."""
+    """The store a URL names, as its speed is kept: (scheme, host and port, without a user name
+    or password). The host of s3:// and gs:// is a bucket, of az:// a container; of hf:// the
+    repository (``datasets/ORG/NAME``)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return ("file", "")

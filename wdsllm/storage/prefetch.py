@@ -542,8 +542,11 @@ class Prefetcher(Iterator[BinaryIO]):
     """
 
     def __init__(self, items: Iterable[OpenSpec], options: PrefetchOptions, owner: WarmKey | None = None) -> None:
+        from .helpers import use
+
         self.options = options
         self.owner = WarmKey() if owner is None else owner
+        use(self.owner.loader)
         self._items = iter(items)
         self._held: list[OpenSpec] = []  # the next item, taken to learn its size but not started
         self._pending: collections.deque[_Started] = collections.deque()
