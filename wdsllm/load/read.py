@@ -127,18 +127,18 @@ def _in_place(stream: Any, url: str) -> tario.MappedReader | None:
     return tario.mapped(stream, local)
 
 
-def open_kwargs(catalog: PackedSource, shard: int, options: ReadOptions, start: GroupStart | None = None) -> dict:
+def open_kwargs(dataset: PackedSource, shard: int, options: ReadOptions, start: GroupStart | None = None) -> dict:
     """How ``storage.open_stream`` opens shard ``shard``: with the index's size, with its sha256
     where a cache will keep the bytes (a cache entry must match the index's checksum), and at a
     group's offset for a ranged start."""
-    entry = catalog.shard_entries[shard] if catalog.shard_entries else None
-    cached = options.cache is not None and storage.is_remote(catalog.urls[shard])
+    entry = dataset.shard_entries[shard] if dataset.shard_entries else None
+    cached = options.cache is not None and storage.is_remote(dataset.urls[shard])
     return dict(
         offset=start.offset if start else 0,
         length=start.length if start else None,
         retry=options.retry,
         cache=options.cache,
-        allow_pipe=catalog.user_urls,
+        allow_pipe=dataset.user_urls,
         expected_size=entry.bytes if entry else None,
         expected_sha256=entry.sha256 if entry and cached else None,
     )
@@ -167,12 +167,12 @@ class GroupStart:
     length: int | None = None  # bytes to request: through the header of the group after the last one needed
 
 
-def group_range(catalog: PackedSource, sl: Slice, skip: int) -> tuple[np.ndarray, int, int] | None:
+def group_range(dataset: PackedSource, sl: Slice, skip: int) -> tuple[np.ndarray, int, int] | None:
     """(the shard's group table, first group, one past the last) holding items ``sl.start + skip``
     to ``sl.stop`` of the slice; None without groups.npy or for a slice dealt out by stride."""
     if sl.stride != 1:
         return None
-    table = catalog.group_table(sl.shard)
+    table = dataset.group_table(sl.shard)
     if table is None or not len(table):
         return None
     items = table[:, fmt.ITEMS]
@@ -181,22 +181,22 @@ def group_range(catalog: PackedSource, sl: Slice, skip: int) -> tuple[np.ndarray
     return table, first, max(first, after)
 
 
-def ranged_start(catalog: PackedSource, sl: Slice, skip: int, options: ReadOptions) -> GroupStart | None:
+def ranged_start(dataset: PackedSource, sl: Slice, skip: int, options: ReadOptions) -> GroupStart | None:
     """Where a ranged read of a remote shard covers the slice (groups.npy, format 2 on): from the
     group holding its first wanted item to the end of the group holding its last (format 3: the
     groups' sizes are known; format 2: through the first member header of the group after it, where
     the reader sees the group end). A consumer whose share is a part of a shard then downloads only
     that part (and the groups it shares with its neighbours), not the shard up to its share."""
-    if options.cache is not None or not storage.is_remote(catalog.urls[sl.shard]):
+    if options.cache is not None or not storage.is_remote(dataset.urls[sl.shard]):
         return None
-    found = group_range(catalog, sl, skip)
+    found = group_range(dataset, sl, skip)
     if found is None:
         return None
     table, g, after = found
     if g == 0 and after >= len(table):
         return None  # the whole shard: a plain read
-    entry = catalog.shard_entries[sl.shard]
-    end_items = int(table[g + 1, fmt.ITEMS]) if g + 1 < len(table) else _shard_items(catalog, entry)
+    entry = dataset.shard_entries[sl.shard]
+    end_items = int(table[g + 1, fmt.ITEMS]) if g + 1 < len(table) else _shard_items(dataset, entry)
     if table.shape[1] > fmt.BYTES:
         length = int(table[after - 1, fmt.OFFSET] + table[after - 1, fmt.BYTES] - table[g, fmt.OFFSET])
     else:
@@ -205,12 +205,12 @@ def ranged_start(catalog: PackedSource, sl: Slice, skip: int, options: ReadOptio
     return GroupStart(int(table[g, 0]), items_before, int(table[g, fmt.DOCS]), end_items - items_before, length)
 
 
-def _shard_items(catalog: PackedSource, entry: fmt.ShardEntry) -> int:
-    return entry.rows if catalog.mode == "packed" else entry.documents
+def _shard_items(dataset: PackedSource, entry: fmt.ShardEntry) -> int:
+    return entry.rows if dataset.mode == "packed" else entry.documents
 
 
 def read_slice(
-    catalog: PackedSource,
+    dataset: PackedSource,
     sl: Slice,
     *,
     skip: int = 0,
@@ -225,33 +225,33 @@ def read_slice(
     group through :func:`wdsllm.format.shard.read_checked`; older ones and shards read without an
     index are parsed as they stream (their content is unchecked)."""
     options = options or ReadOptions()
-    url = catalog.urls[sl.shard]
-    if catalog.mode == "packed" and (catalog.index is None or catalog.index.seq_len is None):
+    url = dataset.urls[sl.shard]
+    if dataset.mode == "packed" and (dataset.index is None or dataset.index.seq_len is None):
         raise FormatError(f"{url}: packed shards need their index (seq_len)")
     own = stream is None
     if own:
-        stream = storage.open_stream(url, **open_kwargs(catalog, sl.shard, options, start))
+        stream = storage.open_stream(url, **open_kwargs(dataset, sl.shard, options, start))
     try:
         source = _in_place(stream, url) or stream
-        checked = options.check_groups and catalog.index is not None and catalog.index.checks_groups
-        groups = group_range(catalog, sl, skip) if checked else None
+        checked = options.check_groups and dataset.index is not None and dataset.index.checks_groups
+        groups = group_range(dataset, sl, skip) if checked else None
         if groups is not None:
-            raw_groups = _checked_groups(catalog, sl, source, groups, start, options)
+            raw_groups = _checked_groups(dataset, sl, source, groups, start, options)
         else:
-            raw_groups = _streamed_groups(catalog, sl, skip, source, start)
-        yield from _blocks(catalog, sl, skip, source, raw_groups, options)
+            raw_groups = _streamed_groups(dataset, sl, skip, source, start)
+        yield from _blocks(dataset, sl, skip, source, raw_groups, options)
     finally:
         if own:
             stream.close()
 
 
 def _checked_groups(
-    catalog: PackedSource, sl: Slice, source: Any, groups: tuple, start: GroupStart | None, options: ReadOptions
+    dataset: PackedSource, sl: Slice, source: Any, groups: tuple, start: GroupStart | None, options: ReadOptions
 ) -> Iterator[CheckedGroup]:
     table, first, after = groups
-    url = catalog.urls[sl.shard]
-    entry = catalog.shard_entries[sl.shard]
-    index = catalog.index
+    url = dataset.urls[sl.shard]
+    entry = dataset.shard_entries[sl.shard]
+    index = dataset.index
     remote = storage.is_remote(url)
     position = start.offset if start is not None else 0
 
@@ -276,7 +276,7 @@ def _checked_groups(
         table,
         first,
         after,
-        items_total=_shard_items(catalog, entry),
+        items_total=_shard_items(dataset, entry),
         docs_total=entry.documents,
         expect=expect_of(index),
         where=url,
@@ -285,10 +285,10 @@ def _checked_groups(
 
 
 def _streamed_groups(
-    catalog: PackedSource, sl: Slice, skip: int, source: Any, start: GroupStart | None
+    dataset: PackedSource, sl: Slice, skip: int, source: Any, start: GroupStart | None
 ) -> Iterator[CheckedGroup]:
     """Groups parsed as the shard streams (no checksums): unwanted ones are skipped by their JSON."""
-    url = catalog.urls[sl.shard]
+    url = dataset.urls[sl.shard]
     first_wanted = sl.start + skip * sl.stride
     stop = sl.stop
     state = {"ordinal": 0, "doc": 0} if start is None else {"ordinal": start.items, "doc": start.documents}
@@ -303,13 +303,13 @@ def _streamed_groups(
             state["doc"] += state["pending_docs"]
         return keep
 
-    end = catalog.shard_entries[sl.shard].bytes if catalog.shard_entries is not None else None
+    end = dataset.shard_entries[sl.shard].bytes if dataset.shard_entries is not None else None
     for raw in tario.iter_samples(source, url, wanted=wanted, base_offset=start.offset if start else 0, end=end):
         group = tario.decode_sample(raw, url)
         n = tario.group_items(raw.meta, url)
         if start is not None and raw.offset == start.offset and n != start.group_items:
             raise FormatError(
-                f"{url}: the group at byte {raw.offset} holds {n} items, {catalog.index.groups_file.name} says "
+                f"{url}: the group at byte {raw.offset} holds {n} items, {dataset.index.groups_file.name} says "
                 f"{start.group_items}"
             )
         yield CheckedGroup(raw.offset, state["ordinal"] - n, state["doc"], n, group)
@@ -319,20 +319,20 @@ def _streamed_groups(
 
 
 def _blocks(
-    catalog: PackedSource, sl: Slice, skip: int, source: Any, groups: Iterator[CheckedGroup], options: ReadOptions
+    dataset: PackedSource, sl: Slice, skip: int, source: Any, groups: Iterator[CheckedGroup], options: ReadOptions
 ) -> Iterator[Block]:
     """The slice's items of each group, as blocks (over the whole mapped shard when it is one)."""
-    mode = catalog.mode
-    seq_len = catalog.index.seq_len if catalog.index else None
+    mode = dataset.mode
+    seq_len = dataset.index.seq_len if dataset.index else None
     first_wanted = sl.start + skip * sl.stride
     stop = sl.stop
     prev_shard_doc = -1
-    if mode == "packed" and catalog.shard_entries is not None and sl.shard > 0:
+    if mode == "packed" and dataset.shard_entries is not None and sl.shard > 0:
         # a row that continues a document from the previous shard belongs to its last document
-        prev_shard_doc = int(make_id(sl.shard - 1, catalog.shard_entries[sl.shard - 1].documents - 1))
+        prev_shard_doc = int(make_id(sl.shard - 1, dataset.shard_entries[sl.shard - 1].documents - 1))
     shard_tokens = None
-    if isinstance(source, tario.MappedReader) and catalog.index is not None:
-        dtype = np.dtype(catalog.index.dtype)
+    if isinstance(source, tario.MappedReader) and dataset.index is not None:
+        dtype = np.dtype(dataset.index.dtype)
         if len(source.mm) % dtype.itemsize == 0:
             shard_tokens = np.frombuffer(source.mm, dtype=dtype)
     for checked in groups:

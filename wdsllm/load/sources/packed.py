@@ -414,29 +414,29 @@ def _note_unchecked(root: str, index: fmt.Index | None) -> None:
 def _from_shards(urls: list[str], index_for_shards: bool, retry: storage.RetryPolicy | None = None) -> PackedSource:
     if not urls:
         raise storage.StorageError("no shards given")
-    catalog = PackedSource(urls=urls, user_urls=True, retry=retry)
+    source = PackedSource(urls=urls, user_urls=True, retry=retry)
     if not index_for_shards or any(u.startswith("pipe:") for u in urls):
-        return catalog
+        return source
     roots = {storage.dirname_url(u) for u in urls}
     if len(roots) != 1:
-        return catalog
+        return source
     root = roots.pop()
     try:
         index, _ = _read_index(root, retry)
     except (storage.StorageError, fmt.FormatError) as exc:
         log.warning("reading the shards without an index: the index beside them is unusable (%s)", exc)
-        return catalog
+        return source
     if index is None:
-        return catalog
+        return source
     positions = [index.shards.position(storage.split_query(u)[0].rstrip("/").rsplit("/", 1)[-1]) for u in urls]
     if any(p is None for p in positions):
         log.warning(
             "%s does not list every given shard; reading them without an index",
             storage.redact(storage.join_url(root, fmt.INDEX_NAME)),
         )
-        return catalog
-    catalog.index = index
-    catalog.root = root
-    catalog.positions = np.asarray(positions, np.int64)
+        return source
+    source.index = index
+    source.root = root
+    source.positions = np.asarray(positions, np.int64)
     _note_unchecked(root, index)
-    return catalog
+    return source
