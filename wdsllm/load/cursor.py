@@ -5,19 +5,29 @@ batches handed out (with the batcher's note of where its next one starts), the r
 over the workers, and the rank's batch count. The cursor holds exactly that, plus which pass of
 the loader is current (so that an abandoned iterator never moves a later pass) and a restored
 position not yet begun. The identity half of the state (dataset, settings, layout) is the
-loader's; ``get`` and ``set`` read and write the rest.
+loader's; ``get`` and ``set`` read and write the rest. A loaded state is checked against the
+loader (``check_fits``) before ``restore`` moves anything: its own position, another rank's
+turned into this rank's, or another layout's re-planned as the rest of its epoch.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from ..errors import StateError
+from . import resume as resumemod
 from . import state as statemod
-from .counts import round_robin_share
+from .config import Config
+from .counts import EpochCounts, EpochPlan, batch_counts, equalised, round_robin_share
 from .dataset import EndOfWorker
+
+log = logging.getLogger(__name__)
 
 #: where a worker stands: (epoch, batches of it handed out, the batcher's hint for the next one)
 WorkerPosition = tuple
@@ -157,3 +167,140 @@ class Cursor:
         self.restored = None
         if st.workers and active is not None:
             self.restored = Restored(st, turn, active)
+
+
+# ----------------------------------------------------------------------------------------------
+# Setting a loaded state: checked against this loader, then its positions for this layout
+
+
+@dataclass(frozen=True)
+class Here:
+    """What a loaded state is checked and re-planned against: this loader's dataset and settings,
+    its rank among ``world`` and its ``workers`` streams, and its epoch source (plans, resumes)."""
+
+    catalog: Any
+    cfg: Config
+    rank: int
+    world: int
+    workers: int
+    source: Any  # dataset.EpochSource
+
+    def state(self, position: dict[str, Any]) -> statemod.LoaderState:
+        """A state of this loader standing at ``position`` (``Cursor.get``)."""
+        plan = self.source.plan_for(position["epoch"])
+        return statemod.LoaderState(
+            dataset=self.catalog.fingerprint(),
+            settings=resumemod.settings_fingerprint(self.cfg),
+            config=dict(vars(self.cfg)),
+            rank=self.rank,
+            world_size=self.world,
+            num_workers=self.workers,
+            equal_batches=bool(self.cfg.keeps_equal_batches(self.world)),
+            infinite=self.cfg.infinite,
+            plan=plan if isinstance(plan, resumemod.RemainderPlan) else None,
+            **position,
+        )
+
+    def worker_counts(self, epoch: int, world: int, workers: int, plan: EpochPlan | None) -> np.ndarray:
+        """Every (rank, worker)'s batches in ``epoch`` of a ``world`` x ``workers`` layout."""
+        counts = batch_counts(self.catalog, self.cfg, epoch, world, workers, plan)
+        if counts is None:
+            raise StateError("this needs the dataset's index (lengths.npy) to recompute other ranks' positions")
+        return equalised(counts) if self.cfg.keeps_equal_batches(world) else counts
+
+
+def check_fits(st: statemod.LoaderState, here: Here, *, exact_order: bool) -> None:
+    """Refuse, before anything changes, a state of another dataset or settings, or whose
+    positions this loader cannot take."""
+    statemod.check_identity(
+        st,
+        dataset=here.catalog.fingerprint(),
+        settings=resumemod.settings_fingerprint(here.cfg),
+        infinite=here.cfg.infinite,
+    )
+    same_layout = st.world_size == here.world and st.num_workers == here.workers
+    if st.workers and st.world_size != here.world and here.catalog.has_step_schedule():
+        raise StateError(
+            f"the mixture's schedule has at_step points, which are converted with the world size "
+            f"({st.world_size} when saved, {here.world} now): an elastic resume would move them; "
+            "write the points as at_tokens / at_items to resume with another world size"
+        )
+    statemod.check_positions(st, here.catalog, here.cfg, exact_order=exact_order)
+    if st.workers and not same_layout and here.cfg.infinite:
+        raise StateError("resuming an endless stream with another world size or worker count is not supported")
+    if st.workers and same_layout and st.rank != here.rank and not st.equal_batches:
+        raise StateError(
+            f"this state is rank {st.rank}'s and ranks yielded different numbers of batches; load each rank's own state"
+        )
+    if st.workers and not same_layout and st.world_size > 1 and not st.equal_batches:
+        raise StateError("an elastic resume needs equal batch counts on the old ranks (equal_batches=True)")
+
+
+def restore(cursor: Cursor, st: statemod.LoaderState, here: Here) -> None:
+    """Stand where a fitting state stood: the cursor, and the epoch source's plan and positions
+    (this rank's own, another rank's turned into this one's, or the re-planned rest of the epoch
+    for another layout)."""
+    source = here.source
+    source.set_plan(st.plan.epoch if st.plan else None, st.plan)
+    same_layout = st.world_size == here.world and st.num_workers == here.workers
+    if not st.workers or not same_layout:
+        cursor.set(st)
+        source.resume_from({})  # between epochs: the next iteration starts epoch `epoch` afresh
+        if st.workers:
+            _elastic(st, here)
+        return
+    if st.rank == here.rank:
+        positions = {w: p.as_tuple() for w, p in st.workers.items()}
+    else:  # another rank's state (equal batch counts): this rank's share of as many batches
+        counts = here.worker_counts(st.epoch, here.world, here.workers, source.plan_for(st.epoch))[here.rank]
+        positions = positions_of_share(st.epoch, counts, st.yielded)
+    turn = st.turn if here.cfg.infinite else turn_after(positions, here.workers)
+    source.resume_from(positions)
+    cursor.set(st, turn, list(range(here.workers)))
+
+
+def _elastic(st: statemod.LoaderState, here: Here) -> None:
+    """Re-plan the rest of the saved epoch for this world size and worker count."""
+    epoch, plan = st.epoch, st.plan
+    old_world, old_workers = st.world_size, st.num_workers
+    counts = here.worker_counts(epoch, old_world, old_workers, plan)
+    consumed = [[int(x) for x in round_robin_share(counts[r], st.yielded)] for r in range(old_world)]
+    if old_world == 1:
+        consumed = [[st.workers[w].batches if w in st.workers else 0 for w in range(old_workers)]]
+    here.source.set_plan(epoch, resumemod.RemainderPlan(epoch, old_world, old_workers, consumed, base=plan))
+    log.info(
+        "resuming epoch %d of a %d x %d layout as %d x %d: the epoch's remainder is re-planned",
+        epoch,
+        old_world,
+        old_workers,
+        here.world,
+        here.workers,
+    )
+
+
+class EpochTotal:
+    """Batches this rank yields in an epoch, from the index (None without one): the equal-batches
+    decision's count where there is one, else this rank's own shares alone. Kept for the last
+    (epoch, plan, world size) asked: ``len(loader)`` and every end-of-epoch test ask again."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._value: int | None = None
+
+    def forget(self) -> None:
+        self._key = None
+
+    def of(self, here: Here, epoch: int) -> int | None:
+        plan = here.source.plan_for(epoch)
+        key = (epoch, id(plan), here.world)
+        if self._key != key:
+            limits = here.source.limits(epoch, here.workers)
+            if limits is not None:
+                value = limits.per_rank
+            else:
+                counts = EpochCounts.create(
+                    here.catalog, here.cfg, epoch, here.world, here.workers, plan, ranks=[here.rank]
+                )
+                value = None if counts is None else int(counts.exact()[here.rank].sum())
+            self._key, self._value = key, value
+        return self._value

@@ -9,6 +9,7 @@ second reads, shuffles and batches that worker's stream; the third collates. A p
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 from collections.abc import Iterator
@@ -103,6 +104,16 @@ class DataStats:
         self.skipped_shards.extend(other.skipped_shards)
         self.skipped_docs += other.skipped_docs
         self.refilled_batches += other.refilled_batches
+
+
+class CountedBy:
+    """A count of an owner's ``stats`` record read as the owner's own attribute (``loader.skipped_docs``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.stats, self.name)
 
 
 @dataclass
@@ -217,22 +228,20 @@ class EpochSource(IterableDataset):
             first_batch, hint = 0, None
 
 
-def _epoch_batches(
-    tasks: Iterator[EpochTask], catalog: Source, cfg: Config, read: ReadOptions, end_marker: bool, shared: bool = False
-) -> Iterator:
-    """Second stage: read, shuffle and batch each task's stream (runs inside a worker).
+class WorkerBatcher:
+    """Second stage, in a worker: read, shuffle and batch each task's stream.
 
     A batch made in a DataLoader worker is sent to the main process, so it gets its own compact
-    token buffer: here, or with ``shared`` in ``transport.send_bundles``, which compacts into
-    shared memory."""
-    batcher = cfg.make_batcher()
-    last = None
-    stats = StreamStats()
-    compact = get_worker_info() is not None and not shared
-    if read.fetch_process is None:  # in the training process itself: its GIL is spared the receiving
-        read = replace(read, fetch_process=get_worker_info() is None)
+    token buffer: here (``compact``), or in ``transport.send_bundles``, which compacts into shared
+    memory. What the reads count (``StreamStats``) travels with the next batch.
+    """
 
-    def emit(spec: StreamSpec, index: int, items, hint, refill: bool = False) -> Batch:
+    def __init__(self, catalog: Source, cfg: Config, read: ReadOptions, compact: bool):
+        self.catalog, self.cfg, self.read, self.compact = catalog, cfg, read, compact
+        self.batcher = cfg.make_batcher()
+        self.stats = StreamStats()
+
+    def emit(self, spec: StreamSpec, index: int, items: Any, hint: Any, refill: bool = False) -> Batch:
         changed = changed_file(items.tokens)
         if changed is not None:  # its groups were checked when read; views of it now show other bytes
             raise ShardError(
@@ -240,12 +249,13 @@ def _epoch_batches(
                 "(write a new file, then rename it over the old one) and restart from the last checkpoint"
             )
         batch = Batch(
-            items=items.compact() if compact else items,
+            items=items.compact() if self.compact else items,
             index=index,
             epoch=spec.epoch,
             worker=spec.worker,
             hint=hint,
         )
+        catalog, stats = self.catalog, self.stats
         if catalog.mixing is not None:  # the realized mix, counted here (in the worker), not in the main process
             batch.mix = mix_counts(items, catalog.mixing, catalog.mode)
         if stats.truncated_tokens or stats.skipped_shards or stats.skipped_docs or refill:  # mostly nothing
@@ -255,12 +265,21 @@ def _epoch_batches(
             stats.skipped_docs = 0
         return batch
 
-    for task in tasks:
-        spec = task.spec
-        last = spec
-        limit = task.limit
-        if limit is not None and limit.reached(task.first_batch):
-            continue
+    def following(self, next_spec: StreamSpec | None) -> tuple[list, StreamSpec] | None:
+        """The next epoch's slices, asked for once this one's last shards have started."""
+        if next_spec is None:
+            return None
+        return task_slices(self.catalog, self.cfg, next_spec, None), next_spec
+
+    def blocks(self, slices: list, spec: StreamSpec, next_spec: StreamSpec | None, position: int) -> Iterator:
+        then = functools.partial(self.following, next_spec)
+        return read_plan_stream(
+            self.catalog, slices, spec, start=position, options=self.read, stats=self.stats, then=then
+        )
+
+    def task_batches(self, task: EpochTask) -> Iterator[Batch]:
+        """One task's batches: from its first batch (a resume) to its limit (equal batches)."""
+        catalog, cfg, spec, limit, batcher = self.catalog, self.cfg, task.spec, task.limit, self.batcher
         slices = task_slices(catalog, cfg, spec, task.plan)
         lengths = None  # a share's lengths: only to find where a resume without a hint starts
         if batcher.needs_lengths and not spec.resample and task.hint is None and task.first_batch:
@@ -269,42 +288,44 @@ def _epoch_batches(
                 lengths = shuffle_lengths(lengths, spec, catalog.mixing, plan_labels(catalog, slices, spec))
         start = batcher.start_position(task.first_batch, lengths, task.hint)
         failed: set[str] = set()
-
-        def following(next_spec=task.following) -> tuple[list, StreamSpec] | None:
-            """The next epoch's slices, asked for once this one's last shards have started."""
-            if next_spec is None:
-                return None
-            return task_slices(catalog, cfg, next_spec, None), next_spec
-
-        def blocks_from(position: int, slices=slices, spec=spec, following=following):
-            return read_plan_stream(catalog, slices, spec, start=position, options=read, stats=stats, then=following)
-
+        blocks = functools.partial(self.blocks, slices, spec, task.following)
+        labels = PlanLabels.of(catalog, slices, spec)
+        items_stream = shuffled_items(blocks, spec, start=start, mixing=catalog.mixing, labels=labels)
         index = task.first_batch
-        for index, items, hint in batcher.batches(
-            shuffled_items(
-                blocks_from, spec, start=start, mixing=catalog.mixing, labels=PlanLabels.of(catalog, slices, spec)
-            ),
-            task.first_batch,
-            spec,
-            lengths,
-            task.hint,
-        ):
+        for index, items, hint in batcher.batches(items_stream, task.first_batch, spec, lengths, task.hint):
             if limit is not None and limit.reached(index):
                 break
-            failed.update(stats.skipped_shards)
+            failed.update(self.stats.skipped_shards)
             if cfg.unbatched:  # a chunk of single items: `index` counts items
                 if limit is not None and limit.reached(index + len(items)):
                     items = items.slice(0, limit.value() - index)
-                yield emit(spec, index, items, hint)
+                yield self.emit(spec, index, items, hint)
                 index += len(items)
                 continue
-            yield emit(spec, index, items, hint)
+            yield self.emit(spec, index, items, hint)
             index += 1
-        failed.update(stats.skipped_shards)
+        failed.update(self.stats.skipped_shards)
         if limit is not None and failed and index < limit.value():
-            yield from _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit.value(), emit)
+            yield from _refill(
+                catalog, batcher, slices, spec, self.read, self.stats, failed, index, limit.value(), self.emit
+            )
+
+
+def _epoch_batches(
+    tasks: Iterator[EpochTask], catalog: Source, cfg: Config, read: ReadOptions, end_marker: bool, shared: bool = False
+) -> Iterator:
+    """Second stage: each task's batches (``WorkerBatcher``), then this worker's end marker."""
+    if read.fetch_process is None:  # in the training process itself: its GIL is spared the receiving
+        read = replace(read, fetch_process=get_worker_info() is None)
+    stage = WorkerBatcher(catalog, cfg, read, compact=get_worker_info() is not None and not shared)
+    last = None
+    for task in tasks:
+        last = task.spec
+        if task.limit is not None and task.limit.reached(task.first_batch):
+            continue
+        yield from stage.task_batches(task)
     if end_marker and last is not None:
-        yield EndOfWorker(worker=last.worker, epoch=last.epoch, stats=DataStats.of(stats))
+        yield EndOfWorker(worker=last.worker, epoch=last.epoch, stats=DataStats.of(stage.stats))
 
 
 def task_slices(catalog: Source, cfg: Config, spec: StreamSpec, plan: EpochPlan | None) -> list:

@@ -15,25 +15,21 @@ to the caller (not merely prefetched), the round-robin turn, and the rank's batc
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..errors import ConfigError, NotADatasetError, StateError, UsageError
-from . import resume as resumemod
+from ..errors import ConfigError, NotADatasetError, UsageError
 from . import state as statemod
 from .batching import Batch
 from .collate import CollateOptions, assemble
 from .config import Config, reading_options, resolve_world
-from .counts import EpochCounts, EpochPlan, batch_counts, equalised, round_robin_share
-from .cursor import Cursor, RoundRobin, positions_of_share, turn_after
-from .dataset import DataStats, EndOfWorker, build_pipeline, dataset_tokenizer, open_given
+from .cursor import Cursor, EpochTotal, Here, RoundRobin, check_fits, restore
+from .dataset import CountedBy, DataStats, EndOfWorker, build_pipeline, dataset_tokenizer, open_given
 from .mixstats import MixTally
 from .options import BatchOptions, LayoutOptions, OrderOptions, ReadingOptions, WorkerOptions, split_options
 from .transport import WorkerBatches
@@ -85,21 +81,9 @@ class Loader:
                 "the loader yields batches: pass batch_size (or max_tokens with batching='bucket'); "
                 "for one document at a time use wdsllm.dataset(..., batch_size=None)"
             )
-        w = face.workers
-        persistent = w.persistent_workers
-        if persistent is None:
-            # from a store, a worker forked afresh each epoch builds its clients and connections
-            # again and cannot start the next epoch's first shards (docs/remote.md)
-            persistent = w.num_workers > 0 and self.catalog.reads_remote()
         #: tests (``_in_process``): the workers' streams run here, one after another, in DataLoader's order
-        self._transport = WorkerBatches(
-            w.num_workers,
-            w.prefetch_factor if w.num_workers > 0 else None,
-            bool(persistent) and w.num_workers > 0,
-            w.multiprocessing_context,
-            in_process=_in_process,
-        )
-        self.pin_memory = w.pin_memory
+        self._transport = WorkerBatches.of(face.workers, self.catalog.reads_remote, in_process=_in_process)
+        self.pin_memory = face.workers.pin_memory
         self.read_options = reading_options(face.reading)
         self._tokenizer: Any = None
         self._build()
@@ -109,7 +93,7 @@ class Loader:
         self.cursor = Cursor(self.workers)
         self._stream: Iterator | None = None  # the endless stream of an infinite loader
         self._started = False  # whether any iteration has begun (rank and world are then fixed)
-        self._total_key, self._total = None, None  # cached batch count of the current epoch
+        self._total = EpochTotal()
         #: the equal-batches decision of the current epoch: dropped batches of this rank etc.
         self.limits = None
         self.dropped_batches = 0
@@ -129,6 +113,8 @@ class Loader:
             ring=self._transport.ring,
         )
         self.source = self.pipeline.source
+        #: what loaded states and batch counts are checked against
+        self.here = Here(self.catalog, self.cfg, self.rank, self.world_size, self.workers, self.source)
 
     @property
     def num_workers(self) -> int:
@@ -151,26 +137,11 @@ class Loader:
     def _dataloader(self, value: Any) -> None:
         self._transport.dataloader = value
 
-    # -- what the stages counted (``DataStats``) ------------------------------------------------
-    @property
-    def truncated_tokens(self) -> int:
-        """Tokens cut by max_len_mode="truncate"."""
-        return self.stats.truncated_tokens
-
-    @property
-    def skipped_shards(self) -> list[str]:
-        """Shards skipped as unreadable (on_error="skip")."""
-        return self.stats.skipped_shards
-
-    @property
-    def skipped_docs(self) -> int:
-        """Raw text: bad lines or rows skipped (on_error="skip"), counted once each."""
-        return self.stats.skipped_docs
-
-    @property
-    def refilled_batches(self) -> int:
-        """Batches repeated to keep counts equal after shards were skipped (on_error="skip")."""
-        return self.stats.refilled_batches
+    #: what the stages counted, as in ``self.stats`` (``DataStats`` says what each counts)
+    truncated_tokens: int = CountedBy()
+    skipped_shards: list[str] = CountedBy()
+    skipped_docs: int = CountedBy()
+    refilled_batches: int = CountedBy()
 
     @property
     def tokenizer(self) -> Any:
@@ -223,7 +194,7 @@ class Loader:
         )
         self.rank, self.world_size = rank, world
         self._build()
-        self._total_key, self._total = None, None
+        self._total.forget()
         self._transport.forget()
 
     # -- epochs ---------------------------------------------------------------------------------
@@ -293,20 +264,7 @@ class Loader:
 
     def _epoch_total(self) -> int | None:
         """Batches this rank yields in the current epoch, from the index (None without one)."""
-        epoch = self.cursor.epoch
-        plan = self.source.plan_for(epoch)
-        key = (epoch, id(plan), self.world_size)
-        if self._total_key != key:
-            limits = self.source.limits(epoch, self.workers)
-            if limits is not None:
-                total = limits.per_rank
-            else:  # this rank's own batches: its own shares alone
-                counts = EpochCounts.create(
-                    self.catalog, self.cfg, epoch, self.world_size, self.workers, plan, ranks=[self.rank]
-                )
-                total = None if counts is None else int(counts.exact()[self.rank].sum())
-            self._total_key, self._total = key, total
-        return self._total
+        return self._total.of(self.here, self.cursor.epoch)
 
     def _epoch_done(self, yielded: int) -> bool:
         """Whether ``yielded`` batches are the whole epoch (without waiting for a count that is
@@ -361,8 +319,11 @@ class Loader:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter exit, modules may be gone already
+        # not contextlib.suppress: at interpreter exit this module's globals may already be gone
+        try:  # noqa: SIM105
             self.close()
+        except Exception:
+            pass
 
     def __iter__(self) -> Iterator[dict]:
         self._settle_world()
@@ -438,9 +399,6 @@ class Loader:
         return self._mix.report(self.world_size)
 
     # -- state ----------------------------------------------------------------------------------
-    def _settings(self) -> str:
-        return resumemod.settings_fingerprint(self.cfg)
-
     def state_dict(self) -> dict[str, str]:
         """Where this rank's stream stands, as ``{"format": "wdsllm.loader/2", "state": JSON}``:
         two strings that every checkpointer keeps whole (see docs/loader.md and state.py)."""
@@ -453,20 +411,7 @@ class Loader:
             # The last batch is out: a resume starts the next epoch, not an empty rest of this one.
             in_epoch = False
             cursor.completed = cursor.epoch
-        position = cursor.get(in_epoch)
-        plan = self.source.plan_for(position["epoch"])
-        return statemod.LoaderState(
-            dataset=self.catalog.fingerprint(),
-            settings=self._settings(),
-            config=dict(vars(self.cfg)),
-            rank=self.rank,
-            world_size=self.world_size,
-            num_workers=self.workers,
-            equal_batches=bool(self.cfg.keeps_equal_batches(self.world_size)),
-            infinite=self.infinite,
-            plan=plan if isinstance(plan, resumemod.RemainderPlan) else None,
-            **position,
-        ).sealed()
+        return self.here.state(cursor.get(in_epoch)).sealed()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a state saved by ``state_dict`` (on any rank when batches were equal).
@@ -480,78 +425,12 @@ class Loader:
         if not self._started:
             self._settle_world()
         st = statemod.LoaderState.load(state)
-        statemod.check_identity(
-            st, dataset=self.catalog.fingerprint(), settings=self._settings(), infinite=self.infinite
-        )
-        moved = st.world_size != self.world_size
-        if st.workers and moved and self.catalog.has_step_schedule():
-            raise StateError(
-                f"the mixture's schedule has at_step points, which are converted with the world size "
-                f"({st.world_size} when saved, {self.world_size} now): an elastic resume would move them; "
-                "write the points as at_tokens / at_items to resume with another world size"
-            )
-        statemod.check_positions(st, self.catalog, self.cfg, exact_order=self.read_options.on_error == "raise")
-        same_layout = st.world_size == self.world_size and st.num_workers == self.workers
-        if st.workers and not same_layout and self.infinite:
-            raise StateError("resuming an endless stream with another world size or worker count is not supported")
-        if st.workers and same_layout and st.rank != self.rank and not st.equal_batches:
-            raise StateError(
-                f"this state is rank {st.rank}'s and ranks yielded different numbers of batches; load each rank's own "
-                "state"
-            )
-        if st.workers and not same_layout and st.world_size > 1 and not st.equal_batches:
-            raise StateError("an elastic resume needs equal batch counts on the old ranks (equal_batches=True)")
+        check_fits(st, self.here, exact_order=self.read_options.on_error == "raise")
         # The state fits: from here on nothing is refused.
-        self._total_key = None
+        self._total.forget()
         self._stream = None
         self._transport.forget()
-        self.source.set_plan(st.plan.epoch if st.plan else None, st.plan)
-        if not st.workers or not same_layout:
-            self.cursor.set(st)  # an iterator of an earlier pass no longer touches this loader
-            self.source.resume_from({})  # between epochs: the next iteration starts epoch `epoch` afresh
-            if not same_layout and st.workers:
-                self._elastic(st)
-            return
-        if st.rank == self.rank:
-            positions = {w: p.as_tuple() for w, p in st.workers.items()}
-        else:
-            positions = self._positions_from(st)
-        turn = st.turn if self.infinite else turn_after(positions, self.workers)
-        self.source.resume_from(positions)
-        self.cursor.set(st, turn, list(range(self.workers)))
-
-    # -- helpers for loading ----------------------------------------------------------------------
-    def _worker_counts(self, epoch: int, world: int, workers: int, plan: EpochPlan | None) -> np.ndarray:
-        counts = batch_counts(self.catalog, self.cfg, epoch, world, workers, plan)
-        if counts is None:
-            raise StateError("this needs the dataset's index (lengths.npy) to recompute other ranks' positions")
-        return equalised(counts) if self.cfg.keeps_equal_batches(world) else counts
-
-    def _positions_from(self, st: statemod.LoaderState) -> dict[int, tuple]:
-        """This rank's per-worker positions, from another rank's state (equal batch counts)."""
-        epoch, k = st.epoch, st.yielded
-        counts = self._worker_counts(epoch, self.world_size, self.workers, self.source.plan_for(epoch))[self.rank]
-        return positions_of_share(epoch, counts, k)
-
-    def _elastic(self, st: statemod.LoaderState) -> None:
-        """Re-plan the rest of the saved epoch for this world size and worker count."""
-        epoch, plan = st.epoch, st.plan
-        old_world, old_workers = st.world_size, st.num_workers
-        counts = self._worker_counts(epoch, old_world, old_workers, plan)
-        consumed = [[int(x) for x in round_robin_share(counts[r], st.yielded)] for r in range(old_world)]
-        if old_world == 1:
-            consumed = [[st.workers[w].batches if w in st.workers else 0 for w in range(old_workers)]]
-        remainder = resumemod.RemainderPlan(epoch, old_world, old_workers, consumed, base=plan)
-        self.source.set_plan(epoch, remainder)
-        self.source.resume_from({})
-        log.info(
-            "resuming epoch %d of a %d x %d layout as %d x %d: the epoch's remainder is re-planned",
-            epoch,
-            old_world,
-            old_workers,
-            self.world_size,
-            self.workers,
-        )
+        restore(self.cursor, st, self.here)
 
 
 def loader(

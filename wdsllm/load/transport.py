@@ -20,7 +20,7 @@ import mmap
 import os
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,6 +193,18 @@ class WorkerBatches:
         self.in_process = in_process
         self.ring = RingHolder()  # shared memory the workers send tokens through
         self.dataloader: Any = None
+
+    @classmethod
+    def of(cls, options: Any, reads_remote: Callable[[], bool], in_process: bool = False) -> WorkerBatches:
+        """The transport a ``WorkerOptions`` record asks for. Kept workers by default where any
+        shard is remote: from a store, a worker forked afresh each epoch builds its clients and
+        connections again and cannot start the next epoch's first shards (docs/remote.md)."""
+        workers = options.num_workers
+        persistent = options.persistent_workers
+        if persistent is None:
+            persistent = workers > 0 and reads_remote()
+        prefetch = options.prefetch_factor if workers > 0 else None
+        return cls(workers, prefetch, bool(persistent) and workers > 0, options.multiprocessing_context, in_process)
 
     @property
     def bundled(self) -> bool:
