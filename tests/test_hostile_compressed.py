@@ -126,3 +126,21 @@ def test_pack_count_and_loader_name_a_truncated_zst(tmp_path):
         count_raw(open_raw(str(path), tokenizer=str(GPT2)))
     with pytest.raises(WdsllmError, match=r"half\.jsonl\.zst:\d+: .*truncated"):
         list(wdsllm.loader(RawTextSource(str(path), tokenizer=str(GPT2)), batch_size=4, num_workers=0))
+
+
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_a_truncated_remote_zst_is_named(request, tmp_path, store):
+    from wdsllm import storage
+
+    bucket = request.getfixturevalue("s3_bucket" if store == "s3" else "gcs_bucket")
+    data = COMPRESS["zst"](_lines(3000))
+    out = storage.Output(f"{bucket}/raw")
+    try:
+        out.put_bytes("cut.jsonl.zst", data[: len(data) // 2])
+    finally:
+        out.close()
+    url = f"{bucket}/raw/cut.jsonl.zst"
+    with pytest.raises(SourceError, match=r"cut\.jsonl\.zst:\d+: cannot decompress after line \d+: truncated"):
+        _read(url)
+    lines, skips = _read(url, "skip")
+    assert [s.reason for s in skips] == ["unreadable"] and lines == list(range(1, skips[0].line)) and len(lines) > 100
