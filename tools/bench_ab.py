@@ -46,9 +46,10 @@ loader = wdsllm.loader(spec["data"], **kw)
 
 
 def cpu_seconds():
-    """CPU of this process and its live children (the workers), from /proc: psutil-free."""
+    # CPU of this process and its live children (the workers), from /proc: psutil-free
     total = 0.0
-    for pid in [os.getpid()] + [int(p) for p in open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()]:
+    children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
+    for pid in [os.getpid()] + [int(p) for p in children]:
         try:
             fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
         except OSError:
