@@ -16,8 +16,10 @@ Usage::
     from wdsllm.integrations.hf import Trainer
 
     loader = wdsllm.loader("data/wiki-2048", batch_size=8, boundaries=True, num_workers=2)
-    trainer = Trainer(model=model, args=TrainingArguments(...), train_loader=loader)
-    trainer.train(resume_from_checkpoint=True)  # or None / a checkpoint path
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir="run", ...), train_loader=loader)
+    trainer.train(resume_from_checkpoint=last)  # None on a first run, else a checkpoint path
+
+(``resume_from_checkpoint=True`` raises "No valid checkpoint found" when ``output_dir`` has none.)
 """
 
 from __future__ import annotations
