@@ -49,18 +49,24 @@ def sink(out: Path, sources: list[str], cls=PackSink, **kw) -> PackSink:
     return cls(str(out), tokenizer=str(GPT2), sources=sources, **{**SMALL, **kw})
 
 
-def test_ray_pack_equals_a_local_pack(ray_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def first_run(ray_cluster, tmp_path_factory) -> tuple[Path, PackSink]:
+    """The wiki records packed by 4 write tasks (shared: a later run must equal it byte for byte)."""
     name, records = source_records(N)
-    packer = sink(tmp_path / "a", [name])
+    out = tmp_path_factory.mktemp("ray") / "a"
+    packer = sink(out, [name])
     dataset(records).write_datasink(packer)
+    return out, packer
+
+
+def test_ray_pack_equals_a_local_pack(first_run):
+    out, packer = first_run
     assert [m.part_id for m in packer.manifests] == [0, 1, 2, 3]
     assert packer.index.documents == N
-    assert documents_by_origin(tmp_path / "a") == documents_by_origin(local_pack(N))
-    # a second run of the same pipeline: byte-identical
-    dataset(records).write_datasink(sink(tmp_path / "b", [name]))
-    assert dataset_files(tmp_path / "a") == dataset_files(tmp_path / "b")
+    assert documents_by_origin(out) == documents_by_origin(local_pack(N))
+    name, records = source_records(N)
     with pytest.raises(PackError, match="already holds a packed dataset"):
-        dataset(records).write_datasink(sink(tmp_path / "a", [name]))
+        dataset(records).write_datasink(sink(out, [name]))
 
 
 class CrashOnce(PackSink):
@@ -84,7 +90,7 @@ def die_after(rows, n: int, marker: str):
         yield row
 
 
-def test_a_killed_write_task_is_retried_without_duplicates_or_orphans(ray_cluster, tmp_path):
+def test_a_killed_write_task_is_retried_without_duplicates_or_orphans(first_run, tmp_path):
     name, records = source_records(N)
     marker = str(tmp_path / "crashed")
     packer = sink(tmp_path / "out", [name], cls=CrashOnce, marker=marker)
@@ -92,6 +98,7 @@ def test_a_killed_write_task_is_retried_without_duplicates_or_orphans(ray_cluste
     assert os.path.exists(marker)  # the first attempt of part 1 did die
     part1 = next(m for m in packer.manifests if m.part_id == 1)
     assert part1.resumed_shards > 0  # its retry kept what the dead attempt had committed
-    assert documents_by_origin(tmp_path / "out") == documents_by_origin(local_pack(N))
+    # a second run of the same pipeline, one of its tasks killed and retried: byte-identical
+    assert dataset_files(tmp_path / "out") == dataset_files(first_run[0])
     sides = ("index.json", "lengths.npy", "groups.npy", "tokenizer.json")
     assert all(n.startswith("shard-") or n in sides for n in visible_files(tmp_path / "out"))
