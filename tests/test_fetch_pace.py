@@ -17,7 +17,7 @@ def slow_server(tmp_path):
     server = HttpServer()
     server.root = tmp_path / "slow"
     server.root.mkdir()
-    server.faults.add("*", "rate", times=None, bytes_per_s=4e6)
+    server.faults.add("*", "rate", times=None, bytes_per_s=250e3)
     yield server
     server.close()
 
@@ -44,15 +44,15 @@ def read_whole(spool: storage.Spool) -> bytes:
 @pytest.fixture
 def paced(monkeypatch):
     storage.reset()  # no store measured yet
-    monkeypatch.setattr(parallel, "BLOCK_SIZE", 500_000)
+    monkeypatch.setattr(parallel, "BLOCK_SIZE", 200_000)
     monkeypatch.setattr(parallel, "SERIAL_BLOCK_SIZE", 8_000_000)
-    monkeypatch.setattr(parallel, "SERIAL_RATE", 20e6)  # the slow server sends 4 MB/s
+    monkeypatch.setattr(parallel, "SERIAL_RATE", 1e6)  # the slow server sends a quarter of that
     yield
     storage.reset()
 
 
 def test_a_fast_store_and_a_slow_one_are_paced_separately(paced, http_server, slow_server):
-    fast_data, slow_data = payload(5_000_000), payload(1_000_000, seed=1)
+    fast_data, slow_data = payload(5_000_000), payload(400_000, seed=1)
     # one mixture's first shards: both downloading at once
     fast, slow = spool_of(http_server, "a.bin", fast_data), spool_of(slow_server, "b.bin", slow_data)
     assert read_whole(fast) == fast_data and read_whole(slow) == slow_data
@@ -68,7 +68,7 @@ def test_a_fast_store_and_a_slow_one_are_paced_separately(paced, http_server, sl
     # and the slow one's next shard is read in blocks, several at a time
     again = spool_of(slow_server, "d.bin", slow_data)
     assert read_whole(again) == slow_data
-    assert sorted(slow_server.ranges("/d.bin")) == ["bytes=0-499999", "bytes=500000-999999"]
+    assert sorted(slow_server.ranges("/d.bin")) == ["bytes=0-199999", "bytes=200000-399999"]
 
 
 def test_the_store_of_a_url():

@@ -255,8 +255,8 @@ def environment_to_trust() -> bool:
     """Whether aiohttp's ``trust_env`` has anything to find here: a proxy variable for http(s) or a
     netrc file (``NETRC``, ``~/.netrc``).
 
-    With ``trust_env`` aiohttp looks both up again for every request, each in a thread: 1 ms of
-    CPU per request on the project's VM, half of what a small ranged GET costs. Where neither is
+    With ``trust_env`` aiohttp looks both up again for every request, each in a thread, a cost
+    of the order of a small ranged GET's (docs/benchmarks.md). Where neither is
     set there is nothing to trust, and sessions are made without it. :func:`process_key` holds
     the answer, so a proxy or a netrc that appears later gets a new filesystem that uses it.
     Outside Linux urllib also reads the system's proxy settings, so the answer there is always yes.

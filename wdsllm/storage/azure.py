@@ -177,7 +177,7 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
         # iterator drops them with the error), and no chunk is copied on the way
         read = salvaging_reader(raw.content)
     else:
-        read = _chunk_reader(chunks)
+        read = _ChunkReader(chunks).read
 
     async def aclose() -> None:
         if not release_if_read(raw):
@@ -186,22 +186,22 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
     return _AzureBody(url, fs, read, aclose, total, resp.headers.get("ETag"), timeout)
 
 
-def _chunk_reader(chunks: Any) -> Any:
+class _ChunkReader:
     """``read(n)`` over azure-core's chunk iterator (another transport than aiohttp)."""
-    pending = bytearray()
 
-    async def read(n: int) -> bytes:
-        nonlocal pending
-        while not pending:
+    def __init__(self, chunks: Any) -> None:
+        self.chunks = chunks
+        self.pending = bytearray()
+
+    async def read(self, n: int) -> bytes:
+        while not self.pending:
             try:
-                pending = bytearray(await chunks.__anext__())
+                self.pending = bytearray(await self.chunks.__anext__())
             except StopAsyncIteration:
                 return b""
-        out = bytes(pending[:n])
-        del pending[:n]
+        out = bytes(self.pending[:n])
+        del self.pending[:n]
         return out
-
-    return read
 
 
 class _AzureBody(LoopBody):

@@ -81,7 +81,7 @@ def on_prepare_workers(hook: Callable[[], None]) -> Callable[[], None]:
 
 def prepare_workers() -> None:
     """Do, once in this process, the fork-safe set-up that each worker forked from it would
-    otherwise repeat (an S3 client's construction: 0.05-0.25 s per worker and epoch).
+    otherwise repeat (an S3 client's construction, per worker and epoch).
 
     The loader calls it before it starts workers. A hook prepares only plain data and objects that
     have never touched a socket or an event loop; each child takes its own copy. Failing hooks are

@@ -2,11 +2,10 @@
 
 A remote shard is downloaded into an anonymous mapping (:class:`~wdsllm.storage.prefetch.Spool`).
 A fresh mapping has no pages: the first write to each 4 KiB page traps into the kernel, which
-finds and zeroes a page. For a 27 MB shard that is about 15 ms, spent in the copy that writes the
-received bytes, under the GIL, while the loader wants the GIL to decode: on a fast machine a
-third of what reading the shard costs the client. A mapping whose pages are already there takes
-the same bytes in about 1 ms, so a spool's mapping is handed to the next spool once nothing views
-it any more.
+finds and zeroes a page, in the copy that writes the received bytes, under the GIL, while the
+loader wants the GIL to decode. A mapping whose pages are already there takes the same bytes an
+order of magnitude faster (docs/remote.md), so a spool's mapping is handed to the next spool once
+nothing views it any more.
 
 "Nothing views it" is what ``mmap.resize`` checks: it refuses while any buffer (a NumPy array of
 tokens, a memoryview of a reader, a block download in flight) is exported from the mapping. A

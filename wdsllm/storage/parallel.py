@@ -39,9 +39,8 @@ _READ = 4 << 20  # bytes per readinto of a block (one hop to the event loop)
 #: byte alone is overlapped by the next block starting while the current one is half in.
 SERIAL_RATE = float(os.environ.get("WDSLLM_SERIAL_RATE") or 256e6)
 #: Bytes per ranged GET of a spool made once the store measured fast (``WDSLLM_SERIAL_BLOCK_SIZE``):
-#: blocks then go one at a time anyway, and each GET costs a request on both ends (a 27 MB shard
-#: read as 4 GETs of 8 MiB took 37 ms of moto's CPU per epoch and 44 ms of gcsfs's; as one, 12
-#: and 22 ms). A block that breaks still resumes at the byte where it broke.
+#: blocks then go one at a time anyway, and each GET costs a request on both ends (figures:
+#: docs/benchmarks.md). A block that breaks still resumes at the byte where it broke.
 SERIAL_BLOCK_SIZE = int(os.environ.get("WDSLLM_SERIAL_BLOCK_SIZE") or 4 * BLOCK_SIZE)
 
 

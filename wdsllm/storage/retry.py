@@ -105,12 +105,6 @@ def is_missing(exc: BaseException) -> bool:
     return any(test(exc) for test in _missing_tests)
 
 
-def classify(exc: BaseException) -> tuple[bool, str] | None:
-    """(transient, reason) for the errors we know, None for the rest (bugs propagate unchanged)."""
-    kind = classification(exc)
-    return None if kind is None else kind[:2]
-
-
 def retry_after(exc: BaseException) -> float | None:
     """The wait the server asked for with the failure ``exc`` (Retry-After), if it did."""
     kind = classification(exc)
@@ -118,6 +112,8 @@ def retry_after(exc: BaseException) -> float | None:
 
 
 def classification(exc: BaseException) -> tuple[bool, str, float | None] | None:
+    """(transient, reason, Retry-After seconds) for the errors we know, None for the rest (bugs
+    propagate unchanged)."""
     if isinstance(exc, StorageError):
         return isinstance(exc, TransientError), exc.reason, getattr(exc, "retry_after", None)
     for classify_exc in _classifiers:

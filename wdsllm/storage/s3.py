@@ -126,7 +126,7 @@ def _prepared_session_class() -> Any:
     """An AioSession whose next ``create_client`` may hand out a client built in advance.
 
     Building an S3 client (the session's event handlers, credentials from the chain, the client
-    class, the endpoint rules) is 0.05 s of CPU, 0.2 s and more on a loaded machine, and each
+    class, the endpoint rules) costs CPU (docs/remote.md, "Workers and clients"), and each
     DataLoader worker of each epoch would pay it again. :func:`prepare_workers` builds one in the
     process about to fork, without entering it: until ``__aenter__`` it has no aiohttp session,
     socket or event loop, so each forked child enters its own copy on its own loop. It is handed
@@ -213,13 +213,13 @@ def _keep_tls_contexts(client: Any) -> None:
     """Build the prepared client's TLS contexts now, so that each forked child uses its copy.
 
     aiobotocore builds them when its HTTP session opens its first connection, loading the CA
-    bundle (certifi's, or ``AWS_CA_BUNDLE``) into a new ``SSLContext``: 43 ms of CPU on the
-    project's VM, most of what a fresh DataLoader worker spent on its first S3 request. A
+    bundle (certifi's, or ``AWS_CA_BUNDLE``) into a new ``SSLContext``: most of what a fresh
+    DataLoader worker spent on its first S3 request (docs/remote.md). A
     context is plain OpenSSL state that no socket has used yet, so a child's copy is as good
     as its own. The contexts depend only on the client's verify and certificate settings and
     the proxy URL; one for each proxy is built when first asked for. Private aiobotocore API:
     where it has changed, or where building fails here (a CA bundle that cannot be read), the
-    child builds its own, as before, and reports what fails there.
+    child builds its own and reports what fails there.
     """
     http_session = getattr(getattr(client, "_endpoint", None), "http_session", None)
     build = getattr(http_session, "_build_ssl_contexts", None)
