@@ -44,9 +44,9 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from .batching import COUNT_BY_ITEMS, COUNT_BY_TOKENS, COUNT_BY_WINDOWS, Batcher, BucketBatcher, PackBatcher
-from .catalog import Catalog
 from .config import Config
 from .plan import EpochLayout, Slice, epoch_layout
+from .sources.protocol import Source
 from .stream import ShareLengths, StreamSpec, epoch_slices, has_lengths, slice_item_counts
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,10 @@ log = logging.getLogger(__name__)
 
 class EpochPlan(Protocol):
     """A plan that replaces an epoch's normal one: the remainder of an interrupted epoch, or a
-    mixture's epoch (``Catalog.default_plan``)."""
+    mixture's epoch (``Source.default_plan``)."""
 
     def slices_for(
-        self, catalog: Catalog, cfg: Config, rank: int, world: int, worker: int, workers: int
+        self, catalog: Source, cfg: Config, rank: int, world: int, worker: int, workers: int
     ) -> list[Slice]:
         """The slices (rank, worker) reads, in reading order."""
         ...
@@ -69,7 +69,7 @@ class SizedPlan(Protocol):
     mixture's: ``mixplan.MixturePlan``), so that its counts need no pass before the first batch."""
 
     def slices_for(
-        self, catalog: Catalog, cfg: Config, rank: int, world: int, worker: int, workers: int
+        self, catalog: Source, cfg: Config, rank: int, world: int, worker: int, workers: int
     ) -> list[Slice]: ...
 
     def share_sizes(
@@ -84,7 +84,7 @@ class SizedPlan(Protocol):
         ...
 
 
-def slices_for(catalog: Catalog, cfg: Config, spec: StreamSpec, plan: EpochPlan | None = None) -> list[Slice]:
+def slices_for(catalog: Source, cfg: Config, spec: StreamSpec, plan: EpochPlan | None = None) -> list[Slice]:
     """The slices (rank, worker) reads in spec.epoch: the normal plan (a mixture's own), or ``plan``'s."""
     if plan is None:
         plan = catalog.default_plan(spec.epoch)
@@ -93,7 +93,7 @@ def slices_for(catalog: Catalog, cfg: Config, spec: StreamSpec, plan: EpochPlan 
     return plan.slices_for(catalog, cfg, spec.rank, spec.world, spec.worker, spec.workers)
 
 
-def share_count(catalog: Catalog, cfg: Config, slices: list[Slice], spec: StreamSpec) -> int | None:
+def share_count(catalog: Source, cfg: Config, slices: list[Slice], spec: StreamSpec) -> int | None:
     """Batches a stream of these slices makes; None when the index cannot say. Reads lengths.npy
     a slice at a time when the mode needs lengths (memory: one window)."""
     batcher = cfg.make_batcher()
@@ -105,13 +105,13 @@ def share_count(catalog: Catalog, cfg: Config, slices: list[Slice], spec: Stream
     return batcher.count(None, ShareLengths(catalog, slices, spec))
 
 
-def worker_batch_count(catalog: Catalog, cfg: Config, spec: StreamSpec, plan: EpochPlan | None = None) -> int | None:
+def worker_batch_count(catalog: Source, cfg: Config, spec: StreamSpec, plan: EpochPlan | None = None) -> int | None:
     """Batches (rank, worker) yields in the epoch, from the index alone; None if unknown."""
     return share_count(catalog, cfg, slices_for(catalog, cfg, spec, plan), spec)
 
 
 def batch_counts(
-    catalog: Catalog, cfg: Config, epoch: int, world: int, workers: int, plan: EpochPlan | None = None
+    catalog: Source, cfg: Config, epoch: int, world: int, workers: int, plan: EpochPlan | None = None
 ) -> np.ndarray | None:
     """[world, workers] batch counts for a finite epoch, or None when the index cannot say (waits
     for a pass over the lengths where the mode needs one)."""
@@ -206,7 +206,7 @@ class EpochCounts:
     @classmethod
     def create(
         cls,
-        catalog: Catalog,
+        catalog: Source,
         cfg: Config,
         epoch: int,
         world: int,
@@ -243,7 +243,7 @@ class EpochCounts:
             )
             items = layout.stops - layout.starts
             tokens, read = _share_tokens(catalog, layout) if want_tokens else (None, [])
-            check = lambda: catalog.check_lengths(read)  # noqa: E731
+            check = lambda: catalog.lengths().check(read)  # noqa: E731
             identity = None
             exact_table = lambda: _layout_exact(catalog, cfg, epoch, layout, ranks)  # noqa: E731
         if batcher.count_by == COUNT_BY_ITEMS and not splits:
@@ -293,7 +293,7 @@ class _Tokens:
 
 
 def _shares_exact(
-    catalog: Catalog,
+    catalog: Source,
     cfg: Config,
     epoch: int,
     world: int,
@@ -314,7 +314,7 @@ def _shares_exact(
 
 
 def _layout_exact(
-    catalog: Catalog, cfg: Config, epoch: int, layout: EpochLayout, ranks: list[int] | None
+    catalog: Source, cfg: Config, epoch: int, layout: EpochLayout, ranks: list[int] | None
 ) -> np.ndarray:
     """Every consumer's exact count of a normal epoch: one pass over lengths.npy, a share at a
     time, a window at a time (ranks not asked for keep 0)."""
@@ -327,7 +327,7 @@ def _layout_exact(
     return out
 
 
-def _share_tokens(catalog: Catalog, layout: EpochLayout) -> tuple[np.ndarray, list[tuple[int, int]]]:
+def _share_tokens(catalog: Source, layout: EpochLayout) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """([world, workers] tokens of every share (documents, before any max_len), the ranges of
     lengths.npy read for them, unchecked): the index's tokens per shard, and for each share
     boundary inside a shard the documents' lengths from the nearer end of that shard."""
@@ -346,7 +346,7 @@ def _share_tokens(catalog: Catalog, layout: EpochLayout) -> tuple[np.ndarray, li
     return stops - starts, read
 
 
-def head_tokens(catalog: Catalog, shards: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
+def head_tokens(catalog: Source, shards: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """(tokens of the first ``k[i]`` items of catalog shard ``shards[i]``, the ranges of
     lengths.npy read for them, unchecked): the index's shard tokens, less the lengths of the
     shard's other end when that is nearer. Packed rows hold seq_len tokens each but the last."""
@@ -357,20 +357,17 @@ def head_tokens(catalog: Catalog, shards: np.ndarray, k: np.ndarray) -> tuple[np
     if catalog.mode == "packed":
         return np.where(k >= n, tokens, k * int(catalog.index.seq_len)), []
     head = k <= n - k  # read the nearer end: the first k documents, else the last n - k
-    part, a, b = catalog.lengths_sums(shards, np.where(head, 0, k), np.where(head, k, n))
-    read = [(lo, hi) for lo, hi in zip(a.tolist(), b.tolist()) if hi > lo]
+    part, read = catalog.lengths().sums(shards, np.where(head, 0, k), np.where(head, k, n))
     return np.where(head, part, tokens - part), read
 
 
-def _readers(catalog: Catalog) -> list[Catalog]:
-    """The catalogs that read a mixture's sources (in its order), or the catalog itself."""
-    if catalog.mixing is None:
-        return [catalog]
-    return [source.reader() for source in catalog.sources]
+def _readers(catalog: Source) -> list[Source]:
+    """The sources whose lengths are read: a mixture's (in its order), or the source itself."""
+    return list(catalog.components())
 
 
 def _plan_sizes(
-    catalog: Catalog, plan: SizedPlan, world: int, workers: int, want_tokens: bool
+    catalog: Source, plan: SizedPlan, world: int, workers: int, want_tokens: bool
 ) -> tuple[np.ndarray, np.ndarray | None, Callable[[], None]]:
     """A mixture's [world, workers] items and (``want_tokens``) tokens per share, and the check of
     the sources' lengths read for them (each source's reader counts its own shards' tokens)."""
@@ -391,13 +388,13 @@ def _plan_sizes(
     def check() -> None:
         for reader, read in zip(readers, reads):
             if read:
-                reader.check_lengths(read)
+                reader.lengths().check(read)
 
     return items, tokens, check
 
 
 def _lower_bound(
-    catalog: Catalog, cfg: Config, batcher: Batcher, items: np.ndarray, tokens: np.ndarray | None
+    catalog: Source, cfg: Config, batcher: Batcher, items: np.ndarray, tokens: np.ndarray | None
 ) -> np.ndarray:
     """[world, workers] lower bounds on the counts, from the shares' items and tokens alone.
 
@@ -433,7 +430,7 @@ def _lower_bound(
 COUNTS_VERSION = 1
 
 
-def counts_cache_dir(catalog: Catalog) -> str:
+def counts_cache_dir(catalog: Source) -> str:
     """Beside the shard cache when there is one, else in the temporary directory."""
     cache = catalog.side_cache
     if cache is not None:
@@ -442,7 +439,7 @@ def counts_cache_dir(catalog: Catalog) -> str:
 
 
 def _cache_key(
-    catalog: Catalog,
+    catalog: Source,
     cfg: Config,
     epoch: int,
     world: int,
@@ -593,7 +590,7 @@ class EpochLimits:
 
 
 def epoch_limits(
-    catalog: Catalog, cfg: Config, epoch: int, rank: int, world: int, workers: int, plan: EpochPlan | None = None
+    catalog: Source, cfg: Config, epoch: int, rank: int, world: int, workers: int, plan: EpochPlan | None = None
 ) -> EpochLimits | None:
     """Where this rank's workers stop so that every rank yields the same count; None when the
     index cannot count the batches."""
