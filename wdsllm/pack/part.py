@@ -55,6 +55,8 @@ from .writer import JOURNAL_PREFIX, JOURNAL_START, Counters, ShardSink, iter_jou
 log = logging.getLogger(__name__)
 
 PART_DIR_PREFIX = "part-"
+#: the most records in one chunk: records that hold no text (empty, skipped) still end a chunk
+MAX_CHUNK_RECORDS = 65_536
 #: a record's fields that say where it came from (with ``PartOptions.sources``)
 SOURCE_FIELD = "source"
 LINE_FIELD = "line"
@@ -202,14 +204,15 @@ class RecordBatcher:
 
     def chunks(self, records: Iterable[Mapping[str, Any]], skip: int) -> Iterator[EncodedChunk]:
         """Encoded chunks of the records after the first ``skip`` (those are only counted)."""
-        parsed, size, ordinal = ParsedChunk(), 0, 0
+        parsed, size, count, ordinal = ParsedChunk(), 0, 0, 0
         for ordinal, record in enumerate(records, start=1):
             if ordinal <= skip:
                 continue
             size += self._add(parsed, ordinal, record)
-            if size >= self.cfg.chunk_bytes:
+            count += 1
+            if size >= self.cfg.chunk_bytes or count >= MAX_CHUNK_RECORDS:
                 yield self._encode(parsed)
-                parsed, size = ParsedChunk(), 0
+                parsed, size, count = ParsedChunk(), 0, 0
         if ordinal < skip:
             raise PackError(
                 f"{self.display}: the records ended after {ordinal}, but an earlier attempt packed {skip}; the "
@@ -318,14 +321,14 @@ def pack_part(records: Iterable[Mapping[str, Any]], part_id: int, out: str, opti
     url = part_url(out, part_id)
     output = storage.Output(url)
     try:
-        with OutputLock(output, "pack part"):
+        with OutputLock(output, "pack part") as lock:
             expected = _expected_options(options, part_id, tok)
             committed = _committed(output, expected, tok)
             if committed is not None:
                 log.info("%s is already complete; kept as it is", url)
                 return PartManifest.of(url, committed)
             journal = _prepare(output, cfg.prefix, _fingerprint(expected, tok))
-            index = _pack_records(records, part_id, output, options, tok, journal)
+            index = _pack_records(records, part_id, output, options, tok, journal, lock)
             if index.options != expected:
                 raise PackError(f"internal: {url} was written with options other than its fingerprint's")
             return PartManifest.of(url, index, resumed_shards=len(journal))
@@ -379,6 +382,7 @@ def _pack_records(
     options: PartOptions,
     tok: LoadedTokenizer,
     journal: list[dict],
+    lock: OutputLock,
 ) -> fmt.Index:
     cfg = options.pack
     _, bos_id, eos_id = _resolve_specials(cfg, tok)
@@ -406,7 +410,7 @@ def _pack_records(
         sink.short_rows = journal[-1].get("short_rows", 0)
     shaper = _make_shaper(cfg, dtype, position)
     batcher = RecordBatcher(options, part_id, TOKENIZERS.encoder(tok, dtype, bos_id, eos_id))
-    writer = GroupWriter(sink, batcher.origins, options.shard_tokens)
+    writer = GroupWriter(sink, batcher.origins, options.shard_tokens, lock)
     try:
         for chunk in batcher.chunks(records, skip):
             sink.add_skips(chunk.skips, [(chunk.file_index, reason, lines) for reason, lines in chunk.tallies.items()])
@@ -421,12 +425,14 @@ def _pack_records(
 
 class GroupWriter:
     """Hands groups to the sink with their real provenance, closing a shard before a group would
-    take it past ``shard_tokens`` (the sink itself closes shards by bytes and items)."""
+    take it past ``shard_tokens`` (the sink itself closes shards by bytes and items); the output
+    lock's heartbeat beats with every shard, so that a live attempt's lock never looks abandoned."""
 
-    def __init__(self, sink: ShardSink, origins: Origins | None, shard_tokens: int | None) -> None:
+    def __init__(self, sink: ShardSink, origins: Origins | None, shard_tokens: int | None, lock: OutputLock) -> None:
         self.sink = sink
         self.origins = origins
         self.shard_tokens = shard_tokens
+        self.lock = lock
         self.open_tokens = 0  # tokens in the shard the sink has open
 
     def write(self, groups: list[GroupData]) -> None:
@@ -437,7 +443,11 @@ class GroupWriter:
                 self.open_tokens = 0
             shards = len(self.sink.entries)
             self.sink.write(self.origins.translate(group) if self.origins is not None else group)
-            self.open_tokens = size if len(self.sink.entries) != shards else self.open_tokens + size
+            if len(self.sink.entries) != shards:
+                self.open_tokens = size
+                self.lock.refresh()
+            else:
+                self.open_tokens += size
 
 
 def _part_inputs(options: PartOptions, part_id: int, totals: Counters) -> list[dict]:
