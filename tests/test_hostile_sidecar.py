@@ -177,3 +177,21 @@ def test_a_sidecar_that_is_not_a_zip_or_lacks_arrays_is_named(counted):
         z.writestr("meta.npy", b"")
     with pytest.raises(ConfigError, match=r"counts\.npz: not a wdsllm count sidecar"):
         _load(inputs, sidecar)
+
+
+def test_an_input_rewritten_with_its_old_mtime_is_caught_by_its_token_counts(tmp_path):
+    """A copy that keeps the old mtime (cp -p, rsync -t) passes the version check; every document
+    read is still checked against the tokens the sidecar counted for it."""
+    path = tmp_path / "docs.jsonl"
+    _corpus(path, 2000, word="alphaalpha")
+    inputs, sidecar = _counted(tmp_path)
+    st = os.stat(path)
+    _corpus(path, 2000, word="a,b,c,d,e,")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size
+    source = RawTextSource(inputs, tokenizer=str(GPT2), unit_bytes=2000, counts=sidecar)
+    with pytest.raises(
+        SourceError,
+        match=r"docs\.jsonl#bytes=\d+-\d+: the document at line \d+ has \d+ tokens, the count sidecar counted \d+",
+    ):
+        list(wdsllm.loader(source, batch_size=8, num_workers=0))

@@ -3,9 +3,13 @@ document's length, so that a raw source plans, counts and resumes as a packed da
 
 The sidecar is one ``.npz`` (numpy arrays only, read without pickle): ``documents``, ``tokens``
 (int64 per unit), ``lengths`` (uint32 per document, unit after unit) and ``meta`` (JSON: the
-version, the source's fingerprint, the units' names). The fingerprint covers the input files
-(paths and sizes), the units and what decides the tokens (tokenizer sha256, BOS/EOS, text field,
-split, where, max_doc_bytes), so a sidecar of other inputs or settings is refused, never used.
+version, the source's fingerprint, the units' names, and from version 2 each input's identity and
+a sha256 ``digest`` of the meta and the arrays). The fingerprint covers the input files (paths and
+sizes), the units and what decides the tokens (tokenizer sha256, BOS/EOS, text field, split,
+where, max_doc_bytes), so a sidecar of other inputs or settings is refused, never used; the
+identities (size and mtime locally, the listed ETag/generation remotely) refuse inputs rewritten
+since they were counted, and the digest a sidecar edited or damaged since it was written. Version 1
+sidecars (no digest, no identities) still load, with a warning, their counts checked to add up.
 """
 
 from __future__ import annotations

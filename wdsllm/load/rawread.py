@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import SourceError
 from ..inputs.sources import ParsedChunk, reader_for
 from ..inputs.tokenizer import Encoder
 from .block import ID_SHIFT, Block
@@ -88,10 +89,42 @@ def read_unit(
             texts = parsed.texts if len(picked) == n else [parsed.texts[i] for i in picked.tolist()]
             tokens, lengths = encoder.encode(texts)
             lines = np.asarray(parsed.lines, np.int64)[picked]
+            _check_counted(catalog, unit, j[picked], lengths, lines)
             starts = np.cumsum(lengths) - lengths
             yield Block(tokens, starts.astype(np.int64), lengths.astype(np.int64), file_id | lines)
         if stop is not None and ordinal >= stop:
             return
+    _check_count(catalog, unit, ordinal)
+
+
+def _check_counted(catalog: Any, unit: int, ordinals: np.ndarray, lengths: np.ndarray, lines: np.ndarray) -> None:
+    """Each document read has the tokens the count sidecar counted for it: an input that changed
+    since `wdsllm count` (or a sidecar of other text) is named, never planned as if it had not."""
+    counts = catalog.counts
+    if counts is None:
+        return
+    n = int(counts.documents[unit])
+    if int(ordinals[-1]) >= n:
+        raise SourceError(f"{catalog.urls[unit]}: more documents than the {n} the count sidecar counted; {_AGAIN}")
+    expected = counts.lengths[int(counts.starts[unit]) + ordinals]
+    bad = np.nonzero(expected != lengths)[0]
+    if len(bad):
+        i = int(bad[0])
+        raise SourceError(
+            f"{catalog.urls[unit]}: the document at line {int(lines[i])} has {int(lengths[i])} tokens, the count "
+            f"sidecar counted {int(expected[i])}; {_AGAIN}"
+        )
+
+
+def _check_count(catalog: Any, unit: int, documents: int) -> None:
+    """A unit read to its end holds the documents the count sidecar counted."""
+    counts = catalog.counts
+    if counts is not None and documents != int(counts.documents[unit]):
+        counted = int(counts.documents[unit])
+        raise SourceError(f"{catalog.urls[unit]}: {documents} documents, the count sidecar counted {counted}; {_AGAIN}")
+
+
+_AGAIN = "the input changed since `wdsllm count`: run it again"
 
 
 def unit_lengths(catalog: Any, unit: int) -> tuple[np.ndarray, int]:
