@@ -9,9 +9,10 @@ import pytest
 from cluster_helpers import GPT2, SMALL, documents_by_origin, local_pack, source_records, visible_files
 from pack_helpers import dataset_files, load_index
 
+import wdsllm.pack.part as part_module
 from wdsllm.errors import MergeError, PackError, SourceError, WdsllmError
 from wdsllm.pack.merge import merge
-from wdsllm.pack.part import PartOptions, pack_part, part_url
+from wdsllm.pack.part import PartOptions, pack_part, pack_part_files, part_url
 
 N = 2000
 
@@ -156,3 +157,36 @@ def test_merge_reports_duplicate_ids_and_mismatched_options(tmp_path):
 def test_part_errors_are_wdsllm_errors(tmp_path):
     with pytest.raises(WdsllmError):
         pack_part([], -1, str(tmp_path), options())
+
+
+def test_parts_of_input_files_merge_into_the_local_pack(tmp_path, caplog, monkeypatch):
+    name, _ = source_records(N)
+    opts = options(sources=[name])
+    with pytest.raises(PackError, match="needs sources"):
+        pack_part_files([name], 0, str(tmp_path / "x"), options())
+    whole = pack_part_files([name], 0, str(tmp_path / "whole"), opts)
+    assert whole.documents == N and whole.sources[name]["documents"] == N
+    # a preempted attempt (stopped after 10 chunks), then one that continues where it stopped
+    real, calls = part_module.encode_parsed, []
+
+    def preempted_encode(*args, **kw):
+        calls.append(1)
+        if len(calls) > 10:
+            raise Preempted("preempted")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(part_module, "encode_parsed", preempted_encode)
+    with pytest.raises(Preempted):
+        pack_part_files([name], 0, str(tmp_path / "cut"), opts)
+    monkeypatch.setattr(part_module, "encode_parsed", real)
+    with caplog.at_level(logging.INFO, logger="wdsllm.pack.part"):
+        resumed = pack_part_files([name], 0, str(tmp_path / "cut"), opts)
+    assert resumed.resumed_shards > 0 and [r for r in caplog.records if "skipping to" in r.getMessage()]
+    assert dataset_files(tmp_path / "cut" / "part-00000") == dataset_files(tmp_path / "whole" / "part-00000")
+    merge([str(tmp_path / "whole")], str(tmp_path / "merged"))
+    assert documents_by_origin(tmp_path / "merged") == documents_by_origin(local_pack(N))
+    again = pack_part_files([name], 1, str(tmp_path / "twice"), opts)
+    pack_part_files([name], 0, str(tmp_path / "twice"), opts)
+    with pytest.raises(MergeError, match="is in both"):
+        merge([str(tmp_path / "twice")], str(tmp_path / "m2"))
+    assert again.digest != whole.digest  # keys name the part

@@ -174,7 +174,7 @@ def check_compatible(parts: list[Part], allow_partial: bool = False) -> None:
         raise MergeError(
             f"tasks {shown} of {num_tasks} are missing, so their documents would be; pass them too, or --allow-partial"
         )
-    _check_disjoint([p for p in parts if not p.from_records])
+    _check_disjoint(parts)
 
 
 def _expected_parts(part: Part, default: int) -> int | None:
@@ -184,10 +184,13 @@ def _expected_parts(part: Part, default: int) -> int | None:
 
 
 def _check_disjoint(parts: list[Part]) -> None:
-    """Pack tasks divide input files by byte ranges: no two may hold the same share."""
+    """Pack tasks divide input files by byte ranges: no two may hold the same share. Record sources
+    (no ``part``) of cluster parts are shared by many parts."""
     seen: dict[int, list[tuple[dict, str]]] = {}
     for part in parts:
         for inp in part.index.inputs:
+            if part.from_records and "part" not in inp:
+                continue
             for other, url in seen.get(inp["index"], []):
                 if not _disjoint(inp.get("part"), other.get("part")):
                     raise MergeError(f"input {inp['index']} ({inp['path']}) is in both {url} and {part.url}")

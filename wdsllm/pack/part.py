@@ -27,23 +27,37 @@ import hashlib
 import json
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .. import __version__, storage
 from .. import format as fmt
 from ..errors import PackError
-from ..inputs.sources import ParsedChunk, Skip, add_text, json_field, not_text, settle, too_long
+from ..inputs.sources import (
+    STDIN,
+    ParsedChunk,
+    Skip,
+    add_text,
+    expand_inputs,
+    json_field,
+    not_text,
+    reader_for,
+    settle,
+    too_long,
+)
+from ..inputs.sources import Part as InputPart
 from .job import (
     PackConfig,
+    _input_entry,
     _make_shaper,
     _present_records,
     _remove_unrecorded,
     _resolve_specials,
     _validate,
+    _version,
     token_dtype_for,
 )
 from .lock import OutputLock
@@ -183,43 +197,80 @@ TOKENIZERS = TokenizerCache()
 # Records to encoded chunks.
 
 
-class RecordBatcher:
-    """Cuts the record stream into chunks of about ``chunk_bytes`` of text, parsed as a JSON line
-    is (text field, empty and over-long documents, bad records skipped or raised), and encoded.
+class PartInput(Protocol):
+    """What a part is packed from, as encoded chunks in input order; the two kinds are records
+    (:class:`RecordInput`) and input files (:class:`FileInput`)."""
+
+    #: real provenance of the documents not written yet, when chunks carry record numbers instead
+    origins: Origins | None
+
+    def identity(self) -> list:
+        """What besides the options says that an interrupted attempt packed the same input."""
+        ...
+
+    def display(self) -> dict[int, str]:
+        """Input index (as chunks give it) -> the name skip records give."""
+        ...
+
+    def chunks(self, position: Position | None, encoder: Encoder) -> Iterator[EncodedChunk]:
+        """Encoded chunks from ``position`` (an interrupted attempt's cursor) on."""
+        ...
+
+    def inputs(self, totals: Counters) -> list[dict]:
+        """The part index's ``inputs``."""
+        ...
+
+
+class RecordInput:
+    """Records cut into chunks of about ``chunk_bytes`` of text, parsed as a JSON line is (text
+    field, empty and over-long documents, bad records skipped or raised), and encoded.
 
     Documents are numbered by their record's 1-based position in the part (``ordinal``): the
     shaper and the journal see that number as the line of input ``part_id``, so the cursor is
-    monotonic whatever the records' sources. ``origin`` remembers each kept record's real
+    monotonic whatever the records' sources. ``origins`` remembers each kept record's real
     (source index, line) until its group is written.
     """
 
-    def __init__(self, options: PartOptions, part_id: int, encoder: Encoder) -> None:
+    def __init__(self, records: Iterable[Mapping[str, Any]], options: PartOptions, part_id: int) -> None:
+        self.records = records
+        self.options = options
         self.cfg = options.pack
         self.part_id = part_id
-        self.encoder = encoder
-        self.display = part_name(part_id)
+        self.name = part_name(part_id)
         self.sources = {name: i for i, name in enumerate(options.sources)} if options.sources is not None else None
         self.path = self.cfg.text_field.split(".")
         self.origins = Origins() if self.sources is not None else None
 
-    def chunks(self, records: Iterable[Mapping[str, Any]], skip: int) -> Iterator[EncodedChunk]:
-        """Encoded chunks of the records after the first ``skip`` (those are only counted)."""
+    def identity(self) -> list:
+        return []
+
+    def display(self) -> dict[int, str]:
+        return {self.part_id: self.name}
+
+    def inputs(self, totals: Counters) -> list[dict]:
+        return _record_inputs(self.options, self.part_id, totals)
+
+    def chunks(self, position: Position | None, encoder: Encoder) -> Iterator[EncodedChunk]:
+        # the record the cursor stands in is fed again: the shaper skips what of it was written
+        skip = position.line - 1 if position is not None else 0
+        if skip:
+            log.info("%s: skipping %d records already packed", self.name, skip)
         parsed, size, count, ordinal = ParsedChunk(), 0, 0, 0
-        for ordinal, record in enumerate(records, start=1):
+        for ordinal, record in enumerate(self.records, start=1):
             if ordinal <= skip:
                 continue
             size += self._add(parsed, ordinal, record)
             count += 1
             if size >= self.cfg.chunk_bytes or count >= MAX_CHUNK_RECORDS:
-                yield self._encode(parsed)
+                yield self._encode(parsed, encoder)
                 parsed, size, count = ParsedChunk(), 0, 0
         if ordinal < skip:
             raise PackError(
-                f"{self.display}: the records ended after {ordinal}, but an earlier attempt packed {skip}; the "
+                f"{self.name}: the records ended after {ordinal}, but an earlier attempt packed {skip}; the "
                 "input of a part must be the same on every attempt"
             )
         if parsed.lines or parsed.skips or parsed.tallies:
-            yield self._encode(parsed)
+            yield self._encode(parsed, encoder)
 
     def _add(self, out: ParsedChunk, ordinal: int, record: Mapping[str, Any]) -> int:
         text = json_field(record, self.path)
@@ -242,34 +293,100 @@ class RecordBatcher:
     def _origin(self, record: Mapping[str, Any], ordinal: int) -> tuple[int, int]:
         source, line = record.get(SOURCE_FIELD), record.get(LINE_FIELD)
         if source not in self.sources:
-            raise PackError(f"{self.display}: record {ordinal} names source {source!r}, which is not in sources")
+            raise PackError(f"{self.name}: record {ordinal} names source {source!r}, which is not in sources")
         if not isinstance(line, int) or isinstance(line, bool) or line < 0:
-            raise PackError(f"{self.display}: record {ordinal} has no integer {LINE_FIELD!r} ({line!r})")
+            raise PackError(f"{self.name}: record {ordinal} has no integer {LINE_FIELD!r} ({line!r})")
         return self.sources[source], line
 
     def _where(self, record: Mapping[str, Any]) -> str:
         source, line = record.get(SOURCE_FIELD), record.get(LINE_FIELD)
         return f" ({source}:{line})" if source is not None else ""
 
-    def _encode(self, parsed: ParsedChunk) -> EncodedChunk:
-        settle(parsed, self.cfg.parse_options(), self.display, "record")
-        tokens, lengths = self.encoder.encode(parsed.texts)
-        lines = np.asarray(parsed.lines, dtype=np.int64)
-        tallies = {reason: np.asarray(found, np.int64) for reason, found in parsed.tallies.items() if found}
-        if len(lengths) and not lengths.all():  # no BOS nor EOS, and text the tokenizer maps to nothing
-            empty = lengths == 0
-            tallies["empty"] = np.sort(np.concatenate([tallies.get("empty", np.zeros(0, np.int64)), lines[empty]]))
-            lines, lengths = lines[~empty], lengths[~empty]
-        return EncodedChunk(
-            file_index=self.part_id,
-            first_line=int(lines[0]) if len(lines) else 0,
-            tokens=tokens,
-            lengths=lengths,
-            lines=lines,
-            skips=parsed.skips,
-            text_bytes=sum(map(len, parsed.texts)),
-            tallies=tallies,
-        )
+    def _encode(self, parsed: ParsedChunk, encoder: Encoder) -> EncodedChunk:
+        settle(parsed, self.cfg.parse_options(), self.name, "record")
+        return encode_parsed(self.part_id, parsed, encoder, text_bytes=sum(map(len, parsed.texts)))
+
+
+class FileInput:
+    """Input files (URLs, globs, directories: what ``wdsllm pack`` takes), read in the order of
+    ``sources``, which must name every one of them: a document's provenance is then its file's
+    place in ``sources`` and its line, as in a ``wdsllm pack`` of all of them."""
+
+    def __init__(self, urls: Iterable[str], options: PartOptions, part_id: int) -> None:
+        self.cfg = options.pack
+        if options.sources is None:
+            raise PackError("packing input files into a part needs sources: every part's input names, in one order")
+        where = {name: i for i, name in enumerate(options.sources)}
+        found = expand_inputs([str(u) for u in urls], self.cfg.input_format)
+        for inp in found:
+            if inp.path == STDIN:
+                raise PackError("a part cannot be packed from stdin: a retried attempt could not read it again")
+            if inp.display not in where:
+                raise PackError(f"{part_name(part_id)}: input {inp.display} is not in sources")
+            if self.cfg.where and inp.kind == "txt":
+                raise PackError(f"--where reads fields, and {inp.display} is plain text")
+        self.files = sorted((replace(i, index=where[i.display]) for i in found), key=lambda i: i.index)
+        self.origins = None
+
+    def identity(self) -> list:
+        return [(i.display, i.size, _version(i)) for i in self.files]
+
+    def display(self) -> dict[int, str]:
+        return {i.index: i.display for i in self.files}
+
+    def inputs(self, totals: Counters) -> list[dict]:
+        entries = []
+        for inp in self.files:
+            entry = _input_entry(InputPart(inp, size=inp.size), totals)
+            entry["tokens"] = totals.tokens_by_input.get(inp.index, 0)
+            entry["part"] = {"unit": "bytes", "start": 0, "stop": inp.size}  # merge refuses a file in two parts
+            entries.append(entry)
+        return entries
+
+    def chunks(self, position: Position | None, encoder: Encoder) -> Iterator[EncodedChunk]:
+        opts = self.cfg.parse_options()
+        if position is not None:
+            log.info(
+                "skipping to %s:%d, where the interrupted attempt stopped", self.display()[position.file], position.line
+            )
+        for inp in self.files:
+            if position is not None and inp.index < position.file:
+                continue
+            start_line = position.line if position is not None and inp.index == position.file else 1
+            for chunk in reader_for(inp.kind).chunks(
+                InputPart(inp, size=inp.size), opts, self.cfg.chunk_bytes, start_line
+            ):
+                parsed = chunk.parse(opts, inp.display)
+                yield encode_parsed(chunk.file_index, parsed, encoder, chunk.raw_offset, chunk.text_bytes)
+
+
+def encode_parsed(
+    file_index: int, parsed: ParsedChunk, encoder: Encoder, raw_offset: int = 0, text_bytes: int = 0
+) -> EncodedChunk:
+    """A parsed chunk's texts encoded, in this process (a part's task is the engine's unit of
+    parallelism: it encodes what it reads)."""
+    tokens, lengths = encoder.encode(parsed.texts)
+    lines = np.asarray(parsed.lines, dtype=np.int64)
+    keys = parsed.keys
+    tallies = {reason: list(found) for reason, found in parsed.tallies.items()}
+    if len(lengths) and not lengths.all():  # no BOS nor EOS, and text the tokenizer maps to nothing
+        empty = lengths == 0
+        tallies.setdefault("empty", []).extend(lines[empty].tolist())
+        lines, lengths = lines[~empty], lengths[~empty]
+        if keys is not None:
+            keys = [k for k, e in zip(keys, empty.tolist()) if not e]
+    return EncodedChunk(
+        file_index=file_index,
+        first_line=int(lines[0]) if len(lines) else 0,
+        tokens=tokens,
+        lengths=lengths,
+        lines=lines,
+        skips=parsed.skips,
+        raw_offset=raw_offset,
+        text_bytes=text_bytes,
+        tallies={reason: np.asarray(sorted(found), np.int64) for reason, found in tallies.items() if found},
+        keys=keys,
+    )
 
 
 class Origins:
@@ -311,6 +428,17 @@ def pack_part(records: Iterable[Mapping[str, Any]], part_id: int, out: str, opti
     reading ``records``; one that finds an interrupted attempt's journal continues after it;
     anything else there (another pack's leftovers) is replaced.
     """
+    return _pack_part(lambda: RecordInput(records, options, part_id), part_id, out, options)
+
+
+def pack_part_files(urls: Iterable[str], part_id: int, out: str, options: PartOptions) -> PartManifest:
+    """``pack_part`` of input files (paths, URLs, globs, directories, as ``wdsllm pack`` takes them)
+    instead of records: ``options.sources`` names every part's inputs in one order, and merge
+    refuses a file packed into two parts. A resumed attempt seeks to the line where it stopped."""
+    return _pack_part(lambda: FileInput(urls, options, part_id), part_id, out, options)
+
+
+def _pack_part(make_input: Callable[[], PartInput], part_id: int, out: str, options: PartOptions) -> PartManifest:
     if not isinstance(part_id, int) or part_id < 0:
         raise PackError(f"part_id must be a non-negative integer, not {part_id!r}")
     cfg = options.pack
@@ -318,6 +446,7 @@ def pack_part(records: Iterable[Mapping[str, Any]], part_id: int, out: str, opti
     if options.shard_tokens is not None and options.shard_tokens < 1:
         raise PackError("shard_tokens must be positive")
     tok = TOKENIZERS.tokenizer(cfg)
+    source = make_input()
     url = part_url(out, part_id)
     output = storage.Output(url)
     try:
@@ -327,8 +456,8 @@ def pack_part(records: Iterable[Mapping[str, Any]], part_id: int, out: str, opti
             if committed is not None:
                 log.info("%s is already complete; kept as it is", url)
                 return PartManifest.of(url, committed)
-            journal = _prepare(output, cfg.prefix, _fingerprint(expected, tok))
-            index = _pack_records(records, part_id, output, options, tok, journal, lock)
+            journal = _prepare(output, cfg.prefix, _fingerprint(expected, tok, source.identity()))
+            index = _pack_input(source, part_id, output, options, tok, journal, lock)
             if index.options != expected:
                 raise PackError(f"internal: {url} was written with options other than its fingerprint's")
             return PartManifest.of(url, index, resumed_shards=len(journal))
@@ -343,8 +472,8 @@ def _expected_options(options: PartOptions, part_id: int, tok: LoadedTokenizer) 
     return expected
 
 
-def _fingerprint(expected: dict, tok: LoadedTokenizer) -> str:
-    ident = {"options": expected, "tokenizer": tok.sha256}
+def _fingerprint(expected: dict, tok: LoadedTokenizer, inputs: list) -> str:
+    ident = {"options": expected, "tokenizer": tok.sha256, "inputs": inputs}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
@@ -375,8 +504,8 @@ def _prepare(output: storage.Output, prefix: str, fingerprint: str) -> list[dict
     return []
 
 
-def _pack_records(
-    records: Iterable[Mapping[str, Any]],
+def _pack_input(
+    source: PartInput,
     part_id: int,
     output: storage.Output,
     options: PartOptions,
@@ -388,10 +517,8 @@ def _pack_records(
     _, bos_id, eos_id = _resolve_specials(cfg, tok)
     dtype = token_dtype_for(cfg, tok)
     position = Position.from_json(journal[-1]["position"]) if journal and journal[-1]["position"] else None
-    # the record the cursor stands in is fed again: the shaper skips what of it was written
-    skip = position.line - 1 if position is not None else 0
     if journal:
-        log.info("%s: resuming after %d shards: skipping %d records already packed", output.url, len(journal), skip)
+        log.info("%s: resuming after %d shards", output.url, len(journal))
     sink = ShardSink(
         output,
         prefix=cfg.prefix,
@@ -401,7 +528,7 @@ def _pack_records(
         shard_samples=cfg.shard_samples,
         first_shard=len(journal),
         first_group=journal[-1]["next_group"] if journal else 0,
-        inputs_display={part_id: part_name(part_id)},
+        inputs_display=source.display(),
         seq_len=cfg.seq_len,
     )
     sink.entries = [fmt.ShardEntry(**rec["entry"]) for rec in journal]
@@ -409,10 +536,9 @@ def _pack_records(
         sink.max_row_segments = journal[-1].get("max_row_segments", 0)
         sink.short_rows = journal[-1].get("short_rows", 0)
     shaper = _make_shaper(cfg, dtype, position)
-    batcher = RecordBatcher(options, part_id, TOKENIZERS.encoder(tok, dtype, bos_id, eos_id))
-    writer = GroupWriter(sink, batcher.origins, options.shard_tokens, lock)
+    writer = GroupWriter(sink, source.origins, options.shard_tokens, lock)
     try:
-        for chunk in batcher.chunks(records, skip):
+        for chunk in source.chunks(position, TOKENIZERS.encoder(tok, dtype, bos_id, eos_id)):
             sink.add_skips(chunk.skips, [(chunk.file_index, reason, lines) for reason, lines in chunk.tallies.items()])
             writer.write(shaper.feed(chunk))
         writer.write(shaper.finish())
@@ -420,7 +546,7 @@ def _pack_records(
     except BaseException:
         sink.abort()
         raise
-    return _write_part_index(output, options, part_id, tok, _expected_options(options, part_id, tok), sink)
+    return _write_part_index(output, options, source, tok, _expected_options(options, part_id, tok), sink)
 
 
 class GroupWriter:
@@ -450,7 +576,7 @@ class GroupWriter:
                 self.open_tokens += size
 
 
-def _part_inputs(options: PartOptions, part_id: int, totals: Counters) -> list[dict]:
+def _record_inputs(options: PartOptions, part_id: int, totals: Counters) -> list[dict]:
     """The index's inputs: the sources this part holds documents of, or the part itself."""
     if options.sources is None:
         return [
@@ -479,7 +605,7 @@ def _part_inputs(options: PartOptions, part_id: int, totals: Counters) -> list[d
 def _write_part_index(
     output: storage.Output,
     options: PartOptions,
-    part_id: int,
+    source: PartInput,
     tok: LoadedTokenizer,
     index_options: dict,
     sink: ShardSink,
@@ -510,7 +636,7 @@ def _write_part_index(
         shards=list(entries),
         doc_lengths=sides.summary.to_json(),
         options=index_options,
-        inputs=_part_inputs(options, part_id, totals),
+        inputs=source.inputs(totals),
         skipped={
             "counts": dict(sorted(totals.skipped.items())),
             "total": sum(totals.skipped.values()),
