@@ -19,6 +19,9 @@ Provenance: with ``sources`` (the dataset's input names, in the order a ``wdsllm
 would take), a record's ``source`` and ``line`` fields give its documents the same provenance as
 that pack. Without it, a part is an input of its own (index ``part_id``), and a document's line
 is its record's 1-based number in the part.
+
+``pack_part_files(urls, part_id, out, options)`` is the same call over input files, read as
+``wdsllm pack`` reads them; its cursor is a file and line, where a resumed attempt seeks to.
 """
 
 from __future__ import annotations
