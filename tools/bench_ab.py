@@ -101,7 +101,9 @@ def measure(code: Path, root: str, mode: str, workers: int, check: bool) -> dict
     kind, options = MODES[mode]
     spec = {"data": f"{root}/wiki-{kind}", "options": options, "workers": workers, "check": check}
     env = dict(os.environ, PYTHONPATH=str(code))
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], env=env, capture_output=True, text=True)
+    # run in the revision's tree: `python -c` puts the working directory before PYTHONPATH
+    cmd = [sys.executable, "-c", CHILD, json.dumps(spec)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=code)
     if out.returncode:
         raise SystemExit(f"{code} {mode} {workers} workers failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
