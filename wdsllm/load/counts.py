@@ -43,7 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .batching import COUNT_BY_ITEMS, COUNT_BY_TOKENS, COUNT_BY_WINDOWS, Batcher, BucketBatcher, PackBatcher
+from .batching import COUNT_BY_ITEMS, COUNT_BY_TOKENS, Batcher
 from .config import Config
 from .plan import EpochLayout, Slice, epoch_layout
 from .sources.protocol import Source
@@ -56,9 +56,7 @@ class EpochPlan(Protocol):
     """A plan that replaces an epoch's normal one: the remainder of an interrupted epoch, or a
     mixture's epoch (``Source.default_plan``)."""
 
-    def slices_for(
-        self, catalog: Source, cfg: Config, rank: int, world: int, worker: int, workers: int
-    ) -> list[Slice]:
+    def slices_for(self, catalog: Source, cfg: Config, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
         """The slices (rank, worker) reads, in reading order."""
         ...
 
@@ -313,9 +311,7 @@ def _shares_exact(
     return out
 
 
-def _layout_exact(
-    catalog: Source, cfg: Config, epoch: int, layout: EpochLayout, ranks: list[int] | None
-) -> np.ndarray:
+def _layout_exact(catalog: Source, cfg: Config, epoch: int, layout: EpochLayout, ranks: list[int] | None) -> np.ndarray:
     """Every consumer's exact count of a normal epoch: one pass over lengths.npy, a share at a
     time, a window at a time (ranks not asked for keep 0)."""
     world, workers = layout.starts.shape
@@ -396,29 +392,21 @@ def _plan_sizes(
 def _lower_bound(
     catalog: Source, cfg: Config, batcher: Batcher, items: np.ndarray, tokens: np.ndarray | None
 ) -> np.ndarray:
-    """[world, workers] lower bounds on the counts, from the shares' items and tokens alone.
+    """[world, workers] lower bounds on the counts, from the shares' items and tokens alone
+    (``Batcher.lower_bound``). Items after splitting are at least the documents; without the
+    tokens (documents truncated at max_len) every item still holds a token."""
+    return batcher.lower_bound(items, tokens, _longest(catalog, cfg))
 
-    Items after splitting are at least the documents; a token-budget batch holds at most the
-    budget in real tokens (or one item longer than it); a packed row holds at most seq_len tokens.
-    Without the tokens (documents truncated at max_len) every item still holds a token.
-    """
-    if isinstance(batcher, BucketBatcher) and batcher.max_tokens is not None:
+
+def _longest(catalog: Source, cfg: Config) -> int:
+    """Tokens of the longest item: the index's longest document, or the count sidecar's, at most max_len."""
+    if catalog.index is not None:
         longest = int((catalog.index.doc_lengths or {}).get("max", 0) or 0)
-        if cfg.max_len is not None:
-            longest = min(longest, cfg.max_len)
-        cap = max(batcher.max_tokens, longest, 1)
-        have = tokens if tokens is not None else items
-        bound = -(-have // cap) - (1 if batcher.drop_last else 0)
-        return np.maximum(bound, 0).astype(np.int64)
-    if isinstance(batcher, PackBatcher) or batcher.count_by == COUNT_BY_TOKENS:
-        seq_len = batcher.seq_len
-        have = tokens if tokens is not None else items
-        rows = -(-have // seq_len)
-        b = batcher.batch_size
-        return (rows // b if batcher.drop_last else -(-rows // b)).astype(np.int64)
-    if batcher.count_by == COUNT_BY_WINDOWS:
-        return np.zeros_like(items)
-    return _table(lambda n: batcher.count(n, None), items)  # items after splitting: at least the documents
+    else:
+        lengths = catalog.lengths()
+        whole = lengths.whole() if lengths is not None else np.zeros(0, np.int64)
+        longest = int(whole.max()) if len(whole) else 0
+    return longest if cfg.max_len is None else min(longest, cfg.max_len)
 
 
 # ----------------------------------------------------------------------------------------------

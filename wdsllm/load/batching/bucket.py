@@ -146,6 +146,16 @@ class BucketBatcher:
             as_item_lengths(lengths).windows(self.window), self.max_tokens, self.multiple, self.drop_last
         )
 
+    def lower_bound(self, items: np.ndarray, tokens: np.ndarray | None, longest: int) -> np.ndarray:
+        """With a batch size, the count itself. With a token budget, a batch holds at most the
+        budget in real tokens, or one item longer than it."""
+        if self.batch_size is not None:
+            return batches_of(np.asarray(items, np.int64), self.batch_size, self.drop_last)
+        cap = max(self.max_tokens, longest, 1)
+        have = tokens if tokens is not None else items
+        bound = -(-np.asarray(have, np.int64) // cap) - (1 if self.drop_last else 0)
+        return np.maximum(bound, 0).astype(np.int64)
+
     def _locate(self, batch: int, lengths: np.ndarray) -> tuple[int, int, int]:
         """(window holding batch, batches before that window, items carried into it)."""
         done = 0

@@ -10,7 +10,7 @@ import numpy as np
 from ...errors import ConfigError
 from ..block import Block, concat_blocks
 from .protocol import COUNT_BY_TOKENS, Hint, ItemLengths, as_item_lengths, batches_of
-from .rows import row_batches
+from .rows import row_batches, rows_lower_bound
 
 if TYPE_CHECKING:
     from ..stream import StreamSpec
@@ -32,6 +32,10 @@ class ConcatBatcher:
             raise ConfigError("concat batch counts need the documents' lengths (an index)")
         rows = (as_item_lengths(lengths).total() + self.seq_len - 1) // self.seq_len
         return batches_of(rows, self.batch_size, self.drop_last)
+
+    def lower_bound(self, items: np.ndarray, tokens: np.ndarray | None, longest: int) -> np.ndarray:
+        """A row holds at most seq_len tokens."""
+        return rows_lower_bound(items, tokens, self.seq_len, self.batch_size, self.drop_last)
 
     def start_position(self, batch: int, lengths: np.ndarray | None, hint: dict | None = None) -> int:
         if batch == 0 or lengths is None:

@@ -31,6 +31,10 @@ class FixedBatcher:
     def count(self, n_items: int, lengths: np.ndarray | ItemLengths | None = None) -> int:
         return batches_of(n_items, self.batch_size, self.drop_last)
 
+    def lower_bound(self, items: np.ndarray, tokens: np.ndarray | None, longest: int) -> np.ndarray:
+        """The count itself: it needs only the items."""
+        return batches_of(np.asarray(items, np.int64), self.batch_size, self.drop_last)
+
     def start_position(self, batch: int, lengths: np.ndarray | None = None, hint: dict | None = None) -> int:
         return batch * self.batch_size
 
@@ -87,6 +91,9 @@ class ItemChunker:
 
     def count(self, n_items: int, lengths: np.ndarray | ItemLengths | None = None) -> int:
         return n_items
+
+    def lower_bound(self, items: np.ndarray, tokens: np.ndarray | None, longest: int) -> np.ndarray:
+        return np.asarray(items, np.int64).copy()
 
     def start_position(self, item: int, lengths: np.ndarray | None = None, hint: dict | None = None) -> int:
         return item

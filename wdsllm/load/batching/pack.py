@@ -14,7 +14,7 @@ from ...errors import ConfigError
 from .. import plan as planmod
 from ..block import Block, empty_block
 from .protocol import COUNT_BY_WINDOWS, ArrayLengths, Hint, ItemLengths, as_item_lengths, batches_of, item_windows
-from .rows import row_batches
+from .rows import row_batches, rows_lower_bound
 
 if TYPE_CHECKING:
     from ..stream import StreamSpec
@@ -184,6 +184,10 @@ class PackBatcher:
             raise ConfigError("pack batch counts need the documents' lengths (an index)")
         rows = sum(bfd_count(w, self.seq_len) for w in as_item_lengths(lengths).windows(self.window))
         return batches_of(rows, self.batch_size, self.drop_last)
+
+    def lower_bound(self, items: np.ndarray, tokens: np.ndarray | None, longest: int) -> np.ndarray:
+        """A row holds at most seq_len tokens."""
+        return rows_lower_bound(items, tokens, self.seq_len, self.batch_size, self.drop_last)
 
     def start_position(self, batch: int, lengths: np.ndarray | None, hint: dict | None = None) -> int:
         if hint is not None:

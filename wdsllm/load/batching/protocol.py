@@ -87,6 +87,12 @@ class Batcher(Protocol):
         formula of the mode, which equal batches, ``len``, stats and resumption all use."""
         ...
 
+    def lower_bound(self, items: np.ndarray, tokens: np.ndarray | None, longest: int) -> np.ndarray:
+        """Lower bounds on ``count`` for streams of ``items`` items holding ``tokens`` tokens
+        (elementwise over arrays of shares; None: tokens unknown, every item holds at least one),
+        whose longest item holds ``longest`` tokens: what is known before any pass over lengths."""
+        ...
+
     def start_position(self, batch: int, lengths: np.ndarray | None, hint: Hint | None = None) -> int:
         """The shuffled-stream position to start reading at to produce batch ``batch``."""
         ...

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+import numpy as np
+
 from ..block import Block, concat_blocks
 
 
@@ -44,3 +46,13 @@ def row_batches(
             index += 1
     if have and not drop_last:
         yield index, concat_blocks([q[2] for q in queue]), {"w": last_window + 1, "skip": 0}
+
+
+def rows_lower_bound(
+    items: np.ndarray, tokens: np.ndarray | None, seq_len: int, batch_size: int, drop_last: bool
+) -> np.ndarray:
+    """Batches of rows of at most ``seq_len`` tokens that ``tokens`` (unknown: ``items``, one
+    token each at least) fill at least."""
+    have = np.asarray(tokens if tokens is not None else items, np.int64)
+    rows = -(-have // seq_len)
+    return (rows // batch_size if drop_last else -(-rows // batch_size)).astype(np.int64)
