@@ -60,7 +60,7 @@ def test_reset_drops_every_concerns_state(http_server):
 IMPORTS = r"""
 import json, os, sys
 before = dict(os.environ)
-import wdsllm, wdsllm.storage, wdsllm.storage.gcs, wdsllm.pack.tokenizer, wdsllm.load.loader
+import wdsllm, wdsllm.storage, wdsllm.storage.gcs, wdsllm.storage.offload, wdsllm.pack.tokenizer
 try:
     import gcsfs.core
 except ImportError:

@@ -120,20 +120,21 @@ def test_a_loader_without_workers_uses_it_and_one_with_workers_does_not(http_ser
     write_dataset(http_server.root / "ds", [30, 12, 25], seed=4, mode="packed", seq_len=16)
     url = http_server.url_for("ds")
 
-    def batches(**options):
-        loader = wdsllm.loader(url, batch_size=4, seed=1, **options)
-        return [b["input_ids"].numpy().tobytes() for b in loader]
+    def batches(**options) -> tuple[list[bytes], int | None]:
+        """The batches, and the fetch process that ran while the loader was open."""
+        with wdsllm.loader(url, batch_size=4, seed=1, **options) as loader:
+            return [b["input_ids"].numpy().tobytes() for b in loader], offload.running_pid()
 
     expected = [
         b["input_ids"].numpy().tobytes() for b in wdsllm.loader(str(http_server.root / "ds"), batch_size=4, seed=1)
     ]
-    assert batches(fetch_process=False) == expected
-    assert offload.running_pid() is None, "fetch_process=False reads in this process"
+    assert batches(fetch_process=False) == (expected, None), "fetch_process=False reads in this process"
     with_workers = wdsllm.loader(str(http_server.root / "ds"), batch_size=4, seed=1, num_workers=2)
-    assert batches(num_workers=2) == [b["input_ids"].numpy().tobytes() for b in with_workers]
-    assert offload.running_pid() is None, "DataLoader workers read themselves"
-    assert batches() == expected
-    assert offload.running_pid() is not None, "without workers, a fetch process downloads"
+    expected_with_workers = [b["input_ids"].numpy().tobytes() for b in with_workers]
+    assert batches(num_workers=2) == (expected_with_workers, None), "DataLoader workers read themselves"
+    got, fetch_process = batches()
+    assert got == expected and fetch_process is not None, "without workers, a fetch process downloads"
+    assert offload.running_pid() is None, "and the loader's close() stopped it"
 
 
 def test_a_forked_child_does_not_share_its_parents_fetch_process(http_server):
