@@ -29,6 +29,13 @@ def test_an_index_with_a_huge_unknown_key_is_refused_unread(tmp_path):
         read_index_bytes(str(path))
     with pytest.raises(FormatError, match=r"more than"):
         read_index(str(tmp_path))
+    from wdsllm.format import verify
+    from wdsllm.load.sources.packed import _read_index
+
+    with pytest.raises(FormatError, match=rf"index\.json: more than {MAX_INDEX_BYTES} bytes"):
+        _read_index(str(tmp_path))  # what the loader opens a dataset with
+    with pytest.raises(FormatError, match=rf"index\.json: more than {MAX_INDEX_BYTES} bytes"):
+        verify.load(str(tmp_path))  # what info and verify open it with
 
 
 def test_a_deeply_nested_state_is_a_named_error():

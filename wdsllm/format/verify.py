@@ -24,6 +24,7 @@ import numpy as np
 from .. import format as fmt
 from .. import storage
 from ..format import tar as tario
+from .index import read_index_bytes
 from .side import SideArray
 
 KEY_RE = re.compile(r"^\d{4}-\d{9}$")
@@ -113,7 +114,7 @@ def load(source: str) -> tuple[str, fmt.Index, dict]:
     root = storage.dirname_url(source) if path.rstrip("/").endswith(fmt.INDEX_NAME) else source
     url = storage.join_url(root, fmt.INDEX_NAME)
     try:
-        data = storage.read_bytes(url)
+        data = read_index_bytes(url)
     except storage.NotFoundError as exc:
         fmt.check_finished(root)
         raise storage.NotFoundError(f"{url}: cannot read the index ({exc}); is {root} a wdsllm dataset?") from exc

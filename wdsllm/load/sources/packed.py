@@ -27,6 +27,7 @@ import numpy as np
 from ... import format as fmt
 from ... import storage
 from ...errors import MixtureError, TokenizerError
+from ...format.index import read_index_bytes
 from ...format.side import SideArray
 from ..block import Block
 from ..plan import Slice
@@ -296,7 +297,7 @@ def _read_index(root: str, retry: storage.RetryPolicy | None = None) -> tuple[fm
     from every other failure (403, exhausted retries, a malformed index), and those raise."""
     url = storage.join_url(root, fmt.INDEX_NAME)
     try:
-        data = storage.read_bytes(url, retry=retry)
+        data = read_index_bytes(url, retry=retry)
     except storage.NotFoundError as exc:
         return None, exc.reason
     return fmt.read_index(root, retry=retry, data=data)[0], ""
