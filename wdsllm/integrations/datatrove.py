@@ -95,8 +95,8 @@ class PackWriter(PipelineStep):
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         options = replace(self.options, parts=world_size)
         manifest = pack_part(self.records(data or ()), rank, self.output, options)
-        self.stat_update("tokens", value=manifest.tokens)
-        self.stat_update("shards", value=manifest.shards)
+        self.stat_update("tokens", value=manifest.tokens, unit="part")
+        self.stat_update("shards", value=manifest.shards, unit="part")
         log.info("rank %d: part %s holds %d documents", rank, manifest.url, manifest.documents)
 
 
@@ -116,8 +116,8 @@ class MergeParts(PipelineStep):
         if rank != 0:
             return
         index, parts = merge([self.output], self.output, allow_partial=self.allow_partial)
-        self.stat_update("parts", value=len(parts))
-        self.stat_update("documents", value=index.documents)
+        self.stat_update("parts", value=len(parts), unit="merge")
+        self.stat_update("documents", value=index.documents, unit="merge")
 
 
 __all__ = ["FILE_PATH_KEY", "LINE_KEY", "MergeParts", "PackWriter", "line_adapter"]
