@@ -5,7 +5,7 @@ per-item offsets, lengths and identities, so that selecting, permuting and batch
 index operations: per-item Python would cap the loader far below what training consumes.
 
 Identities: an item is ``(shard index << 32) | ordinal within the shard``, where the shard index
-is the shard's position in the catalog (the index order). A document split at load time keeps
+is the shard's position in the source (the index order). A document split at load time keeps
 its id and gets a piece number.
 """
 
@@ -24,7 +24,7 @@ def make_id(shard: int, ordinal: np.ndarray | int) -> np.ndarray | int:
 
 
 def split_id(item_id: int) -> tuple[int, int]:
-    """(shard index in the catalog, ordinal of the item within the shard)."""
+    """(shard index in the source, ordinal of the item within the shard)."""
     return int(item_id) >> ID_SHIFT, int(item_id) & ((1 << ID_SHIFT) - 1)
 
 

@@ -141,7 +141,7 @@ def stratified_pattern(counts: np.ndarray, group: int) -> np.ndarray:
 @dataclass(frozen=True)
 class Mixing:
     """How a mixture orders the items of a block of its stream: ``bases[s]`` is source s's first
-    shard in the combined catalog; ``group`` (stratified) is the batch size each group of slots
+    unit in the mixture's numbering; ``group`` (stratified) is the batch size each group of slots
     holds in proportion; ``window`` is the block size when the stream is not shuffled."""
 
     bases: tuple[int, ...]
@@ -451,7 +451,7 @@ class MixturePlan:
     mixing: Mixing
     epoch: int
 
-    def slices_for(self, catalog: Any, cfg: Any, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
+    def slices_for(self, source: Any, cfg: Any, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
         block = self.mixing.block_size(cfg.spec(self.epoch, rank, world, worker, workers))
         return self.planner.slices(self.epoch, rank, world, worker, workers, block)
 
@@ -462,5 +462,5 @@ class MixturePlan:
         return self.planner.share_sizes(self.epoch, world, workers, head_tokens)
 
     def identity(self) -> list:
-        """What, beside the catalog's fingerprint and the settings, decides this plan's shares."""
+        """What, beside the source's fingerprint and the settings, decides this plan's shares."""
         return ["mixture", self.epoch, self.planner.step_units, self.mixing.group, self.mixing.window]

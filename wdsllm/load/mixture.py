@@ -4,8 +4,8 @@ or from a YAML file, checked with errors that name the key. No torch, no I/O but
 The weights are normalised to sum to one. A schedule is a list of phases, each giving the weights
 from a point of the run on (``at_tokens`` in the mixture's unit, ``at_step`` in batches); the
 mixture's own ``weights`` hold from the start until the first phase. What an epoch takes of each
-source (quotas, repeats, subsets) is decided in ``mixplan.py``; how the sources become one catalog
-in ``mixcatalog.py``.
+source (quotas, repeats, subsets) is decided in ``mixplan.py``; how the sources become one source
+in ``sources/mixture.py``.
 """
 
 from __future__ import annotations
