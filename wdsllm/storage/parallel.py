@@ -173,6 +173,9 @@ class BlockQueue:
                 self._start()
 
 
+_READER_NAME = "wdsllm-block"
+
+
 class BlockReaders:
     """The process's block reader threads and its :class:`BlockQueue` (made on first use)."""
 
@@ -184,7 +187,7 @@ class BlockReaders:
     def executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=4 * IN_FLIGHT, thread_name_prefix="wdsllm-block")
+                self._pool = ThreadPoolExecutor(max_workers=4 * IN_FLIGHT, thread_name_prefix=_READER_NAME)
             return self._pool
 
     def queue(self) -> BlockQueue:
@@ -219,7 +222,8 @@ class BlockReaders:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True)
+            # a reader thread (a loader collected there) cannot wait for itself: the others end alone
+            pool.shutdown(wait=not threading.current_thread().name.startswith(_READER_NAME))
 
     def reset(self) -> None:
         self.stop_threads()
