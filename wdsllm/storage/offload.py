@@ -42,6 +42,7 @@ import sys
 import threading
 from functools import partial
 
+from .backends import backend_for
 from .counters import count, stats
 from .mappings import KEEP, KEEP_BYTES
 from .prefetch import Spool, SpooledRange, open_spool_block
@@ -335,9 +336,15 @@ class _FetchProcess:
 
 
 def _package_path() -> list[str]:
-    """Where this process imports wdsllm from, for the fetch process to import the same."""
+    """Where this process imports from (wdsllm first), for the fetch process to import the same."""
     package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return [package]
+    return [package, *(p for p in sys.path if isinstance(p, str) and p)]
+
+
+def offloadable(url: str) -> bool:
+    """Whether the fetch process has ``url``'s backend: the ones this package registers (one that
+    the user's code registered exists only in this process, which then spools it itself)."""
+    return type(backend_for(url)).__module__.startswith(f"{__package__}.")
 
 
 class FetchService:
@@ -391,9 +398,9 @@ SERVICE = own("fetch process", FetchService())
 def offloaded_spool(url: str, kwargs: dict, offset: int, end: int) -> OffloadedSpool | None:
     """A spool of ``url``'s bytes ``[offset, end)`` (opened with ``open_stream(url, **kwargs)``
     per block) filled by the fetch process, which is started on first use; None where that cannot
-    be (not Linux, turned off, ``kwargs`` that do not pickle, the fetch process gone): the caller
-    spools in this process."""
-    if not enabled():
+    be (not Linux, turned off, a backend the user registered, ``kwargs`` that do not pickle, the
+    fetch process gone): the caller spools in this process."""
+    if not enabled() or not offloadable(url):
         return None
     fetcher = SERVICE.get()
     if fetcher is None or fetcher.dead:
