@@ -36,7 +36,7 @@ from .transport import WorkerBatches
 
 log = logging.getLogger(__name__)
 
-#: batches per message from a worker (see pipeline._bundle)
+#: batches per message from a worker (see dataset._bundle)
 BUNDLE_BATCHES = 16
 
 
@@ -306,10 +306,7 @@ class Loader:
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
-        dataloader, self._dataloader = self._dataloader, None
-        workers = None if dataloader is None else dataloader._iterator  # kept between epochs
-        if workers is not None:
-            workers._shutdown_workers()
+        self._transport.close()
         storage.release(id(self.catalog))
 
     def __enter__(self) -> Loader:

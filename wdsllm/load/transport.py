@@ -211,6 +211,13 @@ class WorkerBatches:
         """Whether workers send bundles of batches (through the ring): real worker processes."""
         return self.num_workers > 0 and not self.in_process
 
+    def close(self) -> None:
+        """Stop the workers kept between passes (a pass's fresh workers stop with its iterator)."""
+        dataloader, self.dataloader = self.dataloader, None
+        workers = None if dataloader is None else dataloader._iterator
+        if workers is not None:
+            workers._shutdown_workers()
+
     def forget(self) -> None:
         """The next pass starts workers afresh (a new plan or position to ship to them)."""
         self.dataloader = None
