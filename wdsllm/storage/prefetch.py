@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any, BinaryIO, Union
 
 from .backends import CHUNK_SIZE, is_remote
-from .parking import WarmKey
+from .parking import PARKING, WarmKey
 from .resumable import STREAM_BUFFER, open_stream
 
 log = logging.getLogger(__name__)
@@ -499,9 +499,7 @@ class PrefetchOptions:
                 max_chunks=self.max_chunks,
             )
             return io.BufferedReader(ahead, buffer_size=STREAM_BUFFER)
-        from . import parking
-
-        adopted = parking.PARKING.adopt(owner, url, kwargs)
+        adopted = PARKING.adopt(owner, url, kwargs)
         if adopted is not None:
             return adopted
         offset, end = _byte_range(kwargs)
@@ -564,9 +562,7 @@ class Prefetcher(Iterator[BinaryIO]):
         if self._closed:
             raise StopIteration
         if self._pass is None:
-            from . import parking
-
-            self._pass = parking.PARKING.begin()
+            self._pass = PARKING.begin()
         if self._current is not None:
             current, self._current = self._current, None
             current.close()
@@ -652,11 +648,9 @@ class Prefetcher(Iterator[BinaryIO]):
         self._pending.clear()
         if self._pass is None:
             return
-        from . import parking
-
-        parking.PARKING.end(self.owner, self._pass)
+        PARKING.end(self.owner, self._pass)
         for warmed in self._warmed:
-            parking.PARKING.park(self.owner, warmed.url, warmed.kwargs, warmed.stream)
+            PARKING.park(self.owner, warmed.url, warmed.kwargs, warmed.stream)
         self._warmed = []
 
     def __del__(self) -> None:
