@@ -81,6 +81,7 @@ class MixtureSource:
     side_cache: Any = field(default=None, repr=False)
     planner: MixPlanner | None = field(default=None, repr=False)
     _mixing: Mixing | None = field(default=None, repr=False)
+    _lengths: JoinedLengths | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, mixture: Mixture, parts: list[MixturePart]) -> MixtureSource:
@@ -115,8 +116,12 @@ class MixtureSource:
 
     def lengths(self) -> JoinedLengths | None:
         """The sources' lengths end to end; None when one of them has none."""
-        parts = [p.source.lengths() for p in self.parts]
-        return None if any(x is None for x in parts) else JoinedLengths(parts, self.bases)
+        if self._lengths is None:
+            parts = [p.source.lengths() for p in self.parts]
+            if any(x is None for x in parts):
+                return None
+            self._lengths = JoinedLengths(parts, self.bases)
+        return self._lengths
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
