@@ -195,3 +195,24 @@ def test_an_input_rewritten_with_its_old_mtime_is_caught_by_its_token_counts(tmp
         match=r"docs\.jsonl#bytes=\d+-\d+: the document at line \d+ has \d+ tokens, the count sidecar counted \d+",
     ):
         list(wdsllm.loader(source, batch_size=8, num_workers=0))
+
+
+def test_a_changed_text_of_the_same_token_lengths_is_caught_by_the_unit_digest(tmp_path):
+    """Raw text has no checksum of its own: `wdsllm count` records an xxh3 of each unit's parsed
+    texts, and a unit read to its end is compared with it (a corrupting transport, or two lines
+    swapped in place keeping the size, the mtime and every document's token count)."""
+    path = tmp_path / "docs.jsonl"
+    _corpus(path, 400)
+    inputs, sidecar = _counted(tmp_path)
+    lines = path.read_text().splitlines(keepends=True)
+    lengths = load_counts(sidecar, open_raw(inputs, tokenizer=str(GPT2), unit_bytes=2000)).lengths
+    i = next(k for k in range(1, 50) if lengths[k] == lengths[k + 1] and len(lines[k]) == len(lines[k + 1]))
+    lines[i], lines[i + 1] = lines[i + 1], lines[i]
+    st = os.stat(path)
+    path.write_text("".join(lines))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    source = RawTextSource(inputs, tokenizer=str(GPT2), unit_bytes=2000, counts=sidecar)
+    with pytest.raises(
+        SourceError, match=r"docs\.jsonl#bytes=0-\d+: its documents' text differs from what `wdsllm count` read"
+    ):
+        list(wdsllm.loader(source, batch_size=8, num_workers=0))

@@ -3,8 +3,9 @@ document's length, so that a raw source plans, counts and resumes as a packed da
 
 The sidecar is one ``.npz`` (numpy arrays only, read without pickle): ``documents``, ``tokens``
 (int64 per unit), ``lengths`` (uint32 per document, unit after unit) and ``meta`` (JSON: the
-version, the source's fingerprint, the units' names, and from version 2 each input's identity and
-a sha256 ``digest`` of the meta and the arrays). The fingerprint covers the input files (paths and
+version, the source's fingerprint, the units' names, and from version 2 each input's identity,
+each unit's ``unit_digests`` (xxh3 of its parsed texts, compared when a unit is read to its end)
+and a sha256 ``digest`` of the meta and the arrays). The fingerprint covers the input files (paths and
 sizes), the units and what decides the tokens (tokenizer sha256, BOS/EOS, text field, split,
 where, max_doc_bytes), so a sidecar of other inputs or settings is refused, never used; the
 identities (size and mtime locally, the listed ETag/generation remotely) refuse inputs rewritten
@@ -52,7 +53,7 @@ def _init(catalog: RawSource) -> None:
     _catalog["c"] = catalog
 
 
-def _count(unit: int) -> tuple[np.ndarray, int]:
+def _count(unit: int) -> tuple[np.ndarray, int, str]:
     return unit_lengths(_catalog["c"], unit)
 
 
@@ -64,7 +65,7 @@ def count_raw(
     ``on_unit(done, total, documents, tokens)`` is called after each unit, in unit order, with the
     running sums: the caller's progress report (the library only logs)."""
     units = range(len(catalog.units))
-    results: list[tuple[np.ndarray, int]] = []
+    results: list[tuple[np.ndarray, int, str]] = []
     if processes <= 1:
         _gather((unit_lengths(catalog, u) for u in units), len(units), results, on_unit)
     else:
@@ -75,13 +76,14 @@ def count_raw(
     documents = np.array([len(x) for x in lengths], np.int64)
     tokens = np.array([int(x.sum(dtype=np.int64)) for x in lengths], np.int64)
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.uint32)
-    return RawCounts(catalog.fingerprint(), documents, tokens, all_lengths, sum(r[1] for r in results))
+    digests = tuple(r[2] for r in results)
+    return RawCounts(catalog.fingerprint(), documents, tokens, all_lengths, sum(r[1] for r in results), digests)
 
 
 def _gather(
-    counted: Iterable[tuple[np.ndarray, int]],
+    counted: Iterable[tuple[np.ndarray, int, str]],
     total: int,
-    results: list[tuple[np.ndarray, int]],
+    results: list[tuple[np.ndarray, int, str]],
     on_unit: Callable[[int, int, int, int], None] | None,
 ) -> None:
     documents = tokens = 0
@@ -103,6 +105,7 @@ def save_counts(counts: RawCounts, catalog: RawSource, path: str) -> None:
         "skipped": counts.skipped,
         "identity": catalog.text.identity(),
         "inputs": [inp.identity for inp in catalog.inputs],
+        "unit_digests": list(counts.unit_digests) if counts.unit_digests is not None else None,
     }
     arrays = {"documents": counts.documents, "tokens": counts.tokens, "lengths": counts.lengths}
     meta["digest"] = _digest(meta, arrays)
@@ -213,12 +216,18 @@ def load_counts(path: str, catalog: RawSource) -> RawCounts:
             "run `wdsllm count` again with the loader's inputs, tokenizer and options"
         )
     _check_inputs(meta, catalog, where)
+    digests = meta.get("unit_digests")
+    if digests is not None and (
+        not isinstance(digests, list) or len(digests) != len(documents) or not all(isinstance(d, str) for d in digests)
+    ):
+        raise ConfigError(f"{where}: its unit_digests are not one string per unit")
     return RawCounts(
         meta["fingerprint"],
         documents.astype(np.int64),
         arrays["tokens"].astype(np.int64),
         arrays["lengths"].astype(np.uint32),
         meta.get("skipped", 0),
+        tuple(digests) if digests is not None else None,
     )
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ..errors import SourceError
 from ..inputs.sources import ParsedChunk, reader_for
@@ -69,12 +70,15 @@ def read_unit(
     file_id = np.int64(part.input.index) << ID_SHIFT
     owns_skips = first == 0 and skip == 0  # bad input is counted once, by the consumer that reads the unit's start
     ordinal = 0  # the unit's document number of the chunk's first document
+    digest = TextsDigest()
     for parsed in parsed_chunks(catalog, unit):
         if owns_skips and parsed.skips:
             _note_skips(parsed, part.input.display, stats)
         n = len(parsed.texts)
         if n == 0:
             continue
+        if catalog.counts is not None and catalog.counts.unit_digests is not None:
+            digest.add(parsed.texts)
         j = np.arange(ordinal, ordinal + n)
         ordinal += n
         keep = j >= first
@@ -93,8 +97,10 @@ def read_unit(
             starts = np.cumsum(lengths) - lengths
             yield Block(tokens, starts.astype(np.int64), lengths.astype(np.int64), file_id | lines)
         if stop is not None and ordinal >= stop:
-            return
-    _check_count(catalog, unit, ordinal)
+            break
+    counted = None if catalog.counts is None else int(catalog.counts.documents[unit])
+    if stop is None or ordinal < stop or ordinal == counted:  # the unit was read to its end
+        _check_count(catalog, unit, ordinal, digest)
 
 
 def _check_counted(catalog: Any, unit: int, ordinals: np.ndarray, lengths: np.ndarray, lines: np.ndarray) -> None:
@@ -116,24 +122,49 @@ def _check_counted(catalog: Any, unit: int, ordinals: np.ndarray, lengths: np.nd
         )
 
 
-def _check_count(catalog: Any, unit: int, documents: int) -> None:
-    """A unit read to its end holds the documents the count sidecar counted."""
+def _check_count(catalog: Any, unit: int, documents: int, digest: TextsDigest) -> None:
+    """A unit read to its end holds the documents the count sidecar counted, with their text."""
     counts = catalog.counts
-    if counts is not None and documents != int(counts.documents[unit]):
+    if counts is None:
+        return
+    if documents != int(counts.documents[unit]):
         counted = int(counts.documents[unit])
         raise SourceError(f"{catalog.urls[unit]}: {documents} documents, the count sidecar counted {counted}; {_AGAIN}")
+    if counts.unit_digests is not None and digest.hexdigest() != counts.unit_digests[unit]:
+        raise SourceError(
+            f"{catalog.urls[unit]}: its documents' text differs from what `wdsllm count` read (xxh3 "
+            f"{digest.hexdigest()}, counted {counts.unit_digests[unit]}): the input changed or was damaged in transit"
+        )
+
+
+class TextsDigest:
+    """xxh3_64 of a unit's parsed documents in order (each text's length, then the texts), recorded
+    by `wdsllm count` and compared when a unit is read to its end: raw text has no checksum of its own."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def add(self, texts: list[str]) -> None:
+        self._h.update(np.fromiter((len(t) for t in texts), np.int64, len(texts)).tobytes())
+        self._h.update("\x00".join(texts).encode("utf-8", "surrogatepass"))
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
 
 
 _AGAIN = "the input changed since `wdsllm count`: run it again"
 
 
-def unit_lengths(catalog: Any, unit: int) -> tuple[np.ndarray, int]:
-    """(every document's token length, bad documents skipped) of a unit: what ``wdsllm count`` records."""
+def unit_lengths(catalog: Any, unit: int) -> tuple[np.ndarray, int, str]:
+    """(every document's token length, bad documents skipped, the texts' digest) of a unit: what
+    ``wdsllm count`` records."""
     encoder = encoder_for(catalog.text)
     parts, skipped = [], 0
+    digest = TextsDigest()
     for parsed in parsed_chunks(catalog, unit):
         skipped += sum(s.count for s in parsed.skips)
         if parsed.texts:
             parts.append(encoder.encode(parsed.texts)[1])
+            digest.add(parsed.texts)
     lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    return lengths.astype(np.uint32), skipped
+    return lengths.astype(np.uint32), skipped, digest.hexdigest()

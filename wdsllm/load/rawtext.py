@@ -50,6 +50,7 @@ class RawCounts:
     tokens: np.ndarray  # int64 per unit
     lengths: np.ndarray  # uint32 per document
     skipped: int = 0  # bad documents skipped while counting (on_error="skip")
+    unit_digests: tuple[str, ...] | None = None  # per unit, xxh3 of its parsed texts (rawread.TextsDigest)
 
     def __post_init__(self) -> None:
         starts = np.zeros(len(self.documents) + 1, np.int64)
