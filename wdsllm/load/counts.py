@@ -45,9 +45,9 @@ import numpy as np
 
 from .batching import COUNT_BY_ITEMS, COUNT_BY_TOKENS, Batcher
 from .config import Config
-from .plan import EpochLayout, Slice, epoch_layout
+from .plan import EpochLayout, Slice, epoch_layout, slices_for
 from .sources.protocol import Source
-from .stream import ShareLengths, StreamSpec, epoch_slices, has_lengths, slice_item_counts
+from .stream import ShareLengths, StreamSpec, has_lengths, slice_item_counts
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +80,6 @@ class SizedPlan(Protocol):
     def identity(self) -> list:
         """What decides the shares beside the catalog's fingerprint and the settings (a cache key)."""
         ...
-
-
-def slices_for(catalog: Source, cfg: Config, spec: StreamSpec, plan: EpochPlan | None = None) -> list[Slice]:
-    """The slices (rank, worker) reads in spec.epoch: the normal plan (a mixture's own), or ``plan``'s."""
-    if plan is None:
-        plan = catalog.default_plan(spec.epoch)
-    if plan is None:
-        return epoch_slices(catalog, spec)
-    return plan.slices_for(catalog, cfg, spec.rank, spec.world, spec.worker, spec.workers)
 
 
 def share_count(catalog: Source, cfg: Config, slices: list[Slice], spec: StreamSpec) -> int | None:

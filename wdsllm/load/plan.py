@@ -12,8 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .counts import EpochPlan
+    from .sources.protocol import Source
+    from .stream import StreamSpec
 
 # Independent random streams: the same (seed, epoch) never feeds two different decisions.
 STREAM_SHARD_ORDER = 1
@@ -161,6 +167,27 @@ def plan_epoch(
         return _stride_share(mine, workers, worker)
     consumer = rank * workers + worker
     return _stride_share(order, consumers, consumer)
+
+
+def slices_for(source: Source, cfg: Any, spec: StreamSpec, plan: EpochPlan | None = None) -> list[Slice]:
+    """The slices (rank, worker) reads in ``spec.epoch``, in reading order: ``plan``'s (the
+    remainder of an interrupted epoch), the source's own (a mixture's), or ``plan_epoch``'s. Every
+    stage that asks what a consumer reads asks here."""
+    if plan is None:
+        plan = source.default_plan(spec.epoch)
+    if plan is not None:
+        return plan.slices_for(source, cfg, spec.rank, spec.world, spec.worker, spec.workers)
+    return plan_epoch(
+        source.items_per_shard,
+        len(source.urls),
+        seed=spec.seed,
+        epoch=spec.epoch,
+        rank=spec.rank,
+        world=spec.world,
+        worker=spec.worker,
+        workers=spec.workers,
+        shuffle=spec.shuffle,
+    )
 
 
 def _stride_share(shards: np.ndarray, consumers: int, consumer: int) -> list[Slice]:

@@ -25,8 +25,7 @@ from ..errors import StateError
 from . import plan as planmod
 from .batching import Batcher
 from .config import Config
-from .counts import slices_for
-from .plan import Slice
+from .plan import Slice, slices_for
 from .sources.protocol import Source
 from .stream import (
     StreamSpec,

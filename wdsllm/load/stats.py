@@ -22,9 +22,9 @@ from ..errors import ConfigError
 from ..format import Index
 from .batching import BucketBatcher, bfd_count, round_up
 from .config import Config
-from .plan import epoch_layout
+from .plan import epoch_layout, slices_for
 from .sources.protocol import DocumentLengths, Source
-from .stream import _max_len_lengths, epoch_slices, plan_labels, shuffle_lengths, slice_item_lengths
+from .stream import _max_len_lengths, plan_labels, shuffle_lengths, slice_item_lengths
 
 #: datasets up to this many documents are simulated whole (beyond: a sample of windows)
 EXACT_DOCUMENTS = 5_000_000
@@ -68,8 +68,7 @@ def stream_lengths(
     cfg = Config(seed=seed, shuffle_buffer=shuffle_buffer, max_len=max_len, max_len_mode=max_len_mode)
     spec = cfg.spec(0, 0, 1, 0, 1)
     catalog.bind(cfg, 1)  # a mixture: its plan with this seed
-    plan = catalog.default_plan(0)
-    slices = epoch_slices(catalog, spec) if plan is None else plan.slices_for(catalog, cfg, 0, 1, 0, 1)
+    slices = slices_for(catalog, cfg, spec)
     raw = slice_item_lengths(catalog, slices, replace(spec, max_len=None))
     if raw is None:
         raise ConfigError("this dataset has no lengths.npy; stats need the index")

@@ -135,20 +135,6 @@ class PlanLabels:
         return np.repeat(self.per_slice[i : j + 1], counts)
 
 
-def epoch_slices(source: Source, spec: StreamSpec) -> list[Slice]:
-    return planmod.plan_epoch(
-        source.items_per_shard,
-        len(source.urls),
-        seed=spec.seed,
-        epoch=spec.epoch,
-        rank=spec.rank,
-        world=spec.world,
-        worker=spec.worker,
-        workers=spec.workers,
-        shuffle=spec.shuffle,
-    )
-
-
 def slice_item_lengths(source: Source, slices: list[Slice], spec: StreamSpec) -> np.ndarray | None:
     """Token lengths of the plan stream's items (pieces after splitting), in plan order; None
     without an index. This is how counts are known before any shard is read (a whole share:
