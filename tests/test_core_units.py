@@ -152,8 +152,8 @@ def test_segment_lengths_from_the_batcher_match_the_row_layout(lengths, seq_len,
     from wdsllm.load.batching.concat import _cut_rows
     from wdsllm.load.batching.pack import _rows_block
     from wdsllm.load.block import Block
-    from wdsllm.load.mixstats import block_sources
     from wdsllm.load.mixplan import Mixing
+    from wdsllm.load.mixstats import block_sources
 
     lens = np.asarray(lengths, np.int64)
     starts = np.concatenate([[0], np.cumsum(lens)[:-1]])

@@ -242,10 +242,10 @@ def shard_opens(source: str, workers: int) -> dict[int, int]:
     from collections import Counter
 
     from wdsllm.load.config import Config
-    from wdsllm.load.stream import epoch_slices
+    from wdsllm.load.plan import slices_for
 
     catalog, cfg = open_source(source), Config(**LOAD)
-    return Counter(sl.shard for w in range(workers) for sl in epoch_slices(catalog, cfg.spec(0, 0, 1, w, workers)))
+    return Counter(sl.shard for w in range(workers) for sl in slices_for(catalog, cfg, cfg.spec(0, 0, 1, w, workers)))
 
 
 def test_a_shard_that_ignores_range_is_still_read_exactly(served, http_server, local_run):

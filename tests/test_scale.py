@@ -31,10 +31,11 @@ from wdsllm import format as fmt
 from wdsllm.format.verify import verify
 from wdsllm.load import counts as countsmod
 from wdsllm.load.batching import ArrayLengths, BucketBatcher, best_fit_decreasing, bfd_count, budget_count
-from wdsllm.load.sources.open import open_source
 from wdsllm.load.config import Config
+from wdsllm.load.plan import slices_for
+from wdsllm.load.sources.open import open_source
 from wdsllm.load.stats import all_modes
-from wdsllm.load.stream import ShareLengths, epoch_slices, shuffle_lengths, slice_item_lengths
+from wdsllm.load.stream import ShareLengths, shuffle_lengths, slice_item_lengths
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
@@ -240,7 +241,7 @@ def test_counts_equal_the_shuffled_streams_and_bounds_hold(sizes, world, workers
         for r in range(world):
             for w in range(workers):
                 spec = cfg.spec(epoch, r, world, w, workers)
-                slices = epoch_slices(catalog, spec)
+                slices = slices_for(catalog, cfg, spec)
                 shuffled = shuffle_lengths(slice_item_lengths(catalog, slices, spec), spec)
                 assert exact[r, w] == batcher.count(len(shuffled), shuffled)
                 if batcher.count_by == "windows":
