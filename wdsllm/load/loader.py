@@ -32,6 +32,7 @@ from .cursor import Cursor, EpochTotal, Here, RoundRobin, check_fits, restore
 from .dataset import CountedBy, DataStats, EndOfWorker, build_pipeline, dataset_tokenizer, open_given
 from .mixstats import MixTally
 from .options import BatchOptions, LayoutOptions, OrderOptions, ReadingOptions, WorkerOptions, split_options
+from .plan import torch_seed
 from .transport import WorkerBatches
 
 log = logging.getLogger(__name__)
@@ -278,8 +279,9 @@ class Loader:
         """Log and keep this rank's dropped batches once the equal-batches decision is known."""
         self.dropped_batches = self.limits.dropped_batches
         if self.dropped_batches:
-            log.info(
-                "rank %d: epoch %d yields %d batches; %d batches beyond the smallest rank's count are dropped",
+            log.warning(
+                "rank %d: epoch %d yields %d batches; %d batches beyond the smallest rank's count are dropped "
+                "(equal batches; uneven='repeat' repeats items of the shorter ranks instead)",
                 self.rank,
                 epoch,
                 self.limits.per_rank,
@@ -346,7 +348,9 @@ class Loader:
         order = self._begin()
         resumed = bool(self.source.resume_positions)
         try:
-            for batch in order.run(self._transport.stream(self.pipeline), self._note_end):
+            for batch in order.run(
+                self._transport.stream(self.pipeline, torch_seed(self.cfg.seed, epoch)), self._note_end
+            ):
                 yield self._hand_out(batch)
         finally:
             if resumed and cursor.pass_no == this_pass:
@@ -368,7 +372,9 @@ class Loader:
             # too would make a cycle, so a dropped loader would keep its DataLoader workers and
             # downloads running until a garbage collection, which may come in a process forked later.
             on_end = functools.partial(_note_end, weakref.ref(self))
-            self._stream = order.run(self._transport.stream(self.pipeline), on_end)
+            self._stream = order.run(
+                self._transport.stream(self.pipeline, torch_seed(self.cfg.seed, cursor.epoch)), on_end
+            )
         steps = self.cfg.steps_per_epoch
         while steps is None or cursor.steps < steps:
             try:

@@ -3,14 +3,16 @@
 Randomness comes only from (seed, epoch) for the shard order, shared by every rank and worker,
 and from (seed, epoch, rank, worker, ...) for per-worker streams (see ``rng``). The order is split
 by rank first and then by worker. With an index the split is by items (documents or rows), so
-every consumer gets the same count to within one, and shards are cut below shard level whenever
+every consumer gets the same count to within one (documents split at max_len weigh as their
+pieces: to within one document's pieces), and shards are cut below shard level whenever
 a boundary falls inside one; without an index whole shards are dealt out, and when there are
 fewer shards than consumers a shard's items are dealt out by stride.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,7 @@ STREAM_SAMPLE_SHUFFLE = 2
 STREAM_BATCH_ORDER = 3
 STREAM_RESAMPLE = 4
 STREAM_PACK = 5
+STREAM_TORCH = 6
 _MASK = (1 << 63) - 1
 
 
@@ -35,6 +38,12 @@ def rng(seed: int, *key: int) -> np.random.Generator:
     return np.random.Generator(
         np.random.PCG64(np.random.SeedSequence([int(seed) & _MASK, *[int(k) & _MASK for k in key]]))
     )
+
+
+def torch_seed(seed: int, epoch: int) -> int:
+    """The seed of the torch.Generator handed to DataLoader for ``epoch`` (its workers' base seed):
+    drawn from our own stream, so iterating a loader never draws from torch's global RNG."""
+    return int(rng(seed, STREAM_TORCH, epoch).integers(0, 1 << 62))
 
 
 def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
@@ -125,16 +134,79 @@ class EpochLayout:
         return slices_of_range(self.order, self.counts, self.ends, a, b)
 
 
+#: pieces each document of a shard becomes in the stream (``piece_counter``)
+DocPieces = Callable[[int], np.ndarray]
+
+
+def piece_counter(source: Source, spec: StreamSpec) -> DocPieces | None:
+    """What weighs a document in the split when the stream splits documents at max_len (each
+    becomes ``pieces_per_doc`` items); None where a document is one item."""
+    lengths = source.lengths() if spec.splits(source.mode) else None
+    if lengths is None:
+        return None
+    return functools.partial(_doc_pieces, lengths, spec.max_len)
+
+
+def _doc_pieces(lengths: Any, max_len: int, shard: int) -> np.ndarray:
+    from .stream import pieces_per_doc  # stream imports this module
+
+    return pieces_per_doc(lengths.of_unit(shard).astype(np.int64), max_len)
+
+
+def weighed_shares(
+    order: np.ndarray, counts: np.ndarray, ends: np.ndarray, world: int, workers: int, doc_pieces: DocPieces
+) -> tuple[np.ndarray, np.ndarray]:
+    """``consumer_shares`` of the epoch's pieces rather than its documents, each cut moved to
+    the document boundary nearest to it: consumers differ by at most one document's pieces,
+    where a split by documents leaves a rank with all the long ones (starts, stops: documents)."""
+    pieces = np.array([int(doc_pieces(int(s)).sum()) for s in order], np.int64)
+    piece_ends = np.cumsum(pieces)
+    total = int(piece_ends[-1]) if len(piece_ends) else 0
+    piece_starts, piece_stops = consumer_shares(total, world, workers)
+    points = np.unique(np.concatenate([piece_starts.reshape(-1), piece_stops.reshape(-1)]))
+    docs = [_nearest_boundary(int(p), order, counts, ends, piece_ends, doc_pieces) for p in points]
+    return (
+        np.asarray(docs, np.int64)[np.searchsorted(points, piece_starts)],
+        np.asarray(docs, np.int64)[np.searchsorted(points, piece_stops)],
+    )
+
+
+def _nearest_boundary(
+    point: int, order: np.ndarray, counts: np.ndarray, ends: np.ndarray, piece_ends: np.ndarray, doc_pieces: DocPieces
+) -> int:
+    """The document boundary (epoch order) nearest to piece ``point`` (a tie: the later one)."""
+    i = int(np.searchsorted(piece_ends, point, side="right"))
+    if i >= len(order):
+        return int(ends[-1]) if len(ends) else 0
+    within = point - int(piece_ends[i - 1] if i else 0)
+    before = np.concatenate([[0], np.cumsum(doc_pieces(int(order[i])))])
+    k = int(np.searchsorted(before, within, side="left"))
+    if k > 0 and within - before[k - 1] < before[k] - within:
+        k -= 1
+    return int(ends[i] - counts[i]) + k
+
+
 def epoch_layout(
-    items_per_shard: Sequence[int], *, seed: int, epoch: int, world: int, workers: int, shuffle: bool = True
+    items_per_shard: Sequence[int],
+    *,
+    seed: int,
+    epoch: int,
+    world: int,
+    workers: int,
+    shuffle: bool = True,
+    doc_pieces: DocPieces | None = None,
 ) -> EpochLayout:
-    """The shares of every (rank, worker) (``consumer_shares``)."""
+    """The shares of every (rank, worker): ``consumer_shares`` of the items, or with
+    ``doc_pieces`` (documents split at max_len) ``weighed_shares`` of their pieces."""
     counts_by_shard = np.asarray(items_per_shard, dtype=np.int64)
     order = shard_order(len(counts_by_shard), seed, epoch, shuffle)
     counts = counts_by_shard[order]
     ends = np.cumsum(counts)
     total = int(ends[-1]) if len(ends) else 0
-    starts, stops = consumer_shares(total, world, workers)
+    if doc_pieces is None:
+        starts, stops = consumer_shares(total, world, workers)
+    else:
+        starts, stops = weighed_shares(order, counts, ends, world, workers, doc_pieces)
     return EpochLayout(order, counts, ends, starts, stops)
 
 
@@ -149,14 +221,20 @@ def plan_epoch(
     worker: int,
     workers: int,
     shuffle: bool = True,
+    doc_pieces: DocPieces | None = None,
 ) -> list[Slice]:
-    """The slices that (rank, worker) reads in this epoch, in reading order."""
+    """The slices that (rank, worker) reads in this epoch, in reading order (``doc_pieces``:
+    documents weighed by their pieces, ``epoch_layout``)."""
     order = shard_order(n_shards, seed, epoch, shuffle)
     if items_per_shard is not None:
         counts = np.asarray(items_per_shard, dtype=np.int64)[order]
         ends = np.cumsum(counts)
         total = int(ends[-1]) if len(ends) else 0
-        a, b = consumer_share(total, rank, world, worker, workers)
+        if doc_pieces is not None:
+            starts, stops = weighed_shares(order, counts, ends, world, workers, doc_pieces)
+            a, b = int(starts[rank, worker]), int(stops[rank, worker])
+        else:
+            a, b = consumer_share(total, rank, world, worker, workers)
         return slices_of_range(order, counts, ends, a, b)
     consumers = world * workers
     if n_shards >= world:
@@ -187,6 +265,7 @@ def slices_for(source: Source, cfg: Any, spec: StreamSpec, plan: EpochPlan | Non
         worker=spec.worker,
         workers=spec.workers,
         shuffle=spec.shuffle,
+        doc_pieces=piece_counter(source, spec),
     )
 
 

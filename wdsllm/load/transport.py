@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, get_worker_info
 
 from .. import storage
@@ -193,6 +194,9 @@ class WorkerBatches:
         self.in_process = in_process
         self.ring = RingHolder()  # shared memory the workers send tokens through
         self.dataloader: Any = None
+        #: what DataLoader draws its workers' base seed from (never torch's global RNG, which a
+        #: trainer restores from its checkpoint and expects untouched: dropout, init)
+        self.generator = torch.Generator()
 
     @classmethod
     def of(cls, options: Any, reads_remote: Callable[[], bool], in_process: bool = False) -> WorkerBatches:
@@ -222,8 +226,10 @@ class WorkerBatches:
         """The next pass starts workers afresh (a new plan or position to ship to them)."""
         self.dataloader = None
 
-    def stream(self, pipeline: Any) -> Iterator:
-        """One pass of ``pipeline``'s batches and end markers from the workers (or this process)."""
+    def stream(self, pipeline: Any, seed: int = 0) -> Iterator:
+        """One pass of ``pipeline``'s batches and end markers from the workers (or this process);
+        ``seed`` seeds the generator DataLoader draws from when the pass starts (``plan.torch_seed``)."""
+        self.generator.manual_seed(seed)
         if self.num_workers == 0:
             return iter(pipeline)
         if self.in_process:
@@ -242,6 +248,7 @@ class WorkerBatches:
                 prefetch_factor=self.prefetch_factor,
                 persistent_workers=self.persistent,
                 multiprocessing_context=self.context,
+                generator=self.generator,
             )
         return (item for bundle in iter(self.dataloader) for item in received(bundle))
 
