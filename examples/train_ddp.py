@@ -225,8 +225,11 @@ def train(args: argparse.Namespace) -> dict:
                     )
                     if loader.catalog.mixing is not None:  # the realized mix of this epoch, next to the plan
                         mix = loader.mix_stats()
-                        shares = "  ".join(f"{n} {m['share']:.3f}/{m['target_share']:.3f}" for n, m in mix.items())
-                        print(f"             mix (share/planned)  {shares}", flush=True)
+                        shares = "  ".join(
+                            f"{n} {m['share']:.3f}/{m['target_share']:.3f}/{m['epoch_target_share']:.3f}"
+                            for n, m in mix.items()
+                        )
+                        print(f"             mix (share/phase target/epoch target)  {shares}", flush=True)
                 window = {"loss": 0.0, "n": 0, "tokens": 0.0, "t": now}
             if args.save_every and (step % args.save_every == 0 or step == args.steps):
                 save_checkpoint(args.checkpoint, model, optimizer, loader, step, rank, world)

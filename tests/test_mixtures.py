@@ -330,6 +330,30 @@ def test_schedule_takes_effect_where_it_says(sources):
     assert (np.concatenate([b["sources"].numpy() for b in run(pipe)]) == 2).all()
 
 
+def test_mix_stats_target_is_the_current_phase_under_a_schedule(sources):
+    """target_share is the phase in force at the current step; epoch_target_share the epoch's average."""
+    mix = mixture(
+        sources,
+        unit="items",
+        epoch_tokens=None,
+        epoch_items=4000,
+        schedule=[{"at_items": 2000, "weights": {"wiki": 0.0, "para": 0.0, "lines": 1.0}}],
+    )
+    ld = wdsllm.loader(mix, batch_size=10, rank=0, world_size=1, shuffle=False)
+    it = iter(ld)
+    for _ in range(100):  # 1000 items: in the first phase
+        next(it)
+    early = ld.mix_stats()
+    assert [early[n]["target_share"] for n in WEIGHTS] == pytest.approx(list(WEIGHTS.values()))
+    assert early["lines"]["epoch_target_share"] == pytest.approx(0.5 + 0.5 * WEIGHTS["lines"])
+    for _ in range(150):  # 2500 items: in the second phase
+        next(it)
+    late = ld.mix_stats()
+    assert [late[n]["target_share"] for n in WEIGHTS] == pytest.approx([0.0, 0.0, 1.0])
+    assert late["lines"]["epoch_target_share"] == pytest.approx(early["lines"]["epoch_target_share"])
+    ld.close()
+
+
 def test_elastic_resume_three_ranks_to_two(sources):
     schedule = [{"at_tokens": 30_000, "weights": {"wiki": 0.2, "para": 0.2, "lines": 0.6}}]
     mix = mixture(sources, epoch_tokens=60_000, schedule=schedule)

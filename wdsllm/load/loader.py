@@ -395,8 +395,10 @@ class Loader:
     def mix_stats(self) -> dict[str, dict]:
         """A mixture's realized mix on this rank: per source, tokens and items delivered so far
         (``tokens``, ``items``) and in this epoch (``epoch_tokens``, ``epoch_items``), this epoch's
-        share in the mixture's unit next to the planned one (``share``, ``target_share``), and the
-        epoch's quota in the unit (``epoch_quota`` over all ranks, ``rank_quota`` this rank's)."""
+        share in the mixture's unit next to the planned ones (``share``; ``target_share``: the
+        weights of the schedule's phase in force now; ``epoch_target_share``: the epoch's average,
+        its quotas' shares), and the epoch's quota in the unit (``epoch_quota`` over all ranks,
+        ``rank_quota`` this rank's)."""
         if self._mix is None:
             raise ConfigError("mix_stats() reports a mixture; this loader reads one dataset")
         return self._mix.report(self.world_size)

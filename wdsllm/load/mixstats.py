@@ -3,6 +3,8 @@ in the worker that made each batch), and what ``wdsllm stats`` says of a mixture
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from .block import Block
@@ -35,10 +37,13 @@ class MixTally:
         planner = self.source.mix_planner()
         epoch = self.epoch or 0
         quotas = planner.unit_quotas(epoch)
-        weights = _weights_at(planner, epoch)
+        epoch_weights = _weights_at(planner, epoch)
         unit = 0 if self.source.mixture.unit == "tokens" else 1
         delivered = self.this_epoch[:, unit]
         share = delivered / max(1, int(delivered.sum()))
+        # ranks stay in step (equal batches): the run's position is this rank's units times world
+        position = epoch * planner.epoch + int(delivered.sum()) * max(1, world)
+        weights = phase_weights(planner, position)
         out = {}
         for s, name in enumerate(self.source.names()):
             out[name] = {
@@ -48,10 +53,20 @@ class MixTally:
                 "epoch_items": int(self.this_epoch[s, 1]),
                 "share": float(share[s]),
                 "target_share": float(weights[s]),
+                "epoch_target_share": float(epoch_weights[s]),
                 "epoch_quota": int(quotas[s]),
                 "rank_quota": int(quotas[s]) // max(1, world),
             }
         return out
+
+
+def phase_weights(planner: MixPlanner, position: int) -> list[float]:
+    """The weights (normalised) of the schedule's phase in force at ``position`` units of the run."""
+    phases = planner.phases()
+    starts = [start for start, _ in phases]
+    weights = phases[max(0, bisect.bisect_right(starts, position) - 1)][1]
+    total = sum(weights) or 1
+    return [w / total for w in weights]
 
 
 def _weights_at(planner: MixPlanner, epoch: int) -> list[float]:
