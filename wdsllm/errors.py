@@ -104,6 +104,10 @@ class SourceError(WdsllmError, ValueError):
     """Bad input (undecodable bytes, malformed JSON, a missing text field); names file and line."""
 
 
+class DamagedInputError(SourceError):
+    """A compressed input that is truncated or damaged; the message says where in its bytes."""
+
+
 class TokenizerError(WdsllmError, ValueError):
     """The tokenizer could not be loaded or lacks a token that was asked for."""
 

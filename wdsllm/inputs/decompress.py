@@ -23,7 +23,7 @@ import lzma
 import zlib
 from typing import BinaryIO
 
-from ..errors import SourceError
+from ..errors import DamagedInputError, SourceError
 
 #: decompressed bytes asked of a decompressor at a time: what a damaged stream may lose before its break
 PIECE = 64 << 10
@@ -34,10 +34,6 @@ DAMAGE = (OSError, EOFError, lzma.LZMAError, zlib.error, ValueError)
 _ZSTD_MAGIC = 0xFD2FB528
 _SKIPPABLE_MAGIC = 0x184D2A50  # 0x184D2A50..0x184D2A5F
 _ANY = 1 << 62  # bytes to pass over once the frames cannot be followed (zstandard itself refuses them)
-
-
-class DamagedInputError(SourceError):
-    """A compressed input that is truncated or damaged; the message says where in its bytes."""
 
 
 def is_damage(exc: BaseException) -> bool:
