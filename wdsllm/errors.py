@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import warnings
 
+from .redact import redact_text
+
 #: What to do with bad input or an unreadable shard, in pack and in the loader alike.
 ON_ERROR = ("raise", "skip")
 _OLD_ON_ERROR = {"stop": "raise"}
@@ -18,13 +20,11 @@ class WdsllmError(Exception):
     """The root of wdsllm's errors.
 
     Its message never carries a secret: URLs in it lose their password and query string
-    (``storage.redact_text``), whatever code wrote the message.
+    (``redact.redact_text``), whatever code wrote the message.
     """
 
     def __init__(self, *args: object) -> None:
         if args and isinstance(args[0], str) and "://" in args[0]:
-            from .storage.urls import redact_text  # storage imports this module
-
             args = (redact_text(args[0]), *args[1:])
         super().__init__(*args)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import NotFoundError, StorageError, TransientError
+from ..redact import redact, redact_text
 from .counters import count
-from .urls import redact, redact_text
 
 log = logging.getLogger(__name__)
 
