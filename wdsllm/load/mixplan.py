@@ -213,10 +213,24 @@ def _stable_order(labels: np.ndarray) -> np.ndarray:
 
 
 class PassStream:
-    """Source ``source``'s items as an endless sequence of passes (positions 0, 1, ...)."""
+    """Source ``source``'s items as an endless sequence of passes (positions 0, 1, ...).
 
-    def __init__(self, source: MixturePart, seed: int, shuffle: bool):
+    A subset is a set: when an epoch (``epoch_units(e)``: the source's units taken by the first
+    e epochs) starts inside pass p-1 and runs into pass p, pass p visits the shards that epoch
+    read in pass p-1 last (the shard it started in first), so the epoch takes the start of pass
+    p from the items it has not shown yet."""
+
+    def __init__(
+        self,
+        source: MixturePart,
+        seed: int,
+        shuffle: bool,
+        epoch_units: Callable[[int], int] | None = None,
+        unit: str = "items",
+    ):
         self.source = source
+        self.epoch_units = epoch_units
+        self.unit = unit
         self.items = np.asarray(source.items_per_shard(), np.int64)
         self.tokens = np.asarray(source.tokens_per_shard(), np.int64)
         self.size = int(self.items.sum())
@@ -230,15 +244,55 @@ class PassStream:
         """Pass p's shard order, items per shard in that order, and their running ends."""
         got = self._orders.get(p)
         if got is None:
-            n = len(self.items)
-            draw = planmod.rng(self.seed, STREAM_MIX_PASS, self.key, p)
-            order = draw.permutation(n) if self.shuffle else np.arange(n)
-            counts = self.items[order]
-            got = (order, counts, np.cumsum(counts))
-            if len(self._orders) >= 4:  # replaced, not evicted in place: the counts' thread plans too
-                self._orders = {}
-            self._orders[p] = got
+            if self.shuffle and self.epoch_units is not None:  # each pass's order needs the one before
+                for earlier in range(max((k for k in self._orders if k < p), default=0) + 1, p):
+                    self._make_order(earlier)
+            got = self._make_order(p)
         return got
+
+    def _make_order(self, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        n = len(self.items)
+        draw = planmod.rng(self.seed, STREAM_MIX_PASS, self.key, p)
+        order = draw.permutation(n) if self.shuffle else np.arange(n)
+        tail = self._tail_start(p)
+        if tail is not None:
+            order = self._tail_last(order, p - 1, tail)
+        counts = self.items[order]
+        got = (order, counts, np.cumsum(counts))
+        if len(self._orders) >= 4:  # replaced, not evicted in place: the counts' thread plans too
+            self._orders = {}
+        self._orders[p] = got
+        return got
+
+    def _tail_start(self, p: int) -> int | None:
+        """Offset in pass p-1 where the epoch that runs into pass p starts; None when no epoch
+        starts inside pass p-1 and ends inside pass p (or passes are not reshuffled)."""
+        if p <= 0 or not self.shuffle or self.epoch_units is None or self.size == 0:
+            return None
+        full = self.token_size if self.unit == "tokens" else self.size
+        below = self._units_before(p * self.size)  # the most units a start inside pass p-1 can be
+        e = _last_at_most(self.epoch_units, below)
+        start = self.epoch_units(e)
+        if start <= (p - 1) * full or self.epoch_units(e + 1) - start > full:
+            return None  # no epoch starts inside pass p-1, or a repeat epoch (no order avoids a second)
+        return self.position_of(start, self.unit) - (p - 1) * self.size
+
+    def _units_before(self, position: int) -> int:
+        """The most units whose ``position_of`` is below ``position`` (> 0)."""
+        if self.unit != "tokens":
+            return position - 1
+        p = (position - 1) // self.size
+        order, _, _ = self.order(p)
+        last = self.source.item_lengths(int(order[-1]))
+        return (p + 1) * self.token_size - int(last[-1]) if len(last) else p * self.token_size
+
+    def _tail_last(self, order: np.ndarray, prev: int, offset: int) -> np.ndarray:
+        """``order`` with the shards pass ``prev`` held from ``offset`` on moved to the end, in
+        pass ``prev``'s order."""
+        prev_order, _, ends = self.order(prev)
+        moved = prev_order[int(np.searchsorted(ends, offset, side="right")) :]
+        keep = order[~np.isin(order, moved)]
+        return np.concatenate([keep, moved])
 
     def slices(self, a: int, b: int) -> list[Slice]:
         """Slices (the source's own shard numbers) covering stream positions [a, b)."""
@@ -294,6 +348,20 @@ class PassStream:
 HeadTokens = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
+def _last_at_most(rising: Callable[[int], int], limit: int) -> int:
+    """The largest e >= 0 with ``rising(e) <= limit`` (``rising`` non-decreasing, rising(0) = 0);
+    searched by doubling, then halving; an e whose value never passes ``limit`` ends the search."""
+    lo, hi = 0, 1
+    while rising(hi) <= limit:
+        lo, hi = hi, hi * 2
+        if hi > 1 << 62:
+            return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if rising(mid) <= limit else (lo, mid)
+    return lo
+
+
 # ----------------------------------------------------------------------------------------------
 # Quotas over the run, and each consumer's share
 
@@ -305,7 +373,10 @@ class MixPlanner:
     def __init__(self, mixture: Mixture, sources: list[MixturePart], bases: np.ndarray, seed: int, shuffle: bool):
         self.mixture = mixture
         self.bases = bases
-        self.streams = [PassStream(s, seed, shuffle) for s in sources]
+        self.streams = [
+            PassStream(s, seed, shuffle, functools.partial(self.epoch_units, i), mixture.unit)
+            for i, s in enumerate(sources)
+        ]
         sizes = [st.token_size if mixture.unit == "tokens" else st.size for st in self.streams]
         self.sizes = sizes
         self.epoch = int(mixture.epoch_size or sum(sizes))
@@ -345,6 +416,10 @@ class MixPlanner:
             for s, w in enumerate(weights):
                 acc[s] += Fraction(w) * span
         return [int(a + Fraction(1, 2)) for a in acc]
+
+    def epoch_units(self, source: int, epochs: int) -> int:
+        """Units of source ``source`` taken by the first ``epochs`` epochs."""
+        return self.cumulative(epochs * self.epoch)[source]
 
     def segments(self, epoch: int) -> list[list[tuple[int, int]]]:
         """Epoch ``epoch``'s stretches: per segment (cut at schedule points), per source, the

@@ -25,6 +25,7 @@ from ..errors import StateError
 from . import plan as planmod
 from .batching import Batcher
 from .config import Config
+from .mixplan import smooth_prefixes
 from .plan import Slice, slices_for
 from .sources.protocol import Source
 from .stream import (
@@ -41,6 +42,8 @@ def settings_fingerprint(cfg: Config) -> str:
     # equal_batches only caps how many batches come out, not which, and docs only what a batch
     # carries: a resume may change either
     fields = {k: v for k, v in asdict(cfg).items() if k not in ("equal_batches", "docs")}
+    if fields.get("uneven") == "drop":  # the default: the states saved before it existed still fit
+        del fields["uneven"]
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -164,8 +167,62 @@ class RemainderPlan:
         return self._sequence
 
     def slices_for(self, source: Source, cfg: Config, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
+        """One dataset: the remaining sequence split like an epoch. A mixture: each source's
+        remainder (per part of the epoch) split on its own and interleaved in rounds of a shuffle
+        block, as ``MixPlanner.slices`` deals a fresh epoch, so every new consumer keeps the mix."""
         slices, counts = self.sequence(source, cfg)
-        total = int(sum(counts))
-        a, b = planmod.consumer_share(total, rank, world, worker, workers)
         split = cfg.spec(self.epoch, 0, 1, 0, 1).splits(source.mode)
-        return cut_sequence(slices, counts, a, b, split)
+        mixing = source.mixing
+        if mixing is None:
+            a, b = planmod.consumer_share(int(sum(counts)), rank, world, worker, workers)
+            return cut_sequence(slices, counts, a, b, split)
+        block = mixing.block_size(cfg.spec(self.epoch, rank, world, worker, workers))
+        out: list[Slice] = []
+        for strands in _strands(slices, counts, mixing):
+            shares = [strand.share(rank, world, worker, workers) for strand in strands]
+            total = sum(b - a for a, b in shares)
+            rounds = -(-total // block)
+            upto = smooth_prefixes(
+                [b - a for a, b in shares], np.minimum(total, np.arange(1, rounds + 1, dtype=np.int64) * block)
+            )
+            upto = np.vstack([np.zeros((1, len(shares)), np.int64), upto])
+            for r in range(rounds):
+                for s, (strand, (a, _)) in enumerate(zip(strands, shares)):
+                    x, y = int(upto[r, s]), int(upto[r + 1, s])
+                    if y > x:
+                        out.extend(strand.cut(a + x, a + y, split))
+        return out
+
+
+@dataclass
+class _Strand:
+    """One source's remaining items in one part of the epoch, in the remainder's order."""
+
+    slices: list[Slice]
+    counts: list[int]
+    _ends: np.ndarray | None = field(default=None, repr=False)
+
+    def share(self, rank: int, world: int, worker: int, workers: int) -> tuple[int, int]:
+        return planmod.consumer_share(int(sum(self.counts)), rank, world, worker, workers)
+
+    def cut(self, a: int, b: int, split: bool) -> list[Slice]:
+        """Items [a, b): ``cut_sequence`` from the first slice that holds item a."""
+        if self._ends is None or len(self._ends) != len(self.counts):
+            self._ends = np.cumsum(self.counts)
+        ends = self._ends
+        i = int(np.searchsorted(ends, a, side="right"))
+        before = int(ends[i - 1]) if i else 0
+        return cut_sequence(self.slices[i:], self.counts[i:], a - before, b - before, split)
+
+
+def _strands(slices: list[Slice], counts: list[int], mixing) -> list[list[_Strand]]:
+    """Per part of the epoch (rising), per source: that source's remaining slices and counts."""
+    sources = mixing.sources_of_shards(np.asarray([sl.shard for sl in slices], np.int64))
+    groups = sorted({sl.group for sl in slices})
+    out = [[_Strand([], []) for _ in range(mixing.sources)] for _ in groups]
+    where = {g: j for j, g in enumerate(groups)}
+    for sl, n, s in zip(slices, counts, sources.tolist()):
+        strand = out[where[sl.group]][s]
+        strand.slices.append(sl)
+        strand.counts.append(int(n))
+    return out
