@@ -17,7 +17,8 @@ from pack_helpers import GPT2, pack_api
 import wdsllm
 from wdsllm.errors import SourceError, WdsllmError
 from wdsllm.inputs.decompress import PIECE
-from wdsllm.inputs.sources import ParseOptions, Part, expand_inputs, reader_for
+from wdsllm.inputs.registry import reader_for
+from wdsllm.inputs.sources import ParseOptions, Part, expand_inputs
 from wdsllm.load.options import RawTextSource
 from wdsllm.load.raw import open_raw
 from wdsllm.load.rawcount import count_raw

@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from wdsllm.errors import SourceError
-from wdsllm.inputs.sources import ParseOptions, Part, expand_inputs, reader_for
+from wdsllm.inputs.registry import reader_for
+from wdsllm.inputs.sources import ParseOptions, Part, expand_inputs
 
 
 def _read(path, on_error: str):

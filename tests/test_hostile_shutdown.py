@@ -16,7 +16,8 @@ import atexit, gc, sys
 checks = []
 atexit.register(lambda: [check() for check in checks])  # registered first: runs after wdsllm's own
 import wdsllm
-from wdsllm.inputs.sources import Part, ParseOptions, expand_inputs, reader_for
+from wdsllm.inputs.sources import Part, ParseOptions, expand_inputs
+from wdsllm.inputs.registry import reader_for
 from wdsllm.load.options import RawTextSource
 path = sys.argv[1]
 loader = wdsllm.loader(RawTextSource(path, tokenizer=sys.argv[2]), batch_size=4, num_workers=0, epochs=None)

@@ -12,7 +12,8 @@ import tarfile
 import pytest
 
 from wdsllm.errors import SourceError
-from wdsllm.inputs.sources import ParseOptions, Part, expand_inputs, reader_for
+from wdsllm.inputs.registry import reader_for
+from wdsllm.inputs.sources import ParseOptions, Part, expand_inputs
 
 
 def _read(path, on_error: str = "skip", max_doc_bytes: int = 1 << 20):

@@ -129,8 +129,6 @@ def cyclic_groups(graph: dict[str, set[str]]) -> list[set[str]]:
 #: shrink or go, never grow, and no new one may appear
 KNOWN_OUTSIDE_LOAD = [
     {"wdsllm.storage.prefetch", "wdsllm.storage.offload", "wdsllm.storage.helpers"},
-    {"wdsllm.inputs.sources", "wdsllm.inputs.columns", "wdsllm.inputs.records", "wdsllm.inputs.tarinput"}
-    | {"wdsllm.inputs.text"},
 ]
 
 

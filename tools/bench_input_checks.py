@@ -34,7 +34,7 @@ WIKI = sorted((DATA / "corpora" / "wiki").glob("wiki-*.jsonl.gz"))
 TOKENIZER = str(DATA / "tokenizers" / "gpt2.json")
 sys.path.insert(0, str(REPO))
 
-from wdsllm.inputs import sources  # noqa: E402
+from wdsllm.inputs import registry, sources  # noqa: E402
 
 
 def _cpu() -> float:
@@ -87,7 +87,7 @@ def _read_all(path: Path) -> int:
     (inp,) = sources.expand_inputs([str(path)])
     opts = sources.ParseOptions()
     n = 0
-    for chunk in sources.reader_for(inp.kind).chunks(sources.Part(inp, size=inp.size), opts, 1 << 20, 1):
+    for chunk in registry.reader_for(inp.kind).chunks(sources.Part(inp, size=inp.size), opts, 1 << 20, 1):
         n += len(chunk.parse(opts, inp.display).texts)
     return n
 

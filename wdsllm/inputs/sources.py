@@ -375,27 +375,6 @@ class _OpenReads:
 OPEN_READS = _OpenReads()
 
 
-def reader_for(kind: str) -> Reader:
-    """The reader of an input kind (imported on first use: pyarrow only when Parquet is read)."""
-    if kind in ("txt", "jsonl"):
-        from .text import TextReader
-
-        return TextReader()
-    if kind == "parquet":
-        from .columns import ParquetReader
-
-        return ParquetReader()
-    if kind == "arrow":
-        from .columns import ArrowReader
-
-        return ArrowReader()
-    if kind == "wds":
-        from .tarinput import TarReader
-
-        return TarReader()
-    raise SourceError(f"unknown input kind {kind!r}")
-
-
 # ----------------------------------------------------------------------------------------------
 # Helpers shared by the parsers.
 

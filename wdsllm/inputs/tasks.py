@@ -16,7 +16,8 @@ that straddle a task boundary are opened to plan it.
 
 from __future__ import annotations
 
-from .sources import InputFile, ParseOptions, Part, reader_for
+from .registry import reader_for
+from .sources import InputFile, ParseOptions, Part
 
 
 def _owner(x: int, total: int, tasks: int) -> int:

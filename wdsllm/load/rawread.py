@@ -1,6 +1,6 @@
 """Reading a unit of raw text in a DataLoader worker: parse, select, tokenize, as blocks.
 
-The unit's chunks come from its input kind's reader (``inputs.sources.reader_for``), are parsed
+The unit's chunks come from its input kind's reader (``inputs.registry.reader_for``), are parsed
 here (JSON, text field, ``where``, UTF-8; bad input raises naming file and line, or is skipped and
 counted), and only the documents this consumer takes are tokenized: documents of a unit that
 another consumer reads, and those before a resume position, are parsed and passed over. The
@@ -19,7 +19,8 @@ import numpy as np
 import xxhash
 
 from ..errors import SourceError
-from ..inputs.sources import ParsedChunk, reader_for
+from ..inputs.registry import reader_for
+from ..inputs.sources import ParsedChunk
 from ..inputs.tokenizer import Encoder
 from .block import ID_SHIFT, Block
 

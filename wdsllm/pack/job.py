@@ -29,6 +29,7 @@ import numpy as np
 from .. import __version__, storage
 from .. import format as fmt
 from ..errors import PackError, normalize_on_error
+from ..inputs.registry import reader_for
 from ..inputs.sources import (
     DEFAULT_MAX_DOC_BYTES,
     SPLITS,
@@ -37,7 +38,6 @@ from ..inputs.sources import (
     ParseOptions,
     Part,
     expand_inputs,
-    reader_for,
 )
 from ..inputs.tasks import assign_tasks
 from ..inputs.tokenizer import resolve_specials

@@ -39,6 +39,7 @@ import numpy as np
 from .. import __version__, storage
 from .. import format as fmt
 from ..errors import PackError
+from ..inputs.registry import reader_for
 from ..inputs.sources import (
     STDIN,
     ParsedChunk,
@@ -47,7 +48,6 @@ from ..inputs.sources import (
     expand_inputs,
     json_field,
     not_text,
-    reader_for,
     settle,
     too_long,
 )
