@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from synth import all_ids, write_dataset
 
 import wdsllm
+from wdsllm.load.sources.open import open_source
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -126,15 +127,20 @@ def test_every_row_once_per_epoch_packed(rows, world, workers, buffer, seed):
 @SETTINGS
 @given(sizes=shard_sizes, world=worlds, workers=workers_, seed=st.integers(0, 2**31))
 def test_plan_is_shared_and_split_by_rank_then_worker(sizes, world, workers, seed):
-    """With a buffer of 0 the items follow the plan: the epoch's shard order (same on every
-    consumer) cut into contiguous rank ranges, each cut into worker ranges."""
+    """With a buffer of 0 the items follow the plan: the epoch's order of the shards' blocks (same
+    on every consumer) cut into contiguous rank ranges, each cut into worker ranges."""
     with tempfile.TemporaryDirectory() as tmp:
         write_dataset(tmp, sizes)
         layout = run_layout(tmp, world, workers, batch_size=4, seed=seed, shuffle_buffer=0, equal_batches=False)
         n = max(1, workers)
         sequence = [i for r in range(world) for w in range(n) for b in layout[(r, w)] for i in _ids(b)]
-        order = wdsllm.load.plan.shard_order(len(sizes), seed, 0)
-        expected = [(int(s) << 32) | j for s in order for j in range(sizes[s])]
+        tokens = open_source(tmp).tokens_per_shard
+        blocks = wdsllm.load.plan.epoch_blocks(sizes, tokens, seed, 0, True)
+        expected = [
+            (int(s) << 32) | j
+            for s, a, k in zip(blocks.shards, blocks.firsts, blocks.counts)
+            for j in range(int(a), int(a + k))
+        ]
         assert sequence == expected
 
 

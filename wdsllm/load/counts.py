@@ -45,7 +45,7 @@ import numpy as np
 
 from .batching import COUNT_BY_ITEMS, COUNT_BY_TOKENS, Batcher
 from .config import Config
-from .plan import EpochLayout, Slice, epoch_layout, slices_for
+from .plan import EpochLayout, Slice, epoch_layout, piece_counter, slices_for
 from .sources.protocol import Source
 from .stream import ShareLengths, StreamSpec, has_lengths, slice_item_counts
 
@@ -228,7 +228,14 @@ class EpochCounts:
             exact_table = lambda: _shares_exact(catalog, cfg, epoch, world, workers, plan, ranks)  # noqa: E731
         else:
             layout = epoch_layout(
-                catalog.items_per_shard, seed=cfg.seed, epoch=epoch, world=world, workers=workers, shuffle=cfg.shuffle
+                catalog.items_per_shard,
+                seed=cfg.seed,
+                epoch=epoch,
+                world=world,
+                workers=workers,
+                shuffle=cfg.shuffle,
+                doc_pieces=piece_counter(catalog, spec),
+                tokens_per_shard=catalog.tokens_per_shard,
             )
             items = layout.stops - layout.starts
             tokens, read = _share_tokens(catalog, layout) if want_tokens else (None, [])
@@ -316,21 +323,41 @@ def _layout_exact(catalog: Source, cfg: Config, epoch: int, layout: EpochLayout,
 
 def _share_tokens(catalog: Source, layout: EpochLayout) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """([world, workers] tokens of every share (documents, before any max_len), the ranges of
-    lengths.npy read for them, unchecked): the index's tokens per shard, and for each share
-    boundary inside a shard the documents' lengths from the nearer end of that shard."""
-    tokens = catalog.tokens_per_shard[layout.order]
+    lengths.npy read for them, unchecked): the index's tokens per shard (or per block of a shard:
+    the sum of its lengths), and for each share boundary inside one the documents' lengths from
+    the nearer end of its shard."""
+    read: list = []
+    if layout.firsts is None:
+        firsts, tokens = np.zeros(len(layout.order), np.int64), catalog.tokens_per_shard[layout.order]
+    else:
+        firsts = layout.firsts
+        tokens, read = _block_tokens(catalog, layout.order, firsts, layout.counts)
     token_ends = np.concatenate([[0], np.cumsum(tokens)])
     points = np.unique(np.concatenate([layout.starts.reshape(-1), layout.stops.reshape(-1)]))
     at = np.searchsorted(layout.ends, points, side="right")  # the shard (in epoch order) holding each
     before = np.full(len(points), token_ends[-1], np.int64)  # points past the last shard
     inside = at < len(layout.order)
     i = at[inside]
-    k = points[inside] - (layout.ends[i] - layout.counts[i])  # documents of the shard before the point
-    part, read = head_tokens(catalog, layout.order[i], k)
+    k = points[inside] - (layout.ends[i] - layout.counts[i])  # documents of the block before the point
+    part, head_read = _block_tokens(catalog, layout.order[i], firsts[i], k)
     before[inside] = token_ends[i] + part
     starts = before[np.searchsorted(points, layout.starts)]
     stops = before[np.searchsorted(points, layout.stops)]
-    return stops - starts, read
+    return stops - starts, read + head_read
+
+
+def _block_tokens(
+    catalog: Source, shards: np.ndarray, firsts: np.ndarray, k: np.ndarray
+) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """(tokens of items [firsts[i], firsts[i] + k[i]) of shard ``shards[i]``, ranges read):
+    ``head_tokens`` where a run starts its shard, else the lengths' sum (rows: seq_len each)."""
+    firsts, k = np.asarray(firsts, np.int64), np.asarray(k, np.int64)
+    if not firsts.any():
+        return head_tokens(catalog, shards, k)
+    if catalog.mode == "packed":
+        heads = [head_tokens(catalog, shards, firsts + k)[0], head_tokens(catalog, shards, firsts)[0]]
+        return heads[0] - heads[1], []
+    return catalog.lengths().sums(shards, firsts, firsts + k)
 
 
 def head_tokens(catalog: Source, shards: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
@@ -406,7 +433,7 @@ def _longest(catalog: Source, cfg: Config) -> int:
 
 
 #: bumped whenever a count could come out differently: cached tables of another version are not read
-COUNTS_VERSION = 1
+COUNTS_VERSION = 2
 
 
 def counts_cache_dir(catalog: Source) -> str:

@@ -218,6 +218,7 @@ def check_fits(st: statemod.LoaderState, here: Here, *, exact_order: bool) -> No
         settings=resumemod.settings_fingerprint(here.cfg),
         infinite=here.cfg.infinite,
     )
+    statemod.check_order(statemod.LOADER_KIND, st.version, here.catalog, here.cfg)
     same_layout = st.world_size == here.world and st.num_workers == here.workers
     if st.workers and st.world_size != here.world and here.catalog.has_step_schedule():
         raise StateError(

@@ -40,6 +40,12 @@ def rng(seed: int, *key: int) -> np.random.Generator:
     )
 
 
+#: an epoch of one indexed dataset is cut into about this many blocks (more where shards are more)
+EPOCH_BLOCKS = 1024
+#: ... of at least this many tokens each (a ranged read of a remote shard per block)
+MIN_BLOCK_TOKENS = 1 << 18
+
+
 def torch_seed(seed: int, epoch: int) -> int:
     """The seed of the torch.Generator handed to DataLoader for ``epoch`` (its workers' base seed):
     drawn from our own stream, so iterating a loader never draws from torch's global RNG."""
@@ -50,6 +56,58 @@ def shard_order(n_shards: int, seed: int, epoch: int, shuffle: bool = True) -> n
     if not shuffle:
         return np.arange(n_shards)
     return rng(seed, STREAM_SHARD_ORDER, epoch).permutation(n_shards)
+
+
+@dataclass(frozen=True)
+class EpochBlocks:
+    """Consecutive runs of items of the shards, each read as one range, in the epoch's order:
+    what an epoch of an indexed dataset shuffles, so that it reshuffles at any shard count."""
+
+    shards: np.ndarray  # the shard of each block
+    firsts: np.ndarray  # its first item in the shard
+    counts: np.ndarray  # its items
+
+    def pieces_of(self, doc_pieces: DocPieces) -> DocPieces:
+        """Pieces of the documents of block ``i`` (in epoch order), from a shard's ``doc_pieces``."""
+        return functools.partial(_block_pieces, self, doc_pieces)
+
+
+def _block_pieces(blocks: EpochBlocks, doc_pieces: Any, i: int) -> np.ndarray:
+    first = int(blocks.firsts[i])
+    return doc_pieces(int(blocks.shards[i]), first, first + int(blocks.counts[i]))
+
+
+def epoch_blocks(
+    items_per_shard: Sequence[int], tokens_per_shard: Sequence[int] | None, seed: int, epoch: int, shuffle: bool
+) -> EpochBlocks:
+    """The blocks of the epoch in their order: each shard cut into ``blocks_per_shard`` runs of
+    sizes differing by at most one, ordered by (seed, epoch): decided before the split into
+    shares, reseeded each epoch, the same for every rank and worker."""
+    items = np.asarray(items_per_shard, dtype=np.int64)
+    per_shard = blocks_per_shard(items, tokens_per_shard)
+    shards = np.repeat(np.arange(len(items), dtype=np.int64), per_shard)
+    j = np.arange(len(shards), dtype=np.int64) - np.repeat(np.cumsum(per_shard) - per_shard, per_shard)
+    n, k = items[shards], per_shard[shards]
+    firsts = n * j // k
+    order = shard_order(len(shards), seed, epoch, shuffle)
+    return EpochBlocks(shards[order], firsts[order], (n * (j + 1) // k - firsts)[order])
+
+
+def blocks_per_shard(items: np.ndarray, tokens_per_shard: Sequence[int] | None) -> np.ndarray:
+    """Blocks each shard is cut into: enough for ``EPOCH_BLOCKS`` in the epoch, none under
+    ``MIN_BLOCK_TOKENS`` nor under one item; one per shard where tokens are unknown."""
+    if tokens_per_shard is None or len(items) == 0:
+        return np.ones(len(items), np.int64)
+    wanted = -(-EPOCH_BLOCKS // len(items))
+    by_tokens = np.asarray(tokens_per_shard, dtype=np.int64) // MIN_BLOCK_TOKENS
+    return np.maximum(1, np.minimum(np.minimum(wanted, by_tokens), items))
+
+
+def cuts_shards(items_per_shard: Sequence[int] | None, tokens_per_shard: Sequence[int] | None) -> bool:
+    """Whether an epoch's blocks are finer than its shards (else the block order is the shard order)."""
+    if items_per_shard is None:
+        return False
+    return bool((blocks_per_shard(np.asarray(items_per_shard, np.int64), tokens_per_shard) > 1).any())
 
 
 @dataclass(eq=False)
@@ -127,11 +185,12 @@ class EpochLayout:
     ends: np.ndarray
     starts: np.ndarray  # [world, workers]: first item (in epoch order) of each consumer
     stops: np.ndarray  # [world, workers]: one past its last
+    firsts: np.ndarray | None = None  # blocks of shards (``order``: their shards): first item of each
 
     def slices(self, rank: int, worker: int) -> list[Slice]:
         """The slices (rank, worker) reads, in reading order."""
         a, b = int(self.starts[rank, worker]), int(self.stops[rank, worker])
-        return slices_of_range(self.order, self.counts, self.ends, a, b)
+        return slices_of_range(self.order, self.counts, self.ends, a, b, self.firsts)
 
 
 #: pieces each document of a shard becomes in the stream (``piece_counter``)
@@ -147,10 +206,10 @@ def piece_counter(source: Source, spec: StreamSpec) -> DocPieces | None:
     return functools.partial(_doc_pieces, lengths, spec.max_len)
 
 
-def _doc_pieces(lengths: Any, max_len: int, shard: int) -> np.ndarray:
+def _doc_pieces(lengths: Any, max_len: int, shard: int, start: int = 0, stop: int | None = None) -> np.ndarray:
     from .stream import pieces_per_doc  # stream imports this module
 
-    return pieces_per_doc(lengths.of_unit(shard).astype(np.int64), max_len)
+    return pieces_per_doc(lengths.of_unit(shard, start, stop).astype(np.int64), max_len)
 
 
 def weighed_shares(
@@ -195,19 +254,20 @@ def epoch_layout(
     workers: int,
     shuffle: bool = True,
     doc_pieces: DocPieces | None = None,
+    tokens_per_shard: Sequence[int] | None = None,
 ) -> EpochLayout:
     """The shares of every (rank, worker): ``consumer_shares`` of the items, or with
     ``doc_pieces`` (documents split at max_len) ``weighed_shares`` of their pieces."""
-    counts_by_shard = np.asarray(items_per_shard, dtype=np.int64)
-    order = shard_order(len(counts_by_shard), seed, epoch, shuffle)
-    counts = counts_by_shard[order]
+    blocks = epoch_blocks(items_per_shard, tokens_per_shard, seed, epoch, shuffle)
+    counts = blocks.counts
     ends = np.cumsum(counts)
     total = int(ends[-1]) if len(ends) else 0
     if doc_pieces is None:
         starts, stops = consumer_shares(total, world, workers)
     else:
-        starts, stops = weighed_shares(order, counts, ends, world, workers, doc_pieces)
-    return EpochLayout(order, counts, ends, starts, stops)
+        in_order = np.arange(len(counts))
+        starts, stops = weighed_shares(in_order, counts, ends, world, workers, blocks.pieces_of(doc_pieces))
+    return EpochLayout(blocks.shards, counts, ends, starts, stops, blocks.firsts)
 
 
 def plan_epoch(
@@ -222,20 +282,23 @@ def plan_epoch(
     workers: int,
     shuffle: bool = True,
     doc_pieces: DocPieces | None = None,
+    tokens_per_shard: Sequence[int] | None = None,
 ) -> list[Slice]:
     """The slices that (rank, worker) reads in this epoch, in reading order (``doc_pieces``:
     documents weighed by their pieces, ``epoch_layout``)."""
-    order = shard_order(n_shards, seed, epoch, shuffle)
     if items_per_shard is not None:
-        counts = np.asarray(items_per_shard, dtype=np.int64)[order]
+        blocks = epoch_blocks(items_per_shard, tokens_per_shard, seed, epoch, shuffle)
+        counts = blocks.counts
         ends = np.cumsum(counts)
         total = int(ends[-1]) if len(ends) else 0
         if doc_pieces is not None:
-            starts, stops = weighed_shares(order, counts, ends, world, workers, doc_pieces)
+            in_order = np.arange(len(counts))
+            starts, stops = weighed_shares(in_order, counts, ends, world, workers, blocks.pieces_of(doc_pieces))
             a, b = int(starts[rank, worker]), int(stops[rank, worker])
         else:
             a, b = consumer_share(total, rank, world, worker, workers)
-        return slices_of_range(order, counts, ends, a, b)
+        return slices_of_range(blocks.shards, counts, ends, a, b, blocks.firsts)
+    order = shard_order(n_shards, seed, epoch, shuffle)
     consumers = world * workers
     if n_shards >= world:
         mine = order[rank::world]
@@ -266,6 +329,7 @@ def slices_for(source: Source, cfg: Any, spec: StreamSpec, plan: EpochPlan | Non
         workers=spec.workers,
         shuffle=spec.shuffle,
         doc_pieces=piece_counter(source, spec),
+        tokens_per_shard=source.tokens_per_shard,
     )
 
 
@@ -278,8 +342,11 @@ def _stride_share(shards: np.ndarray, consumers: int, consumer: int) -> list[Sli
     return [Slice(int(shards[j]), start=consumer // n, stop=None, stride=sharing)]
 
 
-def slices_of_range(order: np.ndarray, counts: np.ndarray, ends: np.ndarray, a: int, b: int) -> list[Slice]:
-    """Slices covering items [a, b) of the shards concatenated in ``order``."""
+def slices_of_range(
+    order: np.ndarray, counts: np.ndarray, ends: np.ndarray, a: int, b: int, firsts: np.ndarray | None = None
+) -> list[Slice]:
+    """Slices covering items [a, b) of the shards concatenated in ``order`` (blocks of shards:
+    ``firsts[i]`` is the first item of block ``i`` in its shard ``order[i]``)."""
     out = []
     if b <= a:
         return out
@@ -288,8 +355,9 @@ def slices_of_range(order: np.ndarray, counts: np.ndarray, ends: np.ndarray, a: 
         shard_start = int(ends[i] - counts[i])
         lo = a - shard_start
         hi = min(b, int(ends[i])) - shard_start
+        first = 0 if firsts is None else int(firsts[i])
         if hi > lo:
-            out.append(Slice(int(order[i]), lo, hi))
+            out.append(Slice(int(order[i]), first + lo, first + hi))
         a = shard_start + hi
         i += 1
     return out

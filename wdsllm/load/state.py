@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import StateError
+from . import plan as planmod
 from .config import Config
 from .counts import batch_counts, equalised, round_robin_share, worker_batch_count
 from .resume import RemainderPlan
@@ -32,10 +33,15 @@ from .sources.protocol import Source
 
 LOADER_KIND = "wdsllm.loader"
 DATASET_KIND = "wdsllm.dataset"
-#: 1: a plain nested dict (still read); 2: the same fields sealed in one JSON string
-LOADER_VERSION = 2
-READABLE_LOADER_VERSIONS = (1, 2)
-DATASET_VERSION = 1
+#: 1: a plain nested dict (still read); 2: the same fields sealed in one JSON string; 3: the
+#: epoch of an indexed dataset ordered by blocks of shards (``plan.epoch_blocks``)
+LOADER_VERSION = 3
+READABLE_LOADER_VERSIONS = (1, 2, 3)
+#: 2: blocks of shards, as the loader's 3
+DATASET_VERSION = 2
+READABLE_DATASET_VERSIONS = (1, 2)
+#: the first loader (and dataset) state versions whose positions are in blocks-of-shards order
+BLOCK_ORDER_VERSIONS = {LOADER_KIND: 3, DATASET_KIND: 2}
 #: bounds beyond which a field is refused as damaged (a negated or huge number)
 MAX_EPOCH = 1 << 32
 MAX_COUNT = 1 << 48
@@ -308,6 +314,20 @@ def check_identity(st: LoaderState, *, dataset: str, settings: str, infinite: bo
         raise StateError("the state is from an endless loader and this one is finite, or the other way round")
 
 
+def check_order(kind: str, version: int, source: Source, cfg: Config) -> None:
+    """A state saved before epochs were ordered by blocks of shards names positions in whole-shard
+    order: it resumes exactly only where both orders agree (a shard is one block, or no shuffle)."""
+    if version >= BLOCK_ORDER_VERSIONS[kind] or not cfg.shuffle or cfg.resample:
+        return
+    if source.mixing is None and planmod.cuts_shards(source.items_per_shard, source.tokens_per_shard):
+        raise StateError(
+            f"the state was saved by an earlier wdsllm (state version {version}), which ordered this dataset's "
+            "epoch by whole shards; this one shuffles blocks of shards (docs/loader.md, 'The shuffle'), so the "
+            "saved positions name other documents and cannot be resumed exactly: resume with the wdsllm that "
+            "saved it, or start the state's epoch afresh (set_epoch)"
+        )
+
+
 def rank_counts(source: Source, cfg: Config, st: LoaderState) -> np.ndarray | None:
     """[num_workers] batch counts of the state's rank in its epoch, as the saving loader capped
     them (None without an index)."""
@@ -457,10 +477,11 @@ class DatasetState:
     worker: int
     num_workers: int
     position: Position
+    version: int = DATASET_VERSION
 
     @classmethod
     def load(cls, saved: Any) -> DatasetState:
-        body = unseal(saved, DATASET_KIND, (DATASET_VERSION,))
+        body = unseal(saved, DATASET_KIND, READABLE_DATASET_VERSIONS)
         world = _int(_get(body, "world_size"), "world_size", 1, MAX_WORLD)
         workers = _int(_get(body, "num_workers"), "num_workers", 1, MAX_WORKERS)
         return cls(
@@ -471,6 +492,7 @@ class DatasetState:
             worker=_int(_get(body, "worker"), "worker", 0, workers),
             num_workers=workers,
             position=Position.parse(_get(body, "position"), "position"),
+            version=body.get("version", DATASET_VERSION),
         )
 
     def sealed(self) -> dict[str, str]:
@@ -495,6 +517,7 @@ class DatasetState:
             raise StateError("the dataset state was saved for another dataset (shards or their order differ)")
         if self.settings != settings:
             raise StateError("the dataset state was saved with other settings (batch size, seed, batching, ...)")
+        check_order(DATASET_KIND, self.version, source, cfg)
         if (self.rank, self.world_size) != (rank, world):
             raise StateError(
                 f"the dataset state is rank {self.rank} of {self.world_size}'s; this pipeline is rank {rank} of {world}"

@@ -200,7 +200,15 @@ def _sampled(
     if catalog.lengths() is None:
         raise ConfigError("this dataset has no lengths.npy; stats need the index")
     cfg = Config(seed=seed, shuffle_buffer=10_000)
-    layout = epoch_layout(catalog.items_per_shard, seed=seed, epoch=0, world=1, workers=1, shuffle=True)
+    layout = epoch_layout(
+        catalog.items_per_shard,
+        seed=seed,
+        epoch=0,
+        world=1,
+        workers=1,
+        shuffle=True,
+        tokens_per_shard=catalog.tokens_per_shard,
+    )
     total = int(layout.ends[-1]) if len(layout.ends) else 0
     span = min(total, RUN_WINDOWS * window)
     rng = np.random.default_rng([seed, 16])
@@ -299,7 +307,7 @@ def _plan_lengths(catalog: Source, layout, a: int, b: int) -> np.ndarray:
     parts = []
     i = int(np.searchsorted(layout.ends, a, side="right"))
     while a < b and i < len(layout.order):
-        first = int(layout.ends[i] - layout.counts[i])
+        first = int(layout.ends[i] - layout.counts[i]) - (0 if layout.firsts is None else int(layout.firsts[i]))
         stop = min(b, int(layout.ends[i]))
         parts.append(catalog.lengths().of_unit(int(layout.order[i]), a - first, stop - first))
         a = stop
