@@ -90,8 +90,17 @@ class RawSource:
         return self._lengths
 
     def fingerprint(self) -> str:
-        """The units (files, sizes, ranges) and what decides their tokens: a state or a sidecar
-        made for other inputs or another tokenizer is refused."""
+        """``units_fingerprint`` and each input's version (local: size and mtime_ns; remote: the
+        ETag or generation its store lists): a state saved over other text is refused, even a
+        file rewritten at the same size between the save and the resume."""
+        h = hashlib.sha256(self.units_fingerprint().encode())
+        for inp in self.inputs:
+            h.update(f"{inp.identity}|".encode())
+        return h.hexdigest()[:16]
+
+    def units_fingerprint(self) -> str:
+        """The units (files, sizes, ranges) and what decides their tokens: a sidecar made for
+        other inputs or another tokenizer is refused (its inputs' versions it checks itself)."""
         h = hashlib.sha256()
         h.update(json.dumps(self.text.identity(), sort_keys=True).encode())
         for inp in self.inputs:

@@ -3,7 +3,7 @@ document's length, so that a raw source plans, counts and resumes as a packed da
 
 The sidecar is one ``.npz`` (numpy arrays only, read without pickle): ``documents``, ``tokens``
 (int64 per unit), ``lengths`` (uint32 per document, unit after unit) and ``meta`` (JSON: the
-version, the source's fingerprint, the units' names, and from version 2 each input's identity,
+version, the source's ``units_fingerprint``, the units' names, and from version 2 each input's identity,
 each unit's ``unit_digests`` (xxh3 of its parsed texts, compared when a unit is read to its end)
 and a sha256 ``digest`` of the meta and the arrays). The fingerprint covers the input files (paths and
 sizes), the units and what decides the tokens (tokenizer sha256, BOS/EOS, text field, split,
@@ -77,7 +77,7 @@ def count_raw(
     tokens = np.array([int(x.sum(dtype=np.int64)) for x in lengths], np.int64)
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.uint32)
     digests = tuple(r[2] for r in results)
-    return RawCounts(catalog.fingerprint(), documents, tokens, all_lengths, sum(r[1] for r in results), digests)
+    return RawCounts(catalog.units_fingerprint(), documents, tokens, all_lengths, sum(r[1] for r in results), digests)
 
 
 def _gather(
@@ -209,7 +209,7 @@ def load_counts(path: str, catalog: RawSource) -> RawCounts:
     _check_sealed(meta, arrays, where)
     _check_counts(meta, arrays, where)
     documents = arrays["documents"]
-    if meta["fingerprint"] != catalog.fingerprint() or len(documents) != len(catalog.units):
+    if meta["fingerprint"] != catalog.units_fingerprint() or len(documents) != len(catalog.units):
         raise ConfigError(
             f"{where} counts other inputs or settings (its tokens: {_describe(meta.get('identity'))}; "
             f"here: {_describe(catalog.text.identity())}, {len(catalog.units)} units against {len(documents)}): "
