@@ -2,7 +2,7 @@
 
     python tools/bench_shuffle.py [--data bench-out/wiki-docs] [--json out.json]
 
-On one packed dataset (default: the 2-file wiki pack, one shard of 13.4M tokens), for epochs 0
+On one packed dataset (default: bench-out/wiki-docs, one shard of 13.4M tokens), for epochs 0
 and 1 and the layouts 1 shard (as packed), 8 shards (the previous order over 8 shards: the same
 documents as 8 equal blocks permuted per epoch, ``MIN_BLOCK_TOKENS`` set to an eighth; the blocks
 order of 8 such shards is that of one, 48 blocks instead of 51), 2 workers and 2 ranks:
