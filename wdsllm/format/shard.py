@@ -86,25 +86,33 @@ def expect_of(index: Index) -> Expect:
 def sequential_fetch(stream: Any, position: int = 0, again: Callable[[int, int], bytes] | None = None) -> Fetch:
     """A Fetch over a stream read forward from byte ``position`` (a mapped reader: zero-copy
     views); ``again(offset, length)`` re-reads a range from the store for a second attempt."""
+    return _SequentialFetch(stream, position, again)
 
-    def fetch(offset: int, length: int, attempt: int) -> bytes | memoryview | None:
-        nonlocal position
+
+class _SequentialFetch:
+    """A Fetch that reads a stream forward; ``position`` is the stream's next byte."""
+
+    def __init__(self, stream: Any, position: int, again: Callable[[int, int], bytes] | None) -> None:
+        self.stream = stream
+        self.position = position
+        self.again = again
+
+    def __call__(self, offset: int, length: int, attempt: int) -> bytes | memoryview | None:
+        stream = self.stream
         if attempt:
-            return again(offset, length) if again is not None else None
+            return self.again(offset, length) if self.again is not None else None
         if isinstance(stream, MappedReader):
             return stream.view[offset : offset + length]
-        if offset < position:
-            raise FormatError(f"group at byte {offset} requested after byte {position} was read")
-        while position < offset:  # groups the caller does not want
-            skipped = stream.read(min(offset - position, 1 << 20))
+        if offset < self.position:
+            raise FormatError(f"group at byte {offset} requested after byte {self.position} was read")
+        while self.position < offset:  # groups the caller does not want
+            skipped = stream.read(min(offset - self.position, 1 << 20))
             if not skipped:
                 return b""
-            position += len(skipped)
+            self.position += len(skipped)
         data = stream.read(length)
-        position += len(data)
+        self.position += len(data)
         return data
-
-    return fetch
 
 
 def _key_at(data: bytes | memoryview) -> str:
