@@ -21,6 +21,9 @@ that files divide into byte-range units) and measures in one run, GPT-2 tokenize
   library's ``encode_batch_fast`` (the cheapest call there is: HF's overhead alone).
 - time to first batch with a count sidecar: a fresh start, and a resume from a state saved at 90%
   of the epoch (target <= 2x), 1 worker.
+- the same without a sidecar, over the files as one ``.jsonl.zst`` (one unit: nothing to seek to):
+  the resume passes over the first 90% by decompressing and parsing only, never tokenizing.
+  ``--resume-only`` measures these two resumes alone.
 
 The machine is shared: figures are the best of ``--repeat`` runs, ratios from the same run.
 """
@@ -188,12 +191,60 @@ def first_batch(paths: list[str], counts: str) -> tuple[float, float]:
     return fresh, time.perf_counter() - t
 
 
+def compressed_first_batch(path: str, mode: dict) -> tuple[float, float]:
+    """(seconds to the first batch of a fresh start, of a resume at 90%) of one .jsonl.zst, no
+    sidecar, 1 worker; the resumed batch checked against the uninterrupted run's."""
+    import wdsllm
+
+    def make():
+        source = wdsllm.RawTextSource(path, tokenizer=TOKENIZER)
+        return wdsllm.loader(source, num_workers=1, seed=1, **mode)
+
+    run = make()
+    batches = sum(1 for _ in run)
+    it = iter(run)
+    for _ in range(int(batches * 0.9)):
+        next(it)
+    state = run.state_dict()
+    expected = next(it)["input_ids"]
+    del it, run
+    t = time.perf_counter()
+    next(iter(make()))
+    fresh = time.perf_counter() - t
+    t = time.perf_counter()
+    resumed = make()
+    resumed.load_state_dict(state)
+    got = next(iter(resumed))["input_ids"]
+    elapsed = time.perf_counter() - t
+    assert got.equal(expected), "the resumed batch differs from the uninterrupted run's"
+    return fresh, elapsed
+
+
+def resume_without_sidecar(work: Path, texts: list[str], repeat: int) -> None:
+    import zstandard
+
+    path = work / "all.jsonl.zst"
+    if not path.exists():
+        lines = "".join(json.dumps({"text": t}) + "\n" for t in texts)
+        path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    for name, mode in (
+        ("fixed", dict(batch_size=BATCH, max_len=MAX_LEN, max_len_mode="truncate")),
+        ("budget", dict(batching="bucket", max_tokens=BATCH * 512, batch_size=None)),
+    ):
+        fresh, resumed = min(compressed_first_batch(str(path), mode) for _ in range(repeat))
+        print(
+            f"first batch, one .jsonl.zst of {path.stat().st_size >> 20} MiB, no sidecar, {name}: fresh {fresh:.2f}s, "
+            f"resumed at 90% {resumed:.2f}s = {resumed / fresh:.2f}x"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default="bench-out/raw")
     ap.add_argument("--files", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--resume-only", action="store_true", help="only the resumes without a sidecar")
     args = ap.parse_args()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
@@ -201,6 +252,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     paths, texts = prepare(work, args.files)
     print(f"{len(paths)} files, {len(texts)} documents; os.cpu_count()={os.cpu_count()}")
+    if args.resume_only:
+        resume_without_sidecar(work, texts, args.repeat)
+        return
     python = None if args.skip_hf else hf_venv(work)
     best: dict[str, tuple[float, float]] = {}
     for _ in range(args.repeat):  # interleaved, so that each figure sees the same load on a shared machine
@@ -237,6 +291,7 @@ def main() -> None:
     )
     fresh, resumed = min(first_batch(paths, counts) for _ in range(args.repeat))
     print(f"first batch: fresh {fresh:.2f}s, resumed at 90% {resumed:.2f}s = {resumed / fresh:.2f}x")
+    resume_without_sidecar(work, texts, args.repeat)
 
 
 if __name__ == "__main__":

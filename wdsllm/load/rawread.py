@@ -11,8 +11,9 @@ parallelism, as in a pack.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,10 @@ def encoder_for(text: Any) -> Encoder:
     key = (os.getpid(), text.tokenizer_sha256, text.dtype, text.bos_id, text.eos_id)
     enc = _encoders.get(key)
     if enc is None:
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if multiprocessing.parent_process() is not None:
+            # a worker process the loader started: one tokenizer thread per worker, and no fork
+            # warning; the user's own process keeps its environment as it is
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         _encoders.clear()
         enc = _encoders[key] = Encoder(text.tokenizer_json, text.dtype, text.bos_id, text.eos_id)
     return enc
@@ -62,15 +66,18 @@ def _note_skips(parsed: ParsedChunk, display: str, stats: Any) -> None:
 
 def read_unit(
     catalog: Any, unit: int, first: int, stop: int | None, stride: int, skip: int, stats: Any = None
-) -> Iterator[Block]:
+) -> Generator[Block, None, int]:
     """Documents ``first, first+stride, ...`` (before ``stop``) of the unit, less the first
-    ``skip`` of them, tokenized, one block per chunk. Ids are ``file << 32 | line``."""
+    ``skip`` of them, tokenized, one block per chunk. Ids are ``file << 32 | line``. Skipped
+    documents are parsed, never tokenized. Returns how many of those documents it parsed (the
+    skipped ones included): fewer than ``skip`` tells the stream to skip the rest in the next unit."""
     text = catalog.text
     part = catalog.units[unit]
     encoder = encoder_for(text)
     file_id = np.int64(part.input.index) << ID_SHIFT
     owns_skips = first == 0 and skip == 0  # bad input is counted once, by the consumer that reads the unit's start
     ordinal = 0  # the unit's document number of the chunk's first document
+    passed = 0  # documents first, first+stride, ... parsed so far
     digest = TextsDigest()
     for parsed in parsed_chunks(catalog, unit):
         if owns_skips and parsed.skips:
@@ -87,6 +94,7 @@ def read_unit(
             keep &= j < stop
         if stride > 1:
             keep &= (j - first) % stride == 0
+        passed += int(keep.sum())
         if skip:
             keep &= (j - first) // stride >= skip
         picked = np.nonzero(keep)[0]
@@ -102,6 +110,7 @@ def read_unit(
     counted = None if catalog.counts is None else int(catalog.counts.documents[unit])
     if stop is None or ordinal < stop or ordinal == counted:  # the unit was read to its end
         _check_count(catalog, unit, ordinal, digest)
+    return passed
 
 
 def _check_counted(catalog: Any, unit: int, ordinals: np.ndarray, lengths: np.ndarray, lines: np.ndarray) -> None:

@@ -371,13 +371,20 @@ def read_plan_stream(
     for w in work:
         to_drop.items += w.drop
         position = _items_of_docs(source, w.sl, spec, w.skip) if w.sl.pick is not None else 0
+        skip = w.skip
+        if to_drop.items and _skips_by_documents(source, w.sl, spec):  # passed over unread, not dropped
+            skip, to_drop.items = to_drop.items, 0
         try:
             stream = next(streams) if w.opening is not None else None
             if warmer is not None and streams.all_started:
                 warmer.warm(streams)
                 warmer = None
-            blocks = w.reader.read(w.local, skip=w.skip, options=options, opened=w.opening, stream=stream, stats=stats)
+            blocks = _Passed(
+                w.reader.read(w.local, skip=skip, options=options, opened=w.opening, stream=stream, stats=stats)
+            )
             yield from _cut_blocks(source, w, blocks, spec, position, to_drop, stats)
+            if skip > w.skip and blocks.documents is not None and blocks.documents < skip:
+                to_drop.items += skip - blocks.documents  # the slice ran out first: the rest from the next
         except GeneratorExit:  # closed early (at interpreter exit, module globals may be gone already)
             raise
         except (storage.StorageError, FormatError, SourceError) as exc:
@@ -400,6 +407,26 @@ class _Work:
     reader: UnitReader
     local: Slice
     opening: Opening | None
+
+
+class _Passed:
+    """A reader's blocks; once they are exhausted, ``documents`` is what the reader returned: how
+    many of the slice's documents it parsed, skipped or not (None: a reader that does not say)."""
+
+    def __init__(self, blocks: Iterable[Block]):
+        self.blocks = blocks
+        self.documents: int | None = None
+
+    def __iter__(self) -> Iterator[Block]:
+        self.documents = yield from self.blocks
+
+
+def _skips_by_documents(source: Source, sl: Slice, spec: StreamSpec) -> bool:
+    """Whether items still to drop before a slice of unknown count can be passed to its reader as
+    documents to skip: an item is a document (no max_len pieces) and the slice holds every one
+    of its documents from its start (no picks). Raw text without a count sidecar: the reader
+    parses what it skips, never tokenizes it."""
+    return sl.pick is None and not spec.splits(source.mode) and slice_item_count(source, sl, spec) is None
 
 
 class _Drop:
