@@ -45,7 +45,7 @@ import numpy as np
 
 from .batching import COUNT_BY_ITEMS, COUNT_BY_TOKENS, Batcher
 from .config import Config
-from .plan import EpochLayout, Slice, epoch_layout, piece_counter, slices_for
+from .plan import EpochLayout, Slice, block_tokens, epoch_layout, piece_counter, slices_for
 from .sources.protocol import Source
 from .stream import ShareLengths, StreamSpec, has_lengths, slice_item_counts
 
@@ -235,7 +235,7 @@ class EpochCounts:
                 workers=workers,
                 shuffle=cfg.shuffle,
                 doc_pieces=piece_counter(catalog, spec),
-                tokens_per_shard=catalog.tokens_per_shard,
+                tokens_per_shard=block_tokens(catalog),
             )
             items = layout.stops - layout.starts
             tokens, read = _share_tokens(catalog, layout) if want_tokens else (None, [])

@@ -103,6 +103,13 @@ def blocks_per_shard(items: np.ndarray, tokens_per_shard: Sequence[int] | None) 
     return np.maximum(1, np.minimum(np.minimum(wanted, by_tokens), items))
 
 
+def block_tokens(source: Source) -> np.ndarray | None:
+    """The tokens per unit that cut a source's units into blocks: a source whose units are read by
+    range (``opens_units``: shards). Raw text's units are parsed from their start to reach any
+    document, so they stay whole (None)."""
+    return source.tokens_per_shard if source.opens_units else None
+
+
 def cuts_shards(items_per_shard: Sequence[int] | None, tokens_per_shard: Sequence[int] | None) -> bool:
     """Whether an epoch's blocks are finer than its shards (else the block order is the shard order)."""
     if items_per_shard is None:
@@ -329,7 +336,7 @@ def slices_for(source: Source, cfg: Any, spec: StreamSpec, plan: EpochPlan | Non
         workers=spec.workers,
         shuffle=spec.shuffle,
         doc_pieces=piece_counter(source, spec),
-        tokens_per_shard=source.tokens_per_shard,
+        tokens_per_shard=block_tokens(source),
     )
 
 

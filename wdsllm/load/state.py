@@ -319,7 +319,7 @@ def check_order(kind: str, version: int, source: Source, cfg: Config) -> None:
     order: it resumes exactly only where both orders agree (a shard is one block, or no shuffle)."""
     if version >= BLOCK_ORDER_VERSIONS[kind] or not cfg.shuffle or cfg.resample:
         return
-    if source.mixing is None and planmod.cuts_shards(source.items_per_shard, source.tokens_per_shard):
+    if source.mixing is None and planmod.cuts_shards(source.items_per_shard, planmod.block_tokens(source)):
         raise StateError(
             f"the state was saved by an earlier wdsllm (state version {version}), which ordered this dataset's "
             "epoch by whole shards; this one shuffles blocks of shards (docs/loader.md, 'The shuffle'), so the "

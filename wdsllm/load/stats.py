@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..format import Index
 from .batching import BucketBatcher, bfd_count, round_up
 from .config import Config
-from .plan import epoch_layout, slices_for
+from .plan import block_tokens, epoch_layout, slices_for
 from .sources.protocol import DocumentLengths, Source
 from .stream import _max_len_lengths, plan_labels, shuffle_lengths, slice_item_lengths
 
@@ -207,7 +207,7 @@ def _sampled(
         world=1,
         workers=1,
         shuffle=True,
-        tokens_per_shard=catalog.tokens_per_shard,
+        tokens_per_shard=block_tokens(catalog),
     )
     total = int(layout.ends[-1]) if len(layout.ends) else 0
     span = min(total, RUN_WINDOWS * window)
