@@ -185,6 +185,20 @@ def _whole(
     return out
 
 
+#: The simulated modes, in the order stats reports them.
+_SAMPLED_MODES = ["random", "random, truncated", "bucket batch", "bucket budget", "pack"]
+
+
+@dataclass
+class _RunTallies:
+    """What the sampled runs measured: per mode, each run's (batches, tokens, padded, items)."""
+
+    per_run: dict[str, np.ndarray]
+    small: int = 0  # bucket budget's batches under the budget
+    cut_total: int = 0  # tokens that truncation at seq_len drops
+    pieces: int = 0  # items after max_len splitting
+
+
 def _sampled(
     catalog: Source,
     batch_size: int,
@@ -213,35 +227,64 @@ def _sampled(
     span = min(total, RUN_WINDOWS * window)
     rng = np.random.default_rng([seed, 16])
     starts = np.sort(rng.integers(0, max(1, total - span + 1), runs))
-    names = ["random", "random, truncated", "bucket batch", "bucket budget", "pack"]
-    per_run = {name: np.zeros((runs, 4), np.int64) for name in names}  # (batches, tokens, padded, items)
-    small = cut_total = pieces = 0
-    spec = cfg.spec(0, 0, 1, 0, 1)
+    tallies = _RunTallies({name: np.zeros((runs, 4), np.int64) for name in _SAMPLED_MODES})
     for i, start in enumerate(starts.tolist()):
         raw = _plan_lengths(catalog, layout, start, start + span)
-        split = _max_len_lengths(raw, replace(spec, max_len=seq_len, max_len_mode="split"))
-        capped = np.minimum(raw, seq_len)
-        cut_total += int(raw.sum() - capped.sum())
-        pieces += len(split)
-        block_rng = np.random.default_rng([seed, 16, i])
-        whole = max(1, len(split) // window) * window  # whole windows only: no stream end inside a run
-        shuffled = _block_shuffled(split[:whole], cfg.shuffle_buffer, block_rng)
-        capped = _block_shuffled(capped, cfg.shuffle_buffer, block_rng)
-        for name, (cost, items) in (
-            ("random", (random_batches(shuffled, batch_size, multiple), len(shuffled))),
-            ("random, truncated", (random_batches(capped, batch_size, multiple), len(capped))),
-            ("bucket batch", _bucket_steady(shuffled, window, batch_size=batch_size, multiple=multiple)),
-            ("bucket budget", _bucket_steady(shuffled, window, max_tokens=max_tokens, multiple=multiple)),
-            ("pack", (pack_rows(shuffled, seq_len, window, 1), len(shuffled))),
-        ):
-            per_run[name][i] = (cost.batches, cost.tokens, cost.padded, items)
-            if name == "bucket budget":
-                small += cost.small_batches
-    tokens = catalog.index.tokens
+        _tally_run(tallies, i, raw, cfg, seed, seq_len, window, batch_size, max_tokens, multiple)
     scale = total / max(1, span * runs)  # documents of the dataset per document sampled
-    cut = round(cut_total * scale)
+    out = _mode_costs(tallies, catalog.index.tokens, total, scale, batch_size, max_tokens, seq_len, window)
+    out.append(concat_rows(np.array([catalog.index.tokens]), seq_len, batch_size))  # exact: the index's tokens
+    return out, Sample(runs, runs * -(-span // window), span * runs, total)
+
+
+def _tally_run(
+    tallies: _RunTallies,
+    i: int,
+    raw: np.ndarray,
+    cfg: Config,
+    seed: int,
+    seq_len: int,
+    window: int,
+    batch_size: int,
+    max_tokens: int,
+    multiple: int | None,
+) -> None:
+    """Simulate every mode on run ``i``'s document lengths ``raw`` into ``tallies``."""
+    spec = cfg.spec(0, 0, 1, 0, 1)
+    split = _max_len_lengths(raw, replace(spec, max_len=seq_len, max_len_mode="split"))
+    capped = np.minimum(raw, seq_len)
+    tallies.cut_total += int(raw.sum() - capped.sum())
+    tallies.pieces += len(split)
+    block_rng = np.random.default_rng([seed, 16, i])
+    whole = max(1, len(split) // window) * window  # whole windows only: no stream end inside a run
+    shuffled = _block_shuffled(split[:whole], cfg.shuffle_buffer, block_rng)
+    capped = _block_shuffled(capped, cfg.shuffle_buffer, block_rng)
+    for name, (cost, items) in (
+        ("random", (random_batches(shuffled, batch_size, multiple), len(shuffled))),
+        ("random, truncated", (random_batches(capped, batch_size, multiple), len(capped))),
+        ("bucket batch", _bucket_steady(shuffled, window, batch_size=batch_size, multiple=multiple)),
+        ("bucket budget", _bucket_steady(shuffled, window, max_tokens=max_tokens, multiple=multiple)),
+        ("pack", (pack_rows(shuffled, seq_len, window, 1), len(shuffled))),
+    ):
+        tallies.per_run[name][i] = (cost.batches, cost.tokens, cost.padded, items)
+        if name == "bucket budget":
+            tallies.small += cost.small_batches
+
+
+def _mode_costs(
+    tallies: _RunTallies,
+    tokens: int,
+    total: int,
+    scale: float,
+    batch_size: int,
+    max_tokens: int,
+    seq_len: int,
+    window: int,
+) -> list[ModeCost]:
+    """Each sampled mode's cost over the whole dataset, scaled up from the runs."""
+    cut = round(tallies.cut_total * scale)
     items_total = {"random, truncated": total}  # items of the whole stream: documents, or their pieces
-    split_total = round(pieces * scale)
+    split_total = round(tallies.pieces * scale)
     labels = {
         "random": ("random", f"batch {batch_size}"),
         "random, truncated": ("random, truncated", f"batch {batch_size}"),
@@ -250,14 +293,14 @@ def _sampled(
         "pack": ("pack", f"seq_len {seq_len}, window {window}"),
     }
     out = []
-    for name in names:
-        measured = per_run[name]
+    for name in _SAMPLED_MODES:
+        measured = tallies.per_run[name]
         per_item = measured[:, 0].sum() / max(1, measured[:, 3].sum())  # batches (pack: rows) per item
         batches = per_item * items_total.get(name, split_total)
         if name == "pack":
             batches = -(-round(batches) // batch_size)
         have = tokens - cut if name == "random, truncated" else tokens
-        pad_share, ci = _ratio_ci(per_run[name][:, 2] - per_run[name][:, 1], per_run[name][:, 2])
+        pad_share, ci = _ratio_ci(measured[:, 2] - measured[:, 1], measured[:, 2])
         cost = ModeCost(
             labels[name][0],
             labels[name][1],
@@ -265,12 +308,11 @@ def _sampled(
             have,
             round(have / (1 - pad_share)) if pad_share < 1 else have,
             cut if name == "random, truncated" else 0,
-            round(small * scale) if name == "bucket budget" else 0,
+            round(tallies.small * scale) if name == "bucket budget" else 0,
             padding_ci=100.0 * ci,
         )
         out.append(cost)
-    out.append(concat_rows(np.array([tokens]), seq_len, batch_size))  # exact: the index's tokens
-    return out, Sample(runs, runs * -(-span // window), span * runs, total)
+    return out
 
 
 def _bucket_steady(
