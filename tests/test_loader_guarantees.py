@@ -94,10 +94,17 @@ def test_every_document_once_per_epoch(sizes, world, workers, buffer, seed, epoc
         for batches in layout.values():
             check_contents(batches, info["expect"])
         if with_index:
-            # Counts differ by at most one document between consumers: no worker is left empty
-            # while another has many.
-            per = [sum(len(_ids(b)) for b in v) for v in layout.values()]
-            assert max(per) - min(per) <= 1
+            # Ranks' counts differ by at most one document; a rank's workers get whole batches
+            # (all but its last worker a multiple of the batch size), so no worker is left empty
+            # while another has many, and a rank ends with at most one short batch.
+            per = {k: sum(len(_ids(b)) for b in v) for k, v in layout.items()}
+            ranks = [sum(n for (r, _), n in per.items() if r == rank) for rank in range(world)]
+            assert max(ranks) - min(ranks) <= 1
+            n = max(1, workers)
+            assert all(per[(r, w)] % batch == 0 for r in range(world) for w in range(n - 1))
+            for r in range(world):
+                mine = [per[(r, w)] for w in range(n)]
+                assert max(mine) - min(mine) < 2 * batch
 
 
 @SETTINGS

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from .. import storage
 from ..errors import ConfigError, normalize_on_error
-from .batching import Batcher, BatchingMode, mode_of
+from .batching import COUNT_BY_ITEMS, Batcher, BatchingMode, mode_of
 from .options import BatchOptions, OrderOptions, ReadingOptions
 from .read import ReadOptions
 from .sources.protocol import Source
@@ -52,6 +52,15 @@ class Config(OrderOptions, BatchOptions):
         one rank), for a finite stream; an endless one has no count to make equal."""
         equal = self.equal_batches if self.equal_batches is not None else world > 1
         return equal and not self.infinite
+
+    def share_unit(self, mode: str) -> int:
+        """Items a worker's share is planned in: a full batch where a batch is a number of whole
+        items (fixed batches, buckets of a batch size; documents not split), so that only a rank's
+        last worker ends with a short batch; else 1."""
+        splits = self.spec(0, 0, 1, 0, 1).splits(mode)
+        if self.batch_size is None or splits or self.make_batcher().count_by != COUNT_BY_ITEMS:
+            return 1
+        return self.batch_size
 
     def rows_out(self, catalog: Source) -> bool:
         """Whether batches are rows of a fixed length (packed data, or a mode that makes rows)."""

@@ -128,10 +128,26 @@ def round_robin_share(counts: np.ndarray, total: int) -> np.ndarray:
     return share
 
 
-def equalised(counts: np.ndarray) -> np.ndarray:
-    """[world, workers] counts capped so that every rank yields the smallest rank's total."""
-    per_rank = int(counts.sum(axis=1).min())
-    return np.stack([round_robin_share(c, per_rank) for c in counts])
+def equal_total(counts: np.ndarray, uneven: str = "drop") -> int:
+    """Batches every rank yields: the smallest rank's total, or (``uneven="repeat"``) the largest's."""
+    per_rank = counts.sum(axis=1)
+    return int(per_rank.max() if uneven == "repeat" else per_rank.min())
+
+
+def padded_share(counts: np.ndarray, total: int) -> np.ndarray:
+    """Each worker's share of ``total`` batches: ``round_robin_share`` of its own, and where the
+    rank has fewer, the missing ones (repeats) each to the worker with the fewest so far."""
+    share = round_robin_share(counts, total)
+    for _ in range(total - int(share.sum())):
+        share[int(np.argmin(share))] += 1
+    return share
+
+
+def equalised(counts: np.ndarray, uneven: str = "drop") -> np.ndarray:
+    """[world, workers] counts made equal per rank: capped at the smallest rank's total, or
+    (``uneven="repeat"``) topped up to the largest's."""
+    per_rank = equal_total(counts, uneven)
+    return np.stack([padded_share(c, per_rank) for c in counts])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,6 +252,7 @@ class EpochCounts:
                 shuffle=cfg.shuffle,
                 doc_pieces=piece_counter(catalog, spec),
                 tokens_per_shard=block_tokens(catalog),
+                unit=cfg.share_unit(catalog.mode),
             )
             items = layout.stops - layout.starts
             tokens, read = _share_tokens(catalog, layout) if want_tokens else (None, [])
@@ -433,7 +450,7 @@ def _longest(catalog: Source, cfg: Config) -> int:
 
 
 #: bumped whenever a count could come out differently: cached tables of another version are not read
-COUNTS_VERSION = 2
+COUNTS_VERSION = 3
 
 
 def counts_cache_dir(catalog: Source) -> str:
@@ -556,14 +573,16 @@ class WorkerLimit:
 
 class EpochLimits:
     """The equal-batches decision for one epoch of one rank: every rank yields ``per_rank``
-    batches, the smallest rank's total, and ``per_worker`` is this rank's round-robin share of
-    them. Known at once where the counts are; else the workers stream up to ``worker_limit``'s
-    bound and the decision waits for the background count."""
+    batches, the smallest rank's total (or the largest's, ``uneven="repeat"``), and
+    ``per_worker`` is this rank's round-robin share of them (``padded_share``). Known at once
+    where the counts are; else the workers stream up to ``worker_limit``'s bound and the decision
+    waits for the background count."""
 
-    def __init__(self, counts: EpochCounts, rank: int, workers: int):
+    def __init__(self, counts: EpochCounts, rank: int, workers: int, uneven: str = "drop"):
         self.counts = counts
         self.rank = rank
         self.workers = workers
+        self.uneven = uneven
         bound = counts.bound
         #: a lower bound on per_rank, the same on every rank
         self.per_rank_bound = int(bound.sum(axis=1).min())
@@ -574,17 +593,22 @@ class EpochLimits:
     @property
     def per_rank(self) -> int:
         """Batches every rank yields."""
-        return int(self.counts.exact().sum(axis=1).min())
+        return equal_total(self.counts.exact(), self.uneven)
 
     @property
     def per_worker(self) -> np.ndarray:
         """[workers] of this rank's share."""
-        return round_robin_share(self.counts.exact()[self.rank], self.per_rank)
+        return padded_share(self.counts.exact()[self.rank], self.per_rank)
 
     @property
     def dropped_batches(self) -> int:
         """This rank's batches beyond per_rank."""
-        return int(self.counts.exact()[self.rank].sum()) - self.per_rank
+        return max(0, int(self.counts.exact()[self.rank].sum()) - self.per_rank)
+
+    @property
+    def repeated_batches(self) -> int:
+        """Batches this rank repeats to reach per_rank (``uneven="repeat"``)."""
+        return max(0, self.per_rank - int(self.counts.exact()[self.rank].sum()))
 
     def worker_limit(self, worker: int) -> WorkerLimit:
         """Worker ``worker``'s cap. Its round-robin share of N batches is at least
@@ -601,4 +625,4 @@ def epoch_limits(
     """Where this rank's workers stop so that every rank yields the same count; None when the
     index cannot count the batches."""
     counts = EpochCounts.create(catalog, cfg, epoch, world, max(1, workers), plan)
-    return None if counts is None else EpochLimits(counts, rank, max(1, workers))
+    return None if counts is None else EpochLimits(counts, rank, max(1, workers), cfg.uneven)

@@ -206,7 +206,7 @@ class Here:
         counts = batch_counts(self.catalog, self.cfg, epoch, world, workers, plan)
         if counts is None:
             raise StateError("this needs the dataset's index (lengths.npy) to recompute other ranks' positions")
-        return equalised(counts) if self.cfg.keeps_equal_batches(world) else counts
+        return equalised(counts, self.cfg.uneven) if self.cfg.keeps_equal_batches(world) else counts
 
 
 def check_fits(st: statemod.LoaderState, here: Here, *, exact_order: bool) -> None:

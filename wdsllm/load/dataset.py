@@ -305,7 +305,7 @@ class WorkerBatcher:
             yield self.emit(spec, index, items, hint)
             index += 1
         failed.update(self.stats.skipped_shards)
-        if limit is not None and failed and index < limit.value():
+        if limit is not None and (failed or cfg.uneven == "repeat") and index < limit.value():
             yield from _refill(
                 catalog, batcher, slices, spec, self.read, self.stats, failed, index, limit.value(), self.emit
             )
@@ -336,19 +336,23 @@ def task_slices(catalog: Source, cfg: Config, spec: StreamSpec, plan: EpochPlan 
 
 
 def _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit, emit):
-    """Top up a worker that lost shards (on_error='skip') to its share of the equal batch count.
+    """Top up a worker that lost shards (on_error='skip'), or of a rank with fewer batches than
+    the largest (uneven='repeat'), to its share of the equal batch count.
 
     Every rank must take part in every step, so a short worker repeats its own readable documents
     of the epoch (logged, counted in ``loader.refilled_batches``) rather than end early and leave
     the other ranks waiting in a collective.
     """
     readable = [sl for sl in slices if catalog.urls[sl.shard] not in failed]
-    log.warning(
-        "worker %d lost %d shard(s); repeating its other documents for %d batch(es) to keep batch counts equal",
-        spec.worker,
-        len(failed),
-        limit - index,
-    )
+    if failed:
+        log.warning(
+            "worker %d lost %d shard(s); repeating its other documents for %d batch(es) to keep batch counts equal",
+            spec.worker,
+            len(failed),
+            limit - index,
+        )
+    else:
+        log.info("worker %d repeats its items for %d batch(es) (uneven='repeat')", spec.worker, limit - index)
     while index < limit:
         made = False
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 MAX_LEN_MODES = ("split", "truncate")
 SPLITS = ("line", "paragraph", "file")
+UNEVEN = ("drop", "repeat")
 
 
 def option(
@@ -89,6 +90,12 @@ class OrderOptions(Options):
     equal_batches: bool | None = option(
         None, "every rank yields the same number of batches per epoch", shown="world_size > 1"
     )
+    uneven: str = option(
+        "drop",
+        'equal batches: "drop" the batches beyond the smallest rank\'s count (a warning counts them), or '
+        '"repeat" readable items of the shorter ranks up to the largest rank\'s count',
+        choices=UNEVEN,
+    )
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,9 @@ class BatchOptions(Options):
     batch_size: int | None = option(
         32, "items per batch: documents, or rows (packed data, pack and concat); None: see below", low=1
     )
-    drop_last: bool = option(False, "drop each worker's final short batch")
+    drop_last: bool = option(
+        False, "drop each worker's final short batch (fixed batches: only a rank's last worker has one)"
+    )
     batching: str = option("fixed", '"fixed", "bucket", "pack" or "concat": see batching.md')
     window: int = option(10_000, "bucket/pack: items per window", low=1)
     max_tokens: int | None = option(None, "bucket: padded tokens per batch instead of batch_size", low=1)

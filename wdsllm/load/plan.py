@@ -161,23 +161,29 @@ def split_range(total: int, parts: int, i: int) -> tuple[int, int]:
 
 
 def consumer_shares(
-    total: int, world: int, workers: int, first: int = 0, ranks: Sequence[int] | None = None
+    total: int, world: int, workers: int, first: int = 0, ranks: Sequence[int] | None = None, unit: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
     """[ranks, workers] starts and stops of each consumer's share of the ``total`` items from
     position ``first``: by rank first, then each rank's part by worker (``split_range`` at each
     level, in closed form). The one rule by which an epoch of one dataset, a mixture's stretch
-    and the remainder of an interrupted epoch are shared; ``ranks``: only those rows (all: None)."""
+    and the remainder of an interrupted epoch are shared; ``ranks``: only those rows (all: None).
+    A rank's part is dealt to its workers in whole ``unit``s (batches), the remainder to its last
+    worker: one short batch per rank, not one per worker."""
     r = np.arange(world, dtype=np.int64) if ranks is None else np.asarray(ranks, np.int64)
     rank_start = total * r // world
     rank_size = total * (r + 1) // world - rank_start
     w = np.arange(workers + 1, dtype=np.int64)
-    cuts = first + rank_start[:, None] + rank_size[:, None] * w[None, :] // workers
+    units = rank_size[:, None] // unit
+    cuts = first + rank_start[:, None] + unit * (units * w[None, :] // workers)
+    cuts[:, -1] = first + rank_start + rank_size
     return cuts[:, :-1], cuts[:, 1:]
 
 
-def consumer_share(total: int, rank: int, world: int, worker: int, workers: int, first: int = 0) -> tuple[int, int]:
+def consumer_share(
+    total: int, rank: int, world: int, worker: int, workers: int, first: int = 0, unit: int = 1
+) -> tuple[int, int]:
     """Consumer (rank, worker)'s share of ``consumer_shares``: [start, stop)."""
-    starts, stops = consumer_shares(total, world, workers, first, ranks=[rank])
+    starts, stops = consumer_shares(total, world, workers, first, ranks=[rank], unit=unit)
     return int(starts[0, worker]), int(stops[0, worker])
 
 
@@ -262,15 +268,17 @@ def epoch_layout(
     shuffle: bool = True,
     doc_pieces: DocPieces | None = None,
     tokens_per_shard: Sequence[int] | None = None,
+    unit: int = 1,
 ) -> EpochLayout:
-    """The shares of every (rank, worker): ``consumer_shares`` of the items, or with
-    ``doc_pieces`` (documents split at max_len) ``weighed_shares`` of their pieces."""
+    """The shares of every (rank, worker): ``consumer_shares`` of the items (in whole ``unit``s
+    per worker), or with ``doc_pieces`` (documents split at max_len) ``weighed_shares`` of their
+    pieces."""
     blocks = epoch_blocks(items_per_shard, tokens_per_shard, seed, epoch, shuffle)
     counts = blocks.counts
     ends = np.cumsum(counts)
     total = int(ends[-1]) if len(ends) else 0
     if doc_pieces is None:
-        starts, stops = consumer_shares(total, world, workers)
+        starts, stops = consumer_shares(total, world, workers, unit=unit)
     else:
         in_order = np.arange(len(counts))
         starts, stops = weighed_shares(in_order, counts, ends, world, workers, blocks.pieces_of(doc_pieces))
@@ -290,9 +298,10 @@ def plan_epoch(
     shuffle: bool = True,
     doc_pieces: DocPieces | None = None,
     tokens_per_shard: Sequence[int] | None = None,
+    unit: int = 1,
 ) -> list[Slice]:
     """The slices that (rank, worker) reads in this epoch, in reading order (``doc_pieces``:
-    documents weighed by their pieces, ``epoch_layout``)."""
+    documents weighed by their pieces, ``unit``: items per batch, ``epoch_layout``)."""
     if items_per_shard is not None:
         blocks = epoch_blocks(items_per_shard, tokens_per_shard, seed, epoch, shuffle)
         counts = blocks.counts
@@ -303,7 +312,7 @@ def plan_epoch(
             starts, stops = weighed_shares(in_order, counts, ends, world, workers, blocks.pieces_of(doc_pieces))
             a, b = int(starts[rank, worker]), int(stops[rank, worker])
         else:
-            a, b = consumer_share(total, rank, world, worker, workers)
+            a, b = consumer_share(total, rank, world, worker, workers, unit=unit)
         return slices_of_range(blocks.shards, counts, ends, a, b, blocks.firsts)
     order = shard_order(n_shards, seed, epoch, shuffle)
     consumers = world * workers
@@ -337,6 +346,7 @@ def slices_for(source: Source, cfg: Any, spec: StreamSpec, plan: EpochPlan | Non
         shuffle=spec.shuffle,
         doc_pieces=piece_counter(source, spec),
         tokens_per_shard=block_tokens(source),
+        unit=cfg.share_unit(source.mode),
     )
 
 

@@ -334,7 +334,7 @@ def rank_counts(source: Source, cfg: Config, st: LoaderState) -> np.ndarray | No
     counts = batch_counts(source, cfg, st.epoch, st.world_size, st.num_workers, st.plan)
     if counts is None:
         return None
-    return (equalised(counts) if st.equal_batches else counts)[st.rank]
+    return (equalised(counts, cfg.uneven) if st.equal_batches else counts)[st.rank]
 
 
 def check_positions(st: LoaderState, source: Source, cfg: Config, *, exact_order: bool) -> None:
