@@ -211,8 +211,9 @@ class _Strand:
             self._ends = np.cumsum(self.counts)
         ends = self._ends
         i = int(np.searchsorted(ends, a, side="right"))
+        j = int(np.searchsorted(ends, b, side="left")) + 1  # one past the slice that holds item b-1
         before = int(ends[i - 1]) if i else 0
-        return cut_sequence(self.slices[i:], self.counts[i:], a - before, b - before, split)
+        return cut_sequence(self.slices[i:j], self.counts[i:j], a - before, b - before, split)
 
 
 def _strands(slices: list[Slice], counts: list[int], mixing) -> list[list[_Strand]]:
