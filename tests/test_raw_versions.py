@@ -53,3 +53,32 @@ def test_a_state_over_a_file_rewritten_at_the_same_size_is_refused(tmp_path, wit
         return
     with pytest.raises(StateError):
         _loader(inputs).load_state_dict(state)
+
+
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_a_state_over_an_object_replaced_at_the_same_size_is_refused(request, store):
+    """The version the store lists (S3 ETag on moto, the GCS emulator's generation or md5) is part
+    of the state's fingerprint: an object replaced by other text of the same size is refused."""
+    from wdsllm import storage
+
+    bucket = request.getfixturevalue("s3_bucket" if store == "s3" else "gcs_bucket")
+    data = ("\n".join(wiki_lines(30)) + "\n").encode()
+    swapped = data.replace(b"e", b"\x00").replace(b"a", b"e").replace(b"\x00", b"a")
+    out = storage.Output(f"{bucket}/raw")
+    try:
+        out.put_bytes("wiki.jsonl", data)
+    finally:
+        out.close()
+    inputs = [f"{bucket}/raw/wiki.jsonl"]
+    loader = _loader(inputs)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    _loader(inputs).load_state_dict(state)  # the same object: resumed
+    out = storage.Output(f"{bucket}/raw")
+    try:
+        out.put_bytes("wiki.jsonl", swapped)
+    finally:
+        out.close()
+    with pytest.raises(StateError):
+        _loader(inputs).load_state_dict(state)
