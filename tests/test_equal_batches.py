@@ -165,3 +165,26 @@ def test_a_resume_inside_the_last_worker_share_gives_the_same_batches(tmp_path):
         resumed = wdsllm.loader(tmp_path, **options)
         resumed.load_state_dict(loader.state_dict())
         assert head + [_ids(b) for b in resumed] == whole
+
+
+def test_an_elastic_resume_ends_each_rank_with_at_most_one_short_batch(tmp_path):
+    info = write_dataset(tmp_path, [17, 23, 8, 3, 30], seed=4, max_len=30)
+    old = dict(num_workers=2, _in_process=True, batch_size=8, shuffle_buffer=5, world_size=2)
+    first = wdsllm.loader(tmp_path, rank=0, **old)
+    it = iter(first)
+    seen = Counter(i for _ in range(3) for i in _ids(next(it)))
+    state = first.state_dict()
+    other = wdsllm.loader(tmp_path, rank=1, **old)
+    it = iter(other)
+    seen.update(i for _ in range(3) for i in _ids(next(it)))
+    for rank in range(3):
+        new = wdsllm.loader(
+            tmp_path, rank=rank, world_size=3, num_workers=2, _in_process=True, batch_size=8, shuffle_buffer=5
+        )
+        new.load_state_dict(state)
+        sizes = []
+        for batch in new:
+            sizes.append(len(batch["input_ids"]))
+            seen.update(_ids(batch))
+        assert all(n == 8 for n in sizes[:-1]), sizes
+    assert max(seen.values()) == 1 and set(seen) <= set(info["expect"])

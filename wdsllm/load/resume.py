@@ -173,8 +173,9 @@ class RemainderPlan:
         slices, counts = self.sequence(source, cfg)
         split = cfg.spec(self.epoch, 0, 1, 0, 1).splits(source.mode)
         mixing = source.mixing
-        if mixing is None:
-            a, b = planmod.consumer_share(int(sum(counts)), rank, world, worker, workers)
+        if mixing is None:  # in whole batches per worker, as an epoch is (``Config.share_unit``)
+            unit = cfg.share_unit(source.mode)
+            a, b = planmod.consumer_share(int(sum(counts)), rank, world, worker, workers, unit=unit)
             return cut_sequence(slices, counts, a, b, split)
         block = mixing.block_size(cfg.spec(self.epoch, rank, world, worker, workers))
         out: list[Slice] = []
