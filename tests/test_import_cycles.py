@@ -125,13 +125,6 @@ def cyclic_groups(graph: dict[str, set[str]]) -> list[set[str]]:
     return groups
 
 
-#: cycles outside ``wdsllm.load`` that their rooms still have to break (issue #30); a group may
-#: shrink or go, never grow, and no new one may appear
-KNOWN_OUTSIDE_LOAD = [
-    {"wdsllm.storage.prefetch", "wdsllm.storage.offload", "wdsllm.storage.helpers"},
-]
-
-
 def test_the_graph_sees_lazy_imports() -> None:
     """A function-level import is an edge: the checker would see a cycle hidden that way."""
     tree = ast.parse("def f():\n    from . import a\n")
@@ -149,9 +142,7 @@ def test_no_import_cycle_in_load() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_no_new_import_cycle_in_wdsllm() -> None:
+def test_no_import_cycle_in_wdsllm() -> None:
     graph = import_graph()
-    for group in cyclic_groups(graph):
-        assert any(group <= known for known in KNOWN_OUTSIDE_LOAD), "import cycle: " + " -> ".join(
-            find_cycle(graph, group)
-        )
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)

@@ -28,11 +28,12 @@ from .helpers import release
 from .listing import ObjectInfo, glob_objects, has_magic, list_prefix, stat_object
 from .output import Output
 from .parking import WarmKey
-from .prefetch import OpenSpec, Prefetcher, PrefetchOptions, ReadAhead, Spool, SpooledRange, prefetch_iter
+from .prefetch import OpenSpec, Prefetcher, PrefetchOptions, ReadAhead, prefetch_iter
 from .ranged import RangedFile, open_ranged
 from .resumable import STREAM_BUFFER, exists, open_stream, read_bytes
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .s3 import MULTIPART_THRESHOLD, s3_endpoint
+from .spool import Spool, SpooledRange
 from .state import reset
 from .urls import (
     check_name,

@@ -173,7 +173,7 @@ def _headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {value}"} if value else {}
 
 
-#: Seconds before a signed CDN URL's ``Expires`` that it is no longer used.
+#: Seconds before a signed CDN URL's ``Expires`` from which it is not used: a fresh one is asked for.
 _EXPIRY_MARGIN = 60.0
 
 

@@ -1,6 +1,6 @@
 """Anonymous mappings recycled between spools.
 
-A remote shard is downloaded into an anonymous mapping (:class:`~wdsllm.storage.prefetch.Spool`).
+A remote shard is downloaded into an anonymous mapping (:class:`~wdsllm.storage.spool.Spool`).
 A fresh mapping has no pages: the first write to each 4 KiB page traps into the kernel, which
 finds and zeroes a page, in the copy that writes the received bytes, under the GIL, while the
 loader wants the GIL to decode. A mapping whose pages are already there takes the same bytes an

@@ -6,13 +6,13 @@ itself (``num_workers=0``) then decodes and receives in turns, never at once: on
 epoch takes the sum of both. Here the downloads run in a fetch process instead, with its own GIL,
 and this process only waits for the bytes: a spool's memory is a memfd that both processes map,
 and the fetch process reports over a Unix socket how far the bytes have arrived in order, as
-:class:`~wdsllm.storage.prefetch.Spool` does between threads.
+:class:`~wdsllm.storage.spool.Spool` does between threads.
 
 The fetch process is a new interpreter (``subprocess``: spawned, never a fork of this process,
 which may hold CUDA contexts, NCCL threads and clients' event loops), started the first time a
 spool is offloaded. It inherits the environment; every request carries the changes to the
 environment since the last one (credentials, endpoints and proxies are read from it) and this
-process's log level, and it downloads with the same :class:`~wdsllm.storage.prefetch.Spool`
+process's log level, and it downloads with the same :class:`~wdsllm.storage.spool.Spool`
 (blocks in flight, resumable ranged GETs, version checks). Its errors come back as they were
 raised there (a :class:`~wdsllm.errors.StorageError` naming the URL), its log records are handled
 by this process's loggers, its counters added to this process's. The shared memory is recycled as
@@ -45,8 +45,8 @@ from functools import partial
 from .backends import backend_for
 from .counters import count, stats
 from .mappings import KEEP, KEEP_BYTES
-from .prefetch import Spool, SpooledRange, open_spool_block
 from .retry import make_error
+from .spool import Spool, SpooledRange, open_spool_block
 from .state import adopt, exported, own
 
 log = logging.getLogger(__name__)
