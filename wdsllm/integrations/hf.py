@@ -1,6 +1,6 @@
 """The Hugging Face Trainer with a ``wdsllm.loader``: correct by construction.
 
-``transformers.Trainer(train_dataset=wdsllm.dataset(...))`` goes wrong three ways (issue #17): it
+``transformers.Trainer(train_dataset=wdsllm.dataset(...))`` goes wrong three ways: it
 wraps the dataset in a DataLoader with ``per_device_train_batch_size`` (our batches batched again),
 ``accelerator.prepare`` splits the rank's share across the ranks again, and a resume skips batches
 by replaying them through ``loader.dataset``. :class:`Trainer` takes the loader instead and hands

@@ -10,7 +10,8 @@ its own ring of slots and sends only their place (``RingBundle``); the main proc
 out while it unpickles the message and then acknowledges it, so a worker reuses a slot only
 after its contents were taken. DataLoader keeps at most ``prefetch_factor`` messages of a worker
 outstanding, so with a few more slots than that a worker never waits; the wait is a safety net.
-Under spawn or forkserver, or for a bundle larger than a slot, batches are pickled as before.
+Under spawn or forkserver, or for a bundle larger than a slot, batches are pickled whole through
+the DataLoader's queue.
 """
 
 from __future__ import annotations

@@ -96,7 +96,8 @@ class BucketBatcher:
             b = self.batch_size
             carry_out = 0 if final else len(merged) % b
             if carry_out:
-                # the longest new items (stably) are carried; carried items always go out now
+                # the longest new items (stably) are carried; carried items go out in this window, so
+                # an item is carried at most once
                 new_sorted = c + np.argsort(new_lengths, kind="stable")
                 keep = np.ones(len(merged), bool)
                 keep[new_sorted[-carry_out:]] = False

@@ -170,7 +170,7 @@ class MixtureSource:
         self._mixing = Mixing(self._mixing.bases, group, DEFAULT_MIX_WINDOW)
         self.planner = MixPlanner(self.mixture, self.parts, self.bases, cfg.seed, cfg.shuffle)
         self.planner.step_units = _step_units(self, cfg, world)
-        self.planner.phases()  # an at_step schedule without a known step size is refused now
+        self.planner.phases()  # an at_step schedule without a known step size is refused here, at bind, not mid-epoch
         for p in self.parts:
             p.source.side_cache = self.side_cache
             p.source.bind(cfg, world)
