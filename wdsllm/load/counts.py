@@ -43,6 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from . import plan as planmod
 from .batching import COUNT_BY_ITEMS, COUNT_BY_TOKENS, Batcher
 from .config import Config
 from .plan import EpochLayout, Slice, block_tokens, epoch_layout, piece_counter, slices_for
@@ -474,7 +475,8 @@ def _cache_key(
     ``plan``, its plan's identity, the schedule's position), every setting, the epoch, the layout."""
     fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("equal_batches", "docs")}
     lengths = [c.index.lengths_file.sha256 if c.index and c.index.lengths_file else None for c in _readers(catalog)]
-    what = [COUNTS_VERSION, catalog.fingerprint(), lengths, fields, epoch, world, workers, ranks, plan]
+    blocks = [planmod.EPOCH_BLOCKS, planmod.MIN_BLOCK_TOKENS]  # what cuts shards into the epoch's blocks
+    what = [COUNTS_VERSION, catalog.fingerprint(), lengths, fields, epoch, world, workers, ranks, plan, blocks]
     body = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(body.encode()).hexdigest()[:32]
 
