@@ -159,7 +159,10 @@ class ReadingOptions(Options):
     on_error: str = option("raise", '"raise", or "skip" unreadable shards and bad documents (counted)')
     check_groups: bool = option(True, "check every group against its checksum (reliability.md)")
     fetch_process: bool | None = option(
-        None, "a fetch process downloads remote shards (remote.md)", shown="True with num_workers=0"
+        None,
+        "a fetch process (a spawned interpreter, never a fork of this one) downloads remote shards so that"
+        ' receiving does not take this process\'s GIL; stopped by `close()` (remote.md, "The fetch process")',
+        shown="True with num_workers=0",
     )
 
     def __post_init__(self) -> None:
