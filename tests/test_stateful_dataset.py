@@ -12,7 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import wdsllm
 from wdsllm.errors import StateError
-from wdsllm.load.state import seal, unseal
+from wdsllm.load.state import READABLE_DATASET_VERSIONS, seal, unseal
 
 
 def _data():
@@ -54,7 +54,7 @@ def test_dataset_state_is_checked():
     it = iter(pipe)
     next(it)
     state = pipe.state_dict()
-    body = unseal(state, "wdsllm.dataset", (1,))
+    body = unseal(state, "wdsllm.dataset", READABLE_DATASET_VERSIONS)
     other = wdsllm.dataset(_data(), batch_size=4, seed=5)
     for bad, match in [
         (dict(body, position=[0, -1, None]), r"position\[1\]"),

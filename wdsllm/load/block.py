@@ -254,3 +254,8 @@ def empty_block(dtype: np.dtype, packed: bool = False) -> Block:
     if packed:
         b.set_segments(np.zeros(1, np.int64), z, z)
     return b
+
+
+def pieces_per_doc(lengths: np.ndarray, max_len: int) -> np.ndarray:
+    """Items each document becomes when split at ``max_len`` tokens."""
+    return (lengths + max_len - 1) // max_len

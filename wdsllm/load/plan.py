@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .block import pieces_per_doc
+
 if TYPE_CHECKING:
     from .counts import EpochPlan
     from .sources.protocol import Source
@@ -220,7 +222,6 @@ def piece_counter(source: Source, spec: StreamSpec) -> DocPieces | None:
 
 
 def _doc_pieces(lengths: Any, max_len: int, shard: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-    from .stream import pieces_per_doc  # stream imports this module
 
     return pieces_per_doc(lengths.of_unit(shard, start, stop).astype(np.int64), max_len)
 

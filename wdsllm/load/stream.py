@@ -25,7 +25,7 @@ from .. import storage
 from ..errors import SourceError
 from ..format import FormatError
 from . import plan as planmod
-from .block import Block, rebase, windows
+from .block import Block, pieces_per_doc, rebase, windows
 from .plan import Slice
 from .read import ReadOptions
 from .sources.protocol import Opening, Source, UnitReader
@@ -52,11 +52,6 @@ class StreamSpec:
     def splits(self, mode: str) -> bool:
         """Whether documents longer than max_len become several items (pieces) in this stream."""
         return self.max_len is not None and self.max_len_mode == "split" and mode == "docs"
-
-
-def pieces_per_doc(lengths: np.ndarray, max_len: int) -> np.ndarray:
-    """Items each document becomes when split at ``max_len`` tokens."""
-    return (lengths + max_len - 1) // max_len
 
 
 def block_permutation(spec: StreamSpec, block: int, n: int) -> np.ndarray:
