@@ -450,13 +450,42 @@ def _pack_into(
     on_progress: Callable[[PackProgress], None] | None,
 ) -> PackResult:
     records = _prepare_output(out, cfg, _fingerprint(cfg, parts, tok.sha256))
-
-    entries = [fmt.ShardEntry(**rec["entry"]) for rec in records]
     position = Position.from_json(records[-1]["position"]) if records and records[-1]["position"] else None
     if records:
         log.info("resuming after %d finished shards at input %s", len(records), position)
     dtype = token_dtype_for(cfg, tok)
-    shaper = _make_shaper(cfg, dtype, position)
+    sink = _resumed_sink(out, cfg, records, all_inputs)
+    run = _ChunkConsumer(
+        sink=sink,
+        shaper=_make_shaper(cfg, dtype, position),
+        lock=lock,
+        position=position,
+        progress=_resumed_progress(sink.entries, records, parts),
+        bytes_before=_bytes_before(parts),
+        start_time=start_time,
+        on_progress=on_progress,
+    )
+    cpus = os.cpu_count() or 1
+    workers = cfg.workers or cpus
+    try:
+        with tempfile.TemporaryDirectory(prefix="wdsllm-pack-") as tmpdir:
+            pool = _start_pool(workers, cpus, tok, dtype, bos_id, eos_id, cfg, tmpdir)
+            _encode_all(pool, _chunk_jobs(parts, cfg, position), 2 * workers + 1, run)
+        run.write_groups(run.shaper.finish())
+        sink.finish_shard(final=True)
+    except BaseException:
+        sink.abort()
+        raise
+
+    index = _write_index(out, cfg, tok, use_bos, eos_id is not None, sink.entries, parts, sink)
+    progress = run.finish()
+    return PackResult(
+        index=index, output=out.url, progress=progress, skipped=index.skipped, resumed_shards=len(records)
+    )
+
+
+def _resumed_sink(out: storage.Output, cfg: PackConfig, records: list[dict], all_inputs: list[InputFile]) -> ShardSink:
+    """A sink that continues after the finished shards in ``records`` (none for a fresh pack)."""
     sink = ShardSink(
         out,
         prefix=cfg.prefix,
@@ -469,11 +498,15 @@ def _pack_into(
         inputs_display={i.index: i.display for i in all_inputs},
         seq_len=cfg.seq_len,
     )
-    sink.entries = list(entries)
+    sink.entries = [fmt.ShardEntry(**rec["entry"]) for rec in records]
     if records:  # running tallies, as of the last finished shard
         sink.max_row_segments = records[-1].get("max_row_segments", 0)
         sink.short_rows = records[-1].get("short_rows", 0)
+    return sink
 
+
+def _resumed_progress(entries: list[fmt.ShardEntry], records: list[dict], parts: list[Part]) -> PackProgress:
+    """Progress that starts from the finished shards' totals."""
     progress = PackProgress(
         documents=sum(e.documents for e in entries),
         tokens=sum(e.tokens for e in entries),
@@ -482,19 +515,52 @@ def _pack_into(
         input_total=sum(p.size for p in parts),
     )
     progress.resumed_documents, progress.resumed_tokens = progress.documents, progress.tokens
-    bytes_before = {}
+    return progress
+
+
+def _bytes_before(parts: list[Part]) -> dict[int, int]:
+    """Input index -> the bytes of this task's parts before it, for the input fraction read."""
+    before = {}
     running = 0
     for part in parts:
-        bytes_before[part.input.index] = running
+        before[part.input.index] = running
         running += part.size
-    last_report = 0.0
+    return before
 
-    def write_groups(groups) -> None:
+
+def _encode_all(pool: ProcessPoolExecutor, jobs, in_flight: int, run: _ChunkConsumer) -> None:
+    """Encode every chunk job in ``pool`` and hand each result, in order, to ``run``."""
+    try:
+        for chunk in _encoded_in_order(pool, jobs, in_flight):
+            run.consume(chunk)
+    except BrokenProcessPool as exc:
+        raise PackError(
+            f"a tokenizer worker died ({exc}); see its error above. Out of memory? Use fewer --workers, then --resume"
+        ) from exc
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class _ChunkConsumer:
+    """Takes encoded chunks in input order into the shaper and the sink, keeping ``progress``."""
+
+    sink: ShardSink
+    shaper: DocGrouper | RowPacker
+    lock: OutputLock
+    position: Position | None
+    progress: PackProgress
+    bytes_before: dict[int, int]
+    start_time: float
+    on_progress: Callable[[PackProgress], None] | None
+    last_report: float = 0.0
+
+    def write_groups(self, groups) -> None:
         for group in groups:
-            sink.write(group)
+            self.sink.write(group)
 
-    def consume(chunk: EncodedChunk) -> None:
-        nonlocal last_report
+    def consume(self, chunk: EncodedChunk) -> None:
+        position, progress, sink = self.position, self.progress, self.sink
         skips, tallies = chunk.skips, chunk.tallies
         if position is not None and chunk.file_index == position.file:  # counted before the interruption
             skips = [s for s in skips if s.line > position.line]
@@ -506,51 +572,30 @@ def _pack_into(
         taken = _taken_documents(chunk, position)
         progress.documents += int(taken.sum())
         progress.tokens += int(chunk.lengths[taken].sum())
-        write_groups(shaper.feed(chunk))
+        self.write_groups(self.shaper.feed(chunk))
         if len(sink.entries) != progress.shards:
-            lock.refresh()
+            self.lock.refresh()
         progress.shards = len(sink.entries)
-        progress.input_bytes = bytes_before[chunk.file_index] + chunk.raw_offset
+        progress.input_bytes = self.bytes_before[chunk.file_index] + chunk.raw_offset
         progress.text_bytes += chunk.text_bytes
         now = time.monotonic()
-        if on_progress and now - last_report > 0.5:
-            last_report = now
-            progress.elapsed = now - start_time
-            on_progress(progress)
+        if self.on_progress and now - self.last_report > 0.5:
+            self.last_report = now
+            progress.elapsed = now - self.start_time
+            self.on_progress(progress)
 
-    cpus = os.cpu_count() or 1
-    workers = cfg.workers or cpus
-    try:
-        with tempfile.TemporaryDirectory(prefix="wdsllm-pack-") as tmpdir:
-            pool = _start_pool(workers, cpus, tok, dtype, bos_id, eos_id, cfg, tmpdir)
-            try:
-                for chunk in _encoded_in_order(pool, _chunk_jobs(parts, cfg, position), 2 * workers + 1):
-                    consume(chunk)
-            except BrokenProcessPool as exc:
-                raise PackError(
-                    f"a tokenizer worker died ({exc}); see its error above. Out of memory? Use fewer --workers, then "
-                    "--resume"
-                ) from exc
-            finally:
-                pool.shutdown(wait=True, cancel_futures=True)
-        write_groups(shaper.finish())
-        sink.finish_shard(final=True)
-    except BaseException:
-        sink.abort()
-        raise
-
-    index = _write_index(out, cfg, tok, use_bos, eos_id is not None, sink.entries, parts, sink)
-    progress.shards = len(sink.entries)
-    progress.documents = sum(e.documents for e in sink.entries)
-    progress.tokens = sum(e.tokens for e in sink.entries)
-    progress.elapsed = time.monotonic() - start_time
-    progress.input_bytes = progress.input_total
-    progress.done = True
-    if on_progress:
-        on_progress(progress)
-    return PackResult(
-        index=index, output=out.url, progress=progress, skipped=index.skipped, resumed_shards=len(records)
-    )
+    def finish(self) -> PackProgress:
+        """The final progress, from the written shards, reported once more."""
+        progress, entries = self.progress, self.sink.entries
+        progress.shards = len(entries)
+        progress.documents = sum(e.documents for e in entries)
+        progress.tokens = sum(e.tokens for e in entries)
+        progress.elapsed = time.monotonic() - self.start_time
+        progress.input_bytes = progress.input_total
+        progress.done = True
+        if self.on_progress:
+            self.on_progress(progress)
+        return progress
 
 
 def _taken_documents(chunk: EncodedChunk, position: Position | None) -> np.ndarray:

@@ -84,6 +84,40 @@ def concat_keys(parts: list[np.ndarray | None], lengths: list[int]) -> np.ndarra
     return np.concatenate([np.full(n, None, object) if p is None else p for p, n in zip(parts, lengths)])
 
 
+@dataclass
+class _Items:
+    """A chunk's items: its documents, with each over-long one cut into pieces."""
+
+    doc_of: np.ndarray  # the chunk's document each item comes from
+    piece: np.ndarray  # the item's piece number within its document
+    starts: np.ndarray  # the item's first token in the chunk's tokens
+    lengths: np.ndarray  # the item's tokens
+    last: np.ndarray  # whether the item is its document's last piece
+
+    def where(self, keep: np.ndarray) -> _Items:
+        return _Items(self.doc_of[keep], self.piece[keep], self.starts[keep], self.lengths[keep], self.last[keep])
+
+
+def _split_items(lengths: np.ndarray, max_doc_tokens: int | None) -> _Items:
+    """Expand documents longer than ``max_doc_tokens`` into pieces of at most that many tokens."""
+    n = len(lengths)
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if max_doc_tokens and lengths.max() > max_doc_tokens:
+        m = max_doc_tokens
+        counts = (lengths + m - 1) // m
+        doc_of = np.repeat(np.arange(n), counts)
+        piece = np.arange(len(doc_of)) - np.repeat(np.cumsum(counts) - counts, counts)
+        return _Items(
+            doc_of,
+            piece,
+            offsets[doc_of] + piece * m,
+            np.minimum(m, lengths[doc_of] - piece * m),
+            piece == counts[doc_of] - 1,
+        )
+    return _Items(np.arange(n), np.zeros(n, np.int64), offsets[:-1], lengths, np.ones(n, bool))
+
+
 class DocGrouper:
     """docs mode: documents go whole into groups of about ``sample_tokens`` tokens.
 
@@ -110,64 +144,50 @@ class DocGrouper:
         self._items = 0
 
     def feed(self, chunk: EncodedChunk) -> list[GroupData]:
-        tokens, lengths, lines = chunk.tokens, chunk.lengths, chunk.lines
-        n = len(lengths)
-        if n == 0:
+        lengths = chunk.lengths
+        if len(lengths) == 0:
             return []
-        offsets = np.zeros(n + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        # Expand over-long documents into pieces.
-        if self.max_doc_tokens and lengths.max() > self.max_doc_tokens:
-            m = self.max_doc_tokens
-            counts = (lengths + m - 1) // m
-            doc_of = np.repeat(np.arange(n), counts)
-            piece = np.arange(len(doc_of)) - np.repeat(np.cumsum(counts) - counts, counts)
-            starts = offsets[doc_of] + piece * m
-            item_lengths = np.minimum(m, lengths[doc_of] - piece * m)
-            last = piece == counts[doc_of] - 1
-        else:
-            doc_of = np.arange(n)
-            piece = np.zeros(n, np.int64)
-            starts = offsets[:-1]
-            item_lengths = lengths
-            last = np.ones(n, bool)
+        items = _split_items(lengths, self.max_doc_tokens)
         keys = _keys_of(chunk)
-        r = self.resume
-        if r is not None:
-            if chunk.file_index < r.file:
+        if self.resume is not None:
+            items = self._after_resume(chunk, items)
+            if items is None:
                 return []
-            if chunk.file_index == r.file:
-                item_lines = lines[doc_of]
-                keep = (item_lines > r.line) | ((item_lines == r.line) & (piece > r.piece))
-                doc_of, piece, starts, item_lengths, last = (
-                    doc_of[keep],
-                    piece[keep],
-                    starts[keep],
-                    item_lengths[keep],
-                    last[keep],
-                )
-                if lines[-1] < r.line:
-                    return []
-            self.resume = None
-        if len(doc_of) == 0:
+        if len(items.doc_of) == 0:
             return []
+        return self._fill(chunk, items, keys)
+
+    def _after_resume(self, chunk: EncodedChunk, items: _Items) -> _Items | None:
+        """The items of ``chunk`` after the resume position (None if the chunk is wholly before it);
+        the resume position is spent once a chunk reaches it."""
+        r = self.resume
+        if chunk.file_index < r.file:
+            return None
+        if chunk.file_index == r.file:
+            lines = chunk.lines
+            item_lines = lines[items.doc_of]
+            keep = (item_lines > r.line) | ((item_lines == r.line) & (items.piece > r.piece))
+            items = items.where(keep)
+            if lines[-1] < r.line:
+                return None
+        self.resume = None
+        return items
+
+    def _fill(self, chunk: EncodedChunk, items: _Items, keys: np.ndarray | None) -> list[GroupData]:
+        """Add ``items`` to the open group, emitting each group that fills."""
+        doc_of, piece, item_lengths, last = items.doc_of, items.piece, items.lengths, items.last
         # Gather the items' tokens (contiguous unless a resume dropped a prefix: still contiguous).
-        first, end = int(starts[0]), int(starts[-1] + item_lengths[-1])
-        item_tokens = tokens[first:end]
+        first, end = int(items.starts[0]), int(items.starts[-1] + item_lengths[-1])
+        item_tokens = chunk.tokens[first:end]
         files = np.full(len(doc_of), chunk.file_index, np.int64)
-        item_lines = lines[doc_of]
+        item_lines = chunk.lines[doc_of]
         item_keys = keys[doc_of] if keys is not None else None
         groups: list[GroupData] = []
         cum = np.cumsum(item_lengths)
         base = 0  # items consumed from this chunk
         tok_base = 0
         while base < len(item_lengths):
-            room = self.sample_tokens - self._tokens
-            # How many next items fit in the room (at least one if the group is empty).
-            limit = tok_base + room
-            take = int(np.searchsorted(cum, limit, side="right")) - base
-            if self.max_items:
-                take = min(take, self.max_items - self._items)
+            take = self._room_for(cum, base, tok_base)
             if take <= 0:
                 if not self._parts:
                     take = 1
@@ -193,6 +213,15 @@ class DocGrouper:
             if self._tokens >= self.sample_tokens or (self.max_items and self._items >= self.max_items):
                 groups.append(self._emit())
         return groups
+
+    def _room_for(self, cum: np.ndarray, base: int, tok_base: int) -> int:
+        """How many next items fit in the open group's room (may be 0 or less)."""
+        room = self.sample_tokens - self._tokens
+        limit = tok_base + room
+        take = int(np.searchsorted(cum, limit, side="right")) - base
+        if self.max_items:
+            take = min(take, self.max_items - self._items)
+        return take
 
     def _emit(self) -> GroupData:
         parts = self._parts
