@@ -124,25 +124,7 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
             objects.update((o.url, o) for o in listed)
             paths.extend(o.url for o in listed)
             continue
-        found: list[str] = []
-        for expanded in braceexpand.braceexpand(pattern):
-            if os.path.isdir(expanded):
-                for root, dirs, files in os.walk(expanded):
-                    dirs.sort()
-                    for f in sorted(files):
-                        full = os.path.join(root, f)
-                        if f.startswith(".") or _kind_and_compression(full, input_format)[0] is None:
-                            continue
-                        found.append(full)
-            elif glob.has_magic(expanded):
-                found.extend(sorted(p for p in glob.glob(expanded, recursive=True) if os.path.isfile(p)))
-            elif os.path.isfile(expanded):
-                found.append(expanded)
-            else:
-                raise SourceError(f"input not found: {expanded}")
-        if not found:
-            raise SourceError(f"no input files match {pattern!r}")
-        paths.extend(found)
+        paths.extend(_expand_local(pattern, input_format))
     seen: set[str] = set()
     inputs: list[InputFile] = []
     for path in paths:
@@ -151,28 +133,54 @@ def expand_inputs(patterns: list[str], input_format: str | None = None) -> list[
             log.warning("input %s is named more than once; reading it once", redact(path))
             continue
         seen.add(key)
-        if path == STDIN:
-            if input_format not in STREAMED:
-                raise SourceError(f"reading stdin needs --input-format {', '.join(STREAMED)}")
-            inputs.append(InputFile(len(inputs), STDIN, input_format, None, 0))
-            continue
-        kind, compression = _kind_and_compression(remote.name_of(path), input_format)
-        if kind is None:
-            raise SourceError(
-                f"{redact(path)}: unknown input type; name it .txt, .jsonl (optionally compressed), .parquet, "
-                ".arrow or .tar, or pass --input-format"
-            )
-        if compression and kind not in STREAMED:
-            raise SourceError(f"{redact(path)}: a compressed {kind} file cannot be read; {kind} files compress inside")
-        if path in objects:
-            obj = objects[path]
-            inputs.append(InputFile(len(inputs), path, kind, compression, obj.size, obj.version))
-            continue
-        st = os.stat(path)
-        inputs.append(InputFile(len(inputs), path, kind, compression, st.st_size, mtime_ns=st.st_mtime_ns))
+        inputs.append(_input_file(len(inputs), path, input_format, objects))
     if sum(p == STDIN for p in paths) > 1:
         raise SourceError("stdin ('-') can be read only once")
     return inputs
+
+
+def _expand_local(pattern: str, input_format: str | None) -> list[str]:
+    """The local files a pattern names, sorted within each directory walk and glob."""
+    found: list[str] = []
+    for expanded in braceexpand.braceexpand(pattern):
+        if os.path.isdir(expanded):
+            for root, dirs, files in os.walk(expanded):
+                dirs.sort()
+                for f in sorted(files):
+                    full = os.path.join(root, f)
+                    if f.startswith(".") or _kind_and_compression(full, input_format)[0] is None:
+                        continue
+                    found.append(full)
+        elif glob.has_magic(expanded):
+            found.extend(sorted(p for p in glob.glob(expanded, recursive=True) if os.path.isfile(p)))
+        elif os.path.isfile(expanded):
+            found.append(expanded)
+        else:
+            raise SourceError(f"input not found: {expanded}")
+    if not found:
+        raise SourceError(f"no input files match {pattern!r}")
+    return found
+
+
+def _input_file(index: int, path: str, input_format: str | None, objects: dict[str, remote.ObjectInfo]) -> InputFile:
+    """The input at ``path``: its kind, compression, size and version (a listed object's, or the file's)."""
+    if path == STDIN:
+        if input_format not in STREAMED:
+            raise SourceError(f"reading stdin needs --input-format {', '.join(STREAMED)}")
+        return InputFile(index, STDIN, input_format, None, 0)
+    kind, compression = _kind_and_compression(remote.name_of(path), input_format)
+    if kind is None:
+        raise SourceError(
+            f"{redact(path)}: unknown input type; name it .txt, .jsonl (optionally compressed), .parquet, "
+            ".arrow or .tar, or pass --input-format"
+        )
+    if compression and kind not in STREAMED:
+        raise SourceError(f"{redact(path)}: a compressed {kind} file cannot be read; {kind} files compress inside")
+    if path in objects:
+        obj = objects[path]
+        return InputFile(index, path, kind, compression, obj.size, obj.version)
+    st = os.stat(path)
+    return InputFile(index, path, kind, compression, st.st_size, mtime_ns=st.st_mtime_ns)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -232,66 +232,94 @@ def read_chunks(
     inp = part.input
     split = "line" if inp.kind == "jsonl" else split
     chunk_bytes = max(16, chunk_bytes)
-    limit = max_doc_bytes or 0
     stream, raw = open_decompressed(inp)
     try:
         src = _Source(stream, part)
-        base = part.start if part.unit == "bytes" else 0  # progress is counted within the part
-        line = src.first_line
-        pending = b""
-        first = part.start == 0
-        skipper: _Skipper | None = None
-        flagged = 0  # the line where the record being skipped starts
-        blocks = _blocks(src, chunk_bytes)
+        cutter = _ChunkCutter(inp, split, start_line, max_doc_bytes or 0, raw, part, src.first_line)
+        yield from cutter.chunks(_blocks(src, chunk_bytes))
+    finally:
+        close_input(inp, stream, raw if raw is not stream else None)
+
+
+class _ChunkCutter:
+    """Cuts a stream's blocks into chunks that end on document boundaries, streaming past a
+    record longer than ``limit`` bytes (one skip) instead of holding it."""
+
+    def __init__(self, inp, split: str, start_line: int, limit: int, raw, part: Part, first_line: int) -> None:
+        self.inp = inp
+        self.split = split
+        self.start_line = start_line
+        self.limit = limit
+        self.raw = raw
+        self.base = part.start if part.unit == "bytes" else 0  # progress is counted within the part
+        self.first_block = part.start == 0
+        self.line = first_line
+        self.pending = b""
+        self.skipper: _Skipper | None = None
+        self.flagged = 0  # the line where the record being skipped starts
+
+    def _offset(self) -> int:
+        return tell(self.raw) - self.base
+
+    def chunks(self, blocks: Iterator[bytes | BaseException]) -> Iterator[TextChunk]:
         while True:
             block = next(blocks, b"")
             error = block if isinstance(block, BaseException) else None
             if error is not None:
                 block = b""
-            if first:
-                first = False
+            if self.first_block:
+                self.first_block = False
                 if block.startswith(_BOM):  # editors on Windows write one; json.loads refuses it
                     block = block[len(_BOM) :]
             final = not block
-            if skipper is not None:
-                rest = skipper.feed(block)
-                if rest is None and not final:
-                    continue
-                if error is None:
-                    skip = too_long(inp.index, flagged, skipper.size, limit)
-                    yield TextChunk(inp.index, flagged, b"", tell(raw) - base, [skip], inp.kind)
-                line = flagged + skipper.newlines
-                skipper = None
+            if self.skipper is not None:
+                block = yield from self._past_skipped(block, error, final)
                 if final:
-                    if error is not None:
-                        yield _unreadable(inp, flagged, error, tell(raw) - base)
                     break
-                block = rest
                 if not block:
                     continue
-            data = pending + block if pending else block
-            cut = _cut(data, split, final and error is None)  # a damaged stream's last record is lost
-            if cut == 0 and not final:
-                if limit and len(data) > limit:  # one record, already too long: stream past it
-                    skipper, flagged, pending = _Skipper(split, data), line, b""
-                else:
-                    pending = data
-                continue
-            piece, pending = data[:cut], data[cut:]
-            if piece:
-                piece, line = _skip_to(piece, line, start_line)
-                if piece:
-                    chunk = TextChunk(inp.index, line, piece, tell(raw) - base, kind=inp.kind)
-                    if limit and len(piece) > limit:
-                        _drop_long_records(chunk, split, limit)
-                    yield chunk
-                    line += piece.count(b"\n")
+            yield from self._cut(block, error, final)
             if final:
-                if error is not None:
-                    yield _unreadable(inp, line, error, tell(raw) - base)
                 break
-    finally:
-        close_input(inp, stream, raw if raw is not stream else None)
+
+    def _past_skipped(self, block: bytes, error: BaseException | None, final: bool) -> Iterator[TextChunk]:
+        """Feed ``block`` to the skipper; returns the bytes after the skipped record once it ends
+        (None while it goes on)."""
+        inp, skipper = self.inp, self.skipper
+        rest = skipper.feed(block)
+        if rest is None and not final:
+            return None
+        if error is None:
+            skip = too_long(inp.index, self.flagged, skipper.size, self.limit)
+            yield TextChunk(inp.index, self.flagged, b"", self._offset(), [skip], inp.kind)
+        self.line = self.flagged + skipper.newlines
+        self.skipper = None
+        if final and error is not None:
+            yield _unreadable(inp, self.flagged, error, self._offset())
+        return rest
+
+    def _cut(self, block: bytes, error: BaseException | None, final: bool) -> Iterator[TextChunk]:
+        """The chunk of whole records that ``block`` completes; the rest stays pending."""
+        inp, limit = self.inp, self.limit
+        data = self.pending + block if self.pending else block
+        cut = _cut(data, self.split, final and error is None)  # a damaged stream's last record is lost
+        if cut == 0 and not final:
+            if limit and len(data) > limit:  # one record, already too long: stream past it
+                self.skipper, self.flagged, self.pending = _Skipper(self.split, data), self.line, b""
+            else:
+                self.pending = data
+            return
+        piece, self.pending = data[:cut], data[cut:]
+        if piece:
+            piece, self.line = _skip_to(piece, self.line, self.start_line)
+            if piece:
+                chunk = TextChunk(inp.index, self.line, piece, self._offset(), kind=inp.kind)
+                if limit and len(piece) > limit:
+                    _drop_long_records(chunk, self.split, limit)
+                yield chunk
+                self.line += piece.count(b"\n")
+        if final and error is not None:
+            yield _unreadable(inp, self.line, error, self._offset())
 
 
 def _unreadable(inp, line: int, exc: BaseException, raw_offset: int) -> TextChunk:
