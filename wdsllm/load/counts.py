@@ -244,22 +244,10 @@ class EpochCounts:
             identity = plan.identity()
             exact_table = lambda: _shares_exact(catalog, cfg, epoch, world, workers, plan, ranks)  # noqa: E731
         else:
-            layout = epoch_layout(
-                catalog.items_per_shard,
-                seed=cfg.seed,
-                epoch=epoch,
-                world=world,
-                workers=workers,
-                shuffle=cfg.shuffle,
-                doc_pieces=piece_counter(catalog, spec),
-                tokens_per_shard=block_tokens(catalog),
-                unit=cfg.share_unit(catalog.mode),
+            items, tokens, check, exact_table = _layout_sizes(
+                catalog, cfg, epoch, world, workers, spec, ranks, want_tokens
             )
-            items = layout.stops - layout.starts
-            tokens, read = _share_tokens(catalog, layout) if want_tokens else (None, [])
-            check = lambda: catalog.lengths().check(read)  # noqa: E731
             identity = None
-            exact_table = lambda: _layout_exact(catalog, cfg, epoch, layout, ranks)  # noqa: E731
         if batcher.count_by == COUNT_BY_ITEMS and not splits:
             exact = _table(lambda n: batcher.count(n, None), items)
             return cls(exact, exact)
@@ -281,6 +269,36 @@ class EpochCounts:
         if self._exact is None:
             self._exact = self._job.get()
         return self._exact
+
+
+def _layout_sizes(
+    catalog: Source,
+    cfg: Config,
+    epoch: int,
+    world: int,
+    workers: int,
+    spec: Any,
+    ranks: list[int] | None,
+    want_tokens: bool,
+) -> tuple[np.ndarray, np.ndarray | None, Callable[[], None], Callable[[], np.ndarray]]:
+    """A single dataset's epoch by its layout: items and tokens per share, the check of the
+    lengths read for them, and how to count the exact table."""
+    layout = epoch_layout(
+        catalog.items_per_shard,
+        seed=cfg.seed,
+        epoch=epoch,
+        world=world,
+        workers=workers,
+        shuffle=cfg.shuffle,
+        doc_pieces=piece_counter(catalog, spec),
+        tokens_per_shard=block_tokens(catalog),
+        unit=cfg.share_unit(catalog.mode),
+    )
+    items = layout.stops - layout.starts
+    tokens, read = _share_tokens(catalog, layout) if want_tokens else (None, [])
+    check = lambda: catalog.lengths().check(read)  # noqa: E731
+    exact_table = lambda: _layout_exact(catalog, cfg, epoch, layout, ranks)  # noqa: E731
+    return items, tokens, check, exact_table
 
 
 def _checked(check: Callable[[], None], table: np.ndarray) -> np.ndarray:
