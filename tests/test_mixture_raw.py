@@ -199,9 +199,7 @@ def test_unreadable_shard_of_one_source_is_skipped(tmp_path):
     )
     counts, skipped, refilled = [], [], 0
     for rank in range(2):
-        ld = wdsllm.loader(
-            mix, batch_size=2, rank=rank, world_size=2, num_workers=2, _in_process=True, on_error="skip"
-        )
+        ld = wdsllm.loader(mix, batch_size=2, rank=rank, world_size=2, num_workers=2, _in_process=True, on_error="skip")
         counts.append(len(list(ld)))
         skipped.extend(ld.skipped_shards)
         refilled += ld.refilled_batches

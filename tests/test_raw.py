@@ -133,9 +133,7 @@ def test_resume_is_exact_and_does_not_tokenize_again(corpus, options, monkeypatc
 def test_counts_give_equal_batches_and_len(corpus):
     lens, counts = set(), []
     for rank in range(3):
-        loader = _loader(
-            corpus, counts=corpus["counts"], rank=rank, world_size=3, num_workers=2, _in_process=True
-        )
+        loader = _loader(corpus, counts=corpus["counts"], rank=rank, world_size=3, num_workers=2, _in_process=True)
         n = sum(1 for _ in loader)
         counts.append(n)
         lens.add(len(loader))

@@ -101,9 +101,7 @@ def test_resume_equals_uninterrupted(sizes, world, workers, mode, cut, rank, via
 
 def test_state_is_small_json(tmp_path):
     write_dataset(tmp_path, [40, 30, 25])
-    loader = wdsllm.loader(
-        str(tmp_path), batch_size=4, num_workers=2, _in_process=True, batching="bucket", window=16
-    )
+    loader = wdsllm.loader(str(tmp_path), batch_size=4, num_workers=2, _in_process=True, batching="bucket", window=16)
     it = iter(loader)
     for _ in range(5):
         next(it)
