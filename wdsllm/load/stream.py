@@ -26,6 +26,7 @@ from ..errors import SourceError
 from ..format import FormatError
 from . import plan as planmod
 from .block import Block, pieces_per_doc, rebase, windows
+from .options import BatchOptions
 from .plan import Slice
 from .read import ReadOptions
 from .sources.protocol import Opening, Source, UnitReader
@@ -46,7 +47,7 @@ class StreamSpec:
     shuffle: bool = True  # shuffle the shard order
     shuffle_buffer: int = 0  # items per shuffled block; 0 or 1 keeps plan order
     max_len: int | None = None
-    max_len_mode: str = "split"  # or "truncate"
+    max_len_mode: str = BatchOptions.max_len_mode
     resample: bool = False
 
     def splits(self, mode: str) -> bool:
