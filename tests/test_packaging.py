@@ -10,6 +10,7 @@ import subprocess
 import sys
 from importlib import metadata
 
+import pytest
 from pack_helpers import GPT2, REPO, SHAKESPEARE
 
 import wdsllm
@@ -60,19 +61,20 @@ def test_a_packing_host_without_torch_packs_and_the_loader_says_what_to_install(
     assert out.stdout.count("pip install 'wdsllm[torch]'") == 2
 
 
-def test_loader_and_dataset_take_typed_keyword_arguments():
-    options = {f.name for f in dataclasses.fields(Config)}
-    for fn in (wdsllm.loader, wdsllm.dataset, Loader.__init__):
-        sig = inspect.signature(fn)
-        params = [p for p in sig.parameters.values() if p.name != "self"]
-        assert not [p for p in params if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)], fn
-        assert all(p.annotation is not inspect.Parameter.empty for p in params), fn
-        assert options <= {p.name for p in params}, options - {p.name for p in params}
-    loader_params = [p for p in inspect.signature(Loader.__init__).parameters.values() if p.name != "self"]
-    # the faces add the raw-text options (#15), which they consume before the Loader is built
-    from wdsllm.load.raw import RAW_OPTIONS
+def test_loader_and_dataset_take_typed_records():
+    """Every option is a typed field of one record; the faces take the records whole (typed
+    keywords) or their fields as keywords, and refuse any other keyword by name."""
+    from wdsllm.load.options import FACE_RECORDS
 
-    face = [p for p in inspect.signature(wdsllm.loader).parameters.values() if p.name not in RAW_OPTIONS]
-    assert face == loader_params
-    for fn in (wdsllm.loader, wdsllm.dataset):
-        assert set(RAW_OPTIONS) <= set(inspect.signature(fn).parameters), fn
+    names = [f.name for record in FACE_RECORDS for f in dataclasses.fields(record)]
+    assert len(names) == len(set(names)), "an option declared in two records"
+    assert {f.name for f in dataclasses.fields(Config)} <= set(names)
+    for record in FACE_RECORDS:
+        assert all(f.type not in (None, "Any") for f in dataclasses.fields(record)), record
+    for fn in (wdsllm.loader, wdsllm.dataset, Loader.__init__):
+        params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+        assert all(p.annotation is not inspect.Parameter.empty for p in params), fn
+        typed = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+        assert {"order", "batch", "reading", "layout"} <= typed, fn
+    with pytest.raises(wdsllm.ConfigError, match="batch_size"):
+        wdsllm.loader("/nonexistent", batch_sise=4)
