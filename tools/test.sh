@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
-exec .venv/bin/python -m pytest tests -q "$@"
+exec .venv/bin/python -m pytest tests -q --durations=25 "$@"
