@@ -477,7 +477,8 @@ def _pack_into(
         sink.abort()
         raise
 
-    index = _write_index(out, cfg, tok, use_bos, eos_id is not None, sink.entries, parts, sink)
+    options = {**cfg.output_options(), "bos": use_bos, "eos": eos_id is not None}
+    index = write_index(out, cfg, tok, options, lambda totals: [_input_entry(p, totals) for p in parts], sink)
     progress = run.finish()
     return PackResult(
         index=index, output=out.url, progress=progress, skipped=index.skipped, resumed_shards=len(records)
@@ -622,9 +623,18 @@ def _input_entry(part: Part, totals: Counters) -> dict:
     return entry
 
 
-def _write_index(out, cfg, tok, use_bos, use_eos, entries, parts: list[Part], sink: ShardSink) -> fmt.Index:
+def write_index(
+    out: storage.Output,
+    cfg: PackConfig,
+    tok: LoadedTokenizer,
+    options: dict,
+    inputs_of: Callable[[Counters], list],
+    sink: ShardSink,
+) -> fmt.Index:
     """lengths.npy, groups.npy, tokenizer.json, then index.json (last: its presence means complete),
-    then drop the journal."""
+    then drop the journal; for a pack and for a part alike. ``options``: the index's options;
+    ``inputs_of(totals)``: its inputs table from the journal's tallies."""
+    entries = sink.entries
     totals = Counters()  # the journal holds every finished shard's tallies, this run's included
     documents, groups = sum(e.documents for e in entries), sum(e.samples for e in entries)
     with SideFiles(out, documents, groups) as sides:
@@ -641,9 +651,6 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, parts: list[Part], si
     # the dataset carries its tokenizer: the exact text whose sha256 the index holds
     tokenizer_bytes = tok.json_text.encode("utf-8")
     out.put_bytes(fmt.TOKENIZER_NAME, tokenizer_bytes)
-    options = cfg.output_options()
-    options["bos"] = use_bos
-    options["eos"] = use_eos
     index = fmt.Index(
         mode=cfg.mode,
         dtype=token_dtype_for(cfg, tok).name,
@@ -652,7 +659,7 @@ def _write_index(out, cfg, tok, use_bos, use_eos, entries, parts: list[Part], si
         shards=list(entries),
         doc_lengths=sides.summary.to_json(),
         options=options,
-        inputs=[_input_entry(p, totals) for p in parts],
+        inputs=inputs_of(totals),
         skipped={
             "counts": dict(sorted(totals.skipped.items())),
             "total": sum(totals.skipped.values()),

@@ -62,12 +62,12 @@ from .job import (
     _validate,
     _version,
     token_dtype_for,
+    write_index,
 )
 from .lock import OutputLock
 from .shaping import EncodedChunk, GroupData, Position
-from .sidefiles import SideFiles
 from .tokenizer import Encoder, LoadedTokenizer, load_tokenizer
-from .writer import JOURNAL_PREFIX, JOURNAL_START, Counters, ShardSink, iter_journal, read_journal, records_truncated
+from .writer import JOURNAL_START, Counters, ShardSink, read_journal
 
 log = logging.getLogger(__name__)
 
@@ -549,7 +549,7 @@ def _pack_input(
     except BaseException:
         sink.abort()
         raise
-    return _write_part_index(output, options, source, tok, _expected_options(options, part_id, tok), sink)
+    return write_index(output, options.pack, tok, _expected_options(options, part_id, tok), source.inputs, sink)
 
 
 class GroupWriter:
@@ -603,61 +603,3 @@ def _record_inputs(options: PartOptions, part_id: int, totals: Counters) -> list
         }
         for i in sorted(totals.documents_by_input)
     ]
-
-
-def _write_part_index(
-    output: storage.Output,
-    options: PartOptions,
-    source: PartInput,
-    tok: LoadedTokenizer,
-    index_options: dict,
-    sink: ShardSink,
-) -> fmt.Index:
-    """Side files, tokenizer.json, then index.json (the commit), then the journal goes."""
-    entries = sink.entries
-    totals = Counters()
-    documents, groups = sum(e.documents for e in entries), sum(e.samples for e in entries)
-    with SideFiles(output, documents, groups) as sides:
-        read = 0
-        for rec in iter_journal(output):
-            totals.add_json(rec["counters"])
-            sides.add_lengths(rec["lengths"])
-            sides.add_groups(rec.get("groups"))
-            read += 1
-        if read != len(entries):
-            raise PackError(f"{output.url}: the journal lists {read} shards, this part has {len(entries)}")
-        lengths_file, groups_file = sides.put()
-    totals.add_json(sink.leftover_counters().to_json())
-    tokenizer_bytes = tok.json_text.encode("utf-8")
-    output.put_bytes(fmt.TOKENIZER_NAME, tokenizer_bytes)
-    cfg = options.pack
-    index = fmt.Index(
-        mode=cfg.mode,
-        dtype=token_dtype_for(cfg, tok).name,
-        seq_len=cfg.seq_len,
-        tokenizer=tok.info(),
-        shards=list(entries),
-        doc_lengths=sides.summary.to_json(),
-        options=index_options,
-        inputs=source.inputs(totals),
-        skipped={
-            "counts": dict(sorted(totals.skipped.items())),
-            "total": sum(totals.skipped.values()),
-            "records": totals.skip_records,
-            "records_truncated": records_truncated(totals.skipped, totals.skip_records),
-        },
-        lengths_file=lengths_file,
-        packed={"max_row_segments": sink.max_row_segments, "short_rows": sink.short_rows}
-        if cfg.mode == "packed"
-        else None,
-        groups_file=groups_file,
-        tokenizer_file=fmt.SideFile.of(fmt.TOKENIZER_NAME, tokenizer_bytes),
-        created_by=f"wdsllm {__version__}",
-    )
-    for name, data in index.move_shard_table():
-        output.put_bytes(name, data)
-    output.put_bytes(fmt.INDEX_NAME, index.to_json().encode())
-    for name in output.list_names():
-        if name.startswith(JOURNAL_PREFIX):
-            output.delete(name)
-    return index
