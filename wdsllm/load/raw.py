@@ -45,7 +45,7 @@ from .rawread import read_unit
 from .rawtext import RawCounts, RawText
 from .read import ReadOptions
 from .sources.lengths import CountedLengths
-from .sources.protocol import Opening
+from .sources.protocol import OneDataset, Opening
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ DEFAULT_UNIT_BYTES = 16 << 20
 
 
 @dataclass
-class RawSource:
+class RawSource(OneDataset):
     """Units of raw input as a source (see the module's docstring), and their reader."""
 
     urls: Sequence[str]  # each unit's name (``unit_name``)
@@ -134,16 +134,6 @@ class RawSource:
         return describe_raw(self)
 
     # -- the plan: one dataset's ---------------------------------------------------------------
-    @property
-    def mixing(self) -> None:
-        return None
-
-    def default_plan(self, epoch: int) -> None:
-        return None
-
-    def has_step_schedule(self) -> bool:
-        return False
-
     def bind(self, cfg: Any, world: int) -> None:
         """A multi-rank run needs counts (equal batches as with an index) or steps_per_epoch:
         otherwise a rank that runs dry first would leave the others waiting in a collective."""

@@ -33,7 +33,7 @@ from ..block import Block
 from ..plan import Slice
 from ..read import ReadOptions, open_kwargs, ranged_start, read_slice
 from .lengths import IndexLengths
-from .protocol import Opening
+from .protocol import OneDataset, Opening
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ GROUP_TABLES_KEPT = 256
 
 
 @dataclass
-class PackedSource:
+class PackedSource(OneDataset):
     """The shards to read, in index order, and the index when there is one (a ``Source``, and
     the ``UnitReader`` of its own shards).
 
@@ -140,18 +140,6 @@ class PackedSource:
         return self._columns[key]
 
     # -- what a mixture answers otherwise (``sources.mixture.MixtureSource``) ---------------------
-    @property
-    def mixing(self) -> None:
-        """One dataset: a shuffle block is a plain permutation."""
-        return None
-
-    def default_plan(self, epoch: int) -> None:
-        """One dataset: every epoch is ``plan.plan_epoch``'s."""
-        return None
-
-    def has_step_schedule(self) -> bool:
-        return False
-
     def bind(self, cfg: Any, world: int) -> None:
         """Nothing of one dataset depends on the loader's settings."""
 

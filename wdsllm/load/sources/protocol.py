@@ -169,3 +169,18 @@ class Source(Protocol):
         """The reader of ``unit`` and the unit's number there (a mixture's source; one dataset
         reads its own)."""
         ...
+
+
+class OneDataset:
+    """What a source that is one dataset (not a mixture) answers of the plan: a shuffle block is a
+    plain permutation, every epoch is ``plan.plan_epoch``'s, no schedule counts steps."""
+
+    @property
+    def mixing(self) -> None:
+        return None
+
+    def default_plan(self, epoch: int) -> None:
+        return None
+
+    def has_step_schedule(self) -> bool:
+        return False
