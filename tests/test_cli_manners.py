@@ -44,12 +44,18 @@ def test_a_closed_pipe_ends_quietly_with_status_0(args):
     assert err.decode() == ""
 
 
+def _interruptible() -> None:
+    """A job started in the background by a non-interactive shell (a CI runner) inherits SIGINT
+    ignored, and Python then keeps it ignored: the pack under test gets the default back."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_pack_exits_130_and_prints_the_resume_command(tmp_path):
     out = tmp_path / "out"
     # two files: on a loaded machine the first shard of one file can appear near the pack's end
     proc = wdsllm(
         "pack", *WIKI[:2], "-o", out, "-t", GPT2, "--shard-size", "4KiB", "-j", "1",
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible,
     )  # fmt: skip
     deadline = time.monotonic() + 90
     while not list(out.glob("shard-*.tar")) and proc.poll() is None and time.monotonic() < deadline:
