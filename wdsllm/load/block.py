@@ -191,12 +191,25 @@ def row_view(tokens: np.ndarray, width: int) -> np.ndarray:
     return np.ndarray((max(0, len(base) - width + 1), width), base.dtype, buffer=base, strides=(step, step))
 
 
+def same_buffer(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two token arrays are the same memory viewed alike: blocks read in separate slices
+    of one mapped shard each hold their own array over the one mapping."""
+    if a is b:
+        return True
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.strides == b.strides
+        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    )
+
+
 def concat_blocks(blocks: list[Block]) -> Block:
     """One block over the concatenated buffers of several (no copy when they share a buffer)."""
     if len(blocks) == 1:
         return blocks[0]
     lengths = np.concatenate([b.lengths for b in blocks])
-    if all(b.tokens is blocks[0].tokens for b in blocks):
+    if all(same_buffer(b.tokens, blocks[0].tokens) for b in blocks):
         tokens = blocks[0].tokens
         starts = np.concatenate([b.starts for b in blocks])
     else:
