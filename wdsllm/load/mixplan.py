@@ -2,9 +2,11 @@
 consumer's share, and the order that interleaves the sources. Pure numpy, no torch.
 
 One rule gives quotas, repeats and subsets. Each source has an endless stream of passes over its
-items: pass p visits its shards in an order drawn from (seed, source name, p), items in shard
-order. The run takes consecutive stretches of that stream: an epoch (or a part of one between two
-schedule points) takes the next ``quota`` of it. A quota above the source's size spans several
+items: pass p visits its blocks (its shards cut as ``plan.epoch_blocks`` cuts one dataset's) in an
+order drawn from (seed, source name, p), items in block order, so a source of one shard is
+reshuffled at every pass and the stretch each rank reads moves with it. The run takes consecutive
+stretches of that stream: an epoch (or a part of one between two schedule points) takes the next
+``quota`` of it. A quota above the source's size spans several
 passes, so every item appears floor(q/size) or one more times, each pass in a fresh order; a quota
 below it is a subset that differs each epoch and walks the whole source before any item repeats.
 With unit="tokens" a quota is cut at the first item whose end reaches it (within one document).
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
 STREAM_MIX_PASS = 6
 #: items per mixing block when the stream is not shuffled (shuffle=False or shuffle_buffer <= 1)
 DEFAULT_MIX_WINDOW = 1024
+#: what a pass orders: 2, blocks of shards (1 was whole shards); part of a plan's identity
+PASS_ORDER = 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,12 +216,30 @@ def _stable_order(labels: np.ndarray) -> np.ndarray:
 # A source's endless stream of passes
 
 
+@dataclass(frozen=True)
+class _Pass:
+    """One pass's order: its blocks (ids into ``PassStream.blocks``), their shards, first items
+    and item counts in that order, and the running ends of the counts."""
+
+    order: np.ndarray
+    shards: np.ndarray
+    firsts: np.ndarray
+    counts: np.ndarray
+    ends: np.ndarray
+
+
 class PassStream:
     """Source ``source``'s items as an endless sequence of passes (positions 0, 1, ...).
 
+    A pass visits the source's blocks in an order drawn from (seed, source name, pass), each
+    block's items in unit order. The blocks are the source's shards cut as an epoch of one dataset
+    cuts them (``plan.epoch_blocks``: about ``EPOCH_BLOCKS`` per source, each read as one range;
+    raw text's units stay whole), so a source of one shard is reshuffled at every pass, and the
+    stretch a rank reads moves with it.
+
     A subset is a set: when an epoch (``epoch_units(e)``: the source's units taken by the first
-    e epochs) starts inside pass p-1 and runs into pass p, pass p visits the shards that epoch
-    read in pass p-1 last (the shard it started in first), so the epoch takes the start of pass
+    e epochs) starts inside pass p-1 and runs into pass p, pass p visits the blocks that epoch
+    read in pass p-1 last (the block it started in first), so the epoch takes the start of pass
     p from the items it has not shown yet."""
 
     def __init__(
@@ -232,16 +254,30 @@ class PassStream:
         self.epoch_units = epoch_units
         self.unit = unit
         self.items = np.asarray(source.items_per_shard(), np.int64)
-        self.tokens = np.asarray(source.tokens_per_shard(), np.int64)
+        self.shard_tokens = np.asarray(source.tokens_per_shard(), np.int64)
         self.size = int(self.items.sum())
-        self.token_size = int(self.tokens.sum())
+        self.token_size = int(self.shard_tokens.sum())
+        self.blocks = planmod.epoch_blocks(self.items, planmod.block_tokens(source.source), 0, 0, shuffle=False)
         self.seed = seed
         self.shuffle = shuffle
         self.key = int.from_bytes(hashlib.sha256(source.name.encode()).digest()[:7], "little")
-        self._orders: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._orders: dict[int, _Pass] = {}
+        self._tokens: np.ndarray | None = None
 
-    def order(self, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Pass p's shard order, items per shard in that order, and their running ends."""
+    @property
+    def tokens(self) -> np.ndarray:
+        """Tokens of each block: the index's where a block is its whole shard, else the lengths'."""
+        if self._tokens is None:
+            b = self.blocks
+            tokens = self.shard_tokens[b.shards]
+            cut = b.counts < self.items[b.shards]
+            if cut.any():
+                tokens[cut] = self.source.range_tokens(b.shards[cut], b.firsts[cut], b.counts[cut])
+            self._tokens = tokens
+        return self._tokens
+
+    def order(self, p: int) -> _Pass:
+        """Pass p's order of blocks."""
         got = self._orders.get(p)
         if got is None:
             if self.shuffle and self.epoch_units is not None:  # each pass's order needs the one before
@@ -250,15 +286,16 @@ class PassStream:
             got = self._make_order(p)
         return got
 
-    def _make_order(self, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        n = len(self.items)
+    def _make_order(self, p: int) -> _Pass:
+        n = len(self.blocks.shards)
         draw = planmod.rng(self.seed, STREAM_MIX_PASS, self.key, p)
         order = draw.permutation(n) if self.shuffle else np.arange(n)
         tail = self._tail_start(p)
         if tail is not None:
             order = self._tail_last(order, p - 1, tail)
-        counts = self.items[order]
-        got = (order, counts, np.cumsum(counts))
+        b = self.blocks
+        counts = b.counts[order]
+        got = _Pass(order, b.shards[order], b.firsts[order], counts, np.cumsum(counts))
         if len(self._orders) >= 4:  # replaced, not evicted in place: the counts' thread plans too
             self._orders = {}
         self._orders[p] = got
@@ -282,15 +319,19 @@ class PassStream:
         if self.unit != "tokens":
             return position - 1
         p = (position - 1) // self.size
-        order, _, _ = self.order(p)
-        last = self.source.item_lengths(int(order[-1]))
+        last = self._item_lengths(self.order(p), -1)
         return (p + 1) * self.token_size - int(last[-1]) if len(last) else p * self.token_size
 
+    def _item_lengths(self, ps: _Pass, i: int) -> np.ndarray:
+        """Token count of each item of block ``i`` of pass ``ps``."""
+        first = int(ps.firsts[i])
+        return self.source.item_lengths(int(ps.shards[i]), first, first + int(ps.counts[i]))
+
     def _tail_last(self, order: np.ndarray, prev: int, offset: int) -> np.ndarray:
-        """``order`` with the shards pass ``prev`` held from ``offset`` on moved to the end, in
+        """``order`` with the blocks pass ``prev`` held from ``offset`` on moved to the end, in
         pass ``prev``'s order."""
-        prev_order, _, ends = self.order(prev)
-        moved = prev_order[int(np.searchsorted(ends, offset, side="right")) :]
+        before = self.order(prev)
+        moved = before.order[int(np.searchsorted(before.ends, offset, side="right")) :]
         keep = order[~np.isin(order, moved)]
         return np.concatenate([keep, moved])
 
@@ -299,30 +340,31 @@ class PassStream:
         out: list[Slice] = []
         while a < b:
             p, off = divmod(a, self.size)
-            order, counts, ends = self.order(p)
+            ps = self.order(p)
             stop = min(b - p * self.size, self.size)
-            out.extend(planmod.slices_of_range(order, counts, ends, off, stop))
+            out.extend(planmod.slices_of_range(ps.shards, ps.counts, ps.ends, off, stop, ps.firsts))
             a = p * self.size + stop
         return out
 
     def tokens_before(self, positions: np.ndarray, head_tokens: HeadTokens) -> np.ndarray:
-        """Tokens of the stream before each of ``positions``: whole passes and shards from the
-        index, the items of a shard cut by a position from ``head_tokens`` (no shard read whole)."""
+        """Tokens of the stream before each of ``positions``: whole passes and blocks from the
+        block table, the items of a block cut by a position from ``head_tokens`` (no shard read
+        whole)."""
         positions = np.asarray(positions, np.int64)
         passes, offsets = np.divmod(positions, max(1, self.size))
         out = passes * self.token_size
         for p in np.unique(passes).tolist():
             at = np.flatnonzero(passes == p)
-            order, counts, ends = self.order(p)
-            tokens = self.tokens[order]
-            token_ends = np.concatenate([[0], np.cumsum(tokens)])
+            ps = self.order(p)
+            token_ends = np.concatenate([[0], np.cumsum(self.tokens[ps.order])])
             off = offsets[at]
-            i = np.searchsorted(ends, off, side="right")  # the shard (in pass order) holding each
-            inside = i < len(order)
+            i = np.searchsorted(ps.ends, off, side="right")  # the block (in pass order) holding each
+            inside = i < len(ps.order)
             before = np.full(len(off), token_ends[-1], np.int64)
             j = i[inside]
-            k = off[inside] - (ends[j] - counts[j])  # items of that shard before the position
-            before[inside] = token_ends[j] + head_tokens(order[j], k)
+            k = off[inside] - (ps.ends[j] - ps.counts[j])  # items of that block before the position
+            shards, firsts = ps.shards[j], ps.firsts[j]
+            before[inside] = token_ends[j] + head_tokens(shards, firsts + k) - head_tokens(shards, firsts)
             out[at] += before
         return out
 
@@ -334,14 +376,14 @@ class PassStream:
         p, rest = divmod(units, self.token_size)
         if rest == 0:
             return p * self.size
-        order, counts, ends = self.order(p)
-        tokens = self.tokens[order]
+        ps = self.order(p)
+        tokens = self.tokens[ps.order]
         token_ends = np.cumsum(tokens)
-        i = int(np.searchsorted(token_ends, rest, side="left"))  # the shard where ``rest`` is reached
+        i = int(np.searchsorted(token_ends, rest, side="left"))  # the block where ``rest`` is reached
         before = int(token_ends[i] - tokens[i])
-        lengths = self.source.item_lengths(int(order[i]))
+        lengths = self._item_lengths(ps, i)
         k = int(np.searchsorted(np.cumsum(lengths), rest - before, side="left")) + 1
-        return p * self.size + int(ends[i] - counts[i]) + min(k, int(counts[i]))
+        return p * self.size + int(ps.ends[i] - ps.counts[i]) + min(k, int(ps.counts[i]))
 
 
 #: tokens of the first k[i] items of (a source's own) shard shards[i], for every i
@@ -538,4 +580,4 @@ class MixturePlan:
 
     def identity(self) -> list:
         """What, beside the source's fingerprint and the settings, decides this plan's shares."""
-        return ["mixture", self.epoch, self.planner.step_units, self.mixing.group, self.mixing.window]
+        return ["mixture", PASS_ORDER, self.epoch, self.planner.step_units, self.mixing.group, self.mixing.window]

@@ -19,6 +19,7 @@ import numpy as np
 from ... import format as fmt
 from ... import storage
 from ...errors import ConfigError, MixtureError, TokenizerError
+from ..counts import head_tokens
 from ..mixplan import DEFAULT_MIX_WINDOW, Mixing, MixPlanner, MixturePlan
 from ..mixture import Mixture
 from ..plan import Slice
@@ -43,9 +44,18 @@ class MixturePart:
     def tokens_per_shard(self) -> np.ndarray:
         return self.index.shards.column("tokens")
 
-    def item_lengths(self, unit: int) -> np.ndarray:
-        """Token count of each item of one unit, in unit order."""
-        return slice_items(self.source, Slice(unit), StreamSpec(0, 0, 0, 1, 0, 1))
+    def item_lengths(self, unit: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Token count of each item [start, stop) of one unit, in unit order."""
+        return slice_items(self.source, Slice(unit, start, stop), StreamSpec(0, 0, 0, 1, 0, 1))
+
+    def range_tokens(self, units: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Tokens of items [firsts[i], firsts[i] + counts[i]) of unit ``units[i]``, for every i (the
+        lengths read for them checked)."""
+        ends, read = head_tokens(self.source, units, firsts + counts)
+        starts, read_starts = head_tokens(self.source, units, firsts)
+        if read or read_starts:
+            self.source.lengths().check(read + read_starts)
+        return ends - starts
 
 
 class _JoinedUrls(Sequence):
