@@ -253,7 +253,7 @@ class ParquetReader:
     def _open(self, inp: InputFile):
         import pyarrow.parquet as pq
 
-        f = open_seekable(inp.path, inp.size)
+        f = open_seekable(inp.path, inp.size, inp.version)
         try:
             check_unchanged(inp, f)
             return f, pq.ParquetFile(f, page_checksum_verification=True)  # pages written with a CRC are checked
@@ -350,7 +350,7 @@ def _open_ipc(inp: InputFile):
     pa, _ = _pa()
     if inp.path == STDIN:
         raise SourceError("stdin cannot be read as Arrow here; write it to a file")
-    source = pa.memory_map(inp.path) if _local(inp.path) else open_seekable(inp.path, inp.size)
+    source = pa.memory_map(inp.path) if _local(inp.path) else open_seekable(inp.path, inp.size, inp.version)
     try:
         check_unchanged(inp, source)
         try:

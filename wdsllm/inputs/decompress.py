@@ -24,6 +24,7 @@ import zlib
 from typing import BinaryIO
 
 from ..errors import DamagedInputError, SourceError
+from ..storage.versions import VersionChangedError
 
 #: decompressed bytes asked of a decompressor at a time: what a damaged stream may lose before its break
 PIECE = 64 << 10
@@ -37,7 +38,10 @@ _ANY = 1 << 62  # bytes to pass over once the frames cannot be followed (zstanda
 
 
 def is_damage(exc: BaseException) -> bool:
-    """Whether ``exc`` says a compressed stream (or the input under it) is damaged."""
+    """Whether ``exc`` says a compressed stream (or the input under it) is damaged; an object
+    replaced while it is read is not damage: it is never skipped as unreadable."""
+    if isinstance(exc, VersionChangedError):
+        return False
     return isinstance(exc, DAMAGE) or type(exc).__name__ == "ZstdError"
 
 

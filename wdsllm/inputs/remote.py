@@ -8,6 +8,11 @@ is asked for its size. Objects are never downloaded whole before they are read: 
 seekable file whose every read is a ranged read of the bytes pyarrow asks for (the footer, then
 only the column chunks a row group needs). The storage layer retries every request and resumes a
 broken stream at the byte where it broke, and keeps secrets out of every message.
+
+Every read of a listed object is pinned to the version its listing gave (an ETag, a GCS
+generation, a Hub commit: :mod:`wdsllm.storage.versions`), the version an epoch's plan, a count
+sidecar and a saved state were made for: an object replaced while an epoch or a pack reads it,
+even at the same size, is a named error, never a mix of two versions' documents.
 """
 
 from __future__ import annotations
@@ -58,11 +63,12 @@ def _list_or_none(url: str) -> list[ObjectInfo] | None:
         return None
 
 
-def open_remote_stream(url: str, size: int | None) -> BinaryIO:
-    """The object's bytes from its start: concurrent ranged GETs when the size is known."""
-    return storage.open_stream(url, expected_size=size or None)
+def open_remote_stream(url: str, size: int | None, version: str = "") -> BinaryIO:
+    """The object's bytes from its start: concurrent ranged GETs when the size is known, each of
+    the ``version`` listed, when there is one (another version is a named error)."""
+    return storage.open_stream(url, expected_size=size or None, version=version or None)
 
 
-def open_remote_seekable(url: str, size: int) -> BinaryIO:
-    """A seekable file over the object; every read is one ranged read."""
-    return storage.open_ranged(url, size)
+def open_remote_seekable(url: str, size: int, version: str = "") -> BinaryIO:
+    """A seekable file over the object; every read is one ranged read, of the ``version`` listed."""
+    return storage.open_ranged(url, size, version=version or None)

@@ -188,25 +188,30 @@ def _input_file(index: int, path: str, input_format: str | None, objects: dict[s
 # URL wdsllm.storage serves: streamed, retried and resumed where a body broke).
 
 
-def open_input(path: str, size: int | None = None) -> BinaryIO:
-    """A binary stream of the input's bytes from its start (``size``: a remote object's, if known)."""
+def open_input(path: str, size: int | None = None, version: str = "") -> BinaryIO:
+    """A binary stream of the input's bytes from its start (``size``: a remote object's, if known;
+    ``version``: the one listed, which every read of a remote object is pinned to)."""
     if path == STDIN:
         return sys.stdin.buffer
     if remote.is_remote_input(path):
-        return remote.open_remote_stream(path, size)
+        return remote.open_remote_stream(path, size, version)
     try:
         return open(path, "rb")
     except OSError as exc:
         raise SourceError(f"{path}: cannot open: {exc.strerror or exc}") from None
 
 
-def open_seekable(path: str, size: int | None = None) -> BinaryIO:
+def open_seekable(path: str, size: int | None = None, version: str = "") -> BinaryIO:
     """A seekable binary file of the input, for readers that read ranges (Parquet's footer and
-    column chunks, Arrow's record batches); a remote one reads each range with a ranged request."""
+    column chunks, Arrow's record batches); a remote one reads each range with a ranged request,
+    of the ``version`` listed."""
     if path == STDIN:
         raise SourceError("stdin cannot be read as Parquet or Arrow: they need random access")
     if remote.is_remote_input(path):
-        return remote.open_remote_seekable(path, size if size is not None else remote.stat_object(path).size)
+        if size is None:
+            listed = remote.stat_object(path)
+            size, version = listed.size, version or listed.version
+        return remote.open_remote_seekable(path, size, version)
     return open_input(path)
 
 
@@ -227,8 +232,9 @@ def check_unchanged(inp: InputFile, f: BinaryIO) -> None:
 def open_decompressed(inp: InputFile) -> tuple[BinaryIO, BinaryIO]:
     """The decompressed stream and the raw one under it (whose position tells the progress); a
     truncated or damaged compressed stream raises a read error (:mod:`.decompress`), a local
-    input rewritten since it was listed a :class:`SourceError`."""
-    raw = open_input(inp.path, inp.size)
+    input rewritten since it was listed a :class:`SourceError`, a remote one replaced since it
+    was listed a :class:`~wdsllm.errors.StorageError` (every read is pinned to its version)."""
+    raw = open_input(inp.path, inp.size, inp.version)
     try:
         check_unchanged(inp, raw)
         return decompressing(raw, inp.compression), raw

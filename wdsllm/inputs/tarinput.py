@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..storage.versions import VersionChangedError
 from .records import RecordChunk, empty_chunk
 from .sources import (
     DEFAULT_MAX_DOC_BYTES,
@@ -294,7 +295,7 @@ class TarReader:
                 tar = tarfile.open(fileobj=stream, mode="r|", tarinfo=tarinfo)  # noqa: SIM115 - a stream
                 yield from _walk(tar, build, start_line, limit, raw)
             except _TAR_ERRORS as exc:
-                if type(exc).__name__ == "SourceError":
+                if type(exc).__name__ == "SourceError" or isinstance(exc, VersionChangedError):
                     raise
                 chunk = build.take(tell(raw))
                 if chunk is not None:

@@ -4,7 +4,9 @@ Every store is one backend module behind one table (:mod:`.backends`), each a th
 a maintained client (fsspec's HTTP filesystem, s3fs, gcsfs, adlfs, huggingface_hub); above them,
 :mod:`.resumable` turns faults into either exactly an object's bytes or a named error,
 :mod:`.cache` keeps verified local copies, :mod:`.prefetch` overlaps the next shard's latency,
-and :mod:`.output` writes datasets atomically. This package moves bytes; it never decodes them.
+and :mod:`.output` writes datasets atomically. A read may be pinned to the version a listing
+gave (:mod:`.versions`): another version is a named error. This package moves bytes; it never
+decodes them.
 
 Process-global state (connection pools, clients, counters, measured store speeds, parked spools,
 the fetch process) lives in one owned object per concern, registered with :mod:`.state`, which
@@ -46,6 +48,7 @@ from .urls import (
     scheme_of,
     split_query,
 )
+from .versions import VersionChangedError
 
 __all__ = [
     "CHUNK_SIZE",
@@ -66,6 +69,7 @@ __all__ = [
     "SpooledRange",
     "StorageError",
     "TransientError",
+    "VersionChangedError",
     "WarmKey",
     "backend_for",
     "check_name",

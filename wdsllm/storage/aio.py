@@ -24,6 +24,7 @@ from typing import Any
 
 import fsspec.asyn
 
+from . import versions
 from .backends import EmptyBody, parse_content_range
 from .counters import count
 from .retry import add_classifier, make_error, parse_retry_after
@@ -160,12 +161,23 @@ def client_timeout(timeout: float | None) -> Any:
 
 
 async def aiohttp_open(
-    session: Any, url: str, shown: str, start: int, end: int | None, headers: dict[str, str], timeout: float | None
+    session: Any,
+    url: str,
+    shown: str,
+    start: int,
+    end: int | None,
+    headers: dict[str, str],
+    timeout: float | None,
+    pinned: str | None = None,
 ) -> tuple[Any, LoopBody | EmptyBody]:
     """(response, body) of one ranged GET; statuses >= 400 become named errors (``shown`` is the
-    URL the user knows, for messages), a 416 at or past the end an empty body."""
+    URL the user knows, for messages), a 416 at or past the end an empty body, and a 412 to a
+    request conditional on the version ``pinned`` the error that says the object changed. The
+    body's ``etag`` is the answer's version (:mod:`.versions`): its ETag, else its Last-Modified."""
     resp = await session.get(url, headers=headers, timeout=client_timeout(timeout))
     try:
+        if resp.status == 412 and pinned:
+            raise versions.changed(shown, pinned, None)
         if resp.status == 416:
             _, total = parse_content_range(shown, resp.headers.get("Content-Range"))
             if total is not None and start >= total:
@@ -173,7 +185,7 @@ async def aiohttp_open(
             raise make_error(shown, f"HTTP 416 {resp.reason} for bytes from {start}")
         if resp.status >= 400:
             raise await status_error(shown, resp)
-        etag = resp.headers.get("ETag")
+        etag = versions.entity_tag(resp.headers.get("ETag")) or versions.modified(resp.headers.get("Last-Modified"))
         if resp.status == 206:
             first, total = parse_content_range(shown, resp.headers.get("Content-Range"))
             if first != start:
@@ -189,7 +201,7 @@ async def aiohttp_open(
         if not release_if_read(resp):
             resp.close()
 
-    return resp, LoopBody(salvaging_reader(resp.content), aclose, total, etag, timeout)
+    return resp, LoopBody(salvaging_reader(resp.content), aclose, total, etag or None, timeout)
 
 
 def release_if_read(resp: Any) -> bool:

@@ -20,6 +20,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
+from . import versions
 from .aio import LoopBody, environment_to_trust, instance, range_header, release_if_read, run, salvaging_reader
 from .backends import EmptyBody, anonymous, parse_content_range, register
 from .fsoutput import FsspecOutput
@@ -136,6 +137,7 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
     fs = filesystem(url, timeout)
     _, container, blob, _ = parse(url)
     rng = range_header(start, end)
+    tag = versions.strong_tag(etag)  # a pinned or resumed read: that version, or 412
 
     async def go() -> Any:
         # azure-storage-blob's download_blob() buffers whole chunks (the first one 32 MiB) and
@@ -145,7 +147,7 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
         try:
             resp, stream = await client._client.blob.download(
                 range=rng,
-                modified_access_conditions=ModifiedAccessConditions(if_match=etag) if etag else None,
+                modified_access_conditions=ModifiedAccessConditions(if_match=tag) if tag else None,
                 retry_total=0,
                 cls=lambda pipeline_response, data, headers: (pipeline_response.http_response, data),
             )
@@ -160,6 +162,8 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
     try:
         answer = run(go, timeout=timeout + 5)
     except Exception as exc:
+        if tag and getattr(exc, "status_code", None) == 412:
+            raise versions.changed(url, tag, None) from exc
         raise _error(url, exc, fs) from exc
     if isinstance(answer, EmptyBody):
         return answer
@@ -183,7 +187,7 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
         if not release_if_read(raw):
             await resp.close()
 
-    return _AzureBody(url, fs, read, aclose, total, resp.headers.get("ETag"), timeout)
+    return _AzureBody(url, fs, read, aclose, total, versions.entity_tag(resp.headers.get("ETag")) or None, timeout)
 
 
 class _ChunkReader:
@@ -306,6 +310,10 @@ class AzureOutput(FsspecOutput):
             time.sleep(0.5)
 
 
+def _listed_version(info: dict) -> str:
+    return versions.entity_tag(info.get("etag"))
+
+
 class AzureBackend:
     schemes = _SCHEMES
     remote = True
@@ -327,7 +335,7 @@ class AzureBackend:
         def url_of(path: str) -> str:
             return root + path[len(container) + 1 :] + query
 
-        return fsspec_objects(filesystem(url, timeout), f"{container}/{blob}", url_of, ("etag", "last_modified"))
+        return fsspec_objects(filesystem(url, timeout), f"{container}/{blob}", url_of, _listed_version)
 
     def output_class(self, url: str) -> type[Output]:
         return AzureOutput

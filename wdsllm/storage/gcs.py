@@ -8,8 +8,9 @@ take what it found. ``STORAGE_EMULATOR_HOST`` points it at an emulator. ``WDSLLM
 (or ``=gs``) reads public buckets without credentials. gcsfs on its own falls back to anonymous
 access silently when it finds no credentials; a permission failure then says so.
 
-A resumed read pins the object's generation: GCS serves exactly that version or 404, never a
-splice of two versions.
+A read pinned to a version (one listed, or the one a resumed read began on) asks for its
+generation: GCS serves exactly that version or 404, never a splice of two versions. Emulators
+ignore ``generation=``; the generation each answer reports is checked instead (:mod:`.versions`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from __future__ import annotations
 import logging
 import os
 import time
+from functools import partial
 from typing import Any
 
-from ..errors import StorageError
+from ..errors import NotFoundError, StorageError
+from . import versions
 from .aio import aiohttp_open, environment_to_trust, instance, range_header, run
 from .backends import anonymous, register
 from .fsoutput import FsspecOutput, bucket_path
@@ -136,7 +139,7 @@ def _explained(url: str, exc: StorageError, fs: Any) -> StorageError:
 def _open(url: str, start: int, end: int | None, timeout: float, etag: str | None) -> Any:
     fs = filesystem(timeout, url)
     bucket, key, generation = fs.split_path(gs_path(url))
-    pinned = etag[4:] if etag and etag.startswith("gen:") else generation
+    pinned = versions.pinned_generation(etag) or generation
     headers: dict[str, str] = {"Accept-Encoding": "identity"}
     rng = range_header(start, end)
     if rng:
@@ -150,12 +153,15 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
         if gen is None:  # emulators send no generation (and ignore generation=): ask the metadata,
             # with one request (gcsfs's _info also lists the prefix, and may answer from its cache)
             gen = (await fs._call("GET", "b/{}/o/{}", bucket, key, json_out=True)).get("generation")
-        if gen is not None:
-            body.etag = f"gen:{gen}"
+        body.etag = versions.generation(gen) or None
         return body
 
     try:
         return run(go, timeout=timeout + 5)
+    except NotFoundError as exc:
+        if etag and pinned:  # that generation is gone: the object was replaced or deleted
+            raise versions.changed(url, etag, None) from exc
+        raise
     except StorageError as exc:
         raise _explained(url, exc, fs) from exc.__cause__
 
@@ -186,6 +192,14 @@ class GcsOutput(FsspecOutput):
         return scheme_of(url) in _SCHEMES and not split_query(url)[1]
 
 
+def _gs_url(scheme: str, path: str) -> str:
+    return f"{scheme}://{path}"
+
+
+def _listed_version(info: dict) -> str:
+    return versions.generation(info.get("generation"))
+
+
 class GcsBackend:
     schemes = _SCHEMES
     remote = True
@@ -200,7 +214,7 @@ class GcsBackend:
         from .listing import fsspec_objects
 
         fs, scheme = filesystem(timeout, url), scheme_of(url)
-        return fsspec_objects(fs, gs_path(url), lambda p: f"{scheme}://{p}", ("generation", "etag", "md5Hash"))
+        return fsspec_objects(fs, gs_path(url), partial(_gs_url, scheme), _listed_version)
 
     def output_class(self, url: str) -> type[Output]:
         return GcsOutput

@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from ..errors import StorageError, TransientError
+from . import versions
 from .backends import anonymous, register
 from .http import head, open_url
 from .output import Output
@@ -161,11 +162,11 @@ def pinned(url: str, timeout: float = 30.0) -> str:
     return f"hf://{prefix}{repo}@{commit_of(url, timeout)}{tail}" + (f"?{query}" if query else "")
 
 
-def file_url(url: str, timeout: float) -> str:
-    """The Hub's resolve URL of an hf:// object, pinned to the commit of its revision."""
+def file_url(url: str, timeout: float, commit: str | None = None) -> str:
+    """The Hub's resolve URL of an hf:// object at ``commit``, by default its revision's."""
     kind, repo, _, path = parse(url)
     prefix = "" if kind == "model" else f"{kind}s/"
-    return f"{endpoint()}/{prefix}{repo}/resolve/{commit_of(url, timeout)}/{quote(path, safe='/')}"
+    return f"{endpoint()}/{prefix}{repo}/resolve/{commit or commit_of(url, timeout)}/{quote(path, safe='/')}"
 
 
 def _headers() -> dict[str, str]:
@@ -201,22 +202,31 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
     The resolve URL names a commit, so its target holds the same bytes for the run; the real
     Hub's targets are signed and expire, so an expired one, or one the CDN refuses (403, 404,
     ...), is resolved again. The CDN gets no Authorization header (the Hub's token is not its).
+    The version of a Hub file is its commit (:mod:`.versions`): a read pinned to one is read at
+    that commit, whatever the revision names now.
     """
-    resolve = file_url(url, timeout)
+    commit = versions.pinned_commit(etag) or commit_of(url, timeout)
+    body = _open_at(url, file_url(url, timeout, commit), start, end, timeout)
+    body.etag = versions.commit(commit)
+    return body
+
+
+def _open_at(url: str, resolve: str, start: int, end: int | None, timeout: float) -> Any:
+    """One ranged GET of the file whose resolve URL (at a commit) is ``resolve``."""
     headers = _headers()
     key = (resolve, headers.get("Authorization"))  # a private repository's address is the token's only
     target = HUB.cdn.get(key)
     if target is not None and not _expired(target):
         same_host = urlsplit(target).netloc == urlsplit(resolve).netloc  # aiohttp keeps the token there
         try:
-            return open_url(target, start, end, timeout, etag, headers=headers if same_host else None, shown=url)
+            return open_url(target, start, end, timeout, headers=headers if same_host else None, shown=url)
         except StorageError as exc:
             if isinstance(exc, TransientError):
                 raise
         log.debug("%s: the CDN refused a remembered address; resolving it again", url)
     HUB.cdn.pop(key, None)
     return open_url(
-        resolve, start, end, timeout, etag, headers=headers, shown=url, redirected=partial(HUB.cdn.__setitem__, key)
+        resolve, start, end, timeout, headers=headers, shown=url, redirected=partial(HUB.cdn.__setitem__, key)
     )
 
 
@@ -251,9 +261,7 @@ class HfBackend:
             return []
         prefix = directory + "/" if directory else ""
         return [
-            ObjectInfo(root + e.path, int(e.size), f"{commit}:{getattr(e, 'blob_id', '')}")
-            for e in files
-            if e.path.startswith(prefix)
+            ObjectInfo(root + e.path, int(e.size), versions.commit(commit)) for e in files if e.path.startswith(prefix)
         ]
 
     def output_class(self, url: str) -> type[Output]:

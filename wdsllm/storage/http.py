@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from . import versions
 from .aio import aiohttp_open, client_timeout, environment_to_trust, instance, range_header, run, status_error
 from .backends import EmptyBody, discard, register
 from .counters import count
@@ -63,15 +64,18 @@ def open_url(
     redirected: Callable[[str], None] | None = None,
 ) -> Any:
     """Bytes ``[start, end)`` of an http(s) URL as a streaming body. ``shown``: the URL messages
-    name; ``redirected`` is called with the final URL when the answer came after redirects."""
+    name; ``redirected`` is called with the final URL when the answer came after redirects;
+    ``etag``: the version (:mod:`.versions`) the answer must be of (``If-Match`` with a strong
+    ETag, ``If-Unmodified-Since`` with a Last-Modified date)."""
     shown = shown or url
     target, hdrs = _request(url, headers)
     rng = range_header(start, end)
     if rng:
         hdrs["Range"] = rng
+    hdrs.update(versions.http_conditions(etag))
 
     async def go() -> Any:
-        return await aiohttp_open(await _session(), target, shown, start, end, hdrs, timeout)
+        return await aiohttp_open(await _session(), target, shown, start, end, hdrs, timeout, pinned=etag)
 
     resp, body = run(go, timeout=timeout + 5)
     if redirected is not None and resp.history:

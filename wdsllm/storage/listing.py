@@ -13,6 +13,7 @@ patterns are expanded before this, by the caller).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,7 +27,9 @@ _MAGIC = re.compile(r"[*?\[]")
 @dataclass(frozen=True)
 class ObjectInfo:
     """A remote object: its URL, its size, and what identifies this version of it (an ETag, a
-    GCS generation, a Hub commit); a resumed pack refuses inputs whose version changed."""
+    GCS generation, a Hub commit, written as :mod:`.versions` says, the same for a listing and an
+    answer); a resumed pack refuses inputs whose version changed, and reads pinned to it refuse
+    any other version."""
 
     url: str
     size: int
@@ -123,9 +126,11 @@ def stat_object(url: str, retry: RetryPolicy | None = None) -> ObjectInfo:
     return retrying(url, policy, probe)
 
 
-def fsspec_objects(fs: Any, path: str, url_of: Any, version_keys: tuple[str, ...]) -> list[ObjectInfo]:
+def fsspec_objects(
+    fs: Any, path: str, url_of: Callable[[str], str], version_of: Callable[[dict], str]
+) -> list[ObjectInfo]:
     """The objects under the directory ``path`` ("bucket/prefix/") of an fsspec filesystem; ``url_of(path)``
-    makes each one's URL, ``version_keys`` name the listing fields that identify a version."""
+    makes each one's URL, ``version_of(info)`` its version as the store's answers say it (:mod:`.versions`)."""
     fs.invalidate_cache()  # a listing must be fresh: another job may have written since
     prefix = path if path.endswith("/") else path + "/"
     try:
@@ -136,6 +141,5 @@ def fsspec_objects(fs: Any, path: str, url_of: Any, version_keys: tuple[str, ...
     for name, info in found.items():
         if not name.startswith(prefix) or info.get("type") == "directory":
             continue
-        version = next((str(info[k]) for k in version_keys if info.get(k) not in (None, "")), "")
-        out.append(ObjectInfo(url_of(name), int(info.get("size") or 0), version))
+        out.append(ObjectInfo(url_of(name), int(info.get("size") or 0), version_of(info)))
     return out

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
+from . import versions
 from .retry import make_error
 from .state import own
 from .urls import redact
@@ -372,9 +373,7 @@ class ParallelStream(io.RawIOBase):
         if block.etag:
             if self._etag and block.etag != self._etag:
                 self._stop.set()
-                self._error = make_error(
-                    self.name, f"object changed during the read (ETag {self._etag} -> {block.etag})"
-                )
+                self._error = versions.changed(self.name, self._etag, block.etag)
                 raise self._error
             self._etag = block.etag
         if block.total is not None:

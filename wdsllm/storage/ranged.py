@@ -5,7 +5,8 @@ Each read is one ranged request of exactly the bytes asked for (a large one is s
 in flight, as :func:`~wdsllm.storage.resumable.open_stream` reads any range), so a reader that
 asks for two columns of one row group downloads those column chunks and nothing else. Every read
 retries and resumes through the storage layer, and every read must come from the same version of
-the object as the first: a file replaced in the middle of a pack is an error, not a mix.
+the object as the first, or, given one, as the version listed (:mod:`.versions`): a file replaced
+in the middle of a pack or an epoch is an error, not a mix.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from . import versions
 from .resumable import open_stream
 from .retry import RetryPolicy, make_error
 from .urls import redact
@@ -21,14 +23,14 @@ from .urls import redact
 class RangedFile(io.RawIOBase):
     """Bytes of ``url`` (``size`` bytes long) read at any offset, one ranged read per ``readinto``."""
 
-    def __init__(self, url: str, size: int, retry: RetryPolicy | None = None) -> None:
+    def __init__(self, url: str, size: int, retry: RetryPolicy | None = None, version: str | None = None) -> None:
         super().__init__()
         self.url = url
         self.name = redact(url)
         self.size = size
         self._retry = retry
         self._pos = 0
-        self._etag: str | None = None
+        self._etag: str | None = version or None  # every read asks for it, once it is known
         self.requested = 0  # bytes asked of the store (for tests and benchmarks)
 
     def readable(self) -> bool:
@@ -54,7 +56,9 @@ class RangedFile(io.RawIOBase):
         n = max(0, min(len(view), self.size - self._pos))
         if not n:
             return 0
-        stream = open_stream(self.url, offset=self._pos, length=n, retry=self._retry, expected_size=self.size)
+        stream = open_stream(
+            self.url, offset=self._pos, length=n, retry=self._retry, expected_size=self.size, version=self._etag
+        )
         try:
             got = 0
             while got < n:
@@ -85,9 +89,10 @@ class RangedFile(io.RawIOBase):
         if self._etag is None:
             self._etag = etag
         elif etag != self._etag:
-            raise make_error(self.url, f"object changed during the read (ETag {self._etag} -> {etag})")
+            raise versions.changed(self.url, self._etag, etag)
 
 
-def open_ranged(url: str, size: int, retry: RetryPolicy | None = None) -> RangedFile:
-    """A seekable file over the remote object ``url`` of ``size`` bytes (from its listing)."""
-    return RangedFile(url, size, retry)
+def open_ranged(url: str, size: int, retry: RetryPolicy | None = None, version: str | None = None) -> RangedFile:
+    """A seekable file over the remote object ``url`` of ``size`` bytes (from its listing); with
+    ``version`` (the listing's), every read is of that version."""
+    return RangedFile(url, size, retry, version)

@@ -23,7 +23,7 @@ from functools import partial
 from typing import Any, BinaryIO
 
 from ..errors import StorageError
-from . import parallel
+from . import parallel, versions
 from .backends import Backend, backend_for
 from .counters import count
 from .retry import DEFAULT_RETRY, RetryPolicy, classification, is_missing, make_error, retrying
@@ -44,9 +44,10 @@ class ResumableStream(io.RawIOBase):
     ``opener(start, end, etag)`` answers one request with a body. When a body fails (an error, or
     an end before the known size), the body is dropped and a new one is opened at the current
     position: nothing is delivered twice and nothing is lost. The object's size and ETag from the
-    first answer are checked against every later answer, so a resume never splices two versions.
-    With ``expected_sha256`` (whole-object reads only) the digest is checked when the consumer
-    reaches the end; reading less skips the check.
+    first answer are checked against every later answer, so a resume never splices two versions;
+    with ``version`` (as :mod:`.versions` writes it) every request, the first included, asks for
+    that version and every answer must be of it. With ``expected_sha256`` (whole-object reads
+    only) the digest is checked when the consumer reaches the end; reading less skips the check.
     """
 
     def __init__(
@@ -59,6 +60,7 @@ class ResumableStream(io.RawIOBase):
         policy: RetryPolicy,
         expected_size: int | None = None,
         expected_sha256: str | None = None,
+        version: str | None = None,
     ) -> None:
         super().__init__()
         if offset < 0 or (length is not None and length < 0):
@@ -75,7 +77,7 @@ class ResumableStream(io.RawIOBase):
         self._expected_sha256 = expected_sha256.lower() if expected_sha256 else None
         self._hasher = hashlib.sha256() if self._expected_sha256 and offset == 0 and length is None else None
         self._total: int | None = None
-        self._etag: str | None = None
+        self._etag: str | None = version or None
         self._body = None
         self._failures = 0
         self._resuming = False
@@ -182,7 +184,7 @@ class ResumableStream(io.RawIOBase):
             self._end = total if self._end is None else min(self._end, total)
         if body.etag:
             if self._etag and body.etag != self._etag:
-                raise make_error(self.name, f"object changed during the read (ETag {self._etag} -> {body.etag})")
+                raise versions.changed(self.name, self._etag, body.etag)
             self._etag = body.etag
 
     def _failed(self, exc: Exception) -> None:
@@ -248,6 +250,7 @@ def open_stream(
     expected_sha256: str | None = None,
     expected_size: int | None = None,
     one_request: bool = False,
+    version: str | None = None,
 ) -> BinaryIO:
     """A readable binary stream of bytes ``[offset, offset+length)`` of ``url``.
 
@@ -260,7 +263,10 @@ def open_stream(
     copy. ``expected_size`` is checked against the object's size as soon as it is known;
     ``expected_sha256`` when a whole-object read reaches its end. A remote range longer than
     ``BLOCK_SIZE`` is read as concurrent blocks; ``one_request=True`` reads it with one GET
-    (resumed where it breaks), for a caller that schedules its own blocks.
+    (resumed where it breaks), for a caller that schedules its own blocks. With ``version`` (an
+    :class:`~wdsllm.storage.listing.ObjectInfo`'s) every request is for that version of the object
+    and another one is a named error (:func:`~wdsllm.storage.versions.changed`); reads through
+    ``cache`` are checked by the cache's sha256 instead.
     """
     policy = retry or DEFAULT_RETRY
     backend = backend_for(url)
@@ -285,7 +291,9 @@ def open_stream(
     end = offset + length if length is not None else expected_size
     if backend.remote and not one_request and end is not None and end - offset > parallel.BLOCK_SIZE:
         whole = offset == 0 and length is None
-        return _open_blocks(url, backend, policy, offset, end, expected_size, expected_sha256 if whole else None)
+        return _open_blocks(
+            url, backend, policy, offset, end, expected_size, expected_sha256 if whole else None, version
+        )
     raw = ResumableStream(
         url,
         partial(_open_range, backend, url, policy.timeout),
@@ -294,6 +302,7 @@ def open_stream(
         policy=policy,
         expected_size=expected_size,
         expected_sha256=expected_sha256,
+        version=version,
     )
     return io.BufferedReader(raw, buffer_size=STREAM_BUFFER)
 
@@ -303,7 +312,13 @@ def _open_range(backend: Backend, url: str, timeout: float, start: int, end: int
 
 
 def _open_block(
-    backend: Backend, url: str, policy: RetryPolicy, expected_size: int | None, start: int, size: int
+    backend: Backend,
+    url: str,
+    policy: RetryPolicy,
+    expected_size: int | None,
+    version: str | None,
+    start: int,
+    size: int,
 ) -> ResumableStream:
     return ResumableStream(
         url,
@@ -312,6 +327,7 @@ def _open_block(
         length=size,
         policy=policy,
         expected_size=expected_size,
+        version=version,
     )
 
 
@@ -323,11 +339,12 @@ def _open_blocks(
     end: int,
     expected_size: int | None,
     expected_sha256: str | None,
+    version: str | None = None,
 ) -> BinaryIO:
     """Several ranged GETs in flight: the network's wait overlaps the consumer's work."""
     blocks = parallel.ParallelStream(
         url,
-        partial(_open_block, backend, url, policy, expected_size),
+        partial(_open_block, backend, url, policy, expected_size, version),
         offset,
         end,
         block_size=parallel.BLOCK_SIZE,

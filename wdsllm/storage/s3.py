@@ -16,6 +16,7 @@ import sys
 from datetime import datetime, timezone
 from typing import Any
 
+from . import versions
 from .aio import LoopBody, instance, process_key, range_header, release_if_read, run, salvaging_reader
 from .backends import EmptyBody, anonymous, discard, on_prepare_workers, parse_content_range, register
 from .counters import count
@@ -364,8 +365,9 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
     rng = range_header(start, end)
     if rng:
         kwargs["Range"] = rng
-    if etag:  # a resumed read must see the same object version, or fail (412 PreconditionFailed)
-        kwargs["IfMatch"] = etag
+    tag = versions.strong_tag(etag)
+    if tag:  # a pinned or resumed read must see that version of the object, or fail (412)
+        kwargs["IfMatch"] = tag
 
     async def go() -> Any:
         # The aiobotocore client itself, not fs._call_s3: that one retries on its own and turns
@@ -385,6 +387,8 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
     try:
         resp = run(go, timeout=timeout + 5)
     except Exception as exc:
+        if tag and _code(exc) == "PreconditionFailed":
+            raise versions.changed(url, tag, None) from exc
         raise explained(url, exc, fs) from exc
     if isinstance(resp, EmptyBody):
         return resp
@@ -403,7 +407,7 @@ def _open(url: str, start: int, end: int | None, timeout: float, etag: str | Non
     elif start > 0:
         first = 0
     read = salvaging_reader(raw.content) if raw is not None else stream.read
-    body = LoopBody(read, aclose, total, resp.get("ETag"), timeout)
+    body = LoopBody(read, aclose, total, versions.entity_tag(resp.get("ETag")) or None, timeout)
     if first != start:
         if first != 0:
             body.close()
@@ -462,6 +466,14 @@ class S3Output(FsspecOutput):
         return url.startswith("s3://") and not split_query(url)[1]
 
 
+def _s3_url(path: str) -> str:
+    return f"s3://{path}"
+
+
+def _listed_version(info: dict) -> str:
+    return versions.entity_tag(info.get("ETag"))
+
+
 class S3Backend:
     schemes = ("s3",)
     remote = True
@@ -476,7 +488,7 @@ class S3Backend:
         from .listing import fsspec_objects
 
         fs = filesystem(timeout, url)
-        return fsspec_objects(fs, bucket_path(url, len("s3://")), lambda p: f"s3://{p}", ("ETag", "LastModified"))
+        return fsspec_objects(fs, bucket_path(url, len("s3://")), _s3_url, _listed_version)
 
     def output_class(self, url: str) -> type[Output]:
         return S3Output

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, BinaryIO
 
+from . import versions
 from .backends import CHUNK_SIZE
 from .resumable import open_stream
 
@@ -225,7 +226,7 @@ class Spool(SpooledRange):
         etag, total = version
         known_etag, known_total = self._version
         if etag and known_etag and etag != known_etag:
-            raise make_error(self.name, f"object changed during the read (ETag {known_etag} -> {etag})")
+            raise versions.changed(self.name, known_etag, etag)
         if total is not None and known_total is not None and total != known_total:
             raise make_error(self.name, f"object size changed from {known_total} to {total} during the read")
         self._version = (etag or known_etag, total if total is not None else known_total)
