@@ -204,3 +204,24 @@ def test_versions_are_written_one_way():
     assert versions.http_conditions('W/"abc"') == {}  # a weak tag never matches If-Match: compared only
     date = "Wed, 21 Oct 2015 07:28:00 GMT"
     assert versions.http_conditions(versions.modified(date)) == {"If-Unmodified-Since": date}
+
+
+def test_every_request_of_an_epoch_asks_for_the_listed_version(request, fault_proxy):
+    """Over http(s), seen at a proxy: every GET after the listing's carries the listed ETag as
+    If-Match, each unit's first one included; a 412 to it is the changed object, by name."""
+    place = Place.on(request, "http")
+    data, _ = _text()
+    place.put("wiki.jsonl", data)
+    proxy = fault_proxy(request.getfixturevalue("http_server").url)
+    url = f"{proxy.url}/raw/wiki.jsonl"
+    loader = _loader([url])
+    listed = loader.catalog.inputs[0].version
+    assert listed.startswith('"')
+    _drain(loader)
+    gets = [headers for method, path, headers in proxy.log if method == "GET" and path.endswith("/wiki.jsonl")]
+    assert len(gets) > len(loader.catalog.units)  # the listing's probe, then each unit's reads
+    assert [h.get("If-Match") for h in gets[1:]] == [listed] * (len(gets) - 1)
+    again = _loader([url])  # listed before the store starts refusing
+    proxy.add("GET */wiki.jsonl", "status", status=412, times=None)
+    with pytest.raises(versions.VersionChangedError, match="store refused it"):
+        _drain(again)
