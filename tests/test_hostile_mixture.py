@@ -1,14 +1,24 @@
 """Hostile mixture files and numbers (#31): a named error in bounded memory, never a value printed
-whole, a duplicate key, a file that names itself, or an overflowing weight or epoch."""
+whole, a duplicate key, a file that names itself, an overflowing weight or epoch, or an epoch whose
+plan would outgrow memory (bounded before anything is planned)."""
 
 from __future__ import annotations
 
 import tracemalloc
 
 import pytest
+from synth import write_dataset
 
+import wdsllm
 from wdsllm.errors import MixtureError
-from wdsllm.load.mixture import MAX_FILE_BYTES, Mixture, load_mixture_file
+from wdsllm.load.mixture import (
+    MAX_EPOCH_ITEMS,
+    MAX_EPOCH_TOKENS,
+    MAX_FILE_BYTES,
+    MAX_PHASES,
+    Mixture,
+    load_mixture_file,
+)
 
 
 def _file(tmp_path, text: str, name: str = "mix.yaml") -> str:
@@ -94,3 +104,54 @@ def test_a_huge_file_is_not_read_whole(tmp_path):
     path.write_text("sources: {a: x}\n#" + "x" * (MAX_FILE_BYTES + 10) + "\n")
     with pytest.raises(MixtureError, match=rf"big\.yaml: more than {MAX_FILE_BYTES} bytes"):
         load_mixture_file(str(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan's allocations, bounded before use
+
+
+@pytest.fixture(scope="module")
+def small_sources(tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("hostile-plan")
+    write_dataset(d / "a", [100], seed=1)
+    write_dataset(d / "b", [100], seed=2)
+    return {"a": str(d / "a"), "b": str(d / "b")}
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (f"unit: items\nepoch_items: {MAX_EPOCH_ITEMS}\n", r"key 'epoch_items': an epoch of 1,099,511,627,776 items"),
+        (f"epoch_tokens: {MAX_EPOCH_TOKENS}\n", r"key 'epoch_tokens': an epoch of 72,057,594,037,927,936 tokens"),
+        (
+            "unit: items\nepoch_items: 20000000\nweights: {a: 1, b: 0}\n"
+            "schedule: [{at_items: 5, weights: {a: 0, b: 1}}]\n",
+            r"can take source 'a' \(100 items\) about 200,000 times over",
+        ),
+    ],
+)
+def test_an_epoch_far_larger_than_its_sources_is_refused_before_planning(small_sources, tmp_path, body, message):
+    """An epoch of 2^40 items over sources of 100 would plan (and walk) 10^10 passes."""
+    text = f"sources: {{a: {small_sources['a']}, b: {small_sources['b']}}}\n" + body
+    wdsllm.loader(Mixture(small_sources), batch_size=8, num_workers=0).close()  # imports made outside the count
+    tracemalloc.start()
+    try:
+        with pytest.raises(MixtureError, match=message) as exc:
+            wdsllm.loader(_file(tmp_path, text), batch_size=8, num_workers=0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "mix.yaml" in str(exc.value) and peak < 256 << 20  # a sane file's peak is 64 MiB (a read buffer)
+
+
+def test_more_shuffle_blocks_than_a_plan_holds_are_refused(small_sources, tmp_path):
+    mix = Mixture(small_sources, unit="items", epoch_items=6_000_000)
+    with pytest.raises(MixtureError, match=r"shuffle blocks of 2 .* larger shuffle_buffer"):
+        wdsllm.loader(mix, batch_size=8, num_workers=0, shuffle_buffer=2)
+    wdsllm.loader(mix, batch_size=8, num_workers=0).close()  # the default shuffle block plans it
+
+
+def test_a_schedule_of_too_many_phases_is_refused():
+    schedule = [{"at_tokens": i, "weights": {"a": 1}} for i in range(MAX_PHASES + 1)]
+    with pytest.raises(MixtureError, match=rf"key 'schedule' has 1,025 phases; at most {MAX_PHASES}"):
+        Mixture({"a": "x"}, schedule=schedule)

@@ -47,6 +47,11 @@ STREAM_MIX_PASS = 6
 DEFAULT_MIX_WINDOW = 1024
 #: what a pass orders: 2, blocks of shards (1 was whole shards); part of a plan's identity
 PASS_ORDER = 2
+#: the most passes over one source an epoch may take, and the most entries its plan may hold (a
+#: slice per block of each pass, a row of counts per shuffle block): refused before any is made,
+#: as an epoch far larger than a source would plan (and walk) without end
+MAX_EPOCH_PASSES = 1 << 16
+MAX_PLAN_ENTRIES = 1 << 22
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,6 +432,48 @@ class MixPlanner:
             if size == 0 and (w > 0 or any(p.weights[mixture.names.index(name)] > 0 for p in mixture.phases)):
                 raise MixtureError(f"mixture source {name!r} is empty but has a positive weight")
         self._segments: dict[int, list[list[tuple[int, int]]]] = {}
+        self._check_passes()
+
+    # -- bounds, before anything is planned ------------------------------------------------------
+    def _epoch_bounds(self) -> tuple[list[int], list[int]]:
+        """Upper bounds, valid in every epoch and phase, on the passes over each source and the
+        items taken of it (a source takes at most the whole epoch; an item holds a unit or more)."""
+        passes, items = [], []
+        for s, st in enumerate(self.streams):
+            weights = [self.mixture.base_weights[s], *(ph.weights[s] for ph in self.mixture.phases)]
+            p = self.epoch // self.sizes[s] + 2 if self.sizes[s] and max(weights) > 0 else 0
+            passes.append(p)
+            items.append(min(p * st.size, self.epoch + 1))
+        return passes, items
+
+    def _check_passes(self) -> None:
+        passes, _ = self._epoch_bounds()
+        entries = [p * len(st.blocks.shards) for p, st in zip(passes, self.streams)]
+        worst = int(np.argmax(entries))
+        if passes[worst] > MAX_EPOCH_PASSES or sum(entries) > MAX_PLAN_ENTRIES:
+            name, unit = self.mixture.names[worst], self.mixture.unit
+            raise MixtureError(
+                f"{self._epoch_key()}: an epoch of {self.epoch:,} {unit} can take source {name!r} "
+                f"({self.sizes[worst]:,} {unit}) about {passes[worst] - 2:,} times over, a plan of "
+                f"{sum(entries):,} slices (at most {MAX_EPOCH_PASSES:,} passes over a source and "
+                f"{MAX_PLAN_ENTRIES:,} slices an epoch): give a smaller epoch or weight it less"
+            )
+
+    def check_rounds(self, block: int) -> None:
+        """Refuse an epoch of more shuffle blocks of ``block`` items than a plan may hold."""
+        _, items = self._epoch_bounds()
+        rounds = (sum(items) // max(1, block) + 1) * len(self.streams)
+        if rounds > MAX_PLAN_ENTRIES:
+            raise MixtureError(
+                f"{self._epoch_key()}: an epoch of {self.epoch:,} {self.mixture.unit} can hold {sum(items):,} items, "
+                f"{rounds:,} rows of counts in shuffle blocks of {block:,} (at most {MAX_PLAN_ENTRIES:,}): give a "
+                "smaller epoch or a larger shuffle_buffer"
+            )
+
+    def _epoch_key(self) -> str:
+        key = "epoch_tokens" if self.mixture.unit == "tokens" else "epoch_items"
+        given = self.mixture.epoch_size is not None
+        return self.mixture.where_key(key) if given else f"{self.mixture.where_key('sources')} (epoch: their sizes)"
 
     # -- the run's phases -----------------------------------------------------------------------
     def phases(self) -> list[tuple[int, tuple[float, ...]]]:

@@ -47,6 +47,8 @@ MAX_WEIGHT = 1e18
 #: the largest epoch and schedule positions: an epoch's plan holds an entry per item
 MAX_EPOCH_ITEMS = 1 << 40
 MAX_EPOCH_TOKENS = 1 << 56
+#: the most phases a schedule may have (each is integrated over at every epoch's planning)
+MAX_PHASES = 1024
 #: a mixture file: its bytes, and the values it may expand to (YAML aliases repeat a value)
 MAX_FILE_BYTES = 1 << 20
 MAX_FILE_VALUES = 100_000
@@ -152,6 +154,10 @@ class Mixture:
             "stratified": self.stratified,
         }
 
+    def where_key(self, key: str) -> str:
+        """How a message names ``key`` of this mixture (in its file, when it came from one)."""
+        return self._at(key)
+
     # -- checks ---------------------------------------------------------------------------------
     def _at(self, key: str) -> str:
         key = key if len(key) <= 100 else key[:100] + "..."
@@ -218,6 +224,8 @@ class Mixture:
             return ()
         if not isinstance(schedule, (list, tuple)):
             raise MixtureError(f"{self._at('schedule')} must be a list of {{at_tokens: N, weights: {{...}}}}")
+        if len(schedule) > MAX_PHASES:
+            raise MixtureError(f"{self._at('schedule')} has {len(schedule):,} phases; at most {MAX_PHASES} are planned")
         at_key = "at_tokens" if self.unit == "tokens" else "at_items"
         phases: list[Phase] = []
         last = (-1, -1)

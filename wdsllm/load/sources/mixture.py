@@ -180,6 +180,7 @@ class MixtureSource:
         self._mixing = Mixing(self._mixing.bases, group, DEFAULT_MIX_WINDOW)
         self.planner = MixPlanner(self.mixture, self.parts, self.bases, cfg.seed, cfg.shuffle)
         self.planner.step_units = _step_units(self, cfg, world)
+        self.planner.check_rounds(self._mixing.block_size(cfg.spec(0, 0, world, 0, 1)))
         self.planner.phases()  # an at_step schedule without a known step size is refused here, at bind, not mid-epoch
         for p in self.parts:
             p.source.side_cache = self.side_cache
