@@ -51,3 +51,24 @@ def shakespeare() -> Path:
 @pytest.fixture(scope="session")
 def wikitext() -> Path:
     return CORPORA / "wikitext-2-valid.txt"
+
+
+#: what the session's servers put in the environment (their fixtures install it once, for every
+#: later test): a test that leaves one of them changed breaks the tests after it, far from itself
+SESSION_ENVIRONMENT = (
+    "STORAGE_EMULATOR_HOST",
+    "AWS_ENDPOINT_URL",
+    "AWS_ACCESS_KEY_ID",
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "HF_ENDPOINT",
+)
+
+
+@pytest.fixture(autouse=True)
+def _session_environment_kept(request):
+    """Fail the test that changed a variable a session fixture had set, naming it (a lazily
+    started server may set one during the test: only what was set before is watched)."""
+    before = {k: os.environ[k] for k in SESSION_ENVIRONMENT if k in os.environ}
+    yield
+    changed = sorted(k for k, v in before.items() if os.environ.get(k) != v)
+    assert not changed, f"{request.node.nodeid} left the session's {', '.join(changed)} changed"
