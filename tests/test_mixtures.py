@@ -651,7 +651,7 @@ def test_a_mixtures_shares_and_bounds_at_once_agree_with_its_slices(
         for r in range(world):
             for wk in range(workers):
                 spec = cfg.spec(epoch, r, world, wk, workers)
-                slices = countsmod.slices_for(catalog, cfg, spec, plan)
+                slices = countsmod.planmod.slices_for(catalog, cfg, spec, plan)  # its own share
                 assert items[r, wk] == sum(sl.count for sl in slices)
                 whole = wdsllm.load.config.Config(seed=5).spec(epoch, r, world, wk, workers)  # no max_len
                 assert tokens[r, wk] == ShareLengths(catalog, slices, whole).total()

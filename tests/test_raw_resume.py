@@ -1,6 +1,7 @@
 """A raw-text resume without a count sidecar passes over what came before by parsing, never by
 tokenizing (#31): a .jsonl.zst is one unit, so a resume at 90% of it tokenizes only the shuffle
-block it stands in and what follows, and its batches are those of the uninterrupted run."""
+block it stands in and what follows, and its batches are those of the uninterrupted run, in every
+batching mode (documents split into pieces at max_len, pack and concat included)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ MODES = {
     "fixed": dict(batch_size=4),
     "bucket": dict(batching="bucket", batch_size=4, window=40),
     "budget": dict(batching="bucket", max_tokens=4096, window=40, batch_size=None),
+    # items are pieces of documents, or rows cut across them: the state marks where its position
+    # stands in documents (and concat's hint the token of the document its next row starts at)
+    "pieces": dict(batch_size=4, max_len=64),
+    "pack": dict(batching="pack", seq_len=256, batch_size=2, window=40),
+    "concat": dict(batching="concat", seq_len=256, batch_size=2),
 }
 
 
@@ -48,4 +54,5 @@ def test_resume_at_ninety_percent_tokenizes_only_what_is_left(compressed, mode, 
     second = _loader(compressed, MODES[mode])
     second.load_state_dict(state)
     assert [b["input_ids"].tolist() for b in second] == full[cut:]
-    assert sum(encoded) <= 0.1 * 400 + 64  # the rest of the epoch and the shuffle block it starts in
+    # the rest of the epoch, the shuffle block it starts in and the batcher's window
+    assert sum(encoded) <= 0.1 * 400 + 64 + MODES[mode].get("window", 0)

@@ -22,8 +22,9 @@ that files divide into byte-range units) and measures in one run, GPT-2 tokenize
 - time to first batch with a count sidecar: a fresh start, and a resume from a state saved at 90%
   of the epoch (target <= 2x), 1 worker.
 - the same without a sidecar, over the files as one ``.jsonl.zst`` (one unit: nothing to seek to):
-  the resume passes over the first 90% by decompressing and parsing only, never tokenizing.
-  ``--resume-only`` measures these two resumes alone.
+  the resume passes over the first 90% by decompressing and parsing only, never tokenizing, in
+  every batching mode (fixed, token budget, documents split into pieces, pack, concat).
+  ``--resume-only`` measures these resumes alone.
 
 The machine is shared: figures are the best of ``--repeat`` runs, ratios from the same run.
 """
@@ -230,6 +231,9 @@ def resume_without_sidecar(work: Path, texts: list[str], repeat: int) -> None:
     for name, mode in (
         ("fixed", dict(batch_size=BATCH, max_len=MAX_LEN, max_len_mode="truncate")),
         ("budget", dict(batching="bucket", max_tokens=BATCH * 512, batch_size=None)),
+        ("pieces", dict(batch_size=BATCH, max_len=512)),  # documents split at max_len: the state's mark
+        ("pack", dict(batching="pack", seq_len=MAX_LEN, batch_size=8)),
+        ("concat", dict(batching="concat", seq_len=MAX_LEN, batch_size=8)),  # the hint: a document and a token
     ):
         fresh, resumed = min(compressed_first_batch(str(path), mode) for _ in range(repeat))
         print(

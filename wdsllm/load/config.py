@@ -54,11 +54,10 @@ class Config(OrderOptions, BatchOptions):
         return equal and not self.infinite
 
     def share_unit(self, mode: str) -> int:
-        """Items a worker's share is planned in: a full batch where a batch is a number of whole
-        items (fixed batches, buckets of a batch size; documents not split), so that only a rank's
-        last worker ends with a short batch; else 1."""
-        splits = self.spec(0, 0, 1, 0, 1).splits(mode)
-        if self.batch_size is None or splits or self.make_batcher().count_by != COUNT_BY_ITEMS:
+        """Items a worker's share is planned in: a full batch where a batch is a number of items
+        (fixed batches, buckets of a batch size; the pieces of split documents are items too),
+        so that only a rank's last worker ends with a short batch; else 1."""
+        if self.batch_size is None or self.make_batcher().count_by != COUNT_BY_ITEMS:
             return 1
         return self.batch_size
 

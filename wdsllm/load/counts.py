@@ -46,7 +46,8 @@ import numpy as np
 from . import plan as planmod
 from .batching import COUNT_BY_ITEMS, COUNT_BY_TOKENS, Batcher
 from .config import Config
-from .plan import EpochLayout, Slice, block_tokens, epoch_layout, piece_counter, slices_for
+from .handoff import batcher_for, hands_tails, slices_for, with_tails
+from .plan import EpochLayout, Slice, block_tokens, epoch_layout, piece_counter
 from .sources.protocol import Source
 from .stream import ShareLengths, StreamSpec, has_lengths, slice_item_counts
 
@@ -86,7 +87,7 @@ class SizedPlan(Protocol):
 def share_count(catalog: Source, cfg: Config, slices: list[Slice], spec: StreamSpec) -> int | None:
     """Batches a stream of these slices makes; None when the index cannot say. Reads lengths.npy
     a slice at a time when the mode needs lengths (memory: one window)."""
-    batcher = cfg.make_batcher()
+    batcher = batcher_for(catalog, cfg, spec)
     if batcher.count_by == COUNT_BY_ITEMS:
         counts = slice_item_counts(catalog, slices, spec)
         return None if counts is None else batcher.count(int(sum(counts)), None)
@@ -248,13 +249,14 @@ class EpochCounts:
                 catalog, cfg, epoch, world, workers, spec, ranks, want_tokens
             )
             identity = None
+        hands = hands_tails(catalog, cfg, spec)
         if batcher.count_by == COUNT_BY_ITEMS and not splits:
-            exact = _table(lambda n: batcher.count(n, None), items)
+            exact = _handed_table(batcher, items, hands, cfg.batch_size or 1, lambda n: n)
             return cls(exact, exact)
         if batcher.count_by == COUNT_BY_TOKENS and tokens is not None:
-            exact = _table(lambda t: batcher.count(None, _Tokens(t)), tokens)
+            exact = _handed_table(batcher, tokens, hands, cfg.batch_size * cfg.seq_len, _Tokens)
             return cls(exact, None, _Background(lambda: _checked(check, exact)))
-        bound = _lower_bound(catalog, cfg, batcher, items, tokens)
+        bound = _lower_bound(catalog, cfg, batcher, items, tokens, hands)
         # the cache file's name is made here, not in the thread: a fork while the thread holds a
         # module's lock (tempfile's, finding the temporary directory) would leave it held in the child
         key = _cache_key(catalog, cfg, epoch, world, workers, ranks, identity)
@@ -295,7 +297,7 @@ def _layout_sizes(
         unit=cfg.share_unit(catalog.mode),
     )
     items = layout.stops - layout.starts
-    tokens, read = _share_tokens(catalog, layout) if want_tokens else (None, [])
+    tokens, read = _share_tokens(catalog, layout, spec.max_len) if want_tokens else (None, [])
     check = lambda: catalog.lengths().check(read)  # noqa: E731
     exact_table = lambda: _layout_exact(catalog, cfg, epoch, layout, ranks)  # noqa: E731
     return items, tokens, check, exact_table
@@ -309,6 +311,25 @@ def _checked(check: Callable[[], None], table: np.ndarray) -> np.ndarray:
 
 def _table(count: Callable[[Any], int], per_share: np.ndarray) -> np.ndarray:
     return np.array([[count(int(x)) for x in row] for row in per_share], np.int64)
+
+
+def _handed_table(
+    batcher: Batcher, per_share: np.ndarray, hands: bool, span: int, sizes: Callable[[int], Any]
+) -> np.ndarray:
+    """Counts of shares known by their items (``sizes``: as ``count`` takes them) or tokens, a
+    batch holding ``span`` of them: where workers hand their tails over (``handoff``), every
+    worker but a rank's last counts its full batches, and the last counts its share with the
+    others' tails (what is left beyond their last full batch)."""
+    by_items = batcher.count_by == COUNT_BY_ITEMS
+    count = (lambda b, x: b.count(x, None)) if by_items else (lambda b, x: b.count(None, x))
+    if not hands:
+        return _table(lambda x: count(batcher, sizes(x)), per_share)
+    per_share = np.asarray(per_share, np.int64)
+    handing = batcher.handing()
+    out = _table(lambda x: count(handing, sizes(x)), per_share)
+    for r, row in enumerate(per_share):
+        out[r, -1] = count(batcher, sizes(int(row[-1] + (row[:-1] % span).sum())))
+    return out
 
 
 @dataclass(frozen=True)
@@ -353,15 +374,19 @@ def _layout_exact(catalog: Source, cfg: Config, epoch: int, layout: EpochLayout,
     for r in range(world) if ranks is None else ranks:
         for w in range(workers):
             spec = cfg.spec(epoch, r, world, w, workers)
-            out[r, w] = share_count(catalog, cfg, layout.slices(r, w), spec)
+            slices = with_tails(catalog, cfg, spec, lambda s, r=r: layout.slices(r, s.worker))
+            out[r, w] = share_count(catalog, cfg, slices, spec)
     return out
 
 
-def _share_tokens(catalog: Source, layout: EpochLayout) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """([world, workers] tokens of every share (documents, before any max_len), the ranges of
-    lengths.npy read for them, unchecked): the index's tokens per shard (or per block of a shard:
-    the sum of its lengths), and for each share boundary inside one the documents' lengths from
-    the nearer end of its shard."""
+def _share_tokens(
+    catalog: Source, layout: EpochLayout, max_len: int | None
+) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """([world, workers] tokens of every share (documents, before any truncation at max_len),
+    the ranges of lengths.npy read for them, unchecked): the index's tokens per shard (or per
+    block of a shard: the sum of its lengths), and for each share boundary inside one the
+    documents' lengths from the nearer end of its shard (a boundary inside a document split at
+    ``max_len``: its pieces before the boundary hold ``max_len`` tokens each)."""
     read: list = []
     if layout.firsts is None:
         firsts, tokens = np.zeros(len(layout.order), np.int64), catalog.tokens_per_shard[layout.order]
@@ -369,7 +394,8 @@ def _share_tokens(catalog: Source, layout: EpochLayout) -> tuple[np.ndarray, lis
         firsts = layout.firsts
         tokens, read = _block_tokens(catalog, layout.order, firsts, layout.counts)
     token_ends = np.concatenate([[0], np.cumsum(tokens)])
-    points = np.unique(np.concatenate([layout.starts.reshape(-1), layout.stops.reshape(-1)]))
+    cuts = np.unique(np.concatenate([layout.starts.reshape(-1), layout.stops.reshape(-1)]))
+    points, pieces_in = layout.in_documents(cuts)
     at = np.searchsorted(layout.ends, points, side="right")  # the shard (in epoch order) holding each
     before = np.full(len(points), token_ends[-1], np.int64)  # points past the last shard
     inside = at < len(layout.order)
@@ -377,8 +403,9 @@ def _share_tokens(catalog: Source, layout: EpochLayout) -> tuple[np.ndarray, lis
     k = points[inside] - (layout.ends[i] - layout.counts[i])  # documents of the block before the point
     part, head_read = _block_tokens(catalog, layout.order[i], firsts[i], k)
     before[inside] = token_ends[i] + part
-    starts = before[np.searchsorted(points, layout.starts)]
-    stops = before[np.searchsorted(points, layout.stops)]
+    before += pieces_in * (max_len or 0)
+    starts = before[np.searchsorted(cuts, layout.starts)]
+    stops = before[np.searchsorted(cuts, layout.stops)]
     return stops - starts, read + head_read
 
 
@@ -444,12 +471,17 @@ def _plan_sizes(
 
 
 def _lower_bound(
-    catalog: Source, cfg: Config, batcher: Batcher, items: np.ndarray, tokens: np.ndarray | None
+    catalog: Source, cfg: Config, batcher: Batcher, items: np.ndarray, tokens: np.ndarray | None, hands: bool
 ) -> np.ndarray:
     """[world, workers] lower bounds on the counts, from the shares' items and tokens alone
     (``Batcher.lower_bound``). Items after splitting are at least the documents; without the
-    tokens (documents truncated at max_len) every item still holds a token."""
-    return batcher.lower_bound(items, tokens, _longest(catalog, cfg))
+    tokens (documents truncated at max_len) every item still holds a token. Workers that hand
+    their tails over count their full batches (``handing``); the tails only add to the last's."""
+    bound = batcher.lower_bound(items, tokens, _longest(catalog, cfg))
+    if hands:
+        handing = batcher.handing().lower_bound(items, tokens, _longest(catalog, cfg))
+        bound[:, :-1] = handing[:, :-1]
+    return bound
 
 
 def _longest(catalog: Source, cfg: Config) -> int:
@@ -469,7 +501,7 @@ def _longest(catalog: Source, cfg: Config) -> int:
 
 
 #: bumped whenever a count could come out differently: cached tables of another version are not read
-COUNTS_VERSION = 3
+COUNTS_VERSION = 5
 
 
 def counts_cache_dir(catalog: Source) -> str:

@@ -219,6 +219,9 @@ def check_fits(st: statemod.LoaderState, here: Here, *, exact_order: bool) -> No
         infinite=here.cfg.infinite,
     )
     statemod.check_order(statemod.LOADER_KIND, st.version, here.catalog, here.cfg)
+    statemod.check_split(
+        statemod.LOADER_KIND, st.version, here.catalog, here.cfg, st.world_size, st.num_workers, st.plan is not None
+    )
     same_layout = st.world_size == here.world and st.num_workers == here.workers
     if st.workers and st.world_size != here.world and here.catalog.has_step_schedule():
         raise StateError(

@@ -30,6 +30,8 @@ from .collate import CollateOptions, assemble
 from .config import Config, reading_options, resolve_world
 from .counts import EpochLimits, EpochPlan, WorkerLimit, epoch_limits, slices_for
 from .guard import refuse_rewrapping
+from .handoff import batcher_for
+from .marks import MARK_KEY, TaskMarks, batcher_hint
 from .mixstats import mix_counts
 from .options import (
     BatchOptions,
@@ -49,10 +51,12 @@ from .stream import (
     PlanLabels,
     StreamSpec,
     StreamStats,
+    block_size,
     plan_labels,
     read_plan_stream,
     shuffle_lengths,
     shuffled_items,
+    slice_item_counts,
     slice_item_lengths,
 )
 from .transport import RingHolder, send_bundles
@@ -238,7 +242,6 @@ class WorkerBatcher:
 
     def __init__(self, catalog: Source, cfg: Config, read: ReadOptions, compact: bool):
         self.catalog, self.cfg, self.read, self.compact = catalog, cfg, read, compact
-        self.batcher = cfg.make_batcher()
         self.stats = StreamStats()
 
     def emit(self, spec: StreamSpec, index: int, items: Any, hint: Any, refill: bool = False) -> Batch:
@@ -271,39 +274,55 @@ class WorkerBatcher:
             return None
         return task_slices(self.catalog, self.cfg, next_spec, None), next_spec
 
-    def blocks(self, slices: list, spec: StreamSpec, next_spec: StreamSpec | None, position: int) -> Iterator:
+    def blocks(
+        self, slices: list, spec: StreamSpec, next_spec: StreamSpec | None, marks: TaskMarks | None, position: int
+    ) -> Iterator:
         then = functools.partial(self.following, next_spec)
-        return read_plan_stream(
-            self.catalog, slices, spec, start=position, options=self.read, stats=self.stats, then=then
+        mark = marks.start if marks is not None else None
+        stream = read_plan_stream(
+            self.catalog, slices, spec, start=position, options=self.read, stats=self.stats, then=then, mark=mark
         )
+        return stream if marks is None else marks.wrap(position, stream)
+
+    def task_marks(self, task: EpochTask, batcher: Any, slices: list) -> TaskMarks | None:
+        """Where the stream stands in documents, noted as it goes (counts unknown: raw text
+        without a count sidecar), so that a resume passes over documents by parsing only."""
+        spec = task.spec
+        if spec.resample or slice_item_counts(self.catalog, slices, spec) is not None:
+            return None
+        size = block_size(spec, self.catalog.mixing)
+        return TaskMarks(task.hint, batcher, size, keep=4 * (max(size, 1) + (self.cfg.window or 0)))
 
     def task_batches(self, task: EpochTask) -> Iterator[Batch]:
         """One task's batches: from its first batch (a resume) to its limit (equal batches)."""
-        catalog, cfg, spec, limit, batcher = self.catalog, self.cfg, task.spec, task.limit, self.batcher
+        catalog, cfg, spec, limit = self.catalog, self.cfg, task.spec, task.limit
+        batcher = batcher_for(catalog, cfg, spec)  # a worker that hands its tail over: full batches only
         slices = task_slices(catalog, cfg, spec, task.plan)
         lengths = None  # a share's lengths: only to find where a resume without a hint starts
         if batcher.needs_lengths and not spec.resample and task.hint is None and task.first_batch:
             lengths = slice_item_lengths(catalog, slices, spec)
             if lengths is not None:
                 lengths = shuffle_lengths(lengths, spec, catalog.mixing, plan_labels(catalog, slices, spec))
-        start = batcher.start_position(task.first_batch, lengths, task.hint)
+        hint = batcher_hint(task.hint)
+        start = batcher.start_position(task.first_batch, lengths, hint)
         failed: set[str] = set()
-        blocks = functools.partial(self.blocks, slices, spec, task.following)
+        marks = self.task_marks(task, batcher, slices)
+        blocks = functools.partial(self.blocks, slices, spec, task.following, marks)
         labels = PlanLabels.of(catalog, slices, spec)
         items_stream = shuffled_items(blocks, spec, start=start, mixing=catalog.mixing, labels=labels)
         index = task.first_batch
-        for index, items, hint in batcher.batches(items_stream, task.first_batch, spec, lengths, task.hint):
+        for index, items, after in batcher.batches(items_stream, task.first_batch, spec, lengths, hint):
             if limit is not None and limit.reached(index):
                 break
             failed.update(self.stats.skipped_shards)
             if cfg.unbatched:  # a chunk of single items: `index` counts items
                 if limit is not None and limit.reached(index + len(items)):
                     items = items.slice(0, limit.value() - index)
-                yield self.emit(spec, index, items, hint)
-                index += len(items)
-                continue
-            yield self.emit(spec, index, items, hint)
-            index += 1
+                following = index + len(items)
+            else:
+                following = index + 1
+            yield self.emit(spec, index, items, after if marks is None else marks.hint(following, after))
+            index = following
         failed.update(self.stats.skipped_shards)
         if limit is not None and (failed or cfg.uneven == "repeat") and index < limit.value():
             yield from _refill(
@@ -531,7 +550,7 @@ class WdsPipeline(wds.DataPipeline):
 
     def state_dict(self) -> dict[str, str]:
         """Where this worker's batches stand (call it in the worker, as StatefulDataLoader does):
-        ``{"format": "wdsllm.dataset/1", "state": JSON}``."""
+        ``{"format": "wdsllm.dataset/3", "state": JSON}``."""
         if self.tracker is None:
             raise ConfigError("this pipeline belongs to a wdsllm.loader: use loader.state_dict()")
         if self._pending is not None:
@@ -572,7 +591,7 @@ class WdsPipeline(wds.DataPipeline):
         )
         keys = self.cfg.mode.hint_keys
         hint = st.position.hint
-        if hint is not None and (not keys or set(hint) != keys):
+        if hint is not None and set(hint) - {MARK_KEY} != keys:
             raise StateError(f"the dataset state's batcher hint has keys {sorted(hint)}; expected {sorted(keys)}")
         self._pending = st
 

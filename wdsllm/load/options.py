@@ -108,7 +108,7 @@ class BatchOptions(Options):
         32, "items per batch: documents, or rows (packed data, pack and concat); None: see below", low=1
     )
     drop_last: bool = option(
-        False, "drop each worker's final short batch (fixed batches: only a rank's last worker has one)"
+        False, "drop the rank's final short batch (only a rank's last worker has one: docs/batching.md)"
     )
     batching: str = option("fixed", '"fixed", "bucket", "pack" or "concat": see batching.md')
     window: int = option(10_000, "bucket/pack: items per window", low=1)

@@ -2,10 +2,10 @@
 
 Randomness comes only from (seed, epoch) for the shard order, shared by every rank and worker,
 and from (seed, epoch, rank, worker, ...) for per-worker streams (see ``rng``). The order is split
-by rank first and then by worker. With an index the split is by items (documents or rows), so
-every consumer gets the same count to within one (documents split at max_len weigh as their
-pieces: to within one document's pieces), and shards are cut below shard level whenever
-a boundary falls inside one; without an index whole shards are dealt out, and when there are
+by rank first and then by worker. With an index the split is by what the stream yields (documents,
+rows, or the pieces of documents split at max_len, a cut then falling inside a document), so every
+rank gets the same count to within one, and shards are cut below shard level whenever a boundary
+falls inside one; without an index whole shards are dealt out, and when there are
 fewer shards than consumers a shard's items are dealt out by stride.
 """
 
@@ -124,9 +124,12 @@ class Slice:
     """Items [start, stop) of one shard, every ``stride``-th one from ``start`` (stop None: to the end).
 
     ``pick`` (sorted positions within the slice's item sequence, pieces counted) keeps only those
-    items: how the remainder of an interrupted epoch is re-planned for a new layout. ``group``
-    numbers the part of a mixture's epoch (between schedule points) the slice belongs to: a
-    shuffle block never interleaves two parts, so a weight change takes effect where it says.
+    items: how the remainder of an interrupted epoch is re-planned for a new layout, and how a
+    share starts or stops inside a split document. ``group`` numbers the part of a mixture's
+    epoch (between schedule points) the slice belongs to: a shuffle block never interleaves two
+    parts, so a weight change takes effect where it says. ``lead``: tokens of the slice's first
+    item that an earlier row already holds (the tail a worker hands to its rank's last worker
+    may start inside a document that a concat row cut).
     """
 
     shard: int
@@ -135,6 +138,7 @@ class Slice:
     stride: int = 1
     pick: np.ndarray | None = None
     group: int = 0
+    lead: int = 0
 
     @property
     def count(self) -> int | None:
@@ -151,6 +155,7 @@ class Slice:
             self.stop,
             self.stride,
             None if self.pick is None else tuple(self.pick.tolist()),
+            self.lead,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -193,7 +198,8 @@ def consumer_share(
 class EpochLayout:
     """Every consumer's share of an epoch with an index, at once: the shard order, items per shard
     in that order and their running ends, and each (rank, worker)'s item range. O(shards +
-    consumers), whatever the number of items."""
+    consumers), whatever the number of items. With ``pieces`` (documents split at max_len) the
+    shares are ranges of pieces, not documents: a cut may fall inside a document."""
 
     order: np.ndarray
     counts: np.ndarray
@@ -201,15 +207,91 @@ class EpochLayout:
     starts: np.ndarray  # [world, workers]: first item (in epoch order) of each consumer
     stops: np.ndarray  # [world, workers]: one past its last
     firsts: np.ndarray | None = None  # blocks of shards (``order``: their shards): first item of each
+    pieces: EpochPieces | None = None  # starts and stops count pieces of documents
 
     def slices(self, rank: int, worker: int) -> list[Slice]:
         """The slices (rank, worker) reads, in reading order."""
         a, b = int(self.starts[rank, worker]), int(self.stops[rank, worker])
+        if self.pieces is not None:
+            return self.pieces.slices(self, a, b)
         return slices_of_range(self.order, self.counts, self.ends, a, b, self.firsts)
+
+    def in_documents(self, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(document in epoch order, pieces of it before the point) of each item position."""
+        points = np.asarray(points, np.int64)
+        if self.pieces is None:
+            return points, np.zeros(len(points), np.int64)
+        found = [self.pieces.document_of(self, int(p)) for p in points.tolist()]
+        return np.array([d for d, _ in found], np.int64), np.array([k for _, k in found], np.int64)
 
 
 #: pieces each document of a shard becomes in the stream (``piece_counter``)
 DocPieces = Callable[[int], np.ndarray]
+
+
+@dataclass(eq=False)
+class EpochPieces:
+    """The pieces of an epoch's blocks: ``ends`` their running sum (block order), and
+    ``per_doc(i)`` the pieces of each document of block ``i``. What lets a share start or stop
+    inside a document: ranks and workers then differ by at most one piece, not one document."""
+
+    ends: np.ndarray
+    per_doc: DocPieces
+
+    @classmethod
+    def of(cls, n_blocks: int, per_doc: DocPieces) -> EpochPieces:
+        pieces = np.array([int(per_doc(i).sum()) for i in range(n_blocks)], np.int64)
+        return cls(np.cumsum(pieces), per_doc)
+
+    @property
+    def total(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def document_of(self, layout: EpochLayout, point: int) -> tuple[int, int]:
+        """(document in epoch order, pieces of it before) at piece position ``point``."""
+        if point >= self.total:
+            return (int(layout.ends[-1]) if len(layout.ends) else 0), 0
+        i = int(np.searchsorted(self.ends, point, side="right"))
+        through = np.cumsum(self.per_doc(i))
+        within = point - int(self.ends[i - 1] if i else 0)
+        doc = int(np.searchsorted(through, within, side="right"))
+        return int(layout.ends[i] - layout.counts[i]) + doc, within - int(through[doc - 1] if doc else 0)
+
+    def slices(self, layout: EpochLayout, a: int, b: int) -> list[Slice]:
+        """Slices covering pieces [a, b) in epoch order: whole documents as ranges, a document
+        cut by a share's edge as a one-document slice that picks its pieces."""
+        out: list[Slice] = []
+        while a < b:
+            i = int(np.searchsorted(self.ends, a, side="right"))
+            block_start = int(self.ends[i - 1] if i else 0)
+            stop = min(b, int(self.ends[i]))
+            out.extend(_block_piece_slices(layout, i, self.per_doc(i), a - block_start, stop - block_start))
+            a = stop
+        return out
+
+
+def _block_piece_slices(layout: EpochLayout, i: int, per_doc: np.ndarray, s: int, e: int) -> list[Slice]:
+    """Pieces [s, e) of block ``i`` (``per_doc``: the pieces of each of its documents) as slices."""
+    shard, first = int(layout.order[i]), 0 if layout.firsts is None else int(layout.firsts[i])
+    through = np.cumsum(per_doc)
+    lo = int(np.searchsorted(through, s, side="right"))  # the document of the first piece
+    hi = int(np.searchsorted(through, e - 1, side="right"))  # ... of the last
+    head = s - int(through[lo - 1] if lo else 0)  # pieces of the first document not taken
+    tail = e - int(through[hi - 1] if hi else 0)  # pieces of the last document taken
+    if lo == hi and (head or tail < per_doc[hi]):
+        return [Slice(shard, first + lo, first + lo + 1, pick=np.arange(head, tail))]
+    out = []
+    whole_from, whole_to = lo, hi + 1
+    if head:
+        out.append(Slice(shard, first + lo, first + lo + 1, pick=np.arange(head, int(per_doc[lo]))))
+        whole_from = lo + 1
+    if tail < per_doc[hi]:
+        whole_to = hi
+    if whole_to > whole_from:
+        out.append(Slice(shard, first + whole_from, first + whole_to))
+    if tail < per_doc[hi]:
+        out.append(Slice(shard, first + hi, first + hi + 1, pick=np.arange(0, tail)))
+    return out
 
 
 def piece_counter(source: Source, spec: StreamSpec) -> DocPieces | None:
@@ -222,41 +304,7 @@ def piece_counter(source: Source, spec: StreamSpec) -> DocPieces | None:
 
 
 def _doc_pieces(lengths: Any, max_len: int, shard: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-
     return pieces_per_doc(lengths.of_unit(shard, start, stop).astype(np.int64), max_len)
-
-
-def weighed_shares(
-    order: np.ndarray, counts: np.ndarray, ends: np.ndarray, world: int, workers: int, doc_pieces: DocPieces
-) -> tuple[np.ndarray, np.ndarray]:
-    """``consumer_shares`` of the epoch's pieces rather than its documents, each cut moved to
-    the document boundary nearest to it: consumers differ by at most one document's pieces,
-    where a split by documents leaves a rank with all the long ones (starts, stops: documents)."""
-    pieces = np.array([int(doc_pieces(int(s)).sum()) for s in order], np.int64)
-    piece_ends = np.cumsum(pieces)
-    total = int(piece_ends[-1]) if len(piece_ends) else 0
-    piece_starts, piece_stops = consumer_shares(total, world, workers)
-    points = np.unique(np.concatenate([piece_starts.reshape(-1), piece_stops.reshape(-1)]))
-    docs = [_nearest_boundary(int(p), order, counts, ends, piece_ends, doc_pieces) for p in points]
-    return (
-        np.asarray(docs, np.int64)[np.searchsorted(points, piece_starts)],
-        np.asarray(docs, np.int64)[np.searchsorted(points, piece_stops)],
-    )
-
-
-def _nearest_boundary(
-    point: int, order: np.ndarray, counts: np.ndarray, ends: np.ndarray, piece_ends: np.ndarray, doc_pieces: DocPieces
-) -> int:
-    """The document boundary (epoch order) nearest to piece ``point`` (a tie: the later one)."""
-    i = int(np.searchsorted(piece_ends, point, side="right"))
-    if i >= len(order):
-        return int(ends[-1]) if len(ends) else 0
-    within = point - int(piece_ends[i - 1] if i else 0)
-    before = np.concatenate([[0], np.cumsum(doc_pieces(int(order[i])))])
-    k = int(np.searchsorted(before, within, side="left"))
-    if k > 0 and within - before[k - 1] < before[k] - within:
-        k -= 1
-    return int(ends[i] - counts[i]) + k
 
 
 def epoch_layout(
@@ -271,19 +319,15 @@ def epoch_layout(
     tokens_per_shard: Sequence[int] | None = None,
     unit: int = 1,
 ) -> EpochLayout:
-    """The shares of every (rank, worker): ``consumer_shares`` of the items (in whole ``unit``s
-    per worker), or with ``doc_pieces`` (documents split at max_len) ``weighed_shares`` of their
-    pieces."""
+    """The shares of every (rank, worker): ``consumer_shares`` of the items, or with
+    ``doc_pieces`` (documents split at max_len) of their pieces, in whole ``unit``s per worker."""
     blocks = epoch_blocks(items_per_shard, tokens_per_shard, seed, epoch, shuffle)
     counts = blocks.counts
     ends = np.cumsum(counts)
+    pieces = None if doc_pieces is None else EpochPieces.of(len(counts), blocks.pieces_of(doc_pieces))
     total = int(ends[-1]) if len(ends) else 0
-    if doc_pieces is None:
-        starts, stops = consumer_shares(total, world, workers, unit=unit)
-    else:
-        in_order = np.arange(len(counts))
-        starts, stops = weighed_shares(in_order, counts, ends, world, workers, blocks.pieces_of(doc_pieces))
-    return EpochLayout(blocks.shards, counts, ends, starts, stops, blocks.firsts)
+    starts, stops = consumer_shares(total if pieces is None else pieces.total, world, workers, unit=unit)
+    return EpochLayout(blocks.shards, counts, ends, starts, stops, blocks.firsts, pieces)
 
 
 def plan_epoch(
@@ -304,17 +348,18 @@ def plan_epoch(
     """The slices that (rank, worker) reads in this epoch, in reading order (``doc_pieces``:
     documents weighed by their pieces, ``unit``: items per batch, ``epoch_layout``)."""
     if items_per_shard is not None:
-        blocks = epoch_blocks(items_per_shard, tokens_per_shard, seed, epoch, shuffle)
-        counts = blocks.counts
-        ends = np.cumsum(counts)
-        total = int(ends[-1]) if len(ends) else 0
-        if doc_pieces is not None:
-            in_order = np.arange(len(counts))
-            starts, stops = weighed_shares(in_order, counts, ends, world, workers, blocks.pieces_of(doc_pieces))
-            a, b = int(starts[rank, worker]), int(stops[rank, worker])
-        else:
-            a, b = consumer_share(total, rank, world, worker, workers, unit=unit)
-        return slices_of_range(blocks.shards, counts, ends, a, b, blocks.firsts)
+        layout = epoch_layout(
+            items_per_shard,
+            seed=seed,
+            epoch=epoch,
+            world=world,
+            workers=workers,
+            shuffle=shuffle,
+            doc_pieces=doc_pieces,
+            tokens_per_shard=tokens_per_shard,
+            unit=unit,
+        )
+        return layout.slices(rank, worker)
     order = shard_order(n_shards, seed, epoch, shuffle)
     consumers = world * workers
     if n_shards >= world:

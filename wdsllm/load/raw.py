@@ -12,7 +12,8 @@ What an index gives a packed dataset, the **count sidecar** gives raw text (``wd
 :mod:`.rawcount`): documents and tokens per unit and every document's length. With it a raw
 source plans, counts, equalises ranks and resumes exactly as a packed dataset does (a resume
 seeks to its unit and parses, without tokenizing, the documents before its position in it).
-Without it units are dealt whole, a resume re-reads the worker's share up to its position, and a
+Without it units are dealt whole, a resume re-reads the worker's share up to its position by
+parsing only (the state marks it in documents and pieces: ``marks``), and a
 multi-rank run must pass ``steps_per_epoch`` (refused otherwise: ranks could not stay in step).
 
 A document's identity is ``(input file, line or row)``: its item id is ``file << 32 | line``

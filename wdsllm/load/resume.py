@@ -25,8 +25,9 @@ from ..errors import StateError
 from . import plan as planmod
 from .batching import Batcher
 from .config import Config
+from .handoff import batcher_for, hands_over, slices_for, tail_positions
 from .mixplan import smooth_prefixes
-from .plan import Slice, slices_for
+from .plan import Slice
 from .sources.protocol import Source
 from .stream import (
     StreamSpec,
@@ -159,8 +160,10 @@ class RemainderPlan:
                         "resuming with another world size or worker count needs the dataset's index (lengths.npy)"
                     )
                 labels = plan_labels(source, slices, spec)
-                batcher = cfg.make_batcher()
+                batcher = batcher_for(source, cfg, spec)
                 gone = consumed_plan_positions(batcher, lengths, spec, self.consumed[r][w], source.mixing, labels)
+                if hands_over(source, cfg, spec):  # its tail is in its rank's last worker's slices
+                    gone = np.union1d(gone, tail_positions(source, cfg, spec, slices)[0])
                 slices_out.extend(remaining_slices(slices, counts, gone))
         counts_out = slice_item_counts(source, slices_out, cfg.spec(self.epoch, 0, 1, 0, 1))
         self._sequence = (slices_out, counts_out)

@@ -4,7 +4,7 @@ A state travels through checkpointers that each keep a different subset of a nes
 ``torch.distributed.checkpoint`` fills only the leaves of the *fresh* object's state (a fresh
 loader has no per-worker keys, so they were dropped) and, across ranks, keeps each leaf from
 whichever rank it likes; ``torch.load(weights_only=True)`` refuses anything but plain types. So
-``state_dict()`` returns two strings, ``{"format": "wdsllm.loader/2", "state": "<JSON>"}``: one
+``state_dict()`` returns two strings, ``{"format": "wdsllm.loader/4", "state": "<JSON>"}``: one
 leaf can be neither truncated nor mixed, and every checkpointer keeps strings. The JSON carries a
 digest of itself, so an edited or damaged state is refused rather than trusted.
 
@@ -26,22 +26,30 @@ import numpy as np
 
 from ..errors import StateError
 from . import plan as planmod
+from .batching import COUNT_BY_ITEMS
 from .config import Config
 from .counts import batch_counts, equalised, round_robin_share, worker_batch_count
+from .handoff import hands_tails
+from .marks import MARK_KEY
 from .resume import RemainderPlan
 from .sources.protocol import Source
 
 LOADER_KIND = "wdsllm.loader"
 DATASET_KIND = "wdsllm.dataset"
 #: 1: a plain nested dict (still read); 2: the same fields sealed in one JSON string; 3: the
-#: epoch of an indexed dataset ordered by blocks of shards (``plan.epoch_blocks``)
-LOADER_VERSION = 3
-READABLE_LOADER_VERSIONS = (1, 2, 3)
-#: 2: blocks of shards, as the loader's 3
-DATASET_VERSION = 2
-READABLE_DATASET_VERSIONS = (1, 2)
+#: epoch of an indexed dataset ordered by blocks of shards (``plan.epoch_blocks``); 4: worker
+#: shares in whole batches, and documents split at max_len shared by their pieces
+LOADER_VERSION = 4
+READABLE_LOADER_VERSIONS = (1, 2, 3, 4)
+#: 2: blocks of shards, as the loader's 3; 3: whole-batch and piece shares, as the loader's 4
+DATASET_VERSION = 3
+READABLE_DATASET_VERSIONS = (1, 2, 3)
 #: the first loader (and dataset) state versions whose positions are in blocks-of-shards order
 BLOCK_ORDER_VERSIONS = {LOADER_KIND: 3, DATASET_KIND: 2}
+#: ... and whose mixtures' passes are in blocks-of-shards order (``mixplan.PassStream``)
+MIX_BLOCK_ORDER_VERSIONS = {LOADER_KIND: 4, DATASET_KIND: 3}
+#: ... whose worker shares are whole batches and whose shares of split documents count pieces
+SPLIT_VERSIONS = {LOADER_KIND: 4, DATASET_KIND: 3}
 #: bounds beyond which a field is refused as damaged (a negated or huge number)
 MAX_EPOCH = 1 << 32
 MAX_COUNT = 1 << 48
@@ -166,7 +174,7 @@ class Position:
         if hint is not None:
             if not isinstance(hint, dict):
                 raise StateError(f"{_where(key + '[2]')} (the batcher's hint) must be an object or null")
-            hint = {k: _int(v, f"{key}[2].{k}") for k, v in hint.items()}
+            hint = {k: _hint_value(k, v, f"{key}[2].{k}") for k, v in hint.items()}
         return cls(_int(value[0], key + "[0]", hi=MAX_EPOCH), _int(value[1], key + "[1]"), hint)
 
     def to_json(self) -> list:
@@ -317,14 +325,80 @@ def check_identity(st: LoaderState, *, dataset: str, settings: str, infinite: bo
 def check_order(kind: str, version: int, source: Source, cfg: Config) -> None:
     """A state saved before epochs were ordered by blocks of shards names positions in whole-shard
     order: it resumes exactly only where both orders agree (a shard is one block, or no shuffle)."""
-    if version >= BLOCK_ORDER_VERSIONS[kind] or not cfg.shuffle or cfg.resample:
+    if not cfg.shuffle or cfg.resample:
         return
-    if source.mixing is None and planmod.cuts_shards(source.items_per_shard, planmod.block_tokens(source)):
+    if source.mixing is not None:
+        _check_mix_order(kind, version, source)
+        return
+    if version >= BLOCK_ORDER_VERSIONS[kind]:
+        return
+    if planmod.cuts_shards(source.items_per_shard, planmod.block_tokens(source)):
         raise StateError(
             f"the state was saved by an earlier wdsllm (state version {version}), which ordered this dataset's "
             "epoch by whole shards; this one shuffles blocks of shards (docs/loader.md, 'The shuffle'), so the "
             "saved positions name other documents and cannot be resumed exactly: resume with the wdsllm that "
             "saved it, or start the state's epoch afresh (set_epoch)"
+        )
+
+
+def _hint_value(name: str, value: Any, where: str) -> Any:
+    """A hint's value: an integer, or a mark ``[documents, pieces]`` (``marks.MARK_KEY``)."""
+    if name != MARK_KEY:
+        return _int(value, where)
+    if not isinstance(value, list) or len(value) != 2:
+        raise StateError(f"{_where(where)} (where the stream stands in documents) must be [documents, pieces]")
+    return [_int(value[0], where + "[0]"), _int(value[1], where + "[1]")]
+
+
+def check_split(
+    kind: str, version: int, source: Source, cfg: Config, world: int, workers: int, replanned: bool = False
+) -> None:
+    """A state saved before worker shares were planned in whole batches and split documents were
+    shared by their pieces names positions in the shares of that older split: it resumes only
+    where both splits agree (one consumer, or shares of one item each that fall alike), never
+    onto other shares. ``replanned``: the state carries the remainder of an interrupted epoch."""
+    if version >= SPLIT_VERSIONS[kind] or cfg.resample:
+        return
+    spec = cfg.spec(0, 0, world, 0, workers)
+    one = source.mixing is None
+    pieces = one and spec.splits(source.mode) and world * workers > 1
+    by_items = cfg.make_batcher().count_by == COUNT_BY_ITEMS
+    handed = hands_tails(source, cfg, spec) and not (by_items and one)  # whole batches of items hand nothing
+    unit = cfg.share_unit(source.mode)
+    in_units = one and unit > 1 and workers > 1 and (replanned or _batch_shares_move(source, world, workers, unit))
+    if pieces or handed or in_units:
+        raise StateError(
+            f"the state was saved by an earlier wdsllm (state version {version}), which split this epoch among "
+            "ranks and workers by documents and let each worker end with its own short batch; this one shares "
+            "the pieces of split documents, deals whole batches to workers and hands each worker's tail to its "
+            "rank's last worker (docs/batching.md, 'One short batch per rank'), so the saved positions name "
+            "other items and cannot be resumed exactly: resume with the wdsllm that saved it, or start the "
+            "state's epoch afresh (set_epoch)"
+        )
+
+
+def _batch_shares_move(source: Source, world: int, workers: int, unit: int) -> bool:
+    """Whether planning workers' shares in whole ``unit``s moves any cut of the epoch's split."""
+    if source.items_per_shard is None:
+        return False
+    total = int(np.sum(source.items_per_shard, dtype=np.int64))
+    by_item = planmod.consumer_shares(total, world, workers)
+    by_unit = planmod.consumer_shares(total, world, workers, unit=unit)
+    return not all(np.array_equal(x, y) for x, y in zip(by_item, by_unit))
+
+
+def _check_mix_order(kind: str, version: int, source: Source) -> None:
+    """A mixture's passes were ordered by whole shards before: the same order only where no
+    source's shards are cut into blocks."""
+    if version >= MIX_BLOCK_ORDER_VERSIONS[kind]:
+        return
+    cut = [c for c in source.components() if planmod.cuts_shards(c.items_per_shard, planmod.block_tokens(c))]
+    if cut:
+        raise StateError(
+            f"the state was saved by an earlier wdsllm (state version {version}), which ordered each pass of this "
+            "mixture's sources by whole shards; this one shuffles blocks of shards (docs/mixtures.md, 'The "
+            "shuffle'), so the saved positions name other documents and cannot be resumed exactly: resume with "
+            "the wdsllm that saved it, or start the state's epoch afresh (set_epoch)"
         )
 
 
@@ -344,7 +418,7 @@ def check_positions(st: LoaderState, source: Source, cfg: Config, *, exact_order
     are exactly DataLoader's round-robin share of the ``yielded`` batches."""
     keys = cfg.mode.hint_keys
     for w, pos in st.workers.items():
-        if pos.hint is not None and (not keys or set(pos.hint) != keys):
+        if pos.hint is not None and set(pos.hint) - {MARK_KEY} != keys:
             raise StateError(
                 f"{_where(f'workers.{w}[2]')} (the batcher's hint) has keys {sorted(pos.hint)}; "
                 f"batching={cfg.batching!r} writes {sorted(keys) or 'no hint'}"
@@ -518,6 +592,7 @@ class DatasetState:
         if self.settings != settings:
             raise StateError("the dataset state was saved with other settings (batch size, seed, batching, ...)")
         check_order(DATASET_KIND, self.version, source, cfg)
+        check_split(DATASET_KIND, self.version, source, cfg, self.world_size, self.num_workers)
         if (self.rank, self.world_size) != (rank, world):
             raise StateError(
                 f"the dataset state is rank {self.rank} of {self.world_size}'s; this pipeline is rank {rank} of {world}"

@@ -160,7 +160,11 @@ def slice_items(source: Source, sl: Slice, spec: StreamSpec) -> np.ndarray:
         items = rows[sl.start : sl.stop : sl.stride]
     else:
         items = _max_len_lengths(slice_doc_lengths(source, sl), spec)
-    return items if sl.pick is None else items[sl.pick]
+    items = items if sl.pick is None else items[sl.pick]
+    if sl.lead and len(items):
+        items = items.copy()
+        items[0] -= sl.lead
+    return items
 
 
 class ShareLengths:
@@ -340,8 +344,13 @@ def read_plan_stream(
     options: ReadOptions | None = None,
     stats: StreamStats | None = None,
     then: Callable[[], tuple[list[Slice], StreamSpec] | None] | None = None,
+    mark: tuple[int, int] | None = None,
 ) -> Iterator[Block]:
     """The plan stream from plan position ``start``, read: blocks of items in plan order.
+
+    ``mark`` (counts unknown: raw text without a count sidecar): where ``start`` stands in
+    documents (``marks.DocMarks``): that many documents are passed by the readers' skip (parsed,
+    never tokenized), then that many pieces of the next one dropped.
 
     With counts from the index, slices before ``start`` are not opened and the slice holding it
     is entered by skipping groups; without them the items before ``start`` are read and dropped.
@@ -351,7 +360,7 @@ def read_plan_stream(
     remote shards (``storage.Prefetcher.warm``).
     """
     options = options or ReadOptions()
-    work = _planned_work(source, slices, spec, start, options)
+    work = _planned_work(source, slices, spec, 0 if mark else start, options)
     streams = None
     if source.opens_units:
         work, ahead = itertools.tee(work)
@@ -364,11 +373,15 @@ def read_plan_stream(
         )
     warmer = _NextPass(source, then, options) if then is not None and streams is not None else None
     to_drop = _Drop()  # items still to drop when counts are unknown and a slice ran out first
+    if mark:
+        to_drop.docs, to_drop.items = mark
     for w in work:
         to_drop.items += w.drop
         position = _items_of_docs(source, w.sl, spec, w.skip) if w.sl.pick is not None else 0
         skip = w.skip
-        if to_drop.items and _skips_by_documents(source, w.sl, spec):  # passed over unread, not dropped
+        if to_drop.docs and w.sl.pick is None:  # the documents before a mark: passed over unread
+            skip, to_drop.docs = w.skip + to_drop.docs, 0
+        elif to_drop.items and _skips_by_documents(source, w.sl, spec):  # passed over unread, not dropped
             skip, to_drop.items = to_drop.items, 0
         try:
             stream = next(streams) if w.opening is not None else None
@@ -380,7 +393,10 @@ def read_plan_stream(
             )
             yield from _cut_blocks(source, w, blocks, spec, position, to_drop, stats)
             if skip > w.skip and blocks.documents is not None and blocks.documents < skip:
-                to_drop.items += skip - blocks.documents  # the slice ran out first: the rest from the next
+                if mark:  # the slice ran out first: the rest from the next
+                    to_drop.docs += skip - blocks.documents
+                else:
+                    to_drop.items += skip - blocks.documents
         except GeneratorExit:  # closed early (at interpreter exit, module globals may be gone already)
             raise
         except (storage.StorageError, FormatError, SourceError) as exc:
@@ -426,10 +442,12 @@ def _skips_by_documents(source: Source, sl: Slice, spec: StreamSpec) -> bool:
 
 
 class _Drop:
-    """Items still to drop, carried from slice to slice (counts unknown: a slice may run out first)."""
+    """Items still to drop, and documents still to pass (a mark's), carried from slice to slice
+    (counts unknown: a slice may run out first)."""
 
     def __init__(self) -> None:
         self.items = 0
+        self.docs = 0
 
 
 def _planned_work(
@@ -481,7 +499,7 @@ def _cut_blocks(
     """A slice's blocks numbered as the source's, cut at max_len, its picks kept, the items still
     to drop dropped (``position``: the in-slice item position of the first block)."""
     base = w.sl.shard - w.local.shard
-    pick = w.sl.pick
+    pick, lead = w.sl.pick, w.sl.lead
     for block in blocks:
         block = rebase(block, base)
         if source.mode == "docs":
@@ -492,12 +510,23 @@ def _cut_blocks(
             here = position + np.arange(len(block))
             position += len(block)
             block = block.take(np.nonzero(np.isin(here, pick, assume_unique=True))[0])
+        if lead and len(block):  # the first item's first tokens belong to an earlier row
+            block = rebase_lead(block, lead)
+            lead = 0
         if to_drop.items:
             take = min(to_drop.items, len(block))
             to_drop.items -= take
             block = block.slice(take, len(block))
         if len(block):
             yield block
+
+
+def rebase_lead(block: Block, lead: int) -> Block:
+    """``block`` with its first item's first ``lead`` tokens left out."""
+    starts, lengths = block.starts.copy(), block.lengths.copy()
+    starts[0] += lead
+    lengths[0] -= lead
+    return replace(block, starts=starts, lengths=lengths)
 
 
 def _items_of_docs(source: Source, sl: Slice, spec: StreamSpec, docs: int) -> int:
@@ -530,7 +559,7 @@ def _slice_work(
         pos += n
         if sl.pick is not None:
             # keep the picks from skip_items on; read from the document holding the first one
-            sl = Slice(sl.shard, sl.start, sl.stop, sl.stride, sl.pick[skip_items:])
+            sl = replace(sl, pick=sl.pick[skip_items:], lead=0 if skip_items else sl.lead)
             skip_docs, _ = _docs_before(source, sl, spec, int(sl.pick[0]))
             yield sl, skip_docs, 0
             continue

@@ -21,6 +21,7 @@ from .protocol import (
     batch_order_rng,
     batches_of,
     item_windows,
+    left_out,
     round_up,
 )
 
@@ -116,6 +117,12 @@ class BucketBatcher:
         if np.all(last >= c):  # only new items: carry them into the next window
             return WindowPlan(chunks[:-1], len(last))
         return WindowPlan(chunks, 0, small=1)
+
+    def handing(self) -> BucketBatcher:
+        return BucketBatcher(self.window, self.batch_size, self.max_tokens, self.multiple, drop_last=True)
+
+    def tail(self, lengths: np.ndarray, spec: StreamSpec) -> tuple[np.ndarray, int]:
+        return left_out(self.handing(), lengths, spec)
 
     def _underfull(self, lengths: np.ndarray) -> bool:
         return (len(lengths) + 1) * int(round_up(int(lengths.max()), self.multiple)) <= self.max_tokens

@@ -22,22 +22,43 @@ class ConcatBatcher:
     needs_lengths = True
     count_by = COUNT_BY_TOKENS
 
-    def __init__(self, seq_len: int, batch_size: int, drop_last: bool = False):
+    def __init__(self, seq_len: int, batch_size: int, drop_last: bool = False, whole_rows: bool = False):
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.drop_last = drop_last
+        #: only rows of seq_len: the short row the stream's last tokens make is left out
+        self.whole_rows = whole_rows
+
+    def rows(self, tokens: int) -> int:
+        """Rows ``tokens`` tokens make (the last one short, unless ``whole_rows`` leaves it out)."""
+        return tokens // self.seq_len if self.whole_rows else -(-tokens // self.seq_len)
 
     def count(self, n_items: int, lengths: np.ndarray | ItemLengths | None) -> int:
         if lengths is None:
             raise ConfigError("concat batch counts need the documents' lengths (an index)")
-        rows = (as_item_lengths(lengths).total() + self.seq_len - 1) // self.seq_len
-        return batches_of(rows, self.batch_size, self.drop_last)
+        return batches_of(self.rows(as_item_lengths(lengths).total()), self.batch_size, self.drop_last)
+
+    def handing(self) -> ConcatBatcher:
+        return ConcatBatcher(self.seq_len, self.batch_size, drop_last=True, whole_rows=True)
+
+    def tail(self, lengths: np.ndarray, spec: StreamSpec) -> tuple[np.ndarray, int]:
+        """The tokens after the last full batch: from inside the item that batch's last row cuts."""
+        ends = np.cumsum(lengths)
+        total = int(ends[-1]) if len(ends) else 0
+        span = self.batch_size * self.seq_len
+        used = total // span * span
+        if used == total:
+            return np.zeros(0, np.int64), 0
+        first = int(np.searchsorted(ends, used, side="right"))
+        return np.arange(first, len(lengths), dtype=np.int64), used - int(ends[first - 1] if first else 0)
 
     def lower_bound(self, items: np.ndarray, tokens: np.ndarray | None, longest: int) -> np.ndarray:
         """A row holds at most seq_len tokens."""
         return rows_lower_bound(items, tokens, self.seq_len, self.batch_size, self.drop_last)
 
     def start_position(self, batch: int, lengths: np.ndarray | None, hint: dict | None = None) -> int:
+        if hint is not None:
+            return hint["i"]
         if batch == 0 or lengths is None:
             return 0
         offset = batch * self.batch_size * self.seq_len
@@ -48,7 +69,7 @@ class ConcatBatcher:
         ends = np.cumsum(lengths)
         total = int(ends[-1]) if len(ends) else 0
         span = self.batch_size * self.seq_len
-        rows = -(-total // self.seq_len)  # the last row may be short: it still counts as a row
+        rows = self.rows(total)  # the last row may be short: it still counts as a row
         for a in range(0, total, span):
             b = min(total, a + span)
             if self.drop_last and rows - a // self.seq_len < self.batch_size:
@@ -65,21 +86,60 @@ class ConcatBatcher:
         lengths: np.ndarray | None = None,
         hint: Hint | None = None,
     ) -> Iterator[tuple[int, Block, None]]:
-        L = self.seq_len
+        L, b = self.seq_len, self.batch_size
         lead = 0  # tokens of the first item already used by earlier rows
-        skip_rows = first_batch * self.batch_size
-        if first_batch and lengths is not None:
+        skip_rows = first_batch * b
+        if hint is not None:
+            lead, skip_rows = hint["lead"], 0
+        elif first_batch and lengths is not None:
             start = self.start_position(first_batch, lengths)
-            lead = first_batch * self.batch_size * L - (int(lengths[:start].sum()) if start else 0)
+            lead = first_batch * b * L - (int(lengths[:start].sum()) if start else 0)
             skip_rows = 0
-        rows_stream = ((0, rows) for rows in _concat_rows(shuffled, L, lead))
-        for index, block, _ in row_batches(rows_stream, self.batch_size, first_batch, skip_rows, self.drop_last):
-            yield index, block, None
+        spans = _Spans(lead)
+        rows_stream = ((0, rows) for rows in _concat_rows(spans.wrap(shuffled), L, lead, not self.whole_rows))
+        for index, block, _ in row_batches(rows_stream, b, first_batch, skip_rows, self.drop_last):
+            yield index, block, spans.at(((index + 1 - first_batch) * b + skip_rows) * L)
 
 
-def _concat_rows(shuffled: Iterable[tuple[int, Block]], seq_len: int, lead: int) -> Iterator[Block]:
+class _Spans:
+    """Shuffled positions and token ends of the items a concat stream passed (the last few
+    blocks): which item holds the stream's token ``t``, and how much of it comes before, is
+    the hint ``{"i", "lead"}`` from which the next row is cut again."""
+
+    #: blocks kept: a batch's rows reach back over fewer blocks of the stream than this
+    KEEP = 64
+
+    def __init__(self, lead: int):
+        self.lead = lead  # tokens of the first item before the stream's first row
+        self.end = 0  # tokens passed, counted from the first item's first token
+        self.position = 0  # the shuffled position after the last item passed
+        self._blocks: list[tuple[int, int, np.ndarray]] = []  # (first position, first token, ends)
+
+    def wrap(self, shuffled: Iterable[tuple[int, Block]]) -> Iterator[tuple[int, Block]]:
+        for position, block in shuffled:
+            ends = self.end + np.cumsum(block.lengths)
+            self._blocks.append((position, self.end, ends))
+            self._blocks = self._blocks[-self.KEEP :]
+            self.end = int(ends[-1]) if len(ends) else self.end
+            self.position = position + len(block)
+            yield position, block
+
+    def at(self, tokens: int) -> dict:
+        """The hint of the row that starts ``tokens`` tokens after the stream's first row."""
+        t = tokens + self.lead
+        for position, first, ends in reversed(self._blocks):
+            if first <= t < (int(ends[-1]) if len(ends) else first):
+                i = int(np.searchsorted(ends, t, side="right"))
+                return {"i": position + i, "lead": t - (int(ends[i - 1]) if i else first)}
+        return {"i": self.position, "lead": 0}  # at (or past) the end of what was passed
+
+
+def _concat_rows(
+    shuffled: Iterable[tuple[int, Block]], seq_len: int, lead: int, short_row: bool = True
+) -> Iterator[Block]:
     """Rows of ``seq_len`` over the concatenated items; a row's segments are the pieces of
-    items it holds. ``lead`` tokens of the first item belong to rows before the stream start."""
+    items it holds. ``lead`` tokens of the first item belong to rows before the stream start;
+    ``short_row``: the last tokens make a short row (else they are left out)."""
     carry: Block | None = None
     for _, block in shuffled:
         if lead:
@@ -96,7 +156,7 @@ def _concat_rows(shuffled: Iterable[tuple[int, Block]], seq_len: int, lead: int)
             continue
         rows, carry = _cut_rows(block, seq_len, n_rows)
         yield rows
-    if carry is not None and len(carry):
+    if carry is not None and len(carry) and short_row:
         rows, _ = _cut_rows(carry, seq_len, 1)
         yield rows
 

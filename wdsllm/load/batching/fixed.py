@@ -38,6 +38,13 @@ class FixedBatcher:
     def start_position(self, batch: int, lengths: np.ndarray | None = None, hint: dict | None = None) -> int:
         return batch * self.batch_size
 
+    def handing(self) -> FixedBatcher:
+        return FixedBatcher(self.batch_size, drop_last=True)
+
+    def tail(self, lengths: np.ndarray, spec: StreamSpec) -> tuple[np.ndarray, int]:
+        n = len(lengths)
+        return np.arange(n - n % self.batch_size, n, dtype=np.int64), 0
+
     def dry_batches(self, lengths: np.ndarray, spec: StreamSpec) -> Iterator[np.ndarray]:
         """The shuffled-stream positions of each batch's items, from lengths alone."""
         n, b = len(lengths), self.batch_size
@@ -97,6 +104,12 @@ class ItemChunker:
 
     def start_position(self, item: int, lengths: np.ndarray | None = None, hint: dict | None = None) -> int:
         return item
+
+    def handing(self) -> ItemChunker:
+        return self
+
+    def tail(self, lengths: np.ndarray, spec: StreamSpec) -> tuple[np.ndarray, int]:
+        return np.zeros(0, np.int64), 0
 
     def dry_batches(self, lengths: np.ndarray, spec: StreamSpec) -> Iterator[np.ndarray]:
         for i in range(len(lengths)):

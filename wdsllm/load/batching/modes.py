@@ -69,6 +69,7 @@ MODES: dict[str, BatchingMode] = {
             docs_only=True,
             needs_seq_len=True,
             rows=True,
+            hint_keys=frozenset({"i", "lead"}),
         ),
     )
 }

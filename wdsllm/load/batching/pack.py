@@ -13,7 +13,16 @@ import numpy as np
 from ...errors import ConfigError
 from .. import plan as planmod
 from ..block import Block, empty_block
-from .protocol import COUNT_BY_WINDOWS, ArrayLengths, Hint, ItemLengths, as_item_lengths, batches_of, item_windows
+from .protocol import (
+    COUNT_BY_WINDOWS,
+    ArrayLengths,
+    Hint,
+    ItemLengths,
+    as_item_lengths,
+    batches_of,
+    item_windows,
+    left_out,
+)
 from .rows import row_batches, rows_lower_bound
 
 if TYPE_CHECKING:
@@ -201,6 +210,12 @@ class PackBatcher:
                 return i * self.window
             done += rows
         return len(lengths)
+
+    def handing(self) -> PackBatcher:
+        return PackBatcher(self.window, self.seq_len, self.batch_size, drop_last=True)
+
+    def tail(self, lengths: np.ndarray, spec: StreamSpec) -> tuple[np.ndarray, int]:
+        return left_out(self.handing(), lengths, spec)
 
     def _window_bins(self, lengths: np.ndarray, spec: StreamSpec, i: int) -> list[np.ndarray]:
         bins = best_fit_decreasing(lengths, self.seq_len)

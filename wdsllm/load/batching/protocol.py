@@ -113,6 +113,16 @@ class Batcher(Protocol):
         ``shuffled`` starts at ``start_position(first_batch, ...)``."""
         ...
 
+    def handing(self) -> Batcher:
+        """This mode as a worker that hands its tail to its rank's last worker runs it: its full
+        batches only (so that a rank ends its epoch with one short batch, not one per worker)."""
+        ...
+
+    def tail(self, lengths: np.ndarray, spec: StreamSpec) -> tuple[np.ndarray, int]:
+        """(the shuffled-stream positions of the items that ``handing()``'s batches leave out,
+        ascending; the tokens of the first of them that those batches already hold)."""
+        ...
+
 
 @dataclass(slots=True)
 class Batch:
@@ -129,6 +139,14 @@ class Batch:
     hint: dict | None = None  # the batcher's resume hint: where the worker's next batch starts
     stats: dict = field(default_factory=dict)
     mix: Any = None  # a mixture's [sources, 2] tokens and items of this batch (counted in the worker)
+
+
+def left_out(handing: Batcher, lengths: np.ndarray, spec: StreamSpec) -> tuple[np.ndarray, int]:
+    """``Batcher.tail`` of a mode whose batches hold whole items: the positions no batch of
+    ``handing`` (the mode's ``handing()``) holds, from its batches on lengths alone."""
+    parts = list(handing.dry_batches(lengths, spec))
+    used = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return np.setdiff1d(np.arange(len(lengths), dtype=np.int64), used), 0
 
 
 def batches_of(n: int, b: int, drop_last: bool) -> int:

@@ -1,0 +1,124 @@
+"""One short batch per rank: workers hand their tails to their rank's last worker.
+
+A rank's part of the epoch is split among its DataLoader workers, and a worker's batches end
+where its share ends: left alone, every worker would end the epoch with its own short batch (with
+2 workers and ``batch_size=8``: 8, 1 and 1 rows). Fixed batches avoid it by planning the shares
+in whole batches (``plan.consumer_shares``, ``unit``); where a batch is counted in tokens or rows
+(token budgets, pack, concat) no share boundary can promise that. So every worker but a rank's
+last runs its mode's ``Batcher.handing()``, which yields only full batches, and the items those
+leave out (its tail: ``Batcher.tail``) are read by the rank's last worker after its own share.
+
+Nothing crosses between the worker processes: a worker's batches are a pure function of its
+share's lengths and its random key, so the last worker finds every other worker's tail from
+lengths.npy (or a count sidecar), as the counts do, and the counts, ``len()``, positions and
+the elastic remainder all see the same slices through ``slices_for`` and ``batcher_for``.
+Where items' lengths are unknown (raw text without a count sidecar) every worker keeps its own
+short batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import plan as planmod
+from .batching import COUNT_BY_ITEMS, Batcher
+from .plan import Slice
+from .sources.protocol import Source
+from .stream import (
+    StreamSpec,
+    has_lengths,
+    inverse_shuffle,
+    plan_labels,
+    shuffle_lengths,
+    slice_item_counts,
+    slice_item_lengths,
+)
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .counts import EpochPlan
+
+
+def hands_tails(source: Source, cfg: Config, spec: StreamSpec) -> bool:
+    """Whether the workers of ``spec``'s rank hand their tails to its last worker: a finite,
+    batched epoch of several workers whose items' lengths are known before reading."""
+    return spec.workers > 1 and not cfg.unbatched and not cfg.infinite and not spec.resample and has_lengths(source)
+
+
+def hands_over(source: Source, cfg: Config, spec: StreamSpec) -> bool:
+    """Whether (rank, worker) of ``spec`` yields only full batches and hands over its tail."""
+    return spec.worker < spec.workers - 1 and hands_tails(source, cfg, spec)
+
+
+def batcher_for(source: Source, cfg: Config, spec: StreamSpec) -> Batcher:
+    """The batcher (rank, worker) runs: the mode's, or its ``handing()`` form (``hands_over``)."""
+    batcher = cfg.make_batcher()
+    return batcher.handing() if hands_over(source, cfg, spec) else batcher
+
+
+def slices_for(source: Source, cfg: Config, spec: StreamSpec, plan: EpochPlan | None = None) -> list[Slice]:
+    """The slices (rank, worker) reads in ``spec.epoch``: its share (``plan.slices_for``), and
+    for a rank's last worker then every other worker's tail, in worker order."""
+    return with_tails(source, cfg, spec, lambda s: planmod.slices_for(source, cfg, s, plan))
+
+
+def with_tails(
+    source: Source, cfg: Config, spec: StreamSpec, share: Callable[[StreamSpec], list[Slice]]
+) -> list[Slice]:
+    """(rank, worker)'s slices: ``share(spec)``, its own share, and for a rank's last worker
+    then the tail of each other worker of the rank (``share`` of that worker's spec)."""
+    own = share(spec)
+    if spec.worker != spec.workers - 1 or not hands_tails(source, cfg, spec):
+        return own
+    out = list(own)
+    for worker in range(spec.workers - 1):
+        other = replace(spec, worker=worker)
+        out.extend(worker_tail(source, cfg, other, share(other)))
+    return out
+
+
+def worker_tail(source: Source, cfg: Config, spec: StreamSpec, slices: list[Slice]) -> list[Slice]:
+    """The tail of (rank, worker) of ``spec`` reading ``slices``, as slices that pick its items
+    (the one a concat row cut first, with its ``lead``; then the others in plan order)."""
+    counts = slice_item_counts(source, slices, spec)
+    in_plan, lead = tail_positions(source, cfg, spec, slices)
+    if not len(in_plan):
+        return []
+    out = []
+    if lead:
+        out = [replace(sl, lead=lead) for sl in picked_slices(slices, counts, in_plan[:1])]
+        in_plan = in_plan[1:]
+    return out + picked_slices(slices, counts, np.sort(in_plan))
+
+
+def tail_positions(source: Source, cfg: Config, spec: StreamSpec, slices: list[Slice]) -> tuple[np.ndarray, int]:
+    """(plan positions of the tail of (rank, worker) of ``spec`` reading ``slices``, in
+    shuffled-stream order; tokens of the first that its own batches hold)."""
+    batcher = cfg.make_batcher()
+    counts = slice_item_counts(source, slices, spec)
+    if batcher.count_by == COUNT_BY_ITEMS and sum(counts) % cfg.batch_size == 0:
+        return np.zeros(0, np.int64), 0  # whole batches of items (``Config.share_unit``): none left out
+    lengths = slice_item_lengths(source, slices, spec)
+    labels = plan_labels(source, slices, spec)
+    shuffled = shuffle_lengths(lengths, spec, source.mixing, labels)
+    positions, lead = batcher.tail(shuffled, spec)
+    in_plan = inverse_shuffle(np.asarray(positions, np.int64), len(lengths), spec, source.mixing, labels)
+    return in_plan, lead
+
+
+def picked_slices(slices: list[Slice], counts: list[int], positions: np.ndarray) -> list[Slice]:
+    """Slices that hold only the items at plan ``positions`` (ascending) of ``slices``."""
+    out = []
+    pos = 0
+    for sl, n in zip(slices, counts):
+        lo, hi = np.searchsorted(positions, [pos, pos + n])
+        if hi > lo:
+            local = positions[lo:hi] - pos
+            lead = sl.lead if local[0] == 0 else 0
+            out.append(replace(sl, pick=local if sl.pick is None else sl.pick[local], lead=lead))
+        pos += n
+    return out
