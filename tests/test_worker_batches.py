@@ -17,6 +17,7 @@ from synth import write_dataset
 
 import wdsllm
 from wdsllm.errors import StateError
+from wdsllm.load.batching import BucketBatcher, ConcatBatcher, FixedBatcher, PackBatcher
 from wdsllm.load.state import seal, unseal
 
 MODES = {
@@ -123,3 +124,33 @@ def test_a_state_saved_under_the_older_worker_split_is_refused(corpus, name):
         got = [_rows(b) for b in old]
         assert len(got) == len(want)
         assert all(np.array_equal(x, y) for a, b in zip(got, want) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize(
+    "batcher",
+    [
+        FixedBatcher(5),
+        BucketBatcher(40, batch_size=5),
+        BucketBatcher(40, max_tokens=200),
+        PackBatcher(30, seq_len=64, batch_size=3),
+        ConcatBatcher(seq_len=64, batch_size=3),
+    ],
+    ids=["fixed", "bucket", "budget", "pack", "concat"],
+)
+def test_a_handing_workers_batches_and_its_tail_hold_every_item_once(batcher):
+    """``handing()``'s batches and ``tail`` part the stream: what the one leaves out, the other
+    names (concat: the tail's first item minus the tokens its last row already holds)."""
+    rng = np.random.default_rng(7)
+    spec = wdsllm.load.stream.StreamSpec(seed=1, epoch=0, rank=0, world=1, worker=0, workers=2)
+    for _ in range(40):
+        lengths = rng.integers(1, 64, int(rng.integers(0, 200)))
+        handing = batcher.handing()
+        batches = list(handing.dry_batches(lengths, spec))
+        assert len(batches) == handing.count(len(lengths), lengths)
+        tail, lead = batcher.tail(lengths, spec)
+        if isinstance(batcher, ConcatBatcher):  # rows hold tokens: the tail is what follows the last full batch
+            kept = len(batches) * batcher.batch_size * batcher.seq_len
+            assert int(lengths[tail].sum()) - lead == int(lengths.sum()) - kept
+            continue
+        used = np.concatenate(batches) if batches else np.zeros(0, np.int64)
+        assert lead == 0 and sorted(used.tolist() + tail.tolist()) == list(range(len(lengths)))

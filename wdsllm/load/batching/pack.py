@@ -21,7 +21,6 @@ from .protocol import (
     as_item_lengths,
     batches_of,
     item_windows,
-    left_out,
 )
 from .rows import row_batches, rows_lower_bound
 
@@ -215,7 +214,19 @@ class PackBatcher:
         return PackBatcher(self.window, self.seq_len, self.batch_size, drop_last=True)
 
     def tail(self, lengths: np.ndarray, spec: StreamSpec) -> tuple[np.ndarray, int]:
-        return left_out(self.handing(), lengths, spec)
+        """The rows after the last full batch are the stream's last rows: only the windows that
+        hold them are packed (the others are counted from their histograms, ``bfd_count``)."""
+        k, b = self.window, self.batch_size
+        rows = self.rows_per_window(lengths)
+        need = sum(rows) % b
+        out: list[np.ndarray] = []
+        for i in range(len(rows) - 1, -1, -1):
+            if need <= 0:
+                break
+            bins = self._window_bins(lengths[i * k : (i + 1) * k], spec, i)
+            out.extend(i * k + r for r in bins[max(0, len(bins) - need) :])
+            need -= len(bins)
+        return (np.sort(np.concatenate(out)) if out else np.zeros(0, np.int64)), 0
 
     def _window_bins(self, lengths: np.ndarray, spec: StreamSpec, i: int) -> list[np.ndarray]:
         bins = best_fit_decreasing(lengths, self.seq_len)
