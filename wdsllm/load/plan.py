@@ -90,9 +90,22 @@ def epoch_blocks(
     shards = np.repeat(np.arange(len(items), dtype=np.int64), per_shard)
     j = np.arange(len(shards), dtype=np.int64) - np.repeat(np.cumsum(per_shard) - per_shard, per_shard)
     n, k = items[shards], per_shard[shards]
-    firsts = n * j // k
+    step = _grain(items, tokens_per_shard)[shards]
+    grains = -(-n // step)
+    firsts = np.minimum(n, step * (grains * j // k))
+    stops = np.minimum(n, step * (grains * (j + 1) // k))
     order = shard_order(len(shards), seed, epoch, shuffle)
-    return EpochBlocks(shards[order], firsts[order], (n * (j + 1) // k - firsts)[order])
+    return EpochBlocks(shards[order], firsts[order], (stops - firsts)[order])
+
+
+def _grain(items: np.ndarray, tokens_per_shard: Sequence[int] | None) -> np.ndarray:
+    """Items per ``MIN_BLOCK_TOKENS`` tokens of each shard: blocks are cut at multiples of it, so
+    that they fall on group edges where groups hold that many tokens (packed rows at the default
+    ``--sample-tokens``): a group is then read, checked and decoded by one block, not two."""
+    if tokens_per_shard is None:
+        return np.ones(len(items), np.int64)
+    tokens = np.maximum(1, np.asarray(tokens_per_shard, dtype=np.int64))
+    return np.maximum(1, np.rint(items * MIN_BLOCK_TOKENS / tokens).astype(np.int64))
 
 
 def blocks_per_shard(items: np.ndarray, tokens_per_shard: Sequence[int] | None) -> np.ndarray:
@@ -102,7 +115,8 @@ def blocks_per_shard(items: np.ndarray, tokens_per_shard: Sequence[int] | None) 
         return np.ones(len(items), np.int64)
     wanted = -(-EPOCH_BLOCKS // len(items))
     by_tokens = np.asarray(tokens_per_shard, dtype=np.int64) // MIN_BLOCK_TOKENS
-    return np.maximum(1, np.minimum(np.minimum(wanted, by_tokens), items))
+    grains = -(-items // _grain(items, tokens_per_shard))
+    return np.maximum(1, np.minimum(np.minimum(wanted, by_tokens), grains))
 
 
 def block_tokens(source: Source) -> np.ndarray | None:

@@ -1,0 +1,51 @@
+"""An epoch's blocks are cut on group edges where groups hold MIN_BLOCK_TOKENS tokens (packed rows
+at the default --sample-tokens): each group is then read, checked and decoded by one block, and a
+remote block's ranged read does not fetch its neighbours' groups too."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pack_helpers import SHAKESPEARE, pack_api
+
+import wdsllm
+from wdsllm import format as fmt
+from wdsllm.load import plan
+from wdsllm.load.sources.open import open_source
+
+SAMPLE_TOKENS = 512
+SEQ_LEN = 64
+
+
+@pytest.fixture
+def packed(tmp_path, monkeypatch):
+    """One shard of packed rows, 8 rows a group, blocks of the groups' size."""
+    text = tmp_path / "in.txt"
+    text.write_bytes(SHAKESPEARE.read_bytes()[:120_000])
+    pack_api([text], tmp_path / "ds", mode="packed", seq_len=SEQ_LEN, sample_tokens=SAMPLE_TOKENS)
+    monkeypatch.setattr(plan, "MIN_BLOCK_TOKENS", SAMPLE_TOKENS)
+    return tmp_path / "ds"
+
+
+def test_blocks_start_on_group_edges_and_cover_every_row_once(packed):
+    source = open_source(str(packed))
+    groups = source.group_table(0)
+    edges = set(groups[:, fmt.ITEMS].tolist())
+    assert len(edges) > 8
+    for epoch in range(3):
+        blocks = plan.epoch_blocks(source.items_per_shard, source.tokens_per_shard, 5, epoch, True)
+        assert len(blocks.shards) > 8
+        assert set(blocks.firsts.tolist()) <= edges
+        rows = np.concatenate([np.arange(a, a + k) for a, k in zip(blocks.firsts, blocks.counts)])
+        assert np.array_equal(np.sort(rows), np.arange(int(source.items_per_shard[0])))
+
+
+def test_an_epoch_over_aligned_blocks_yields_every_row_once(packed):
+    rows = int(open_source(str(packed)).items_per_shard[0])
+    loader = wdsllm.loader(str(packed), batch_size=4, seed=5, _in_process=True)
+    epochs = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        epochs.append([tuple(row.tolist()) for batch in loader for row in batch["input_ids"]])
+    assert len(epochs[0]) == len(epochs[1]) == rows == len(set(epochs[0]))
+    assert sorted(epochs[0]) == sorted(epochs[1]) and epochs[0] != epochs[1]
