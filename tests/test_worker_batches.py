@@ -154,3 +154,20 @@ def test_a_handing_workers_batches_and_its_tail_hold_every_item_once(batcher):
             continue
         used = np.concatenate(batches) if batches else np.zeros(0, np.int64)
         assert lead == 0 and sorted(used.tolist() + tail.tolist()) == list(range(len(lengths)))
+
+
+def test_the_last_worker_finds_the_tails_only_when_its_stream_reaches_them(corpus, monkeypatch):
+    """Finding the other workers' tails is a pass over their lengths: the last worker's plan is
+    made without it (``handoff.StreamSlices``), and its stream asks for them after its own share."""
+    from wdsllm.load import handoff
+
+    path, _ = corpus
+    calls = []
+    real = handoff.worker_tail
+    monkeypatch.setattr(handoff, "worker_tail", lambda *a: calls.append(1) or real(*a))
+    pipe = wdsllm.dataset(path, shuffle_buffer=7, **MODES["pack"])
+    reading = handoff.stream_slices(pipe.catalog, pipe.cfg, pipe.cfg.spec(0, 0, 1, 1, 2))
+    own = list(reading.own)
+    assert calls == [] and own
+    assert list(reading)[: len(own)] == own and calls == [1]
+    assert len(reading.whole()) > len(own) and calls == [1]  # found once

@@ -28,9 +28,9 @@ from . import state as statemod
 from .batching import Batch
 from .collate import CollateOptions, assemble
 from .config import Config, reading_options, resolve_world
-from .counts import EpochLimits, EpochPlan, WorkerLimit, epoch_limits, slices_for
+from .counts import EpochLimits, EpochPlan, WorkerLimit, epoch_limits
 from .guard import refuse_rewrapping
-from .handoff import batcher_for
+from .handoff import StreamSlices, batcher_for, stream_slices
 from .marks import MARK_KEY, TaskMarks, batcher_hint
 from .mixstats import mix_counts
 from .options import (
@@ -272,7 +272,7 @@ class WorkerBatcher:
         """The next epoch's slices, asked for once this one's last shards have started."""
         if next_spec is None:
             return None
-        return task_slices(self.catalog, self.cfg, next_spec, None), next_spec
+        return task_slices(self.catalog, self.cfg, next_spec, None).own, next_spec
 
     def blocks(
         self, slices: list, spec: StreamSpec, next_spec: StreamSpec | None, marks: TaskMarks | None, position: int
@@ -297,9 +297,11 @@ class WorkerBatcher:
         """One task's batches: from its first batch (a resume) to its limit (equal batches)."""
         catalog, cfg, spec, limit = self.catalog, self.cfg, task.spec, task.limit
         batcher = batcher_for(catalog, cfg, spec)  # a worker that hands its tail over: full batches only
-        slices = task_slices(catalog, cfg, spec, task.plan)
+        reading = task_slices(catalog, cfg, spec, task.plan)  # the tails handed to it: found when reached
+        replans = batcher.needs_lengths and not spec.resample and task.hint is None and task.first_batch
+        slices = reading.whole() if replans or catalog.mixing is not None else reading.own
         lengths = None  # a share's lengths: only to find where a resume without a hint starts
-        if batcher.needs_lengths and not spec.resample and task.hint is None and task.first_batch:
+        if replans:
             lengths = slice_item_lengths(catalog, slices, spec)
             if lengths is not None:
                 lengths = shuffle_lengths(lengths, spec, catalog.mixing, plan_labels(catalog, slices, spec))
@@ -307,7 +309,7 @@ class WorkerBatcher:
         start = batcher.start_position(task.first_batch, lengths, hint)
         failed: set[str] = set()
         marks = self.task_marks(task, batcher, slices)
-        blocks = functools.partial(self.blocks, slices, spec, task.following, marks)
+        blocks = functools.partial(self.blocks, reading, spec, task.following, marks)
         labels = PlanLabels.of(catalog, slices, spec)
         items_stream = shuffled_items(blocks, spec, start=start, mixing=catalog.mixing, labels=labels)
         index = task.first_batch
@@ -326,7 +328,7 @@ class WorkerBatcher:
         failed.update(self.stats.skipped_shards)
         if limit is not None and (failed or cfg.uneven == "repeat") and index < limit.value():
             yield from _refill(
-                catalog, batcher, slices, spec, self.read, self.stats, failed, index, limit.value(), self.emit
+                catalog, batcher, reading.whole(), spec, self.read, self.stats, failed, index, limit.value(), self.emit
             )
 
 
@@ -347,11 +349,12 @@ def _epoch_batches(
         yield EndOfWorker(worker=last.worker, epoch=last.epoch, stats=DataStats.of(stage.stats))
 
 
-def task_slices(catalog: Source, cfg: Config, spec: StreamSpec, plan: EpochPlan | None) -> list:
-    """The slices a stream reads: resampled, or its epoch's plan (``plan``: one that replaces it)."""
+def task_slices(catalog: Source, cfg: Config, spec: StreamSpec, plan: EpochPlan | None) -> StreamSlices:
+    """The slices a stream reads: resampled (endless), or its epoch's plan (``plan``: one that
+    replaces it) with, for a rank's last worker, the tails the others hand to it."""
     if spec.resample:
-        return resampled_slices(len(catalog.urls), spec.seed, spec.epoch, spec.rank, spec.worker)
-    return slices_for(catalog, cfg, spec, plan)
+        return StreamSlices(resampled_slices(len(catalog.urls), spec.seed, spec.epoch, spec.rank, spec.worker))
+    return stream_slices(catalog, cfg, spec, plan)
 
 
 def _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit, emit):

@@ -18,8 +18,9 @@ short batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -63,7 +64,7 @@ def batcher_for(source: Source, cfg: Config, spec: StreamSpec) -> Batcher:
 def slices_for(source: Source, cfg: Config, spec: StreamSpec, plan: EpochPlan | None = None) -> list[Slice]:
     """The slices (rank, worker) reads in ``spec.epoch``: its share (``plan.slices_for``), and
     for a rank's last worker then every other worker's tail, in worker order."""
-    return with_tails(source, cfg, spec, lambda s: planmod.slices_for(source, cfg, s, plan))
+    return stream_slices(source, cfg, spec, plan).whole()
 
 
 def with_tails(
@@ -71,14 +72,57 @@ def with_tails(
 ) -> list[Slice]:
     """(rank, worker)'s slices: ``share(spec)``, its own share, and for a rank's last worker
     then the tail of each other worker of the rank (``share`` of that worker's spec)."""
+    return _with_tails(source, cfg, spec, share).whole()
+
+
+def stream_slices(source: Source, cfg: Config, spec: StreamSpec, plan: EpochPlan | None = None) -> StreamSlices:
+    """``slices_for``, with the tails found only when they are reached (``StreamSlices``)."""
+    return _with_tails(source, cfg, spec, functools.partial(_own_share, source, cfg, plan))
+
+
+def _own_share(source: Source, cfg: Config, plan: EpochPlan | None, spec: StreamSpec) -> list[Slice]:
+    return planmod.slices_for(source, cfg, spec, plan)
+
+
+def _with_tails(
+    source: Source, cfg: Config, spec: StreamSpec, share: Callable[[StreamSpec], list[Slice]]
+) -> StreamSlices:
     own = share(spec)
     if spec.worker != spec.workers - 1 or not hands_tails(source, cfg, spec):
-        return own
-    out = list(own)
+        return StreamSlices(own)
+    return StreamSlices(own, functools.partial(_tails, source, cfg, spec, share))
+
+
+def _tails(source: Source, cfg: Config, spec: StreamSpec, share: Callable[[StreamSpec], list[Slice]]) -> list[Slice]:
+    """The tails of every worker of ``spec``'s rank but its last, in worker order."""
+    out: list[Slice] = []
     for worker in range(spec.workers - 1):
         other = replace(spec, worker=worker)
         out.extend(worker_tail(source, cfg, other, share(other)))
     return out
+
+
+@dataclass
+class StreamSlices:
+    """What a worker's stream reads: its own share, then (a rank's last worker) the other
+    workers' tails, found only when the stream reaches them (``__iter__``) or when asked for
+    whole: the first batch never waits for a pass over the other workers' lengths."""
+
+    own: list[Slice]
+    tails: Callable[[], list[Slice]] | None = None
+    _found: list[Slice] | None = field(default=None, repr=False)
+
+    def found_tails(self) -> list[Slice]:
+        if self._found is None:
+            self._found = self.tails() if self.tails is not None else []
+        return self._found
+
+    def whole(self) -> list[Slice]:
+        return self.own + self.found_tails() if self.tails is not None else self.own
+
+    def __iter__(self) -> Iterator[Slice]:
+        yield from self.own
+        yield from self.found_tails()
 
 
 def worker_tail(source: Source, cfg: Config, spec: StreamSpec, slices: list[Slice]) -> list[Slice]:
