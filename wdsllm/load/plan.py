@@ -360,7 +360,7 @@ def plan_epoch(
     unit: int = 1,
 ) -> list[Slice]:
     """The slices that (rank, worker) reads in this epoch, in reading order (``doc_pieces``:
-    documents weighed by their pieces, ``unit``: items per batch, ``epoch_layout``)."""
+    documents shared by their pieces, ``unit``: items per batch, ``epoch_layout``)."""
     if items_per_shard is not None:
         layout = epoch_layout(
             items_per_shard,
