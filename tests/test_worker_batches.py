@@ -43,7 +43,8 @@ def _rows(batch: dict) -> list[np.ndarray]:
 
 
 def _epoch(path: str, **options) -> list[dict]:
-    loader = wdsllm.loader(path, num_workers=2, shuffle_buffer=7, **options)
+    options = {"num_workers": 2, **options}
+    loader = wdsllm.loader(path, shuffle_buffer=7, **options)
     expected = len(loader)
     batches = list(loader)
     loader.close()
@@ -64,9 +65,11 @@ def _short(name: str, batch: dict, options: dict) -> bool:
 
 
 @pytest.mark.parametrize("name", sorted(MODES))
-def test_two_workers_end_the_epoch_with_one_short_batch_in_every_mode(corpus, name):
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_end_the_epoch_with_one_short_batch_in_every_mode(corpus, name, workers):
+    """2 real DataLoader workers; 3 run in this process (the same stages, the same split)."""
     path, tokens = corpus
-    options = MODES[name]
+    options = dict(MODES[name], num_workers=workers, _in_process=workers == 3)
     batches = _epoch(path, **options)
     got = Counter(t for b in batches for row in _rows(b) for t in row.tolist())
     assert got == tokens  # every token once: the tails were read, by the last worker only
@@ -74,11 +77,11 @@ def test_two_workers_end_the_epoch_with_one_short_batch_in_every_mode(corpus, na
     assert len(batches) - len(kept) <= 1  # drop_last drops one batch of the rank, not one per worker
     if name == "budget":  # a budget's batches of a window come shuffled: its final one anywhere in it
         dropped = got - Counter(t for b in kept for row in _rows(b) for t in row.tolist())
-        assert sum(dropped.values()) <= options["max_tokens"]
+        assert sum(dropped.values()) <= MODES[name]["max_tokens"]
         return
-    short = [i for i, b in enumerate(batches) if _short(name, b, options)]
+    short = [i for i, b in enumerate(batches) if _short(name, b, MODES[name])]
     assert short in ([], [len(batches) - 1]), short
-    assert not any(_short(name, b, options) for b in kept)
+    assert not any(_short(name, b, MODES[name]) for b in kept)
 
 
 @pytest.mark.parametrize("name", sorted(MODES))
