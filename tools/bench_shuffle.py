@@ -1,6 +1,7 @@
 """Shuffle quality across epochs, and what it costs (issue #32).
 
-    python tools/bench_shuffle.py [--data bench-out/wiki-docs] [--peers] [--json out.json]
+    python tools/bench_shuffle.py [--data bench-out/wiki-docs] [--peers] [--no-cost | --no-quality]
+                                  [--json out.json]
 
 On one packed dataset (default: bench-out/wiki-docs, one shard of 13.4M tokens), for epochs 0
 and 1 and the layouts 1 shard (as packed), 8 shards (the previous order over 8 shards: the same
@@ -30,7 +31,7 @@ canonical node, shuffle block max(4M // nodes, 2^18) samples), litdata's
 
 Cost: CPU seconds and wall seconds of one epoch through ``wdsllm.loader`` (0 workers, batch 64
 documents) and GET requests of that epoch over HTTP (tests/remote_fixtures.HttpServer), shards
-against blocks, alternating, best of --repeat.
+against blocks, alternating, best of --repeat; for the dataset and for the two-source mixture.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import tempfile
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -338,7 +340,7 @@ def peer_run(job_path: str, out_path: str) -> None:
 # Cost: one epoch, whole shards against blocks, local CPU and remote requests
 
 
-def one_epoch(source: str, min_block_tokens: int, epoch: int) -> tuple[float, float]:
+def one_epoch(source: Any, min_block_tokens: int, epoch: int) -> tuple[float, float]:
     import wdsllm
     from wdsllm.load import plan
 
@@ -354,24 +356,28 @@ def one_epoch(source: str, min_block_tokens: int, epoch: int) -> tuple[float, fl
 
 
 def cost(data: str, repeat: int) -> dict:
+    """Whole shards against blocks, for the dataset and the two-source mixture of it: one epoch
+    locally (best of ``repeat``, alternating) and one over HTTP (its GETs counted)."""
     from remote_fixtures import HttpServer
 
     out: dict = {}
     server = HttpServer()
     server.root = Path(data).resolve().parent
     url = server.url_for(Path(data).resolve())
+    orders = (("shards", WHOLE_SHARDS), ("blocks", 1 << 18))
     try:
-        for name in ("shards", "blocks"):
-            out[name] = {"wall_s": 1e9, "cpu_s": 1e9}
-        for r in range(repeat):
-            for name, mbt in (("shards", WHOLE_SHARDS), ("blocks", 1 << 18)):
-                wall, cpu = one_epoch(data, mbt, r)
-                out[name]["wall_s"] = min(out[name]["wall_s"], wall)
-                out[name]["cpu_s"] = min(out[name]["cpu_s"], cpu)
-        for name, mbt in (("shards", WHOLE_SHARDS), ("blocks", 1 << 18)):
-            server.reset()
-            wall, cpu = one_epoch(url, mbt, 0)
-            out[name].update(http_wall_s=wall, http_cpu_s=cpu, http_gets=server.count("*.tar"))
+        for what, local, remote in (("", data, url), ("mixture ", mixture_of(data), mixture_of(url))):
+            for name, _ in orders:
+                out[what + name] = {"wall_s": 1e9, "cpu_s": 1e9}
+            for r in range(repeat):
+                for name, mbt in orders:
+                    wall, cpu = one_epoch(local, mbt, r)
+                    out[what + name]["wall_s"] = min(out[what + name]["wall_s"], wall)
+                    out[what + name]["cpu_s"] = min(out[what + name]["cpu_s"], cpu)
+            for name, mbt in orders:
+                server.reset()
+                wall, cpu = one_epoch(remote, mbt, 0)
+                out[what + name].update(http_wall_s=wall, http_cpu_s=cpu, http_gets=server.count("*.tar"))
     finally:
         server.close()
     return out
@@ -410,18 +416,17 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--peers", action="store_true", help="the peers' own packages (in bench-out/peers-venv)")
     ap.add_argument("--no-cost", action="store_true", help="shuffle quality only")
+    ap.add_argument("--no-quality", action="store_true", help="cost only")
     ap.add_argument("--json")
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(1)
-    results: dict = {"quality": quality(args.data, args.peers), "cost": {}}
+    results: dict = {"quality": {} if args.no_quality else quality(args.data, args.peers), "cost": {}}
     if not args.no_cost:
         results["cost"] = cost(args.data, args.repeat)
     for name, c in results["cost"].items():
-        print(
-            f"cost {name:7s} " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in c.items())
-        )
+        print(f"cost {name:16s} " + "  ".join(_fmt(k, v) for k, v in c.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
