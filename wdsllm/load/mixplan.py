@@ -47,9 +47,10 @@ STREAM_MIX_PASS = 6
 DEFAULT_MIX_WINDOW = 1024
 #: what a pass orders: 2, blocks of shards (1 was whole shards); part of a plan's identity
 PASS_ORDER = 2
-#: the most passes over one source an epoch may take, and the most entries its plan may hold (a
-#: slice per block of each pass, a row of counts per shuffle block): refused before any is made,
-#: as an epoch far larger than a source would plan (and walk) without end
+#: the most passes over one source an epoch may take, and the most entries its plan may hold
+#: beyond those of reading each source once (a slice per block of each repeated pass, a row of
+#: counts per shuffle block): refused before any is made, as an epoch far larger than a source
+#: would plan (and walk) without end
 MAX_EPOCH_PASSES = 1 << 16
 MAX_PLAN_ENTRIES = 1 << 22
 
@@ -447,16 +448,18 @@ class MixPlanner:
         return passes, items
 
     def _check_passes(self) -> None:
+        """Refuse an epoch that repeats a source beyond the bounds: the slices of its repeats (a
+        source's blocks once per pass, over what reading each source once already holds)."""
         passes, _ = self._epoch_bounds()
-        entries = [p * len(st.blocks.shards) for p, st in zip(passes, self.streams)]
-        worst = int(np.argmax(entries))
-        if passes[worst] > MAX_EPOCH_PASSES or sum(entries) > MAX_PLAN_ENTRIES:
+        repeats = [max(0, p - 2) * len(st.blocks.shards) for p, st in zip(passes, self.streams)]
+        worst = int(np.argmax(passes))
+        if passes[worst] > MAX_EPOCH_PASSES or sum(repeats) > MAX_PLAN_ENTRIES:
             name, unit = self.mixture.names[worst], self.mixture.unit
             raise MixtureError(
                 f"{self._epoch_key()}: an epoch of {self.epoch:,} {unit} can take source {name!r} "
-                f"({self.sizes[worst]:,} {unit}) about {passes[worst] - 2:,} times over, a plan of "
-                f"{sum(entries):,} slices (at most {MAX_EPOCH_PASSES:,} passes over a source and "
-                f"{MAX_PLAN_ENTRIES:,} slices an epoch): give a smaller epoch or weight it less"
+                f"({self.sizes[worst]:,} {unit}) about {passes[worst] - 2:,} times over, {sum(repeats):,} slices "
+                f"of repeats (at most {MAX_EPOCH_PASSES:,} passes over a source and {MAX_PLAN_ENTRIES:,} slices "
+                "of repeats an epoch): give a smaller epoch or weight it less"
             )
 
     def check_rounds(self, block: int) -> None:
