@@ -224,7 +224,8 @@ def peers_python() -> Path:
     torch_pin = next(x for x in (REPO / "tools" / "constraints.txt").read_text().split() if x.startswith("torch=="))
     pins = PEERS_VENV / "constraints.txt"
     pins.write_text(torch_pin + "\n")
-    missing = subprocess.run([str(python), "-c", "import streaming, litdata"], capture_output=True).returncode
+    found = "import importlib.util as u, sys; sys.exit(not (u.find_spec('streaming') and u.find_spec('litdata')))"
+    missing = subprocess.run([str(python), "-c", found], capture_output=True).returncode  # not imported: see below
     if missing:
         pip = [str(python), "-m", "pip", "install", "--quiet", "-c", str(pins)]
         subprocess.run([*pip, torch_pin, *PEER_PACKAGES], check=True)
