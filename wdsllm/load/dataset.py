@@ -296,8 +296,8 @@ class WorkerBatcher:
     def task_batches(self, task: EpochTask) -> Iterator[Batch]:
         """One task's batches: from its first batch (a resume) to its limit (equal batches)."""
         catalog, cfg, spec, limit = self.catalog, self.cfg, task.spec, task.limit
-        batcher = batcher_for(catalog, cfg, spec)  # a worker that hands its tail over: full batches only
         reading = task_slices(catalog, cfg, spec, task.plan)  # the tails handed to it: found when reached
+        batcher = batcher_for(catalog, cfg, spec, reading.own)  # one that hands its tail over: full batches
         replans = batcher.needs_lengths and not spec.resample and task.hint is None and task.first_batch
         slices = reading.whole() if replans or catalog.mixing is not None else reading.own
         lengths = None  # a share's lengths: only to find where a resume without a hint starts

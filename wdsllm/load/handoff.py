@@ -55,10 +55,19 @@ def hands_over(source: Source, cfg: Config, spec: StreamSpec) -> bool:
     return spec.worker < spec.workers - 1 and hands_tails(source, cfg, spec)
 
 
-def batcher_for(source: Source, cfg: Config, spec: StreamSpec) -> Batcher:
-    """The batcher (rank, worker) runs: the mode's, or its ``handing()`` form (``hands_over``)."""
+def batcher_for(source: Source, cfg: Config, spec: StreamSpec, own: list[Slice] | None = None) -> Batcher:
+    """The batcher (rank, worker) runs: the mode's, or its ``handing()`` form (``hands_over``).
+    ``own``: the worker's share; where it is whole batches of items (``Config.share_unit``) the
+    mode's own batcher makes the same batches, and a stream that lost a unit (``on_error="skip"``)
+    still yields its last, short one."""
     batcher = cfg.make_batcher()
-    return batcher.handing() if hands_over(source, cfg, spec) else batcher
+    if not hands_over(source, cfg, spec):
+        return batcher
+    if own is not None and batcher.count_by == COUNT_BY_ITEMS:
+        counts = slice_item_counts(source, own, spec)
+        if counts is not None and sum(counts) % cfg.batch_size == 0:
+            return batcher
+    return batcher.handing()
 
 
 def slices_for(source: Source, cfg: Config, spec: StreamSpec, plan: EpochPlan | None = None) -> list[Slice]:
