@@ -31,20 +31,10 @@ def _text(lines: int = 30) -> tuple[bytes, bytes]:
     return data, swapped
 
 
-def _fresh_clients() -> None:
-    """Clients made by earlier tests under other environments must not serve this one."""
-    import fsspec
-
-    storage.reset()
-    for cls in set(fsspec.registry.values()):
-        cls.clear_instance_cache()
-
-
 class Place:
     """A folder of one store for one test's objects: ``put`` writes (or replaces) one."""
 
     def __init__(self, base: str, http_root: Path | None = None) -> None:
-        _fresh_clients()
         self.base = base.rstrip("/")
         self.http_root = http_root
 
