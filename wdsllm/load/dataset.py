@@ -30,7 +30,8 @@ from .collate import CollateOptions, assemble
 from .config import Config, reading_options, resolve_world
 from .counts import EpochLimits, EpochPlan, WorkerLimit, epoch_limits
 from .guard import refuse_rewrapping
-from .handoff import StreamSlices, batcher_for, stream_slices
+from .handoff import StreamSlices, batcher_for, hands_over, stream_slices
+from .holes import drop_holes
 from .marks import MARK_KEY, TaskMarks, batcher_hint
 from .mixstats import mix_counts
 from .options import (
@@ -275,12 +276,26 @@ class WorkerBatcher:
         return task_slices(self.catalog, self.cfg, next_spec, None).own, next_spec
 
     def blocks(
-        self, slices: list, spec: StreamSpec, next_spec: StreamSpec | None, marks: TaskMarks | None, position: int
+        self,
+        slices: list,
+        spec: StreamSpec,
+        next_spec: StreamSpec | None,
+        marks: TaskMarks | None,
+        holes: bool,
+        position: int,
     ) -> Iterator:
         then = functools.partial(self.following, next_spec)
         mark = marks.start if marks is not None else None
         stream = read_plan_stream(
-            self.catalog, slices, spec, start=position, options=self.read, stats=self.stats, then=then, mark=mark
+            self.catalog,
+            slices,
+            spec,
+            start=position,
+            options=self.read,
+            stats=self.stats,
+            then=then,
+            mark=mark,
+            holes=holes,
         )
         return stream if marks is None else marks.wrap(position, stream)
 
@@ -309,10 +324,12 @@ class WorkerBatcher:
         start = batcher.start_position(task.first_batch, lengths, hint)
         failed: set[str] = set()
         marks = self.task_marks(task, batcher, slices)
-        blocks = functools.partial(self.blocks, reading, spec, task.following, marks)
+        holes = hands_over(catalog, cfg, spec)  # its batches must be the planned ones (holes.py)
+        blocks = functools.partial(self.blocks, reading, spec, task.following, marks, holes)
         labels = PlanLabels.of(catalog, slices, spec)
         items_stream = shuffled_items(blocks, spec, start=start, mixing=catalog.mixing, labels=labels)
         index = task.first_batch
+        emptied = 0  # batches of holes only: not sent
         for index, items, after in batcher.batches(items_stream, task.first_batch, spec, lengths, hint):
             if limit is not None and limit.reached(index):
                 break
@@ -323,12 +340,19 @@ class WorkerBatcher:
                 following = index + len(items)
             else:
                 following = index + 1
+            if failed and holes:
+                items = drop_holes(items)
+                if not len(items):
+                    emptied += 1
+                    index = following
+                    continue
             yield self.emit(spec, index, items, after if marks is None else marks.hint(following, after))
             index = following
         failed.update(self.stats.skipped_shards)
-        if limit is not None and (failed or cfg.uneven == "repeat") and index < limit.value():
+        sent = index - emptied
+        if limit is not None and (failed or cfg.uneven == "repeat") and sent < limit.value():
             yield from _refill(
-                catalog, batcher, reading.whole(), spec, self.read, self.stats, failed, index, limit.value(), self.emit
+                catalog, batcher, reading.whole(), spec, self.read, self.stats, failed, sent, limit.value(), self.emit
             )
 
 

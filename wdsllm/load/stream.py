@@ -26,6 +26,7 @@ from ..errors import SourceError
 from ..format import FormatError
 from . import plan as planmod
 from .block import Block, pieces_per_doc, rebase, windows
+from .holes import hole_block
 from .options import BatchOptions
 from .plan import Slice
 from .read import ReadOptions
@@ -345,8 +346,13 @@ def read_plan_stream(
     stats: StreamStats | None = None,
     then: Callable[[], tuple[list[Slice], StreamSpec] | None] | None = None,
     mark: tuple[int, int] | None = None,
+    holes: bool = False,
 ) -> Iterator[Block]:
     """The plan stream from plan position ``start``, read: blocks of items in plan order.
+
+    ``holes``: a unit lost under ``on_error="skip"`` leaves, where its items' lengths are known,
+    a hole of each item it did not yield in that item's place (``holes.py``), so that every other
+    item keeps its plan position.
 
     ``mark`` (counts unknown: raw text without a count sidecar): where ``start`` stands in
     documents (``marks.DocMarks``): that many documents are passed by the readers' skip (parsed,
@@ -375,7 +381,9 @@ def read_plan_stream(
     to_drop = _Drop()  # items still to drop when counts are unknown and a slice ran out first
     if mark:
         to_drop.docs, to_drop.items = mark
+    passed = _Yielded()
     for w in work:
+        passed.items = 0
         to_drop.items += w.drop
         position = _items_of_docs(source, w.sl, spec, w.skip) if w.sl.pick is not None else 0
         skip = w.skip
@@ -391,7 +399,9 @@ def read_plan_stream(
             blocks = _Passed(
                 w.reader.read(w.local, skip=skip, options=options, opened=w.opening, stream=stream, stats=stats)
             )
-            yield from _cut_blocks(source, w, blocks, spec, position, to_drop, stats)
+            for block in _cut_blocks(source, w, blocks, spec, position, to_drop, stats):
+                passed.note(block)
+                yield block
             if skip > w.skip and blocks.documents is not None and blocks.documents < skip:
                 if mark:  # the slice ran out first: the rest from the next
                     to_drop.docs += skip - blocks.documents
@@ -406,6 +416,37 @@ def read_plan_stream(
             log.warning("skipping unreadable shard %s: %s", storage.redact(url), exc)
             if stats is not None:
                 stats.skipped_shards.append(url)
+            lost = _lost_items(source, w, spec, passed.items) if holes else None
+            if lost is not None and len(lost):
+                yield hole_block(lost, passed.dtype_for(source), source.mode == "packed")
+
+
+class _Yielded:
+    """Items a stream yielded of its current slice, and the token dtype it has seen."""
+
+    def __init__(self) -> None:
+        self.items = 0
+        self.dtype: np.dtype | None = None
+
+    def note(self, block: Block) -> None:
+        self.items += len(block)
+        self.dtype = block.tokens.dtype
+
+    def dtype_for(self, source: Source) -> np.dtype:
+        """The dtype of the stream's tokens (its index's before any block was read)."""
+        if self.dtype is not None:
+            return self.dtype
+        return np.dtype(source.index.dtype if source.index is not None else np.uint32)
+
+
+def _lost_items(source: Source, w: _Work, spec: StreamSpec, done: int) -> np.ndarray | None:
+    """Planned lengths of the items of ``w`` after the first ``done`` it yielded (None: its
+    count is unknown)."""
+    if slice_item_count(source, w.sl, spec) is None:
+        return None
+    planned = slice_items(source, w.sl, spec)
+    first = 0 if w.sl.pick is not None else _items_of_docs(source, w.sl, spec, w.skip) + w.drop
+    return planned[first + done :]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,67 @@
+"""``on_error="skip"`` over shards cut into blocks, with real DataLoader workers: exactly the
+unreadable shard's documents are missing (and the shard counted), every other token comes once.
+
+A worker that hands its tail to its rank's last worker (``load/handoff.py``) yields only the
+batches its plan makes; a lost unit leaves holes of the planned lengths (``load/holes.py``), so
+its other items keep their places and the last worker reads exactly the planned tail.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from synth import write_dataset
+
+import wdsllm
+from wdsllm.load import plan
+
+MODES = {
+    "fixed": dict(batch_size=2),
+    "budget": dict(batching="bucket", max_tokens=160, window=40),
+    "pack": dict(batching="pack", seq_len=32, batch_size=4, window=20),
+    "concat": dict(batching="concat", seq_len=32, batch_size=3),
+}
+LOST = 1  # the shard cut short on disk
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, Counter]:
+    """Four shards, the second cut short, and every token of the other three (a multiset)."""
+    out = tmp_path_factory.mktemp("skip_blocks")
+    info = write_dataset(out, [23, 9, 31, 17], max_len=60, seed=3)
+    bad = sorted(out.glob("*.tar"))[LOST]
+    bad.write_bytes(bad.read_bytes()[:700])
+    good = [tokens for item, tokens in info["expect"].items() if item >> 32 != LOST]
+    return out, Counter(np.concatenate(good).tolist())
+
+
+def _tokens(batch: dict) -> list[int]:
+    ids = batch["input_ids"].numpy()
+    return [t for i, n in enumerate(batch["lengths"].tolist()) for t in ids[i, : int(n)].tolist()]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", sorted(MODES))
+def test_skip_over_blocks_loses_only_the_unreadable_shard(corpus, name, world, monkeypatch):
+    monkeypatch.setattr(plan, "MIN_BLOCK_TOKENS", 64)  # the shards cut into blocks of a few groups
+    path, tokens = corpus
+    got: Counter = Counter()
+    for rank in range(world):
+        loader = wdsllm.loader(
+            str(path),
+            rank=rank,
+            world_size=world,
+            num_workers=2,
+            equal_batches=False,
+            on_error="skip",
+            shuffle_buffer=7,
+            **MODES[name],
+        )
+        for batch in loader:
+            got.update(_tokens(batch))
+        assert {Path(url).name for url in loader.skipped_shards} == {sorted(path.glob("*.tar"))[LOST].name}
+        loader.close()
+    assert got == tokens  # nothing of a good shard lost, nothing twice

@@ -1,0 +1,81 @@
+"""Holes: the items of a unit lost under ``on_error="skip"``, kept in their planned places.
+
+A worker that hands its tail to its rank's last worker (``handoff.py``) must yield exactly the
+batches its plan makes: the last worker reads the items those leave out, found from lengths
+alone. Were a lost unit's items simply missing, every later item would move, the worker's full
+batches would no longer be the planned ones, and the items they now left out would be lost while
+part of the planned tail came twice. So such a worker's stream puts a hole of the planned length
+in each lost item's place, its batcher makes the planned batches, and the holes are taken out of
+each batch (``drop_holes``) before it is sent: only the lost unit's items are missing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .block import Block
+
+#: the id of a hole (real ids are >= 0; -1 marks a segment of no known document)
+HOLE_ID = -2
+
+
+def hole_block(lengths: np.ndarray, dtype: np.dtype, packed: bool) -> Block:
+    """Holes of the given planned ``lengths`` (zero tokens; ``packed``: rows with no segments)."""
+    lengths = np.asarray(lengths, np.int64)
+    n = len(lengths)
+    starts = np.cumsum(lengths) - lengths
+    block = Block(np.zeros(int(lengths.sum()), dtype), starts, lengths.copy(), np.full(n, HOLE_ID, np.int64))
+    if packed:
+        block.doc_first = np.full(n, HOLE_ID, np.int64)
+        block.doc_next = np.full(n, HOLE_ID, np.int64)
+        block.doc_count = np.zeros(n, np.int64)
+        z = np.zeros(0, np.int64)
+        block.set_segments(np.zeros(n + 1, np.int64), z, z, z)
+    return block
+
+
+def drop_holes(block: Block) -> Block:
+    """``block`` without its holes: hole items left out, and hole segments cut out of rows made
+    of several items (pack, concat), rows left empty dropped."""
+    keep = block.ids != HOLE_ID
+    if not keep.all():
+        block = block.take(np.flatnonzero(keep))
+    if block.seg_lo is None or not len(block):
+        return block
+    counts, src = block.segments()
+    if not np.any(block.seg_ids[src] == HOLE_ID):
+        return block
+    return _rows_without_holes(block, counts, src)
+
+
+def _rows_without_holes(block: Block, counts: np.ndarray, src: np.ndarray) -> Block:
+    """Rows rebuilt from their segments that are not holes (segments in row order: ``src``)."""
+    row = np.repeat(np.arange(len(block)), counts)
+    seg_start = block.seg_starts[src]
+    seg_end = np.append(seg_start[1:], 0)
+    ends = np.cumsum(counts) - 1
+    held = counts > 0
+    seg_end[ends[held]] = block.lengths[held]
+    keep = block.seg_ids[src] != HOLE_ID
+    row, seg_start, seg_len = row[keep], seg_start[keep], (seg_end - seg_start)[keep]
+    at = block.starts[row] + seg_start
+    before = np.cumsum(seg_len) - seg_len
+    total = int(seg_len.sum())
+    tokens = block.tokens[np.repeat(at - before, seg_len) + np.arange(total)]
+    row_len = np.bincount(row, weights=seg_len, minlength=len(block)).astype(np.int64)
+    rows = np.flatnonzero(row_len)
+    new_counts = np.bincount(row, minlength=len(block))[rows]
+    row_starts = np.cumsum(row_len[rows]) - row_len[rows]
+    out = Block(
+        tokens,
+        row_starts,
+        row_len[rows],
+        block.ids[rows],
+        None if block.pieces is None else block.pieces[rows],
+    )
+    return out.set_segments(
+        np.concatenate([[0], np.cumsum(new_counts)]).astype(np.int64),
+        before - np.repeat(row_starts, new_counts),
+        block.seg_ids[src][keep],
+        seg_len,
+    )
