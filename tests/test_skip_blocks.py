@@ -38,30 +38,59 @@ def corpus(tmp_path_factory) -> tuple[Path, Counter]:
     return out, Counter(np.concatenate(good).tolist())
 
 
+@pytest.fixture(scope="module")
+def second(tmp_path_factory) -> tuple[Path, Counter]:
+    """A second, whole source for a mixture, and its tokens."""
+    out = tmp_path_factory.mktemp("skip_blocks_b")
+    info = write_dataset(out, [12, 14], max_len=60, seed=5, task=1)
+    return out, Counter(np.concatenate(list(info["expect"].values())).tolist())
+
+
+@pytest.fixture
+def fine_blocks(monkeypatch):
+    monkeypatch.setattr(plan, "MIN_BLOCK_TOKENS", 64)  # the shards cut into blocks of a few groups
+
+
 def _tokens(batch: dict) -> list[int]:
     ids = batch["input_ids"].numpy()
     return [t for i, n in enumerate(batch["lengths"].tolist()) for t in ids[i, : int(n)].tolist()]
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("name", sorted(MODES))
-def test_skip_over_blocks_loses_only_the_unreadable_shard(corpus, name, world, monkeypatch):
-    monkeypatch.setattr(plan, "MIN_BLOCK_TOKENS", 64)  # the shards cut into blocks of a few groups
-    path, tokens = corpus
+def _epoch_tokens(dataset, world: int, workers: int, options: dict, lost: str) -> Counter:
+    """Every token the ranks of one epoch yield; each rank names the lost shard only."""
     got: Counter = Counter()
     for rank in range(world):
         loader = wdsllm.loader(
-            str(path),
+            dataset,
             rank=rank,
             world_size=world,
-            num_workers=2,
+            num_workers=workers,
+            _in_process=workers > 2,
             equal_batches=False,
             on_error="skip",
             shuffle_buffer=7,
-            **MODES[name],
+            **options,
         )
         for batch in loader:
             got.update(_tokens(batch))
-        assert {Path(url).name for url in loader.skipped_shards} == {sorted(path.glob("*.tar"))[LOST].name}
+        assert {Path(url).name for url in loader.skipped_shards} == {lost}
         loader.close()
-    assert got == tokens  # nothing of a good shard lost, nothing twice
+    return got
+
+
+@pytest.mark.parametrize(("world", "workers"), [(1, 2), (2, 2), (1, 3)])
+@pytest.mark.parametrize("name", sorted(MODES))
+def test_skip_over_blocks_loses_only_the_unreadable_shard(corpus, fine_blocks, name, world, workers):
+    """2 real DataLoader workers; 3 run in this process (the same stages, the same split)."""
+    path, tokens = corpus
+    lost = sorted(path.glob("*.tar"))[LOST].name
+    assert _epoch_tokens(str(path), world, workers, MODES[name], lost) == tokens  # nothing else lost, nothing twice
+
+
+@pytest.mark.parametrize("name", sorted(MODES))
+def test_a_mixture_loses_only_the_unreadable_shard(corpus, second, fine_blocks, name):
+    """A mixture whose epoch takes each source once (quotas of the sources' sizes), 2 ranks."""
+    (path, tokens), (other, other_tokens) = corpus, second
+    mix = wdsllm.Mixture({"a": str(path), "b": str(other)}, weights={"a": 80, "b": 26}, unit="items", epoch_items=106)
+    lost = sorted(path.glob("*.tar"))[LOST].name
+    assert _epoch_tokens(mix, 2, 2, MODES[name], lost) == tokens + other_tokens
