@@ -39,6 +39,22 @@ def corpus(tmp_path_factory) -> tuple[Path, Counter]:
 
 
 @pytest.fixture(scope="module")
+def damaged(tmp_path_factory) -> tuple[Path, Counter, Counter]:
+    """Four shards, a group in the middle of the third one damaged (its checksum fails after the
+    groups before it were read), the tokens of the other three and those of the damaged one."""
+    out = tmp_path_factory.mktemp("skip_blocks_damaged")
+    info = write_dataset(out, [23, 9, 31, 17], max_len=60, seed=3)
+    bad = sorted(out.glob("*.tar"))[2]
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    parts: dict[bool, list] = {True: [], False: []}
+    for item, tokens in info["expect"].items():
+        parts[item >> 32 == 2].append(tokens)
+    return out, Counter(np.concatenate(parts[False]).tolist()), Counter(np.concatenate(parts[True]).tolist())
+
+
+@pytest.fixture(scope="module")
 def second(tmp_path_factory) -> tuple[Path, Counter]:
     """A second, whole source for a mixture, and its tokens."""
     out = tmp_path_factory.mktemp("skip_blocks_b")
@@ -94,3 +110,13 @@ def test_a_mixture_loses_only_the_unreadable_shard(corpus, second, fine_blocks, 
     mix = wdsllm.Mixture({"a": str(path), "b": str(other)}, weights={"a": 80, "b": 26}, unit="items", epoch_items=106)
     lost = sorted(path.glob("*.tar"))[LOST].name
     assert _epoch_tokens(mix, 2, 2, MODES[name], lost) == tokens + other_tokens
+
+
+@pytest.mark.parametrize("name", sorted(MODES))
+def test_a_shard_damaged_midway_loses_only_the_rest_of_its_slice(damaged, fine_blocks, name):
+    """The slice holding the damage yields its items before it and loses the rest: holes stand
+    in for those only, so each of its tokens comes at most once and every other one exactly once."""
+    path, tokens, damaged_tokens = damaged
+    got: Counter = _epoch_tokens(str(path), 2, 2, MODES[name], sorted(path.glob("*.tar"))[2].name)
+    assert not tokens - got  # nothing of the good shards lost
+    assert not (got - tokens) - damaged_tokens  # nothing twice, nothing beyond the damaged shard's
