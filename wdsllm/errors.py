@@ -108,6 +108,12 @@ class DamagedInputError(SourceError):
     """A compressed input that is truncated or damaged; the message says where in its bytes."""
 
 
+class VersionChangedError(StorageError, SourceError):
+    """A remote object is no longer the version a read is pinned to. A storage failure that is
+    never retried, and, as a local input rewritten since it was listed, a source error, never
+    damage: the input's documents are not skipped as unreadable with ``on_error="skip"``."""
+
+
 class TokenizerError(WdsllmError, ValueError):
     """The tokenizer could not be loaded or lacks a token that was asked for."""
 

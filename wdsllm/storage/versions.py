@@ -23,7 +23,7 @@ versions, never a retry.
 
 from __future__ import annotations
 
-from ..errors import SourceError, StorageError
+from ..errors import VersionChangedError
 from .urls import redact
 
 _GENERATION = "gen:"
@@ -84,12 +84,6 @@ def http_conditions(version: str | None) -> dict[str, str]:
     if version and version.startswith(_MODIFIED):
         return {"If-Unmodified-Since": version[len(_MODIFIED) :]}
     return {}
-
-
-class VersionChangedError(StorageError, SourceError):
-    """A remote object is no longer the version a read is pinned to. A storage failure that is
-    never retried, and, as a local input rewritten since it was listed, a source error, never
-    damage: the input's documents are not skipped as unreadable with ``on_error="skip"``."""
 
 
 def changed(url: str, expected: str, now: str | None) -> VersionChangedError:
