@@ -72,9 +72,11 @@ def _tokens(batch: dict) -> list[int]:
     return [t for i, n in enumerate(batch["lengths"].tolist()) for t in ids[i, : int(n)].tolist()]
 
 
-def _epoch_tokens(dataset, world: int, workers: int, options: dict, lost: str) -> Counter:
-    """Every token the ranks of one epoch yield; each rank names the lost shard only."""
+def _epoch_tokens(dataset, world: int, workers: int, options: dict, lost: str, equal: bool = False) -> Counter:
+    """Every token the ranks of one epoch yield; each rank names the lost shard only (``equal``:
+    and they yield equal batch counts)."""
     got: Counter = Counter()
+    counts = set()
     for rank in range(world):
         loader = wdsllm.loader(
             dataset,
@@ -82,15 +84,18 @@ def _epoch_tokens(dataset, world: int, workers: int, options: dict, lost: str) -
             world_size=world,
             num_workers=workers,
             _in_process=workers > 2,
-            equal_batches=False,
+            equal_batches=equal,
             on_error="skip",
             shuffle_buffer=7,
             **options,
         )
-        for batch in loader:
+        batches = list(loader)
+        counts.add(len(batches))
+        for batch in batches:
             got.update(_tokens(batch))
         assert {Path(url).name for url in loader.skipped_shards} == {lost}
         loader.close()
+    assert len(counts) == 1 or not equal
     return got
 
 
@@ -120,3 +125,14 @@ def test_a_shard_damaged_midway_loses_only_the_rest_of_its_slice(damaged, fine_b
     got: Counter = _epoch_tokens(str(path), 2, 2, MODES[name], sorted(path.glob("*.tar"))[2].name)
     assert not tokens - got  # nothing of the good shards lost
     assert not (got - tokens) - damaged_tokens  # nothing twice, nothing beyond the damaged shard's
+
+
+@pytest.mark.parametrize("name", sorted(MODES))
+def test_equal_batches_repeat_for_a_lost_shard_and_lose_nothing_else(corpus, fine_blocks, name):
+    """Ranks that lost items top up to the equal count by repeating their own: every token of a
+    good shard comes at least once, and nothing of the lost one."""
+    path, tokens = corpus
+    lost = sorted(path.glob("*.tar"))[LOST].name
+    got = _epoch_tokens(str(path), 2, 2, MODES[name], lost, equal=True)
+    assert not tokens - got
+    assert set(got) <= set(tokens)

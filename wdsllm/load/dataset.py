@@ -349,10 +349,10 @@ class WorkerBatcher:
             yield self.emit(spec, index, items, after if marks is None else marks.hint(following, after))
             index = following
         failed.update(self.stats.skipped_shards)
-        sent = index - emptied
-        if limit is not None and (failed or cfg.uneven == "repeat") and sent < limit.value():
+        end = limit.value() + emptied if limit is not None else None  # numbered on from the planned batches
+        if end is not None and (failed or cfg.uneven == "repeat") and index < end:
             yield from _refill(
-                catalog, batcher, reading.whole(), spec, self.read, self.stats, failed, sent, limit.value(), self.emit
+                catalog, batcher, reading.whole(), spec, self.read, self.stats, failed, index, end, self.emit
             )
 
 
