@@ -136,3 +136,20 @@ def test_equal_batches_repeat_for_a_lost_shard_and_lose_nothing_else(corpus, fin
     got = _epoch_tokens(str(path), 2, 2, MODES[name], lost, equal=True)
     assert not tokens - got
     assert set(got) <= set(tokens)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_packed_dataset_loses_only_the_unreadable_shards_rows(tmp_path, fine_blocks, world):
+    """Rows of a packed dataset, with their documents and boundaries: a hole is a row too."""
+    info = write_dataset(tmp_path, [23, 9, 31, 17], max_len=60, seed=3, mode="packed", seq_len=16)
+    bad = sorted(tmp_path.glob("*.tar"))[LOST]
+    bad.write_bytes(bad.read_bytes()[:700])
+    rows: Counter = Counter()
+    for rank in range(world):
+        options = dict(rank=rank, world_size=world, num_workers=2, equal_batches=False, on_error="skip")
+        loader = wdsllm.loader(str(tmp_path), batch_size=3, shuffle_buffer=7, docs=True, boundaries=True, **options)
+        for batch in loader:
+            rows.update(batch["rows"].tolist())
+            assert (batch["docs"][:, 0] >= 0).all()
+        loader.close()
+    assert rows == Counter(item for item in info["expect"] if item >> 32 != LOST)
