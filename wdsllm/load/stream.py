@@ -412,13 +412,21 @@ def read_plan_stream(
         except (storage.StorageError, FormatError, SourceError) as exc:
             if options.on_error != "skip":
                 raise
-            url = source.urls[w.sl.shard]
-            log.warning("skipping unreadable shard %s: %s", storage.redact(url), exc)
-            if stats is not None:
-                stats.skipped_shards.append(url)
-            lost = _lost_items(source, w, spec, passed.items) if holes else None
-            if lost is not None and len(lost):
-                yield hole_block(lost, passed.dtype_for(source), source.mode == "packed")
+            yield from _skipped(source, w, spec, exc, stats, passed if holes else None)
+
+
+def _skipped(
+    source: Source, w: _Work, spec: StreamSpec, exc: Exception, stats: StreamStats | None, passed: _Yielded | None
+) -> Iterator[Block]:
+    """A unit that could not be read, skipped and counted; with ``passed`` (holes wanted: what
+    the stream yielded of it), the holes of the items it did not yield."""
+    url = source.urls[w.sl.shard]
+    log.warning("skipping unreadable shard %s: %s", storage.redact(url), exc)
+    if stats is not None:
+        stats.skipped_shards.append(url)
+    lost = _lost_items(source, w, spec, passed.items) if passed is not None else None
+    if lost is not None and len(lost):
+        yield hole_block(lost, passed.dtype_for(source), source.mode == "packed")
 
 
 class _Yielded:
