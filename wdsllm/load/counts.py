@@ -501,7 +501,7 @@ def _longest(catalog: Source, cfg: Config) -> int:
 
 
 #: bumped whenever a count could come out differently: cached tables of another version are not read
-COUNTS_VERSION = 5
+COUNTS_VERSION = 6
 
 
 def counts_cache_dir(catalog: Source) -> str:
