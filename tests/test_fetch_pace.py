@@ -47,6 +47,7 @@ def paced(monkeypatch):
     monkeypatch.setattr(parallel, "BLOCK_SIZE", 200_000)
     monkeypatch.setattr(parallel, "SERIAL_BLOCK_SIZE", 8_000_000)
     monkeypatch.setattr(parallel, "SERIAL_RATE", 1e6)  # the slow server sends a quarter of that
+    monkeypatch.setattr(parallel, "SMALL_GET", 50_000)  # the blocks above are large ones
     yield
     storage.reset()
 
@@ -76,3 +77,19 @@ def test_the_store_of_a_url():
     assert parallel.store_of("s3://bucket/ds/a.tar") == ("s3", "bucket")
     assert parallel.store_of("hf://datasets/org/name@main/ds/a.tar") == ("hf", "datasets/org/name")
     assert parallel.store_of("/local/a.tar") == ("file", "")
+
+
+def test_small_reads_of_a_fast_store_overlap_their_round_trips(paced, http_server):
+    """A store measured fast reads a large object one block at a time; small objects (an epoch's
+    blocks of a shard) are round trips, and IN_FLIGHT of them wait out theirs together."""
+    data = payload(5_000_000)
+    assert read_whole(spool_of(http_server, "big.bin", data)) == data
+    queue = parallel.block_queue()
+    assert queue.pace_of(parallel.store_of(http_server.url)).want == 1
+    small = [payload(40_000, seed=i) for i in range(parallel.IN_FLIGHT)]
+    http_server.faults.add("*/small-*", "delay", times=None, seconds=1.0)
+    spools = [spool_of(http_server, f"small-{i}.bin", d) for i, d in enumerate(small)]
+    assert [read_whole(s) for s in spools] == small
+    # every request reached the server before the first was answered: one round trip, not four
+    arrived = [r.time for r in http_server.log() if "/small-" in r.path]
+    assert len(arrived) == parallel.IN_FLIGHT and max(arrived) - min(arrived) < 1.0

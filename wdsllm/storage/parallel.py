@@ -43,6 +43,11 @@ SERIAL_RATE = float(os.environ.get("WDSLLM_SERIAL_RATE") or 256e6)
 #: blocks then go one at a time anyway, and each GET costs a request on both ends (figures:
 #: docs/benchmarks.md). A block that breaks still resumes at the byte where it broke.
 SERIAL_BLOCK_SIZE = int(os.environ.get("WDSLLM_SERIAL_BLOCK_SIZE") or 4 * BLOCK_SIZE)
+#: A GET of at most this many bytes takes about its request's round trip whatever the store's rate
+#: (``WDSLLM_SMALL_GET``): ``IN_FLIGHT`` of them run at once even where a store measured fast, so
+#: that small ranged reads (an epoch's blocks of a shard, side-file chunks) do not wait out one
+#: round trip each in turn.
+SMALL_GET = int(os.environ.get("WDSLLM_SMALL_GET") or 2 << 20)
 
 
 def store_of(url: str) -> tuple[str, str]:
@@ -62,10 +67,12 @@ class Ticket:
     """One queued block: ``run(ticket)`` downloads it, and calls :meth:`half_in` once half of it
     has arrived (the queue then starts the next block, so that its first-byte wait overlaps)."""
 
-    __slots__ = ("busy", "owner", "queue", "run", "store")
+    __slots__ = ("busy", "owner", "queue", "run", "small", "store")
 
-    def __init__(self, queue: BlockQueue, owner: Any, store: tuple[str, str], run: Callable[[Ticket], None]) -> None:
-        self.queue, self.owner, self.store, self.run = queue, owner, store, run
+    def __init__(
+        self, queue: BlockQueue, owner: Any, store: tuple[str, str], run: Callable[[Ticket], None], small: bool
+    ) -> None:
+        self.queue, self.owner, self.store, self.run, self.small = queue, owner, store, run, small
         self.busy = False
 
     def half_in(self) -> None:
@@ -111,9 +118,13 @@ class BlockQueue:
             pace = self._stores[store] = StorePace()
         return pace
 
-    def put(self, owner: Any, store: tuple[str, str], run: Callable[[Ticket], None], limit: int) -> None:
+    def put(
+        self, owner: Any, store: tuple[str, str], run: Callable[[Ticket], None], limit: int, size: int | None = None
+    ) -> None:
+        """Queue a block of ``size`` bytes (None: unknown, paced as a large one)."""
+        small = size is not None and size <= SMALL_GET
         with self._lock:
-            self._pending.append((Ticket(self, owner, store, run), limit))
+            self._pending.append((Ticket(self, owner, store, run, small), limit))
             self._start()
 
     def drop(self, owner: Any) -> list[Ticket]:
@@ -144,7 +155,8 @@ class BlockQueue:
         while self._pending and running < 2 * IN_FLIGHT:
             ticket, limit = self._pending[0]
             pace = self._pace(ticket.store)
-            if pace.busy >= pace.want or self._running.get(ticket.owner, 0) >= limit:
+            want = IN_FLIGHT if ticket.small else pace.want
+            if pace.busy >= want or self._running.get(ticket.owner, 0) >= limit:
                 return  # in order: the next block waits for its store's or its spool's
             self._pending.popleft()
             ticket.busy = True

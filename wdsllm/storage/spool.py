@@ -139,7 +139,7 @@ class Spool(SpooledRange):
         self._paced = False
         self._next = len(self._blocks)  # every block is queued now, in order
         for i in range(len(self._blocks)):
-            self._queue.put(self, self._store, partial(self._fetch, i), self._in_flight)
+            self._queue.put(self, self._store, partial(self._fetch, i), self._in_flight, self._blocks[i][1])
 
     def _pace(self, n: int) -> None:
         """``n`` more bytes arrived: once PACE_BYTES or PACE_SECONDS after the first ones tell, the queue learns
