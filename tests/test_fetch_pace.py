@@ -47,7 +47,6 @@ def paced(monkeypatch):
     monkeypatch.setattr(parallel, "BLOCK_SIZE", 200_000)
     monkeypatch.setattr(parallel, "SERIAL_BLOCK_SIZE", 8_000_000)
     monkeypatch.setattr(parallel, "SERIAL_RATE", 1e6)  # the slow server sends a quarter of that
-    monkeypatch.setattr(parallel, "SMALL_GET", 50_000)  # the blocks above are large ones
     yield
     storage.reset()
 

@@ -43,11 +43,10 @@ SERIAL_RATE = float(os.environ.get("WDSLLM_SERIAL_RATE") or 256e6)
 #: blocks then go one at a time anyway, and each GET costs a request on both ends (figures:
 #: docs/benchmarks.md). A block that breaks still resumes at the byte where it broke.
 SERIAL_BLOCK_SIZE = int(os.environ.get("WDSLLM_SERIAL_BLOCK_SIZE") or 4 * BLOCK_SIZE)
-#: A GET of at most this many bytes takes about its request's round trip whatever the store's rate
-#: (``WDSLLM_SMALL_GET``): ``IN_FLIGHT`` of them run at once even where a store measured fast, so
-#: that small ranged reads (an epoch's blocks of a shard, side-file chunks) do not wait out one
-#: round trip each in turn.
-SMALL_GET = int(os.environ.get("WDSLLM_SMALL_GET") or 2 << 20)
+#: A GET of at most ``BLOCK_SIZE`` / this takes about its request's round trip whatever the store's
+#: rate: ``IN_FLIGHT`` of them run at once even where a store measured fast, so that small ranged
+#: reads (an epoch's blocks of a shard, side-file chunks) do not wait out one round trip each in turn.
+SMALL_GET_SHARE = 4
 
 
 def store_of(url: str) -> tuple[str, str]:
@@ -122,7 +121,7 @@ class BlockQueue:
         self, owner: Any, store: tuple[str, str], run: Callable[[Ticket], None], limit: int, size: int | None = None
     ) -> None:
         """Queue a block of ``size`` bytes (None: unknown, paced as a large one)."""
-        small = size is not None and size <= SMALL_GET
+        small = size is not None and size * SMALL_GET_SHARE <= BLOCK_SIZE
         with self._lock:
             self._pending.append((Ticket(self, owner, store, run, small), limit))
             self._start()
