@@ -182,14 +182,20 @@ def first_batch(paths: list[str], counts: str) -> tuple[float, float]:
         next(it)
     state = run.state_dict()
     del it, run
+    fresh, resumed, _ = first_batches(make, state)
+    return fresh, resumed
+
+
+def first_batches(make, state: dict) -> tuple[float, float, dict]:
+    """(seconds to the first batch of a fresh loader, of one resumed from ``state``; that batch)."""
     t = time.perf_counter()
     next(iter(make()))
     fresh = time.perf_counter() - t
     t = time.perf_counter()
     resumed = make()
     resumed.load_state_dict(state)
-    next(iter(resumed))
-    return fresh, time.perf_counter() - t
+    batch = next(iter(resumed))
+    return fresh, time.perf_counter() - t, batch
 
 
 def compressed_first_batch(path: str, mode: dict) -> tuple[float, float]:
@@ -209,14 +215,8 @@ def compressed_first_batch(path: str, mode: dict) -> tuple[float, float]:
     state = run.state_dict()
     expected = next(it)["input_ids"]
     del it, run
-    t = time.perf_counter()
-    next(iter(make()))
-    fresh = time.perf_counter() - t
-    t = time.perf_counter()
-    resumed = make()
-    resumed.load_state_dict(state)
-    got = next(iter(resumed))["input_ids"]
-    elapsed = time.perf_counter() - t
+    fresh, elapsed, batch = first_batches(make, state)
+    got = batch["input_ids"]
     assert got.equal(expected), "the resumed batch differs from the uninterrupted run's"
     return fresh, elapsed
 

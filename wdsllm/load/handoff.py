@@ -139,7 +139,7 @@ def worker_tail(source: Source, cfg: Config, spec: StreamSpec, slices: list[Slic
     """The tail of (rank, worker) of ``spec`` reading ``slices``, as slices that pick its items
     (the one a concat row cut first, with its ``lead``; then the others in plan order)."""
     counts = slice_item_counts(source, slices, spec)
-    in_plan, lead = tail_positions(source, cfg, spec, slices)
+    in_plan, lead = tail_positions(source, cfg, spec, slices, counts)
     if not len(in_plan):
         return []
     out = []
@@ -149,11 +149,15 @@ def worker_tail(source: Source, cfg: Config, spec: StreamSpec, slices: list[Slic
     return out + picked_slices(slices, counts, np.sort(in_plan))
 
 
-def tail_positions(source: Source, cfg: Config, spec: StreamSpec, slices: list[Slice]) -> tuple[np.ndarray, int]:
+def tail_positions(
+    source: Source, cfg: Config, spec: StreamSpec, slices: list[Slice], counts: list[int] | None = None
+) -> tuple[np.ndarray, int]:
     """(plan positions of the tail of (rank, worker) of ``spec`` reading ``slices``, in
-    shuffled-stream order; tokens of the first that its own batches hold)."""
+    shuffled-stream order; tokens of the first that its own batches hold). ``counts``: the
+    slices' item counts, where the caller has them (``slice_item_counts`` reads lengths)."""
     batcher = cfg.make_batcher()
-    counts = slice_item_counts(source, slices, spec)
+    if counts is None:
+        counts = slice_item_counts(source, slices, spec)
     if batcher.count_by == COUNT_BY_ITEMS and sum(counts) % cfg.batch_size == 0:
         return np.zeros(0, np.int64), 0  # whole batches of items (``Config.share_unit``): none left out
     lengths = slice_item_lengths(source, slices, spec)
