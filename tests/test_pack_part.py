@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import threading
+import time
 
 import pytest
 from cluster_helpers import GPT2, SMALL, documents_by_origin, local_pack, source_records, visible_files
-from pack_helpers import dataset_files, load_index
+from pack_helpers import dataset_files, load_index, pack_api
 
 import wdsllm.pack.part as part_module
+from wdsllm import storage
 from wdsllm.errors import MergeError, PackError, SourceError, WdsllmError
+from wdsllm.pack.lock import OutputLock
 from wdsllm.pack.merge import merge
-from wdsllm.pack.part import PartOptions, pack_part, pack_part_files, part_url
+from wdsllm.pack.part import TOKENIZERS, PartOptions, pack_part, pack_part_files, part_url
 
 N = 2000
 
@@ -190,3 +195,60 @@ def test_parts_of_input_files_merge_into_the_local_pack(tmp_path, caplog, monkey
     with pytest.raises(MergeError, match="is in both"):
         merge([str(tmp_path / "twice")], str(tmp_path / "m2"))
     assert again.digest != whole.digest  # keys name the part
+
+
+def test_where_filters_records_as_it_filters_json_lines(tmp_path):
+    _, records = source_records(N)
+    scored = [{**r, "score": (r["line"] % 3) / 2} for r in records[:600]]
+    jsonl = tmp_path / "scored.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": r["text"], "score": r["score"]}) + "\n" for r in scored))
+    where = "score >= 0.5"
+    local = pack_api([jsonl], tmp_path / "local", where=where, **SMALL).output
+    name = load_index(local).inputs[0]["path"]
+    opts = options(sources=[name], where=where)
+    manifest = pack_part([{**r, "source": name} for r in scored], 0, str(tmp_path / "parts"), opts)
+    assert (manifest.documents, manifest.skipped) == (400, 200)
+    merge([str(tmp_path / "parts")], str(tmp_path / "merged"))
+    assert documents_by_origin(tmp_path / "merged") == documents_by_origin(local)
+    assert load_index(tmp_path / "merged").skipped["counts"] == {"filtered": 200}
+    with pytest.raises(PackError, match="split and input_format say how to read input files"):
+        pack_part(scored, 0, str(tmp_path / "x"), options(split="paragraph"))
+
+
+def test_the_tokenizer_is_loaded_once_per_process(tmp_path, monkeypatch):
+    _, records = source_records(N)
+    loads = []
+
+    def counted(*args, **kw):
+        loads.append(args)
+        return real(*args, **kw)
+
+    real = part_module.load_tokenizer
+    monkeypatch.setattr(part_module, "load_tokenizer", counted)
+    TOKENIZERS.reset()
+    for part in range(3):
+        pack_part(records[part * 10 : part * 10 + 10], part, str(tmp_path), options())
+    assert len(loads) == 1
+    pack_part(records[:10], 0, str(tmp_path / "other"), options(eos_token="<|endoftext|>"))
+    assert len(loads) == 2  # other special tokens: another tokenizer
+
+
+def test_a_duplicate_attempt_waits_for_the_part_and_finds_it_committed(tmp_path, monkeypatch):
+    _, records = source_records(N)
+    first = pack_part(records[:100], 3, str(tmp_path), options())
+    monkeypatch.setattr(part_module, "LOCK_POLL_S", 0.05)
+    running = OutputLock(storage.Output(part_url(str(tmp_path), 3)), "pack part").acquire()  # another attempt
+    found = {}
+    duplicate = threading.Thread(
+        target=lambda: found.update(m=pack_part(preempted_after(records, 0), 3, str(tmp_path), options()))
+    )
+    duplicate.start()
+    time.sleep(0.3)
+    assert duplicate.is_alive()  # waiting for the running attempt, not refused
+    running.release()
+    duplicate.join(30)
+    assert found["m"] == first  # the committed part, without a record read
+    monkeypatch.setattr(part_module, "LOCK_WAIT_S", 0.2)
+    held = pytest.raises(PackError, match=r"being written by another .* \(waited 0 s for it\)")
+    with OutputLock(storage.Output(part_url(str(tmp_path), 3)), "pack part"), held:
+        pack_part(records[:100], 3, str(tmp_path), options())

@@ -27,9 +27,11 @@ is its record's 1-based number in the part.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -64,7 +66,7 @@ from .job import (
     token_dtype_for,
     write_index,
 )
-from .lock import OutputLock
+from .lock import STALE_AFTER, OutputLock
 from .shaping import EncodedChunk, GroupData, Position
 from .tokenizer import Encoder, LoadedTokenizer, load_tokenizer
 from .writer import JOURNAL_START, Counters, ShardSink, read_journal
@@ -77,6 +79,10 @@ MAX_CHUNK_RECORDS = 65_536
 #: a record's fields that say where it came from (with ``PartOptions.sources``)
 SOURCE_FIELD = "source"
 LINE_FIELD = "line"
+#: how long an attempt waits for a part that another attempt holds: past a remote lock's staleness,
+#: so that a retry on another node takes over the part of an attempt that died there
+LOCK_WAIT_S = STALE_AFTER + 60.0
+LOCK_POLL_S = 5.0
 
 
 def part_name(part_id: int) -> str:
@@ -242,7 +248,13 @@ class RecordInput:
         self.name = part_name(part_id)
         self.sources = {name: i for i, name in enumerate(options.sources)} if options.sources is not None else None
         self.path = self.cfg.text_field.split(".")
+        self.where = self.cfg.parse_options().where
         self.origins = Origins() if self.sources is not None else None
+        if self.cfg.split != "line" or self.cfg.input_format is not None:
+            raise PackError(
+                f"{self.name}: split and input_format say how to read input files; a record's text is its "
+                f"{self.cfg.text_field!r} field (pack input files with pack_part_files)"
+            )
 
     def identity(self) -> list:
         return []
@@ -276,6 +288,9 @@ class RecordInput:
             yield self._encode(parsed, encoder)
 
     def _add(self, out: ParsedChunk, ordinal: int, record: Mapping[str, Any]) -> int:
+        if self.where is not None and not self.where.keeps(record):  # before the text, as for a JSON line
+            out.tally("filtered", ordinal)
+            return 0
         text = json_field(record, self.path)
         if not isinstance(text, str):
             problem = not_text(text)
@@ -452,20 +467,39 @@ def _pack_part(make_input: Callable[[], PartInput], part_id: int, out: str, opti
     source = make_input()
     url = part_url(out, part_id)
     output = storage.Output(url)
+    lock = OutputLock(output, "pack part")
     try:
-        with OutputLock(output, "pack part") as lock:
-            expected = _expected_options(options, part_id, tok)
-            committed = _committed(output, expected, tok)
-            if committed is not None:
-                log.info("%s is already complete; kept as it is", url)
-                return PartManifest.of(url, committed)
-            journal = _prepare(output, cfg.prefix, _fingerprint(expected, tok, source.identity()))
-            index = _pack_input(source, part_id, output, options, tok, journal, lock)
-            if index.options != expected:
-                raise PackError(f"internal: {url} was written with options other than its fingerprint's")
-            return PartManifest.of(url, index, resumed_shards=len(journal))
+        _acquire(lock, url)
+        expected = _expected_options(options, part_id, tok)
+        committed = _committed(output, expected, tok)
+        if committed is not None:
+            log.info("%s is already complete; kept as it is", url)
+            return PartManifest.of(url, committed)
+        journal = _prepare(output, cfg.prefix, _fingerprint(expected, tok, source.identity()))
+        index = _pack_input(source, part_id, output, options, tok, journal, lock)
+        if index.options != expected:
+            raise PackError(f"internal: {url} was written with options other than its fingerprint's")
+        return PartManifest.of(url, index, resumed_shards=len(journal))
     finally:
+        lock.release()
         output.close()
+
+
+def _acquire(lock: OutputLock, url: str) -> None:
+    """The part's lock, waited for while another attempt holds it: a duplicate (speculative) attempt
+    then finds the part that one committed, and a retry the part of an attempt that died on
+    another node once its heartbeat is stale. Bounded: after ``LOCK_WAIT_S`` the refusal is raised."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    for attempt in itertools.count():
+        try:
+            lock.acquire()
+            return
+        except PackError as refused:
+            if time.monotonic() >= deadline:
+                raise PackError(f"{refused} (waited {LOCK_WAIT_S:.0f} s for it)") from None
+            if attempt == 0:
+                log.info("%s: %s; waiting up to %.0f s for it", url, refused, LOCK_WAIT_S)
+            time.sleep(LOCK_POLL_S)
 
 
 def _expected_options(options: PartOptions, part_id: int, tok: LoadedTokenizer) -> dict:
