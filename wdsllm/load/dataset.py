@@ -296,6 +296,7 @@ class WorkerBatcher:
             then=then,
             mark=mark,
             holes=holes,
+            known=slices.own,
         )
         return stream if marks is None else marks.wrap(position, stream)
 

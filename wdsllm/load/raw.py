@@ -151,7 +151,7 @@ class RawSource(OneDataset):
     def reader(self, unit: int) -> tuple[RawSource, int]:
         return self, unit
 
-    def opening(self, sl: Slice, skip: int, options: ReadOptions) -> None:
+    def opening(self, sl: Slice, skip: int, options: ReadOptions, whole: bool = False) -> None:
         """Nothing is opened by the stream: the reader parses the unit's files itself."""
         return None
 

@@ -13,10 +13,11 @@ The shuffle is blockwise (as infinibatch's): each buffer of items is drawn in a 
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -331,6 +332,11 @@ class StreamStats:
 #: remote shards started behind the one being read, up to this many bytes (at least the next one):
 #: a small shard is read faster than the next one's first bytes take to arrive
 PREFETCH_AHEAD_BYTES = 64 << 20
+#: a pass of at most this many slices is looked over whole for shards that several of its slices
+#: read (an epoch's blocks: ``plan.EPOCH_BLOCKS`` of them where shards are few)
+MAX_SHARED_SLICES = 8 * planmod.EPOCH_BLOCKS
+#: what a shard read whole must be to be shared: spooled as the stream's prefetcher spools
+SHARED_OPTIONS = storage.PrefetchOptions(spool=True)
 #: a process that reads epoch after epoch starts the next epoch's first remote shards while it
 #: reads this one's last (``WDSLLM_WARM_NEXT_EPOCH=0``: never; docs/remote.md)
 WARM_NEXT_EPOCH = os.environ.get("WDSLLM_WARM_NEXT_EPOCH", "1") != "0"
@@ -347,6 +353,7 @@ def read_plan_stream(
     then: Callable[[], tuple[list[Slice], StreamSpec] | None] | None = None,
     mark: tuple[int, int] | None = None,
     holes: bool = False,
+    known: list[Slice] | None = None,
 ) -> Iterator[Block]:
     """The plan stream from plan position ``start``, read: blocks of items in plan order.
 
@@ -364,9 +371,15 @@ def read_plan_stream(
     ``then``: the slices and spec of the stream read next in this process (the next epoch's),
     asked for once the last shard here has started; storage is then asked to start its first
     remote shards (``storage.Prefetcher.warm``).
+
+    ``known``: the slices known before reading (default: ``slices`` when it is a list; a worker's
+    own share where other workers' tails follow, found when reached): a remote shard that several
+    of them read is downloaded once (``_planned_work``).
     """
     options = options or ReadOptions()
-    work = _planned_work(source, slices, spec, 0 if mark else start, options)
+    if known is None and isinstance(slices, list):
+        known = slices
+    work, shared = _planned_work(source, slices, spec, 0 if mark else start, options, known)
     streams = None
     if source.opens_units:
         work, ahead = itertools.tee(work)
@@ -376,6 +389,7 @@ def read_plan_stream(
             ahead_bytes=PREFETCH_AHEAD_BYTES,
             offload=bool(options.fetch_process),  # a fetch process fills the spools (storage/offload.py)
             owner=storage.WarmKey(id(source), (spec.rank, spec.world, spec.worker, spec.workers)),
+            shared=shared,
         )
     warmer = _NextPass(source, then, options) if then is not None and streams is not None else None
     to_drop = _Drop()  # items still to drop when counts are unknown and a slice ran out first
@@ -500,13 +514,52 @@ class _Drop:
 
 
 def _planned_work(
-    source: Source, slices: Iterable[Slice], spec: StreamSpec, start: int, options: ReadOptions
-) -> Iterator[_Work]:
-    """Each slice to read with its reader, and where a ranged read can enter its unit."""
-    for sl, skip, drop in _slice_work(source, slices, spec, start):
-        reader, unit = source.reader(sl.shard)
-        local = sl if unit == sl.shard else replace(sl, shard=unit)
-        yield _Work(sl, skip, drop, reader, local, reader.opening(local, skip, options))
+    source: Source,
+    slices: Iterable[Slice],
+    spec: StreamSpec,
+    start: int,
+    options: ReadOptions,
+    known: list[Slice] | None = None,
+) -> tuple[Iterator[_Work], set[str]]:
+    """Each slice to read with its reader and where a ranged read can enter its unit; and the
+    units read whole, each once for every slice that reads it (``storage.sharing``).
+
+    A pass whose ``known`` slices read several blocks of one remote shard reads it once, where the
+    shards so shared fit ``PREFETCH_AHEAD_BYTES`` (the first ones the pass reads): one GET and one
+    buffer, where ranged reads would be a GET and a buffer per block, and copies across buffers in
+    the shuffle. The shared reads are held until the pass ends."""
+    whole: dict[int, str] = {}
+    if source.opens_units and known is not None and len(known) <= MAX_SHARED_SLICES:
+        whole = _shared_units(source, known, options)
+    planned = _slice_work(source, slices, spec, start)
+    return (_work(source, sl, skip, drop, options, whole) for sl, skip, drop in planned), set(whole.values())
+
+
+def _work(source: Source, sl: Slice, skip: int, drop: int, options: ReadOptions, whole: Container[int]) -> _Work:
+    reader, unit = source.reader(sl.shard)
+    local = sl if unit == sl.shard else replace(sl, shard=unit)
+    return _Work(sl, skip, drop, reader, local, reader.opening(local, skip, options, sl.shard in whole))
+
+
+def _shared_units(source: Source, slices: list[Slice], options: ReadOptions) -> dict[int, str]:
+    """The units several slices read, remote and spooled whole, first come first, while their
+    bytes fit ``PREFETCH_AHEAD_BYTES`` (unit -> its URL)."""
+    counts = collections.Counter(sl.shard for sl in slices)  # first seen first
+    chosen: dict[int, str] = {}
+    held = 0
+    for shard, n in counts.items():  # in the order the pass first reads them
+        if n < 2:
+            continue
+        reader, unit = source.reader(shard)
+        opening = reader.opening(Slice(unit, 0, None), 0, options, True)
+        if opening is None or not SHARED_OPTIONS.spooled(opening.url, opening.kwargs):
+            continue
+        size = opening.kwargs.get("expected_size")  # read whole: from byte 0
+        if size is None or held + size > PREFETCH_AHEAD_BYTES:
+            continue
+        held += size
+        chosen[shard] = opening.url
+    return chosen
 
 
 def _openings(work: Iterable[_Work]) -> Iterator[tuple[str, dict]]:
@@ -530,7 +583,7 @@ class _NextPass:
             following = self.then() if WARM_NEXT_EPOCH else None
             if following is not None:
                 slices, spec = following
-                work = _planned_work(self.source, slices, spec, 0, self.options)
+                work, _ = _planned_work(self.source, slices, spec, 0, self.options)
                 streams.warm(itertools.islice(_openings(work), streams.options.most))
         except Exception as exc:  # a guess: the next pass plans and meets it again if it is real
             log.debug("not warming the next pass: %s", exc)

@@ -10,7 +10,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, BinaryIO, Union
@@ -18,7 +18,8 @@ from typing import Any, BinaryIO, Union
 from .backends import CHUNK_SIZE, is_remote
 from .parking import PARKING, WarmKey
 from .resumable import STREAM_BUFFER, open_stream
-from .spool import Spool, open_spool_block
+from .sharing import SpoolShare
+from .spool import Spool, SpooledRange, open_spool_block
 
 log = logging.getLogger(__name__)
 
@@ -278,10 +279,19 @@ class Prefetcher(Iterator[BinaryIO]):
     parks the warmed ones for ``owner``.
     """
 
-    def __init__(self, items: Iterable[OpenSpec], options: PrefetchOptions, owner: WarmKey | None = None) -> None:
+    def __init__(
+        self,
+        items: Iterable[OpenSpec],
+        options: PrefetchOptions,
+        owner: WarmKey | None = None,
+        shared: Collection[str] = (),
+    ) -> None:
         from .helpers import use
 
         self.options = options
+        #: objects read whole by several of the items: one spool, a view each, held to the end
+        self._shared = frozenset(shared)
+        self._shares: dict[str, SpoolShare] = {}
         self.owner = WarmKey() if owner is None else owner
         use(self.owner.loader)
         self._items = iter(items)
@@ -329,7 +339,10 @@ class Prefetcher(Iterator[BinaryIO]):
             if not self.options.spooled(*_url_and_kwargs(item)) or size_ahead(item) is None:
                 taken = taken[:n]  # the next pass opens it, and what follows it, when its turn comes
                 break
-        self._to_warm = taken
+        self._to_warm = []
+        for item in taken:  # an object that several items read whole is started once
+            if item not in self._to_warm:
+                self._to_warm.append(item)
         if self._pass is not None:
             self._warm()
 
@@ -350,11 +363,25 @@ class Prefetcher(Iterator[BinaryIO]):
             if item is _EOF:
                 self.all_started = True
                 return
-            size = size_ahead(item)  # type: ignore[arg-type]
+            url = _url_and_kwargs(item)[0]  # type: ignore[arg-type]
+            size = 0 if url in self._shares else size_ahead(item)  # type: ignore[arg-type]
             if not self._fits(size):
                 self._held.append(item)  # type: ignore[arg-type]
                 return
-            self._pending.append(_Started(self.options.open(item, self.owner), size))  # type: ignore[arg-type]
+            self._pending.append(_Started(self._open(item), size))  # type: ignore[arg-type]
+
+    def _open(self, item: OpenSpec) -> BinaryIO:
+        """``item``'s stream: a view of its object's shared spool where several items read it."""
+        url, kwargs = _url_and_kwargs(item)
+        if url not in self._shared or not self.options.spooled(url, kwargs):
+            return self.options.open(item, self.owner)
+        share = self._shares.get(url)
+        if share is None:
+            spool = self.options.open(item, self.owner)
+            if not isinstance(spool, SpooledRange):  # an error to raise where it is read
+                return spool
+            share = self._shares[url] = SpoolShare(spool)
+        return share.view()  # type: ignore[return-value]
 
     def _warm(self) -> None:
         """After the last item started: the next pass's first items, while they fit. A guess:
@@ -385,6 +412,9 @@ class Prefetcher(Iterator[BinaryIO]):
         for started in self._pending:
             started.stream.close()
         self._pending.clear()
+        for share in self._shares.values():
+            share.close()
+        self._shares.clear()
         if self._pass is None:
             return
         PARKING.end(self.owner, self._pass)
@@ -409,6 +439,7 @@ def prefetch_iter(
     offload: bool = False,
     then: Iterable[OpenSpec] = (),
     owner: WarmKey | None = None,
+    shared: Collection[str] = (),
 ) -> Prefetcher:
     """Streams of the given objects in order, each remote one started ``depth`` shards early.
 
@@ -419,10 +450,12 @@ def prefetch_iter(
     With ``spool``, a remote object whose size is known (``expected_size`` or ``length``) is read
     whole into a :class:`Spool` instead, which a reader can use in place like a mapped shard.
     ``ahead_bytes``, ``max_depth``, ``offload``: :class:`PrefetchOptions`. ``then``: the next
-    pass's first objects, warmed for ``owner`` (:meth:`Prefetcher.warm`).
+    pass's first objects, warmed for ``owner`` (:meth:`Prefetcher.warm`). ``shared``: objects
+    that several items read whole: each is spooled once, each item gets a view of that spool
+    (:mod:`~wdsllm.storage.sharing`), and the spool is held until the prefetcher closes.
     """
     options = PrefetchOptions(depth, chunk_size, max_chunks, spool, ahead_bytes, max_depth, offload)
-    prefetcher = Prefetcher(urls_and_kwargs, options, owner)
+    prefetcher = Prefetcher(urls_and_kwargs, options, owner, shared)
     if then:
         prefetcher.warm(then)
     return prefetcher

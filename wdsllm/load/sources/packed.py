@@ -158,10 +158,10 @@ class PackedSource(OneDataset):
         return state
 
     # -- reading its shards (``UnitReader``) ------------------------------------------------------
-    def opening(self, sl: Slice, skip: int, options: ReadOptions) -> Opening:
+    def opening(self, sl: Slice, skip: int, options: ReadOptions, whole: bool = False) -> Opening:
         """The shard opened by the stream (read ahead), entered at a group where a ranged read of
-        a remote shard can be (``read.ranged_start``)."""
-        start = ranged_start(self, sl, skip, options)
+        a remote shard can be (``read.ranged_start``), unless ``whole``."""
+        start = None if whole else ranged_start(self, sl, skip, options)
         return Opening(self.urls[sl.shard], open_kwargs(self, sl.shard, options, start), start)
 
     def read(

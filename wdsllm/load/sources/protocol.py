@@ -63,10 +63,11 @@ class UnitReader(Protocol):
 
     urls: Sequence[str]
 
-    def opening(self, sl: Slice, skip: int, options: ReadOptions) -> Opening | None:
+    def opening(self, sl: Slice, skip: int, options: ReadOptions, whole: bool = False) -> Opening | None:
         """How the stream opens the slice's unit ahead of reading it (a shard's bytes, read ahead
         while the shard before is consumed), or None: the reader opens it itself (raw text's
-        units are files its reader parses)."""
+        units are files its reader parses). ``whole``: the unit from its start, not the range the
+        slice needs (several slices of the pass share one read of it)."""
         ...
 
     def read(
