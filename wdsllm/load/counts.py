@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -58,15 +58,20 @@ class EpochPlan(Protocol):
     """A plan that replaces an epoch's normal one: the remainder of an interrupted epoch, or a
     mixture's epoch (``Source.default_plan``)."""
 
+    #: the rest of an interrupted epoch re-planned for a new layout: a loader's state carries it,
+    #: and its shares are counted one by one (it has no ``share_sizes``: a ``SizedPlan`` has)
+    remainder: bool
+
     def slices_for(self, catalog: Source, cfg: Config, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
         """The slices (rank, worker) reads, in reading order."""
         ...
 
 
-@runtime_checkable
 class SizedPlan(Protocol):
     """A plan that knows every consumer's items and tokens without making their slices (a
     mixture's: ``mixplan.MixturePlan``), so that its counts need no pass before the first batch."""
+
+    remainder: bool
 
     def slices_for(
         self, catalog: Source, cfg: Config, rank: int, world: int, worker: int, workers: int
@@ -236,12 +241,12 @@ class EpochCounts:
         # lengths read now and checked in the background: nothing acts on them before that
         truncates = spec.max_len is not None and spec.max_len_mode == "truncate"
         want_tokens = not truncates and not (batcher.count_by == COUNT_BY_ITEMS and not splits)
-        if plan is not None and not isinstance(plan, SizedPlan):
+        if plan is not None and plan.remainder:
             # a re-planned remainder (made by a pass over the old shares): counted share by share, at once
             exact = _shares_exact(catalog, cfg, epoch, world, workers, plan, ranks)
             return cls(exact, exact)
         if plan is not None:  # a mixture's epoch: shares from its stretches, exact counts from their slices
-            items, tokens, check = _plan_sizes(catalog, plan, world, workers, want_tokens)
+            items, tokens, check = _plan_sizes(catalog, cast(SizedPlan, plan), world, workers, want_tokens)
             identity = plan.identity()
             exact_table = lambda: _shares_exact(catalog, cfg, epoch, world, workers, plan, ranks)  # noqa: E731
         else:

@@ -197,7 +197,7 @@ class Here:
             num_workers=self.workers,
             equal_batches=bool(self.cfg.keeps_equal_batches(self.world)),
             infinite=self.cfg.infinite,
-            plan=plan if isinstance(plan, resumemod.RemainderPlan) else None,
+            plan=plan if plan is not None and plan.remainder else None,
             **position,
         )
 

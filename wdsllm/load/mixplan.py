@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -617,6 +617,7 @@ class MixturePlan:
     planner: Any
     mixing: Mixing
     epoch: int
+    remainder: ClassVar[bool] = False
 
     def slices_for(self, source: Any, cfg: Any, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
         block = self.mixing.block_size(cfg.spec(self.epoch, rank, world, worker, workers))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -126,6 +127,7 @@ class RemainderPlan:
     workers: int
     consumed: list[list[int]]
     base: RemainderPlan | None = None
+    remainder: ClassVar[bool] = True  # ``counts.EpochPlan``
     #: ``sequence``'s answer, once made (it takes a pass over every old share's lengths)
     _sequence: tuple[list[Slice], list[int]] | None = field(default=None, repr=False, compare=False)
 

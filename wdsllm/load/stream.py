@@ -377,8 +377,10 @@ def read_plan_stream(
     of them read is downloaded once (``_planned_work``).
     """
     options = options or ReadOptions()
-    if known is None and isinstance(slices, list):
-        known = slices
+    if known is None:
+        known = slices  # type: ignore[assignment]
+    if not isinstance(known, list):  # a resampled stream's slices are endless
+        known = None
     work, shared = _planned_work(source, slices, spec, 0 if mark else start, options, known)
     streams = None
     if source.opens_units:
