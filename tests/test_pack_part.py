@@ -7,10 +7,11 @@ import logging
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from cluster_helpers import GPT2, SMALL, documents_by_origin, local_pack, source_records, visible_files
-from pack_helpers import dataset_files, load_index, pack_api
+from pack_helpers import cached, dataset_files, load_index, pack_api
 
 import wdsllm.pack.part as part_module
 from wdsllm import storage
@@ -252,3 +253,49 @@ def test_a_duplicate_attempt_waits_for_the_part_and_finds_it_committed(tmp_path,
     held = pytest.raises(PackError, match=r"being written by another .* \(waited 0 s for it\)")
     with OutputLock(storage.Output(part_url(str(tmp_path), 3)), "pack part"), held:
         pack_part(records[:100], 3, str(tmp_path), options())
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda ix: ix["options"].update(prefix="../../escaped"), "prefix '../../escaped' cannot name shards"),
+        (lambda ix: ix["options"].update(parts=10**12), "parts must be an integer from 1 to 1,000,000"),
+        (lambda ix: ix["options"].update(part_id="0"), "part_id"),
+        (lambda ix: ix["inputs"][0].update(index=[0]), r"inputs\[0\] is not an input entry"),
+        (lambda ix: ix["inputs"].append("x"), r"inputs\[1\] is not an input entry"),
+        (lambda ix: ix["skipped"].update(records=[{"file": ["x"], "line": 1}]), r"skipped.records\[0\]"),
+        (lambda ix: ix["skipped"].update(counts={"empty": -1}), "skipped.counts"),
+        (lambda ix: ix["shards"][0].update(name="../outside.tar"), "refusing shard name"),
+        (lambda ix: ix["lengths_file"].update(name="/etc/passwd"), "refusing shard name"),
+    ],
+    ids=["prefix", "parts", "part_id", "input", "inputs", "skip-record", "skip-count", "shard", "side-file"],
+)
+def test_merge_refuses_a_hostile_part_manifest_by_name(tmp_path, edit, message):
+    _, records = source_records(N)
+    good = _cached_part(records)
+    shutil.copytree(good, tmp_path / "in" / "part-00000")
+    manifest = tmp_path / "in" / "part-00000" / "index.json"
+    body = json.loads(manifest.read_text())
+    edit(body)
+    manifest.write_text(json.dumps(body))
+    with pytest.raises(WdsllmError, match=message) as refused:
+        merge([str(tmp_path / "in")], str(tmp_path / "out"))
+    assert str(manifest) in str(refused.value)
+    assert not (tmp_path / "out").exists() or not visible_files(tmp_path / "out")
+    assert sorted(p.name for p in good.iterdir()) == sorted(p.name for p in manifest.parent.iterdir())
+
+
+def test_merge_refuses_a_shard_that_is_a_symbolic_link(tmp_path):
+    _, records = source_records(N)
+    shutil.copytree(_cached_part(records), tmp_path / "in" / "part-00000")
+    shard = tmp_path / "in" / "part-00000" / "shard-000000.tar"
+    outside = tmp_path / "outside.tar"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    with pytest.raises(MergeError, match="shard-000000.tar is a symbolic link"):
+        merge([str(tmp_path / "in")], str(tmp_path / "out"))
+
+
+def _cached_part(records: list[dict]):
+    """One small committed part, packed once for the session (copied before a test edits it)."""
+    return cached("pack-part-100", lambda d: Path(pack_part(records[:100], 0, str(d), options()).url))

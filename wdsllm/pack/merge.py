@@ -12,6 +12,7 @@ already moved are recognised and skipped.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 import json
 import logging
@@ -36,6 +37,10 @@ PART_DIR_PREFIX = "part-"
 PER_TASK_OPTIONS = ("task_index", "part_id")
 #: Options compared another way: the tokenizer by its sha256, not by how it was named.
 NOT_COMPARED = (*PER_TASK_OPTIONS, "tokenizer")
+#: the most tasks (or parts) a part may say its dataset has: merge lists the missing ones
+MAX_PARTS = 1_000_000
+#: the largest tokenizer.json a merge carries over from a part
+MAX_TOKENIZER_BYTES = 256 << 20
 
 
 @dataclass
@@ -114,7 +119,78 @@ def _load_part(url: str) -> Part:
     index, _ = fmt.read_index(url)
     if index.lengths_file is None:
         raise MergeError(f"{index_url} names no {fmt.LENGTHS_NAME}: not the output of a pack")
+    _check_merged_fields(index, index_url)
     return Part(url=url, index=index)
+
+
+def _count(value: object) -> bool:
+    """A non-negative JSON integer (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_merged_fields(index: fmt.Index, where: str) -> None:
+    """A part is untrusted (it may be a stranger's): what merge reads of its index beyond what
+    ``fmt.read_index`` checks is checked before use, so a bad value is a MergeError naming the
+    index, never a KeyError, an output name outside the output, or a count too large to list."""
+    options = index.options
+    if not isinstance(options, dict):
+        raise MergeError(f"{where}: options must be an object")
+    task = options.get("task_index", options.get("part_id"))
+    if task is not None and not _count(task):
+        raise MergeError(f"{where}: task_index (part_id) must be a non-negative integer, not {task!r:.40}")
+    for key in ("num_tasks", "parts"):
+        value = options.get(key)
+        if value is not None and not (_count(value) and 0 < value <= MAX_PARTS):
+            raise MergeError(f"{where}: {key} must be an integer from 1 to {MAX_PARTS:,}, not {value!r:.40}")
+    prefix = options.get("prefix", "shard")
+    if not isinstance(prefix, str) or not fmt.SHARD_RE.match(fmt.shard_name(prefix, 0)):
+        raise MergeError(f"{where}: prefix {prefix!r:.40} cannot name shards (letters, digits, '_', inner '-')")
+    for i, inp in enumerate(index.inputs if isinstance(index.inputs, list) else [None]):
+        if not _input_entry_ok(inp):
+            raise MergeError(f"{where}: inputs[{i}] is not an input entry (index, path, documents, skipped)")
+    _check_skipped(index.skipped, where)
+    packed = index.packed if index.packed is not None else {}
+    if not isinstance(packed, dict) or not all(_count(packed.get(k, 0)) for k in ("max_row_segments", "short_rows")):
+        raise MergeError(f"{where}: packed must hold max_row_segments and short_rows counts")
+    tokenizer = index.tokenizer_file
+    if tokenizer is not None and tokenizer.bytes > MAX_TOKENIZER_BYTES:
+        raise MergeError(f"{where}: its {tokenizer.name} of {tokenizer.bytes:,} bytes is larger than a tokenizer")
+
+
+def _input_entry_ok(inp: object) -> bool:
+    if not isinstance(inp, dict) or not _count(inp.get("index")) or not isinstance(inp.get("path"), str):
+        return False
+    if not (_count(inp.get("documents")) and _count(inp.get("skipped")) and _count(inp.get("tokens", 0))):
+        return False
+    share = inp.get("part")
+    if share is None:
+        return "part" not in inp
+    return (
+        isinstance(share, dict)
+        and isinstance(share.get("unit"), str)
+        and _count(share.get("start"))
+        and _count(share.get("stop"))
+        and share["start"] <= share["stop"]
+        and _count(inp.get("bytes"))
+    )
+
+
+def _check_skipped(skipped: object, where: str) -> None:
+    """The part's skip counts and its listed skips (a part lists at most ``MAX_SKIP_RECORDS``)."""
+    counts = skipped.get("counts", {}) if isinstance(skipped, dict) else None
+    if not isinstance(counts, dict) or not all(isinstance(k, str) and _count(n) for k, n in counts.items()):
+        raise MergeError(f"{where}: skipped.counts must map reasons to counts")
+    records = skipped.get("records", [])
+    if not isinstance(records, list) or len(records) > MAX_SKIP_RECORDS:
+        raise MergeError(f"{where}: skipped.records must be a list of at most {MAX_SKIP_RECORDS:,} skips")
+    for i, record in enumerate(records):
+        if not (
+            isinstance(record, dict)
+            and isinstance(record.get("file"), str)
+            and _count(record.get("line"))
+            and _count(record.get("count", 1))
+        ):
+            raise MergeError(f"{where}: skipped.records[{i}] needs a file and a line")
 
 
 def _stage_side_files(parts: list[Part], out: storage.Output) -> SideFiles:
@@ -168,7 +244,8 @@ def check_compatible(parts: list[Part], allow_partial: bool = False) -> None:
         if a.task == b.task:
             raise MergeError(f"{a.url} and {b.url} are both task {a.task}; their keys would collide")
     num_tasks = _expected_parts(first, len(parts))
-    missing = sorted(set(range(num_tasks)) - set(tasks)) if num_tasks is not None else []
+    present = set(tasks)
+    missing = [t for t in range(num_tasks) if t not in present] if num_tasks is not None else []
     if missing and not allow_partial:
         shown = f"{missing[:20]}{' and more' if len(missing) > 20 else ''}"
         raise MergeError(
@@ -321,6 +398,8 @@ def _transfer(move: Move, out: storage.Output, copy: bool) -> None:
         raise MergeError(f"{source} is missing; the part is incomplete (run wdsllm verify on it)")
     staging = os.path.join(out.local_staging_dir(), f".{move.target}.tmp")
     if local:
+        if os.path.islink(local):  # moved, the link would lead the dataset's readers outside it
+            raise MergeError(f"{source} is a symbolic link; a part's shards must be files in it")
         size = os.path.getsize(local)
         if size != move.entry.bytes:
             raise MergeError(f"{source} is {size} bytes, its index says {move.entry.bytes}")
@@ -386,7 +465,8 @@ def merged_index(
         for reason, n in p.index.skipped.get("counts", {}).items():
             counts[reason] = counts.get(reason, 0) + n
     order = {inp["path"]: inp["index"] for inp in inputs}
-    records = sorted(
+    records = heapq.nsmallest(  # the first in input order: a merged index lists as many as a part
+        MAX_SKIP_RECORDS + 1,
         (r for p in parts for r in p.index.skipped.get("records", [])),
         key=lambda r: (order.get(r["file"], -1), r["line"]),
     )
