@@ -15,7 +15,7 @@ from wdsllm.load import state as statemod
 from wdsllm.load.cursor import Cursor, turn_after
 from wdsllm.load.dataset import DataStats
 
-POSITION = ("epoch", "yielded", "steps", "workers", "turn", "active")
+POSITION = ("epoch", "yielded", "steps", "tails", "workers", "turn", "active")
 
 
 def _data() -> Path:

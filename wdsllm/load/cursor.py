@@ -109,6 +109,7 @@ class Cursor:
     positions: dict[int, WorkerPosition] = field(default_factory=dict)
     yielded: int = 0  # batches handed out this epoch (finite) or since the stream began
     steps: int = 0  # batches handed out in the current steps_per_epoch loop
+    tails: int = 0  # of ``yielded``: batches of the workers' merged tails (``tails.py``)
     order: RoundRobin | None = None  # the turns of the pass in progress
     restored: Restored | None = None
 
@@ -124,13 +125,19 @@ class Cursor:
             self.order = RoundRobin(self.workers, restored.turn, restored.active)
             self.positions = dict(resume_positions)
             self.yielded, self.steps = restored.state.yielded, restored.state.steps
+            self.tails = restored.state.tails
         else:
             self.order = RoundRobin(self.workers)
-            self.positions, self.yielded = {}, 0
+            self.positions, self.yielded, self.tails = {}, 0, 0
         return self.order
 
     def handed_out(self, worker: int, epoch: int, index: int, hint: Any) -> None:
         self.positions[worker] = (epoch, index + 1, hint)
+        self.yielded += 1
+
+    def merged_out(self) -> None:
+        """A batch of the workers' merged tails was handed out (no worker's position moves)."""
+        self.tails += 1
         self.yielded += 1
 
     def finish(self, epoch: int) -> None:
@@ -152,6 +159,7 @@ class Cursor:
             "epoch": epoch,
             "yielded": self.yielded if in_epoch else 0,
             "steps": self.steps,
+            "tails": self.tails if in_epoch else 0,
             "workers": {w: statemod.Position(*p) for w, p in sorted(self.positions.items())} if in_epoch else {},
             "turn": order.turn if order is not None else 0,
             "active": list(order.active) if order is not None else None,
@@ -165,7 +173,7 @@ class Cursor:
         self.epoch = st.epoch
         self.completed = None
         self.restored = None
-        if st.workers and active is not None:
+        if st.in_epoch and active is not None:
             self.restored = Restored(st, turn, active)
 
 
@@ -247,7 +255,7 @@ def restore(cursor: Cursor, st: statemod.LoaderState, here: Here) -> None:
     source = here.source
     source.set_plan(st.plan.epoch if st.plan else None, st.plan)
     same_layout = st.world_size == here.world and st.num_workers == here.workers
-    if not st.workers or not same_layout:
+    if not st.in_epoch or not same_layout:
         cursor.set(st)
         source.resume_from({})  # between epochs: the next iteration starts epoch `epoch` afresh
         if st.workers:

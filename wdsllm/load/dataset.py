@@ -60,6 +60,7 @@ from .stream import (
     slice_item_counts,
     slice_item_lengths,
 )
+from .tails import StreamEnd, merges_tails, worker_batcher
 from .transport import RingHolder, send_bundles
 
 log = logging.getLogger(__name__)
@@ -241,11 +242,15 @@ class WorkerBatcher:
     memory. What the reads count (``StreamStats``) travels with the next batch.
     """
 
-    def __init__(self, catalog: Source, cfg: Config, read: ReadOptions, compact: bool):
+    def __init__(self, catalog: Source, cfg: Config, read: ReadOptions, compact: bool, merge_tails: bool = False):
         self.catalog, self.cfg, self.read, self.compact = catalog, cfg, read, compact
+        #: the loader merges the workers' epoch-final batches where lengths are unknown (tails.py)
+        self.merge_tails = merge_tails
         self.stats = StreamStats()
 
-    def emit(self, spec: StreamSpec, index: int, items: Any, hint: Any, refill: bool = False) -> Batch:
+    def emit(
+        self, spec: StreamSpec, index: int, items: Any, hint: Any, refill: bool = False, tail: bool = False
+    ) -> Batch:
         changed = changed_file(items.tokens)
         if changed is not None:  # its groups were checked when read; views of it now show other bytes
             raise ShardError(
@@ -258,6 +263,7 @@ class WorkerBatcher:
             epoch=spec.epoch,
             worker=spec.worker,
             hint=hint,
+            tail=tail,
         )
         catalog, stats = self.catalog, self.stats
         if catalog.mixing is not None:  # the realized mix, counted here (in the worker), not in the main process
@@ -313,7 +319,9 @@ class WorkerBatcher:
         """One task's batches: from its first batch (a resume) to its limit (equal batches)."""
         catalog, cfg, spec, limit = self.catalog, self.cfg, task.spec, task.limit
         reading = task_slices(catalog, cfg, spec, task.plan)  # the tails handed to it: found when reached
-        batcher = batcher_for(catalog, cfg, spec, reading.own)  # one that hands its tail over: full batches
+        merging = self.merge_tails and merges_tails(catalog, cfg, spec.workers)
+        # one that hands its tail over makes full batches; one whose tail the loader merges keeps it
+        batcher = worker_batcher(cfg) if merging else batcher_for(catalog, cfg, spec, reading.own)
         replans = batcher.needs_lengths and not spec.resample and task.hint is None and task.first_batch
         slices = reading.whole() if replans or catalog.mixing is not None else reading.own
         lengths = None  # a share's lengths: only to find where a resume without a hint starts
@@ -328,7 +336,7 @@ class WorkerBatcher:
         holes = hands_over(catalog, cfg, spec)  # its batches must be the planned ones (holes.py)
         blocks = functools.partial(self.blocks, reading, spec, task.following, marks, holes)
         labels = PlanLabels.of(catalog, slices, spec)
-        items_stream = shuffled_items(blocks, spec, start=start, mixing=catalog.mixing, labels=labels)
+        items_stream = StreamEnd(shuffled_items(blocks, spec, start=start, mixing=catalog.mixing, labels=labels))
         index = task.first_batch
         emptied = 0  # batches of holes only: not sent
         for index, items, after in batcher.batches(items_stream, task.first_batch, spec, lengths, hint):
@@ -347,7 +355,8 @@ class WorkerBatcher:
                     emptied += 1
                     index = following
                     continue
-            yield self.emit(spec, index, items, after if marks is None else marks.hint(following, after))
+            note = after if marks is None else marks.hint(following, after)
+            yield self.emit(spec, index, items, note, tail=merging and items_stream.ended)
             index = following
         failed.update(self.stats.skipped_shards)
         end = limit.value() + emptied if limit is not None else None  # numbered on from the planned batches
@@ -363,7 +372,10 @@ def _epoch_batches(
     """Second stage: each task's batches (``WorkerBatcher``), then this worker's end marker."""
     if read.fetch_process is None:  # in the training process itself: its GIL is spared the receiving
         read = replace(read, fetch_process=get_worker_info() is None)
-    stage = WorkerBatcher(catalog, cfg, read, compact=get_worker_info() is not None and not shared)
+    # the loader's pipeline (end markers) merges its workers' tails where lengths are unknown
+    stage = WorkerBatcher(
+        catalog, cfg, read, compact=get_worker_info() is not None and not shared, merge_tails=end_marker
+    )
     last = None
     for task in tasks:
         last = task.spec

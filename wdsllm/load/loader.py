@@ -33,6 +33,7 @@ from .dataset import CountedBy, DataStats, EndOfWorker, build_pipeline, dataset_
 from .mixstats import MixTally
 from .options import BatchOptions, LayoutOptions, OrderOptions, ReadingOptions, WorkerOptions, split_options
 from .plan import torch_seed
+from .tails import TailMerge, merge_key, merges_tails
 from .transport import WorkerBatches
 
 log = logging.getLogger(__name__)
@@ -295,7 +296,10 @@ class Loader:
         out = assemble(batch.items, batch.epoch, self.collate_options)
         if batch.stats:
             self.stats.add(batch.stats)
-        self.cursor.handed_out(batch.worker, batch.epoch, batch.index, batch.hint)
+        if batch.tail:  # merged from the workers' tails (tails.py)
+            self.cursor.merged_out()
+        else:
+            self.cursor.handed_out(batch.worker, batch.epoch, batch.index, batch.hint)
         if self.pin_memory and torch.cuda.is_available():
             out = {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
         return out
@@ -347,10 +351,11 @@ class Loader:
             self._note_limits(epoch)
         order = self._begin()
         resumed = bool(self.source.resume_positions)
+        batches = order.run(self._transport.stream(self.pipeline, torch_seed(self.cfg.seed, epoch)), self._note_end)
+        if merges_tails(self.source.catalog, self.cfg, self.workers):
+            batches = self._tail_merge(epoch).run(batches)
         try:
-            for batch in order.run(
-                self._transport.stream(self.pipeline, torch_seed(self.cfg.seed, epoch)), self._note_end
-            ):
+            for batch in batches:
                 yield self._hand_out(batch)
         finally:
             if resumed and cursor.pass_no == this_pass:
@@ -359,6 +364,14 @@ class Loader:
             self._note_limits(epoch)
         if cursor.pass_no == this_pass:  # the epoch is complete (unless a later pass took over)
             self._finish_pass(epoch)
+
+    def _tail_merge(self, epoch: int) -> TailMerge:
+        """The stage that holds the workers' epoch-final batches and merges them (``tails.py``),
+        leaving out the merged batches handed out before a resume."""
+        catalog = self.source.catalog
+        mix = (catalog.mixing, catalog.mode) if catalog.mixing is not None else None
+        key = merge_key(self.cfg, epoch, self.rank, self.world_size, self.workers)
+        return TailMerge(self.cfg, key, self.cursor.tails, self.stats.add, mix)
 
     def _note_end(self, end: EndOfWorker) -> None:
         self.stats.add(end.stats)
@@ -405,7 +418,7 @@ class Loader:
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, str]:
-        """Where this rank's stream stands, as ``{"format": "wdsllm.loader/2", "state": JSON}``:
+        """Where this rank's stream stands, as ``{"format": "wdsllm.loader/5", "state": JSON}``:
         two strings that every checkpointer keeps whole (see docs/loader.md and state.py)."""
         self._settle_epoch()
         cursor = self.cursor

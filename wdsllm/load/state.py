@@ -4,7 +4,7 @@ A state travels through checkpointers that each keep a different subset of a nes
 ``torch.distributed.checkpoint`` fills only the leaves of the *fresh* object's state (a fresh
 loader has no per-worker keys, so they were dropped) and, across ranks, keeps each leaf from
 whichever rank it likes; ``torch.load(weights_only=True)`` refuses anything but plain types. So
-``state_dict()`` returns two strings, ``{"format": "wdsllm.loader/4", "state": "<JSON>"}``: one
+``state_dict()`` returns two strings, ``{"format": "wdsllm.loader/5", "state": "<JSON>"}``: one
 leaf can be neither truncated nor mixed, and every checkpointer keeps strings. The JSON carries a
 digest of itself, so an edited or damaged state is refused rather than trusted.
 
@@ -33,14 +33,16 @@ from .handoff import hands_tails
 from .marks import MARK_KEY
 from .resume import RemainderPlan
 from .sources.protocol import Source
+from .tails import merges_tails
 
 LOADER_KIND = "wdsllm.loader"
 DATASET_KIND = "wdsllm.dataset"
 #: 1: a plain nested dict (still read); 2: the same fields sealed in one JSON string; 3: the
 #: epoch of an indexed dataset ordered by blocks of shards (``plan.epoch_blocks``); 4: worker
-#: shares in whole batches, and documents split at max_len shared by their pieces
-LOADER_VERSION = 4
-READABLE_LOADER_VERSIONS = (1, 2, 3, 4)
+#: shares in whole batches, and documents split at max_len shared by their pieces; 5: ``tails``, the
+#: batches of the workers' merged tails handed out (``tails.py``; none before, so 0 in older states)
+LOADER_VERSION = 5
+READABLE_LOADER_VERSIONS = (1, 2, 3, 4, 5)
 #: 2: blocks of shards, as the loader's 3; 3: whole-batch and piece shares, as the loader's 4
 DATASET_VERSION = 3
 READABLE_DATASET_VERSIONS = (1, 2, 3)
@@ -229,6 +231,8 @@ class LoaderState:
     plan: RemainderPlan | None
     config: dict | None = None
     version: int = LOADER_VERSION
+    #: of ``yielded``: batches of the workers' merged tails (``tails.py``)
+    tails: int = 0
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -270,7 +274,13 @@ class LoaderState:
             plan=parse_plan(_get(body, "plan")),
             config=config,
             version=body.get("version", LOADER_VERSION),
+            tails=_int(_get(body, "tails"), "tails") if body.get("version", LOADER_VERSION) >= 5 else 0,
         )
+
+    @property
+    def in_epoch(self) -> bool:
+        """Whether the state was saved inside an epoch: a worker's batches or merged tails handed out."""
+        return bool(self.workers) or self.tails > 0
 
     @classmethod
     def load(cls, saved: Any) -> LoaderState:
@@ -292,6 +302,7 @@ class LoaderState:
             "epoch": self.epoch,
             "yielded": self.yielded,
             "steps": self.steps,
+            "tails": self.tails,
             "workers": {str(w): p.to_json() for w, p in sorted(self.workers.items())},
             "turn": self.turn,
             "active": self.active,
@@ -423,6 +434,8 @@ def check_positions(st: LoaderState, source: Source, cfg: Config, *, exact_order
                 f"{_where(f'workers.{w}[2]')} (the batcher's hint) has keys {sorted(pos.hint)}; "
                 f"batching={cfg.batching!r} writes {sorted(keys) or 'no hint'}"
             )
+    if st.tails and not merges_tails(source, cfg, st.num_workers):
+        raise StateError(f"{_where('tails')} is {st.tails}, but this loader's workers have no tails to merge")
     if st.plan is not None:
         _check_plan(st, source, cfg)
     if st.infinite:
@@ -430,14 +443,14 @@ def check_positions(st: LoaderState, source: Source, cfg: Config, *, exact_order
         return
     if st.steps:
         raise StateError(f"{_where('steps')} is {st.steps}; a finite loader counts no steps")
-    if not st.workers:
+    if not st.in_epoch:
         if st.yielded:
             raise StateError(f"{_where('yielded')} is {st.yielded} but no worker position is saved: incomplete state")
         return
     for w, pos in st.workers.items():
         if pos.epoch != st.epoch:
             raise StateError(f"{_where(f'workers.{w}')} is in epoch {pos.epoch}, the state in epoch {st.epoch}")
-    handed = sum(p.batches for p in st.workers.values())
+    handed = sum(p.batches for p in st.workers.values()) + st.tails
     mine = rank_counts(source, cfg, st)
     if mine is None:  # no index: the positions must at least add up
         _check_sum(st, handed)

@@ -139,6 +139,9 @@ class Batch:
     hint: dict | None = None  # the batcher's resume hint: where the worker's next batch starts
     stats: dict = field(default_factory=dict)
     mix: Any = None  # a mixture's [sources, 2] tokens and items of this batch (counted in the worker)
+    #: one of a worker's epoch-final batches, made after its item stream ended: the loader holds it
+    #: and re-batches it with the other workers' (``load/tails.py``); the loader's merged batches too
+    tail: bool = False
 
 
 def left_out(handing: Batcher, lengths: np.ndarray, spec: StreamSpec) -> tuple[np.ndarray, int]:
