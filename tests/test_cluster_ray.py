@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+import tracemalloc
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from cluster_helpers import GPT2, SMALL, documents_by_origin, local_pack, source_records, visible_files
@@ -17,6 +19,8 @@ ray = pytest.importorskip("ray")
 from wdsllm.errors import PackError  # noqa: E402
 from wdsllm.integrations.ray import PackSink  # noqa: E402
 from wdsllm.pack.part import pack_part  # noqa: E402
+
+pa = pytest.importorskip("pyarrow")
 
 N = 2000
 pytestmark = pytest.mark.timeout(300)
@@ -102,3 +106,26 @@ def test_a_killed_write_task_is_retried_without_duplicates_or_orphans(first_run,
     assert dataset_files(tmp_path / "out") == dataset_files(first_run[0])
     sides = ("index.json", "lengths.npy", "groups.npy", "tokenizer.json")
     assert all(n.startswith("shard-") or n in sides for n in visible_files(tmp_path / "out"))
+
+
+def traced_peak(packer: PackSink, block, task: int) -> int:
+    """The most Python memory (tracemalloc) a write task allocates packing ``block``."""
+    tracemalloc.start()
+    try:
+        packer.write([block], SimpleNamespace(task_idx=task))  # what Ray passes: blocks, a TaskContext
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_write_task_holds_a_chunk_not_its_block(tmp_path):
+    """A block ten times larger costs a write task no more than a fraction of the larger block's
+    text: rows are converted a chunk's bytes at a time, and shards stream to disk (Arrow's buffers
+    are the block Ray already holds; tracemalloc counts what the task adds)."""
+    name, records = source_records(N)
+    packer = sink(tmp_path, [name])
+    packer.write([pa.Table.from_pylist(records[:5])], SimpleNamespace(task_idx=9))  # tokenizer loaded
+    small = traced_peak(packer, pa.Table.from_pylist(records[: N // 10]), 0)
+    large = traced_peak(packer, pa.Table.from_pylist(records), 1)
+    text = sum(len(r["text"].encode()) for r in records)
+    assert large - small < text / 4, (small, large, text)

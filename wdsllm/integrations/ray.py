@@ -36,7 +36,8 @@ from ..pack.part import PartManifest, PartOptions, pack_part  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-#: rows converted from Arrow to dicts at once: converting a batch costs a fraction of row by row
+#: the most rows converted from Arrow to dicts at once (converting a batch costs a fraction of row
+#: by row); a batch holds at most about ``chunk_bytes`` of the block, whatever its rows' sizes
 ROWS_PER_BATCH = 1024
 
 
@@ -82,11 +83,14 @@ class PackSink(Datasink):
             out.close()
 
     def records(self, blocks: Iterable[Block]) -> Iterator[dict]:
-        """The task's rows as records, converted from Arrow a batch of ``ROWS_PER_BATCH`` at a time
-        (a subclass may map columns here)."""
+        """The task's rows as records, converted from Arrow a batch at a time (a subclass may map
+        columns here): the records a task holds are bounded in bytes, not by the block's size."""
+        batch_bytes = self.options.pack.chunk_bytes
         for block in blocks:
             for batch in BlockAccessor.for_block(block).to_arrow().to_batches(max_chunksize=ROWS_PER_BATCH):
-                yield from batch.to_pylist()
+                rows = max(1, len(batch) * batch_bytes // max(batch.nbytes, 1))
+                for start in range(0, len(batch), rows):
+                    yield from batch.slice(start, rows).to_pylist()
 
     def write(self, blocks: Iterable[Block], ctx: Any) -> PartManifest:
         return pack_part(self.records(blocks), ctx.task_idx, self.out, self.options)
