@@ -62,7 +62,7 @@ class RawSource(OneDataset):
     inputs: list[InputFile] = field(default_factory=list)
     units: list[Part] = field(default_factory=list)
     text: RawText | None = None
-    counts: RawCounts | None = None
+    sidecar: RawCounts | None = None  # the count sidecar (``wdsllm count``), when given
     unit_bytes: int = DEFAULT_UNIT_BYTES
     side_cache: Any = field(default=None, repr=False)
     _lengths: CountedLengths | None = field(default=None, repr=False)
@@ -76,18 +76,18 @@ class RawSource(OneDataset):
 
     @property
     def items_per_shard(self) -> np.ndarray | None:
-        return None if self.counts is None else self.counts.documents
+        return None if self.sidecar is None else self.sidecar.documents
 
     @property
     def tokens_per_shard(self) -> np.ndarray | None:
-        return None if self.counts is None else self.counts.tokens
+        return None if self.sidecar is None else self.sidecar.tokens
 
     def lengths(self) -> CountedLengths | None:
         """The count sidecar's lengths; None without one."""
-        if self.counts is None:
+        if self.sidecar is None:
             return None
         if self._lengths is None:
-            self._lengths = CountedLengths(self.counts.lengths, self.counts.documents, self.counts.starts[:-1])
+            self._lengths = CountedLengths(self.sidecar.lengths, self.sidecar.documents, self.sidecar.starts[:-1])
         return self._lengths
 
     def fingerprint(self) -> str:
@@ -120,7 +120,7 @@ class RawSource(OneDataset):
     def describe_for_mixture(self, name: str) -> fmt.Index:
         """The source as an index describes it (``describe_raw``): a mixture plans its quotas,
         repeats and equal batches from its count sidecar."""
-        if self.counts is None:
+        if self.sidecar is None:
             raise MixtureError(
                 f"mixture source {name!r} is raw text without a count sidecar: a mixture plans its quotas, "
                 "repeats and equal batches from counts; run `wdsllm count` over its inputs and pass counts="
@@ -138,7 +138,7 @@ class RawSource(OneDataset):
     def bind(self, cfg: Any, world: int) -> None:
         """A multi-rank run needs counts (equal batches as with an index) or steps_per_epoch:
         otherwise a rank that runs dry first would leave the others waiting in a collective."""
-        if self.counts is None and cfg.keeps_equal_batches(world) and not cfg.steps_per_epoch:
+        if self.sidecar is None and cfg.keeps_equal_batches(world) and not cfg.steps_per_epoch:
             raise ConfigError(
                 "raw text without a count sidecar cannot keep ranks in step: run `wdsllm count` and pass counts=, "
                 "or pass steps_per_epoch="
@@ -232,7 +232,7 @@ def open_raw(
     units = make_units(inputs, unit_bytes, opts)
     source = RawSource(urls=[unit_name(u) for u in units], inputs=inputs, units=units, text=text, unit_bytes=unit_bytes)
     if counts is not None:
-        source.counts = load_counts(counts, source)
+        source.sidecar = load_counts(counts, source)
     log.info("raw source: %d input(s) in %d unit(s)%s", len(inputs), len(units), " with counts" if counts else "")
     return source
 
@@ -255,7 +255,7 @@ RAW_OPTIONS = {
 def describe_raw(source: RawSource) -> fmt.Index:
     """The raw source as an index would describe it: one "shard" per unit (documents, tokens, input
     bytes), its tokenizer and BOS/EOS rules, the longest document. Nothing is written."""
-    text, counts = source.text, source.counts
+    text, counts = source.text, source.sidecar
     columns = np.zeros((len(source.units), len(fmt.SHARD_COLUMNS)), np.int64)
     columns[:, fmt.SHARD_COLUMNS.index("documents")] = counts.documents
     columns[:, fmt.SHARD_COLUMNS.index("tokens")] = counts.tokens

@@ -85,7 +85,7 @@ def read_unit(
         n = len(parsed.texts)
         if n == 0:
             continue
-        if catalog.counts is not None and catalog.counts.unit_digests is not None:
+        if catalog.sidecar is not None and catalog.sidecar.unit_digests is not None:
             digest.add(parsed.texts)
         j = np.arange(ordinal, ordinal + n)
         ordinal += n
@@ -107,7 +107,7 @@ def read_unit(
             yield Block(tokens, starts.astype(np.int64), lengths.astype(np.int64), file_id | lines)
         if stop is not None and ordinal >= stop:
             break
-    counted = None if catalog.counts is None else int(catalog.counts.documents[unit])
+    counted = None if catalog.sidecar is None else int(catalog.sidecar.documents[unit])
     if stop is None or ordinal < stop or ordinal == counted:  # the unit was read to its end
         _check_count(catalog, unit, ordinal, digest)
     return passed
@@ -116,7 +116,7 @@ def read_unit(
 def _check_counted(catalog: Any, unit: int, ordinals: np.ndarray, lengths: np.ndarray, lines: np.ndarray) -> None:
     """Each document read has the tokens the count sidecar counted for it: an input that changed
     since `wdsllm count` (or a sidecar of other text) is named, never planned as if it had not."""
-    counts = catalog.counts
+    counts = catalog.sidecar
     if counts is None:
         return
     n = int(counts.documents[unit])
@@ -134,7 +134,7 @@ def _check_counted(catalog: Any, unit: int, ordinals: np.ndarray, lengths: np.nd
 
 def _check_count(catalog: Any, unit: int, documents: int, digest: TextsDigest) -> None:
     """A unit read to its end holds the documents the count sidecar counted, with their text."""
-    counts = catalog.counts
+    counts = catalog.sidecar
     if counts is None:
         return
     if documents != int(counts.documents[unit]):
