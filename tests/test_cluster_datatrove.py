@@ -16,10 +16,12 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # should anything import 
 pytest.importorskip("datatrove")
 pytest.importorskip("orjson")
 
+from datatrove.data import Document
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.filters import LambdaFilter
 from datatrove.pipeline.readers import JsonlReader
 
+from wdsllm.errors import PackError
 from wdsllm.integrations.datatrove import MergeParts, PackWriter, line_adapter
 
 FILES = 3
@@ -100,3 +102,15 @@ def test_datatrove_pipeline_packs_exactly_the_filtered_documents(tmp_path, caplo
     assert 0 < len(expected) < len(by_text)
     assert documents_by_origin(out) == expected
     assert not [f for f in visible_files(out) if f.startswith("part-")]
+
+
+def test_where_reads_the_documents_metadata(tmp_path):
+    lines = wiki_lines(90)
+    documents = [
+        Document(text=json.loads(line)["text"], id=str(n), metadata={"score": n % 3}) for n, line in enumerate(lines)
+    ]
+    PackWriter(str(tmp_path), tokenizer=str(GPT2), where="score >= 1", **SMALL).run(iter(documents), rank=2)
+    index = load_index(tmp_path / "part-00002")
+    assert index.documents == 60 and index.skipped["counts"] == {"filtered": 30}
+    with pytest.raises(PackError, match="document.text"):
+        PackWriter(str(tmp_path), tokenizer=str(GPT2), text_field="content")

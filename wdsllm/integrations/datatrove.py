@@ -35,6 +35,7 @@ _need("datatrove", "'wdsllm[datatrove]'")
 from datatrove.data import Document, DocumentsPipeline  # noqa: E402 - after the dependency check
 from datatrove.pipeline.base import PipelineStep  # noqa: E402
 
+from ..errors import PackError  # noqa: E402
 from ..pack.merge import merge  # noqa: E402
 from ..pack.part import LINE_FIELD, SOURCE_FIELD, PartOptions, pack_part  # noqa: E402
 
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 #: where datatrove's readers put a document's file (``add_file_path``), and ``line_adapter`` its line
 FILE_PATH_KEY = "file_path"
 LINE_KEY = "line"
+#: where a record holds the document's text (``PartOptions``' default ``text_field``)
+TEXT_FIELD = "text"
 
 
 def line_adapter(reader: Any, data: dict, path: str, id_in_file: int | str) -> dict:
@@ -60,7 +63,8 @@ class PackWriter(PipelineStep):
     With ``sources`` (the input paths as ``metadata["file_path"]`` holds them, in the order a
     ``wdsllm pack`` of them takes), documents keep their file and line (read with
     :func:`line_adapter`); without, a document's provenance is its part and its number in it. The
-    other keywords are ``wdsllm pack``'s options, plus ``shard_tokens``.
+    other keywords are ``wdsllm pack``'s options, plus ``shard_tokens``; ``where`` reads the
+    documents' metadata.
     """
 
     name = "wdsllm pack"
@@ -76,21 +80,24 @@ class PackWriter(PipelineStep):
         **pack_options: Any,
     ) -> None:
         super().__init__()
+        if pack_options.get("text_field", TEXT_FIELD) != TEXT_FIELD:
+            raise PackError("a datatrove document's text is document.text: PackWriter takes no text_field")
         self.output = str(output)
         self.options = PartOptions.of(tokenizer, sources=sources, shard_tokens=shard_tokens, **pack_options)
 
     def records(self, data: DocumentsPipeline) -> Iterator[dict]:
-        provenance = self.options.sources is not None
         for document in data:
             self.stat_update("documents")
-            yield self.record(document) if provenance else {"text": document.text}
+            yield self.record(document)
 
     def record(self, document: Document) -> dict:
-        return {
-            "text": document.text,
-            SOURCE_FIELD: document.metadata.get(FILE_PATH_KEY),
-            LINE_FIELD: document.metadata.get(LINE_KEY),
-        }
+        """The document's metadata (what ``where`` reads) and its text; with ``sources``, its file
+        and line as the record's provenance."""
+        record = {**document.metadata, TEXT_FIELD: document.text}
+        if self.options.sources is not None:
+            record[SOURCE_FIELD] = document.metadata.get(FILE_PATH_KEY)
+            record[LINE_FIELD] = document.metadata.get(LINE_KEY)
+        return record
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         options = replace(self.options, parts=world_size)
