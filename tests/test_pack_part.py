@@ -13,6 +13,7 @@ import pytest
 from cluster_helpers import GPT2, SMALL, documents_by_origin, local_pack, source_records, visible_files
 from pack_helpers import cached, dataset_files, load_index, pack_api
 
+import wdsllm.pack.lock as lock_module
 import wdsllm.pack.part as part_module
 from wdsllm import storage
 from wdsllm.errors import MergeError, PackError, SourceError, WdsllmError
@@ -299,3 +300,24 @@ def test_merge_refuses_a_shard_that_is_a_symbolic_link(tmp_path):
 def _cached_part(records: list[dict]):
     """One small committed part, packed once for the session (copied before a test edits it)."""
     return cached("pack-part-100", lambda d: Path(pack_part(records[:100], 0, str(d), options()).url))
+
+
+def test_a_retry_on_another_node_takes_over_the_dead_attempts_remote_part(tmp_path, s3_bucket, monkeypatch, caplog):
+    """On an object store the dead attempt's lock stays (no kernel releases it): the retry waits
+    until its heartbeat is stale, takes it over and continues the part from its cursor."""
+    _, records = source_records(N)
+    records = records[:300]
+    whole = pack_part(records, 0, str(tmp_path), options())
+    out = f"{s3_bucket}/packed"
+    with pytest.raises(Preempted):
+        pack_part(preempted_after(records, 200), 0, out, options())
+    ghost = {"pid": 1, "host": "another-node", "job": "pack part", "heartbeat": time.time()}
+    storage.Output(part_url(out, 0)).put_bytes(lock_module.LOCK_NAME, json.dumps(ghost).encode())
+    monkeypatch.setattr(lock_module, "STALE_AFTER", 1.0)
+    monkeypatch.setattr(part_module, "LOCK_POLL_S", 0.2)
+    with caplog.at_level(logging.INFO, logger="wdsllm.pack"):
+        retried = pack_part(records, 0, out, options())
+    said = [r.getMessage() for r in caplog.records]
+    assert [m for m in said if "another-node" in m and "waiting up to" in m]
+    assert [m for m in said if "taking over a lock" in m]
+    assert retried.resumed_shards > 0 and retried.digest == whole.digest
