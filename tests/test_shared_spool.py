@@ -75,3 +75,33 @@ def test_an_epoch_of_one_shard_gets_it_once_and_yields_what_ranged_reads_do(serv
     monkeypatch.setattr(stream, "MAX_SHARED_SLICES", 0)  # a ranged read per block
     assert epoch_rows(url) == shared
     assert http_server.count("*.tar") > 8
+
+
+def test_the_next_pass_adopts_a_shared_spool_it_reads_first(http_server):
+    data = bytes(range(256)) * 2000
+    (http_server.root / "c.bin").write_bytes(data)
+    item = (http_server.url_for("c.bin"), dict(expected_size=len(data), retry=FAST))
+    owner = storage.WarmKey("loader", 0)
+    for _ in range(3):  # three passes, each warming the next: one download in all
+        views = storage.prefetch_iter([item] * 3, spool=True, ahead_bytes=1 << 20, shared={item[0]}, owner=owner)
+        got = []
+        for view in views:
+            if views.all_started:
+                views.warm([item])
+            got.append(bytes(view.read()))
+        assert got == [data] * 3
+    assert http_server.count("/c.bin") == 1
+    storage.reset()  # what a closed loader releases
+
+
+def test_epochs_of_one_small_shard_download_it_once_each_after_the_first(served, http_server):
+    """The first pass does not warm the next (a fresh DataLoader worker ends with it); every later
+    one hands its shared spool to the next, which reads the same shard."""
+    url, local = served
+    (shard,) = local.glob("*.tar")
+    loader = wdsllm.loader(url, batch_size=4, seed=5, max_len=64, retry=FAST, _in_process=True)
+    for epoch in range(4):
+        loader.set_epoch(epoch)
+        assert sum(len(batch["input_ids"]) for batch in loader)
+    loader.close()
+    assert http_server.ranges("*.tar") == [f"bytes=0-{shard.stat().st_size - 1}"] * 2

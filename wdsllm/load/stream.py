@@ -585,7 +585,8 @@ class _NextPass:
             following = self.then() if WARM_NEXT_EPOCH else None
             if following is not None:
                 slices, spec = following
-                work, _ = _planned_work(self.source, slices, spec, 0, self.options)
+                known = slices if isinstance(slices, list) else None
+                work, _ = _planned_work(self.source, slices, spec, 0, self.options, known)
                 streams.warm(itertools.islice(_openings(work), streams.options.most))
         except Exception as exc:  # a guess: the next pass plans and meets it again if it is real
             log.debug("not warming the next pass: %s", exc)

@@ -380,7 +380,7 @@ class Prefetcher(Iterator[BinaryIO]):
             spool = self.options.open(item, self.owner)
             if not isinstance(spool, SpooledRange):  # an error to raise where it is read
                 return spool
-            share = self._shares[url] = SpoolShare(spool)
+            share = self._shares[url] = SpoolShare(spool, kwargs)
         return share.view()  # type: ignore[return-value]
 
     def _warm(self) -> None:
@@ -388,6 +388,11 @@ class Prefetcher(Iterator[BinaryIO]):
         what fails here stops the warming, not this pass; the next pass meets it again if real."""
         while self.all_started and self._to_warm and len(self._pending) + len(self._warmed) < self.options.most:
             item = self._to_warm[0]
+            share = self._shares.get(_url_and_kwargs(item)[0])
+            if share is not None and share.kwargs == _url_and_kwargs(item)[1]:
+                share.kept = True  # parked for the next pass when this one ends: nothing to download
+                self._to_warm.pop(0)
+                continue
             size = size_ahead(item)
             if not self._fits(size):
                 return
@@ -412,12 +417,17 @@ class Prefetcher(Iterator[BinaryIO]):
         for started in self._pending:
             started.stream.close()
         self._pending.clear()
-        for share in self._shares.values():
-            share.close()
-        self._shares.clear()
+        shares, self._shares = self._shares, {}
         if self._pass is None:
+            for share in shares.values():
+                share.close()
             return
         PARKING.end(self.owner, self._pass)
+        for url, share in shares.items():
+            if share.kept:
+                PARKING.park(self.owner, url, share.kwargs, share.hand_over())
+            else:
+                share.close()
         for warmed in self._warmed:
             PARKING.park(self.owner, warmed.url, warmed.kwargs, warmed.stream)
         self._warmed = []

@@ -10,18 +10,24 @@ that fits the read-ahead budget, the prefetcher downloads the shard once and han
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from .spool import SpooledRange
 
 
 class SpoolShare:
-    """A spool and its views: closed once the pass that shares it ended (:meth:`close`) and no
-    view of it is open (an open view's reader still waits for its bytes)."""
+    """A spool (opened with ``kwargs``) and its views: closed once the pass that shares it ended
+    (:meth:`close`) and no view of it is open (an open view's reader still waits for its bytes),
+    unless handed over to the next pass (:meth:`hand_over`), which reads the same object first."""
 
-    def __init__(self, spool: SpooledRange) -> None:
+    def __init__(self, spool: SpooledRange, kwargs: dict[str, Any]) -> None:
         self.spool = spool
+        self.kwargs = kwargs
         self.open_views = 0
         self.ended = False
+        #: the next pass reads it first: handed over when this pass ends, not closed
+        self.kept = False
+        self._handed = False
         self._lock = threading.Lock()
 
     def view(self) -> SharedView:
@@ -34,7 +40,7 @@ class SpoolShare:
         """A view closed."""
         with self._lock:
             self.open_views -= 1
-            done = self.ended and self.open_views <= 0
+            done = self.ended and self.open_views <= 0 and not self._handed
         if done:
             self.spool.close()
 
@@ -42,9 +48,16 @@ class SpoolShare:
         """The pass ended: no more views."""
         with self._lock:
             self.ended = True
-            done = self.open_views <= 0
+            done = self.open_views <= 0 and not self._handed
         if done:
             self.spool.close()
+
+    def hand_over(self) -> SpooledRange:
+        """The pass ended and the spool goes on to the next one (its bytes are only read, by
+        views that may outlive the pass): it is no longer this share's to close."""
+        with self._lock:
+            self.ended = self._handed = True
+        return self.spool
 
 
 class SharedView(SpooledRange):
