@@ -153,3 +153,35 @@ def test_a_packed_dataset_loses_only_the_unreadable_shards_rows(tmp_path, fine_b
             assert (batch["docs"][:, 0] >= 0).all()
         loader.close()
     assert rows == Counter(item for item in info["expect"] if item >> 32 != LOST)
+
+
+def _rows(batch: dict) -> list[list[int]]:
+    ids = batch["input_ids"].numpy()
+    return [ids[i, : int(n)].tolist() for i, n in enumerate(batch["lengths"].tolist())]
+
+
+@pytest.mark.parametrize("equal", [False, True])
+@pytest.mark.parametrize("name", sorted(MODES))
+def test_a_resume_after_a_lost_shard_equals_the_uninterrupted_run(corpus, fine_blocks, name, equal):
+    """A state saved after the unreadable shard was skipped (its holes cut out, or, under equal
+    batches, the worker topping up): the resumed batches are the uninterrupted run's rest."""
+    path, _ = corpus
+    options = dict(
+        MODES[name], rank=1, world_size=2, num_workers=2, equal_batches=equal, on_error="skip", shuffle_buffer=7
+    )
+    with wdsllm.loader(str(path), **options) as loader:
+        whole, skipped = [], []
+        for batch in loader:
+            whole.append(_rows(batch))
+            skipped.append(len(loader.skipped_shards))
+    assert skipped[-1] >= 1  # each block of the lost shard counted
+    first = next(i for i, n in enumerate(skipped) if n)
+    for cut in sorted({first + 1, (first + len(whole)) // 2, len(whole) - 1}):
+        with wdsllm.loader(str(path), **options) as loader:
+            it = iter(loader)
+            head = [_rows(next(it)) for _ in range(cut)]
+            state = loader.state_dict()
+        with wdsllm.loader(str(path), **options) as resumed:
+            resumed.load_state_dict(state)
+            rest = [_rows(b) for b in resumed]
+        assert head + rest == whole, (name, cut)

@@ -26,6 +26,7 @@ from . import state as statemod
 from .config import Config
 from .counts import EpochCounts, EpochPlan, batch_counts, equalised, round_robin_share
 from .dataset import EndOfWorker
+from .holes import lost_batches
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +267,8 @@ def restore(cursor: Cursor, st: statemod.LoaderState, here: Here) -> None:
     else:  # another rank's state (equal batch counts): this rank's share of as many batches
         counts = here.worker_counts(st.epoch, here.world, here.workers, source.plan_for(st.epoch))[here.rank]
         positions = positions_of_share(st.epoch, counts, st.yielded)
-    turn = st.turn if here.cfg.infinite else turn_after(positions, here.workers)
+    served = {w: (p[0], p[1] - lost_batches(p[2])) for w, p in positions.items()}  # batches of holes only: never sent
+    turn = st.turn if here.cfg.infinite else turn_after(served, here.workers)
     source.resume_from(positions)
     cursor.set(st, turn, list(range(here.workers)))
 

@@ -30,8 +30,8 @@ from .collate import CollateOptions, assemble
 from .config import Config, reading_options, resolve_world
 from .counts import EpochLimits, EpochPlan, WorkerLimit, epoch_limits
 from .guard import refuse_rewrapping
-from .handoff import StreamSlices, batcher_for, hands_over, stream_slices
-from .holes import drop_holes
+from .handoff import StreamSlices, batcher_for, stream_slices
+from .holes import LOST_KEY, drop_holes, lost_batches, with_lost, without_lost
 from .marks import MARK_KEY, TaskMarks, batcher_hint
 from .mixstats import mix_counts
 from .options import (
@@ -329,17 +329,22 @@ class WorkerBatcher:
             lengths = slice_item_lengths(catalog, slices, spec)
             if lengths is not None:
                 lengths = shuffle_lengths(lengths, spec, catalog.mixing, plan_labels(catalog, slices, spec))
-        hint = batcher_hint(task.hint)
+        hint = batcher_hint(without_lost(task.hint))
         start = batcher.start_position(task.first_batch, lengths, hint)
         failed: set[str] = set()
         marks = self.task_marks(task, batcher, slices)
-        holes = hands_over(catalog, cfg, spec)  # its batches must be the planned ones (holes.py)
+        # a lost unit's items stay as holes (holes.py): batches stay the planned ones (a handed tail
+        # is found from them) and positions stay plan positions (a resume finds them again)
+        holes = self.read.on_error == "skip"
         blocks = functools.partial(self.blocks, reading, spec, task.following, marks, holes)
         labels = PlanLabels.of(catalog, slices, spec)
         items_stream = StreamEnd(shuffled_items(blocks, spec, start=start, mixing=catalog.mixing, labels=labels))
         index = task.first_batch
-        emptied = 0  # batches of holes only: not sent
-        for index, items, after in batcher.batches(items_stream, task.first_batch, spec, lengths, hint):
+        emptied = lost_batches(task.hint)  # batches of holes only: numbered, not sent
+        # resumed among the refills that follow a worker's planned batches: none of those to make
+        refilling = limit is not None and limit.reached(index)
+        planned = () if refilling else batcher.batches(items_stream, task.first_batch, spec, lengths, hint)
+        for index, items, after in planned:
             if limit is not None and limit.reached(index):
                 break
             failed.update(self.stats.skipped_shards)
@@ -355,15 +360,14 @@ class WorkerBatcher:
                     emptied += 1
                     index = following
                     continue
-            note = after if marks is None else marks.hint(following, after)
+            note = with_lost(after if marks is None else marks.hint(following, after), emptied)
             yield self.emit(spec, index, items, note, tail=merging and items_stream.ended)
             index = following
         failed.update(self.stats.skipped_shards)
         end = limit.value() + emptied if limit is not None else None  # numbered on from the planned batches
-        if end is not None and (failed or cfg.uneven == "repeat") and index < end:
-            yield from _refill(
-                catalog, batcher, reading.whole(), spec, self.read, self.stats, failed, index, end, self.emit
-            )
+        if end is not None and (failed or emptied or cfg.uneven == "repeat") and index < end:
+            refill = _Refill(catalog, batcher, reading.whole(), spec, self.read, self.stats, failed, emptied)
+            yield from refill.batches(index, min(index, limit.value()), end, self.emit)
 
 
 def _epoch_batches(
@@ -379,8 +383,8 @@ def _epoch_batches(
     last = None
     for task in tasks:
         last = task.spec
-        if task.limit is not None and task.limit.reached(task.first_batch):
-            continue
+        if task.limit is not None and task.limit.reached(task.first_batch - lost_batches(task.hint)):
+            continue  # every batch it owes was sent (its numbers also count batches of holes only)
         yield from stage.task_batches(task)
     if end_marker and last is not None:
         yield EndOfWorker(worker=last.worker, epoch=last.epoch, stats=DataStats.of(stage.stats))
@@ -394,43 +398,62 @@ def task_slices(catalog: Source, cfg: Config, spec: StreamSpec, plan: EpochPlan 
     return stream_slices(catalog, cfg, spec, plan)
 
 
-def _refill(catalog, batcher, slices, spec, read, stats, failed, index, limit, emit):
+class _Refill:
     """Top up a worker that lost shards (on_error='skip'), or of a rank with fewer batches than
     the largest (uneven='repeat'), to its share of the equal batch count.
 
     Every rank must take part in every step, so a short worker repeats its own readable documents
     of the epoch (logged, counted in ``loader.refilled_batches``) rather than end early and leave
-    the other ranks waiting in a collective.
+    the other ranks waiting in a collective. Refill j is batch ``first + j`` of the worker's
+    epoch (after its planned batches), so a resume among them passes the ones sent before.
     """
-    readable = [sl for sl in slices if catalog.urls[sl.shard] not in failed]
-    if failed:
-        log.warning(
-            "worker %d lost %d shard(s); repeating its other documents for %d batch(es) to keep batch counts equal",
-            spec.worker,
-            len(failed),
-            limit - index,
-        )
-    else:
-        log.info("worker %d repeats its items for %d batch(es) (uneven='repeat')", spec.worker, limit - index)
-    while index < limit:
-        made = False
+
+    def __init__(self, catalog, batcher, slices, spec, read, stats, failed, lost):
+        self.catalog, self.batcher, self.spec, self.read, self.stats = catalog, batcher, spec, read, stats
+        self.readable = [sl for sl in slices if catalog.urls[sl.shard] not in failed]
+        self.failed, self.lost = failed, lost
+
+    def _cycle(self) -> Iterator:
+        """The batches of one pass over the worker's readable documents."""
+        catalog, spec = self.catalog, self.spec
 
         def blocks_from(position: int):
-            return read_plan_stream(catalog, readable, spec, start=position, options=read, stats=stats)
+            return read_plan_stream(catalog, self.readable, spec, start=position, options=self.read, stats=self.stats)
 
-        labels = PlanLabels.of(catalog, readable, spec)
+        labels = PlanLabels.of(catalog, self.readable, spec)
         shuffled = shuffled_items(blocks_from, spec, start=0, mixing=catalog.mixing, labels=labels)
-        for _, items, _ in batcher.batches(shuffled, 0, spec, None, None):
-            if index >= limit:
-                return
-            made = True
-            yield emit(spec, index, items, None, refill=True)
-            index += 1
-        if not made:
-            raise WdsllmError(
-                f"worker {spec.worker} of rank {spec.rank} has no readable shard left to fill its batches; "
-                "the ranks cannot keep equal batch counts"
+        for _, items, _ in self.batcher.batches(shuffled, 0, spec, None, None):
+            yield items
+
+    def batches(self, index: int, first: int, end: int, emit) -> Iterator[Batch]:
+        spec = self.spec
+        if self.failed or self.lost:
+            log.warning(
+                "worker %d lost %d shard(s) and %d batch(es) of their items; repeating its other documents for %d "
+                "batch(es) to keep batch counts equal",
+                spec.worker,
+                len(self.failed),
+                self.lost,
+                end - index,
             )
+        else:
+            log.info("worker %d repeats its items for %d batch(es) (uneven='repeat')", spec.worker, end - index)
+        number = first
+        while index < end:
+            made = False
+            for items in self._cycle():
+                if index >= end:
+                    return
+                made = True
+                if number >= index:
+                    yield emit(spec, index, items, with_lost(None, self.lost), refill=True)
+                    index += 1
+                number += 1
+            if not made:
+                raise WdsllmError(
+                    f"worker {spec.worker} of rank {spec.rank} has no readable shard left to fill its batches; "
+                    "the ranks cannot keep equal batch counts"
+                )
 
 
 #: tokens per DataLoader message at most (unless one batch holds more)
@@ -631,7 +654,7 @@ class WdsPipeline(wds.DataPipeline):
         )
         keys = self.cfg.mode.hint_keys
         hint = st.position.hint
-        if hint is not None and set(hint) - {MARK_KEY} != keys:
+        if hint is not None and set(hint) - {MARK_KEY, LOST_KEY} != keys:
             raise StateError(f"the dataset state's batcher hint has keys {sorted(hint)}; expected {sorted(keys)}")
         self._pending = st
 

@@ -13,8 +13,9 @@ share's lengths and its random key, so the last worker finds every other worker'
 lengths.npy (or a count sidecar), as the counts do, and the counts, ``len()``, positions and
 the elastic remainder all see the same slices through ``slices_for`` and ``batcher_for``.
 Where items' lengths are unknown (raw text without a count sidecar) every worker keeps its own
-short batch. A worker that hands its tail over and loses a unit (``on_error="skip"``) still makes
-exactly its planned batches: the unit's items stay in its stream as holes (``holes.py``).
+short batch, and the loader merges those (``tails.py``). A worker that hands its tail over and
+loses a unit (``on_error="skip"``) still makes exactly its planned batches: the unit's items stay
+in its stream as holes (``holes.py``).
 """
 
 from __future__ import annotations

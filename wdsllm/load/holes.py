@@ -1,12 +1,16 @@
 """Holes: the items of a unit lost under ``on_error="skip"``, kept in their planned places.
 
-A worker that hands its tail to its rank's last worker (``handoff.py``) must yield exactly the
-batches its plan makes: the last worker reads the items those leave out, found from lengths
-alone. Were a lost unit's items simply missing, every later item would move, the worker's full
-batches would no longer be the planned ones, and the items they now left out would be lost while
-part of the planned tail came twice. So such a worker's stream puts a hole of the planned length
-in each lost item's place, its batcher makes the planned batches, and the holes are taken out of
-each batch (``drop_holes``) before it is sent: only the lost unit's items are missing.
+A worker's batches and positions are functions of its plan: a worker that hands its tail to its
+rank's last worker (``handoff.py``) must yield exactly the batches its plan makes, since the last
+worker reads the items those leave out, found from lengths alone; and a resume starts a worker at
+the plan position of its next batch. Were a lost unit's items simply missing, every later item
+would move: the full batches would no longer be the planned ones (part of the planned tail lost,
+part twice) and a saved position would name other items. So, where items' lengths are known,
+every worker's stream puts a hole of the planned length in each lost item's place, its batcher
+makes the planned batches, and the holes are taken out of each batch (``drop_holes``) before it is
+sent: only the lost unit's items are missing. A batch of holes only is not sent; it keeps its
+number, and the hint of the worker's next batch counts it (``LOST_KEY``), so a resume counts it
+out of the batches handed out and into the repeats owed under equal batches.
 """
 
 from __future__ import annotations
@@ -79,3 +83,26 @@ def _rows_without_holes(block: Block, counts: np.ndarray, src: np.ndarray) -> Bl
         block.seg_ids[src][keep],
         seg_len,
     )
+
+
+#: the hint key of the batches of a worker's epoch so far that held holes only (numbered, never
+#: sent): a resume counts them into the worker's end (its refills) and out of its batches handed out
+LOST_KEY = "lost"
+
+
+def lost_batches(hint: dict | None) -> int:
+    """Batches of holes only before the position whose hint this is (0 without a note)."""
+    return int(hint[LOST_KEY]) if hint and LOST_KEY in hint else 0
+
+
+def without_lost(hint: dict | None) -> dict | None:
+    """``hint`` without its count of lost batches."""
+    if not hint or LOST_KEY not in hint:
+        return hint
+    rest = {k: v for k, v in hint.items() if k != LOST_KEY}
+    return rest or None
+
+
+def with_lost(hint: dict | None, lost: int) -> dict | None:
+    """``hint`` noting ``lost`` batches of holes only before it (nothing noted for none)."""
+    return {**(hint or {}), LOST_KEY: lost} if lost else hint

@@ -30,6 +30,7 @@ from .batching import COUNT_BY_ITEMS
 from .config import Config
 from .counts import batch_counts, equalised, round_robin_share, worker_batch_count
 from .handoff import hands_tails
+from .holes import LOST_KEY, lost_batches
 from .marks import MARK_KEY
 from .resume import RemainderPlan
 from .sources.protocol import Source
@@ -429,7 +430,7 @@ def check_positions(st: LoaderState, source: Source, cfg: Config, *, exact_order
     are exactly DataLoader's round-robin share of the ``yielded`` batches."""
     keys = cfg.mode.hint_keys
     for w, pos in st.workers.items():
-        if pos.hint is not None and set(pos.hint) - {MARK_KEY} != keys:
+        if pos.hint is not None and set(pos.hint) - {MARK_KEY, LOST_KEY} != keys:
             raise StateError(
                 f"{_where(f'workers.{w}[2]')} (the batcher's hint) has keys {sorted(pos.hint)}; "
                 f"batching={cfg.batching!r} writes {sorted(keys) or 'no hint'}"
@@ -450,7 +451,8 @@ def check_positions(st: LoaderState, source: Source, cfg: Config, *, exact_order
     for w, pos in st.workers.items():
         if pos.epoch != st.epoch:
             raise StateError(f"{_where(f'workers.{w}')} is in epoch {pos.epoch}, the state in epoch {st.epoch}")
-    handed = sum(p.batches for p in st.workers.values()) + st.tails
+    # a worker's batches of holes only are numbered but never handed out
+    handed = sum(p.batches - lost_batches(p.hint) for p in st.workers.values()) + st.tails
     mine = rank_counts(source, cfg, st)
     if mine is None:  # no index: the positions must at least add up
         _check_sum(st, handed)
@@ -460,7 +462,7 @@ def check_positions(st: LoaderState, source: Source, cfg: Config, *, exact_order
         raise StateError(f"{_where('yielded')} is {st.yielded}, more than the {total} batches of the rank's epoch")
     share = round_robin_share(mine, st.yielded)
     for w in range(st.num_workers):
-        got = st.workers[w].batches if w in st.workers else 0
+        got = st.workers[w].batches - lost_batches(st.workers[w].hint) if w in st.workers else 0
         if got > mine[w]:
             raise StateError(f"{_where(f'workers.{w}')} is at batch {got}, beyond the worker's {int(mine[w])} batches")
         if exact_order and got != share[w]:
