@@ -185,3 +185,16 @@ def test_a_resume_after_a_lost_shard_equals_the_uninterrupted_run(corpus, fine_b
             resumed.load_state_dict(state)
             rest = [_rows(b) for b in resumed]
         assert head + rest == whole, (name, cut)
+
+
+def test_batches_that_lost_items_are_counted_in_a_warning(corpus, fine_blocks, caplog):
+    """Each worker task that cut holes out of its batches says how many batches and items."""
+    path, _ = corpus
+    options = dict(MODES["fixed"], num_workers=2, _in_process=True, on_error="skip", shuffle_buffer=7)
+    with caplog.at_level("WARNING", logger="wdsllm"), wdsllm.loader(str(path), **options) as loader:
+        sizes = [len(b["input_ids"]) for b in loader]
+    lines = [r.getMessage() for r in caplog.records if "of unreadable units and come smaller" in r.getMessage()]
+    assert lines
+    lost = sum(int(line.split(" lost ")[1].split()[0]) for line in lines)
+    # the lost shard's 9 documents; each batch that held some comes smaller, the rank's others are full
+    assert lost == 9 and sum(sizes) == 80 - 9

@@ -31,7 +31,7 @@ from .config import Config, reading_options, resolve_world
 from .counts import EpochLimits, EpochPlan, WorkerLimit, epoch_limits
 from .guard import refuse_rewrapping
 from .handoff import StreamSlices, batcher_for, stream_slices
-from .holes import LOST_KEY, drop_holes, lost_batches, with_lost, without_lost
+from .holes import LOST_KEY, HoleCut, lost_batches, with_lost, without_lost
 from .marks import MARK_KEY, TaskMarks, batcher_hint
 from .mixstats import mix_counts
 from .options import (
@@ -341,6 +341,7 @@ class WorkerBatcher:
         items_stream = StreamEnd(shuffled_items(blocks, spec, start=start, mixing=catalog.mixing, labels=labels))
         index = task.first_batch
         emptied = lost_batches(task.hint)  # batches of holes only: numbered, not sent
+        cut = HoleCut()
         # resumed among the refills that follow a worker's planned batches: none of those to make
         refilling = limit is not None and limit.reached(index)
         planned = () if refilling else batcher.batches(items_stream, task.first_batch, spec, lengths, hint)
@@ -355,7 +356,7 @@ class WorkerBatcher:
             else:
                 following = index + 1
             if failed and holes:
-                items = drop_holes(items)
+                items = cut.cut(items)
                 if not len(items):
                     emptied += 1
                     index = following
@@ -364,6 +365,7 @@ class WorkerBatcher:
             yield self.emit(spec, index, items, note, tail=merging and items_stream.ended)
             index = following
         failed.update(self.stats.skipped_shards)
+        cut.report(spec.worker, spec.rank, spec.epoch)
         end = limit.value() + emptied if limit is not None else None  # numbered on from the planned batches
         if end is not None and (failed or emptied or cfg.uneven == "repeat") and index < end:
             refill = _Refill(catalog, batcher, reading.whole(), spec, self.read, self.stats, failed, emptied)

@@ -15,12 +15,16 @@ out of the batches handed out and into the repeats owed under equal batches.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from .block import Block
 
 #: the id of a hole (real ids are >= 0; -1 marks a segment of no known document)
 HOLE_ID = -2
+
+log = logging.getLogger(__name__)
 
 
 def hole_block(lengths: np.ndarray, dtype: np.dtype, packed: bool) -> Block:
@@ -83,6 +87,47 @@ def _rows_without_holes(block: Block, counts: np.ndarray, src: np.ndarray) -> Bl
         block.seg_ids[src][keep],
         seg_len,
     )
+
+
+class HoleCut:
+    """Holes cut out of one worker task's batches (``drop_holes``), and what they cost, logged
+    once per task (``report``) beside the unit's own warning and its count in
+    ``loader.skipped_shards``. A batch that held holes comes smaller, and one of holes only is
+    not sent: filling them from the following items would move every later item off its planned
+    place (the tail handoff and positions need those), and filling them with repeats would break
+    exactly-once for the readable units."""
+
+    def __init__(self) -> None:
+        self.batches = 0  # batches that held holes
+        self.holes = 0  # their items, or their rows' segments, cut out
+
+    def cut(self, block: Block) -> Block:
+        holes = _holes_in(block)
+        if not holes:
+            return block
+        self.batches += 1
+        self.holes += holes
+        return drop_holes(block)
+
+    def report(self, worker: int, rank: int, epoch: int) -> None:
+        if self.batches:
+            log.warning(
+                "worker %d of rank %d, epoch %d: %d batch(es) lost %d item(s) or row segment(s) of unreadable units "
+                "and come smaller (on_error='skip')",
+                worker,
+                rank,
+                epoch,
+                self.batches,
+                self.holes,
+            )
+
+
+def _holes_in(block: Block) -> int:
+    """Hole items of ``block``, or hole segments of its rows."""
+    holes = int(np.count_nonzero(block.ids == HOLE_ID))
+    if block.seg_lo is not None and len(block):
+        holes += int(np.count_nonzero(block.seg_ids[block.segments()[1]] == HOLE_ID))
+    return holes
 
 
 #: the hint key of the batches of a worker's epoch so far that held holes only (numbered, never
