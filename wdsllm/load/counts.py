@@ -506,7 +506,7 @@ def _longest(catalog: Source, cfg: Config) -> int:
 
 
 #: bumped whenever a count could come out differently: cached tables of another version are not read
-COUNTS_VERSION = 6
+COUNTS_VERSION = 7
 
 
 def counts_cache_dir(catalog: Source) -> str:

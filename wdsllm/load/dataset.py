@@ -615,7 +615,7 @@ class WdsPipeline(wds.DataPipeline):
 
     def state_dict(self) -> dict[str, str]:
         """Where this worker's batches stand (call it in the worker, as StatefulDataLoader does):
-        ``{"format": "wdsllm.dataset/3", "state": JSON}``."""
+        ``{"format": "wdsllm.dataset/4", "state": JSON}``."""
         if self.tracker is None:
             raise ConfigError("this pipeline belongs to a wdsllm.loader: use loader.state_dict()")
         if self._pending is not None:

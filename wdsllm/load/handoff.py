@@ -47,9 +47,12 @@ if TYPE_CHECKING:
 
 
 def hands_tails(source: Source, cfg: Config, spec: StreamSpec) -> bool:
-    """Whether the workers of ``spec``'s rank hand their tails to its last worker: a finite,
-    batched epoch of several workers whose items' lengths are known before reading."""
-    return spec.workers > 1 and not cfg.unbatched and not cfg.infinite and not spec.resample and has_lengths(source)
+    """Whether the workers of ``spec``'s rank hand their tails to its last worker: a batched
+    epoch of several workers whose items' lengths are known before reading. An endless stream's
+    epochs (``epochs=None``, ``steps_per_epoch``) are planned as finite ones are, so each epoch
+    boundary costs a rank one short batch; resampled streams draw without epochs, so no batch
+    there is short."""
+    return spec.workers > 1 and not cfg.unbatched and not spec.resample and has_lengths(source)
 
 
 def hands_over(source: Source, cfg: Config, spec: StreamSpec) -> bool:

@@ -44,15 +44,18 @@ DATASET_KIND = "wdsllm.dataset"
 #: batches of the workers' merged tails handed out (``tails.py``; none before, so 0 in older states)
 LOADER_VERSION = 5
 READABLE_LOADER_VERSIONS = (1, 2, 3, 4, 5)
-#: 2: blocks of shards, as the loader's 3; 3: whole-batch and piece shares, as the loader's 4
-DATASET_VERSION = 3
-READABLE_DATASET_VERSIONS = (1, 2, 3)
+#: 2: blocks of shards, as the loader's 3; 3: whole-batch and piece shares, as the loader's 4; 4: the
+#: epochs of an endless stream hand tails over, as the loader's 5
+DATASET_VERSION = 4
+READABLE_DATASET_VERSIONS = (1, 2, 3, 4)
 #: the first loader (and dataset) state versions whose positions are in blocks-of-shards order
 BLOCK_ORDER_VERSIONS = {LOADER_KIND: 3, DATASET_KIND: 2}
 #: ... and whose mixtures' passes are in blocks-of-shards order (``mixplan.PassStream``)
 MIX_BLOCK_ORDER_VERSIONS = {LOADER_KIND: 4, DATASET_KIND: 3}
 #: ... whose worker shares are whole batches and whose shares of split documents count pieces
 SPLIT_VERSIONS = {LOADER_KIND: 4, DATASET_KIND: 3}
+#: ... whose endless streams hand each epoch's tails to a rank's last worker, as finite epochs do
+ENDLESS_HANDOFF_VERSIONS = {LOADER_KIND: 5, DATASET_KIND: 4}
 #: bounds beyond which a field is refused as damaged (a negated or huge number)
 MAX_EPOCH = 1 << 32
 MAX_COUNT = 1 << 48
@@ -369,6 +372,7 @@ def check_split(
     shared by their pieces names positions in the shares of that older split: it resumes only
     where both splits agree (one consumer, or shares of one item each that fall alike), never
     onto other shares. ``replanned``: the state carries the remainder of an interrupted epoch."""
+    _check_endless_handoff(kind, version, source, cfg, world, workers)
     if version >= SPLIT_VERSIONS[kind] or cfg.resample:
         return
     spec = cfg.spec(0, 0, world, 0, workers)
@@ -386,6 +390,23 @@ def check_split(
             "rank's last worker (docs/batching.md, 'One short batch per rank'), so the saved positions name "
             "other items and cannot be resumed exactly: resume with the wdsllm that saved it, or start the "
             "state's epoch afresh (set_epoch)"
+        )
+
+
+def _check_endless_handoff(kind: str, version: int, source: Source, cfg: Config, world: int, workers: int) -> None:
+    """An endless stream's epochs left every worker its own short batch before: where workers now
+    hand their tails over (token or row batches, a mixture), its saved positions name other batches."""
+    if version >= ENDLESS_HANDOFF_VERSIONS[kind] or not cfg.infinite:
+        return
+    spec = cfg.spec(0, 0, world, 0, workers)
+    by_items = cfg.make_batcher().count_by == COUNT_BY_ITEMS and source.mixing is None
+    if hands_tails(source, cfg, spec) and not by_items:
+        raise StateError(
+            f"the state was saved by an earlier wdsllm (state version {version}), which let every worker of an "
+            "endless stream end each epoch with its own short batch; this one hands each worker's tail to its "
+            "rank's last worker in every epoch (docs/batching.md, 'One short batch per rank'), so the saved "
+            "positions name other batches and cannot be resumed exactly: resume with the wdsllm that saved it, "
+            "or start afresh"
         )
 
 
