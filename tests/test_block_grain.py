@@ -49,3 +49,29 @@ def test_an_epoch_over_aligned_blocks_yields_every_row_once(packed):
         epochs.append([tuple(row.tolist()) for batch in loader for row in batch["input_ids"]])
     assert len(epochs[0]) == len(epochs[1]) == rows == len(set(epochs[0]))
     assert sorted(epochs[0]) == sorted(epochs[1]) and epochs[0] != epochs[1]
+
+
+def test_a_group_that_two_blocks_share_is_checked_and_decoded_once(tmp_path, monkeypatch):
+    """Documents' groups are cut by tokens, so blocks (cut by items) start and stop inside them:
+    the block that reads a group's other part finds it among the edge groups checked before."""
+    from wdsllm import storage
+    from wdsllm.format import shard as shard_format
+
+    text = tmp_path / "in.txt"
+    text.write_bytes(SHAKESPEARE.read_bytes()[:120_000])
+    pack_api([text], tmp_path / "ds", mode="docs", sample_tokens=SAMPLE_TOKENS)
+    monkeypatch.setattr(plan, "MIN_BLOCK_TOKENS", SAMPLE_TOKENS)
+    source = open_source(str(tmp_path / "ds"))
+    groups = len(source.group_table(0))
+    blocks = plan.epoch_blocks(source.items_per_shard, source.tokens_per_shard, 5, 1, True)
+    edges = set(source.group_table(0)[:, fmt.ITEMS].tolist())
+    assert groups > 16 and not set(blocks.firsts.tolist()) <= edges  # blocks start inside groups
+    decoded = []
+    decode = shard_format._decode_one
+    monkeypatch.setattr(shard_format, "_decode_one", lambda *a: decoded.append(a[1]) or decode(*a))
+    storage.reset()
+    loader = wdsllm.loader(str(tmp_path / "ds"), batch_size=4, seed=5, _in_process=True)
+    loader.set_epoch(1)
+    documents = sum(len(batch["lengths"]) for batch in loader)
+    assert documents == int(source.items_per_shard[0])
+    assert sorted(decoded) == sorted(set(decoded)) and len(decoded) == groups

@@ -152,7 +152,7 @@ def served(synth, http_server, monkeypatch):
     """The dataset over HTTP, its groups never served from the process's recently checked ones
     (this dataset's are few enough to stay there from one epoch to the next)."""
     shutil.copytree(synth, http_server.root / "ds")
-    monkeypatch.setattr(shard_format, "_recent", shard_format._RecentGroups(max_groups=0))
+    monkeypatch.setattr(shard_format, "_recent", shard_format._RecentGroups(max_groups=0, edge_groups=0))
     return http_server.url_for("ds").rstrip("/")
 
 

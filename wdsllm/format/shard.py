@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,9 +133,12 @@ def read_checked(
     expect: Expect,
     where: str,
     on_retry: Callable[[str], None] | None = None,
+    edges: Container[int] = (),
 ) -> Iterator[CheckedGroup]:
     """Groups ``first`` .. ``stop - 1`` of a shard whose groups.npy rows are ``table`` (format 3),
-    each checked; ``items_total``/``docs_total``: the shard's items and documents (the index's)."""
+    each checked; ``items_total``/``docs_total``: the shard's items and documents (the index's).
+    ``edges``: groups the caller reads only part of (a block of the epoch starts or stops inside
+    them), kept for the read of their other part (``_RecentGroups``)."""
     for g in range(first, stop):
         offset, items_before, docs_before, size, checksum = (int(x) for x in table[g])
         items_after = int(table[g + 1, fmt.ITEMS]) if g + 1 < len(table) else items_total
@@ -149,44 +152,65 @@ def read_checked(
             data = _fetch_checked(fetch, offset, size, checksum, where, on_retry)
             group = _decode_one(data, offset, where)
             _check_group(group, items_after - items_before, docs_after - docs_before, expect, f"{where} @{offset}")
-            _recent.put(key, group, size)
+            _recent.put(key, group, size, edge=g in edges)
         yield CheckedGroup(offset, items_before, docs_before, items_after - items_before, group)
 
 
-class _RecentGroups:
-    """The last few groups checked in this process, by shard, place and checksum. A mixture reads
-    each source in runs, and a run usually starts inside the group where that source's previous
-    run stopped: that group is not fetched, hashed and decoded a second time."""
+class _GroupLru:
+    """Checked groups by key, the least recently used dropped beyond ``max_groups`` or ``max_bytes``
+    (the groups' sizes in the shard: their tokens are views of the shard's mapping or spool)."""
 
-    def __init__(self, max_groups: int = 16, max_bytes: int = 64 << 20):
+    def __init__(self, max_groups: int, max_bytes: int):
         self.max_groups, self.max_bytes = max_groups, max_bytes
         self.entries: OrderedDict[tuple, tuple[fmt.Group, int]] = OrderedDict()
         self.bytes = 0
+
+    def get(self, key: tuple) -> fmt.Group | None:
+        hit = self.entries.get(key)
+        if hit is None:
+            return None
+        self.entries.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: tuple, group: fmt.Group, size: int) -> None:
+        if size > self.max_bytes or key in self.entries:
+            return
+        self.entries[key] = (group, size)
+        self.bytes += size
+        while len(self.entries) > self.max_groups or self.bytes > self.max_bytes:
+            _, (_, gone) = self.entries.popitem(last=False)
+            self.bytes -= gone
+
+
+class _RecentGroups:
+    """Groups checked in this process, by shard, place and checksum, so that a group read in two
+    parts is fetched, hashed and decoded once:
+
+    - the last few: a mixture reads each source in runs, and a run usually starts inside the group
+      where that source's previous run stopped;
+    - edge groups, which an epoch's block starts or stops inside: the block that reads the group's
+      other part comes anywhere later in the shuffled order (and in every later epoch: the blocks'
+      edges stay, their order changes), so more of them are kept.
+    """
+
+    def __init__(self, max_groups: int = 16, max_bytes: int = 64 << 20, edge_groups: int = 2048):
+        self.recent = _GroupLru(max_groups, max_bytes)
+        self.edges = _GroupLru(edge_groups, max_bytes)
         self.lock = threading.Lock()  # loaders of several threads share it
 
     def get(self, key: tuple) -> fmt.Group | None:
         with self.lock:
-            hit = self.entries.get(key)
-            if hit is None:
-                return None
-            self.entries.move_to_end(key)
-            return hit[0]
+            group = self.recent.get(key)
+            return group if group is not None else self.edges.get(key)
 
-    def put(self, key: tuple, group: fmt.Group, size: int) -> None:
-        if size > self.max_bytes:
-            return
+    def put(self, key: tuple, group: fmt.Group, size: int, edge: bool = False) -> None:
         with self.lock:
-            if key in self.entries:
-                return
-            self.entries[key] = (group, size)
-            self.bytes += size
-            while len(self.entries) > self.max_groups or self.bytes > self.max_bytes:
-                _, (_, gone) = self.entries.popitem(last=False)
-                self.bytes -= gone
+            (self.edges if edge else self.recent).put(key, group, size)
 
     def reset(self) -> None:
         with self.lock:
-            self.entries, self.bytes = OrderedDict(), 0
+            self.recent = _GroupLru(self.recent.max_groups, self.recent.max_bytes)
+            self.edges = _GroupLru(self.edges.max_groups, self.edges.max_bytes)
 
     def after_fork(self) -> None:
         self.lock = threading.Lock()  # the parent's may have been held by another thread at fork time

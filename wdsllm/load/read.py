@@ -271,17 +271,33 @@ def _checked_groups(
                 source.spool.wait(offset + length)  # the group's bytes have arrived
             return plain(offset, length, attempt)
 
+    items_total = _shard_items(dataset, entry)
     return read_checked(
         fetch,
         table,
         first,
         after,
-        items_total=_shard_items(dataset, entry),
+        items_total=items_total,
         docs_total=entry.documents,
         expect=expect_of(index),
         where=url,
         on_retry=log.warning,
+        edges=_edge_groups(table, first, after, sl, items_total),
     )
+
+
+def _edge_groups(table: np.ndarray, first: int, after: int, sl: Slice, items_total: int) -> tuple[int, ...]:
+    """The slice's first and last groups where it holds only part of them (a block of the epoch
+    starts or stops inside)."""
+    if after <= first:
+        return ()
+    edges = []
+    if int(table[first, fmt.ITEMS]) < sl.start:
+        edges.append(first)
+    last_end = int(table[after, fmt.ITEMS]) if after < len(table) else items_total
+    if sl.stop is not None and last_end > sl.stop:
+        edges.append(after - 1)
+    return tuple(edges)
 
 
 def _streamed_groups(
