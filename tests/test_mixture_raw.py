@@ -197,13 +197,14 @@ def test_unreadable_shard_of_one_source_is_skipped(tmp_path):
     mix = wdsllm.Mixture(
         {"a": str(tmp_path / "a"), "b": str(tmp_path / "b")}, weights={"a": 1, "b": 1}, unit="items", epoch_items=36
     )
-    counts, skipped, refilled = [], [], 0
+    counts, skipped = [], []
     for rank in range(2):
         ld = wdsllm.loader(mix, batch_size=2, rank=rank, world_size=2, num_workers=2, _in_process=True, on_error="skip")
         counts.append(len(list(ld)))
         skipped.extend(ld.skipped_shards)
-        refilled += ld.refilled_batches
-    assert counts[0] == counts[1] > 0 and refilled > 0  # short workers topped up: no rank waits
+    # the lost documents leave holes (their batches smaller, the counts kept; a batch of them only is
+    # made up by repeats, in loader.refilled_batches): no rank waits
+    assert counts[0] == counts[1] > 0
     assert skipped and all(s.endswith(bad.name) for s in skipped)
     # without equal batches: b's quota exactly once, a's quota less the lost shard's documents
     docs = Counter()
