@@ -183,6 +183,15 @@ class MapCache:
                 self.maps.popitem(last=False)  # unmapped once no array views it any more
         return mm
 
+    def find(self, st: os.stat_result) -> mmap.mmap | None:
+        """The mapping kept of the file ``st`` describes, if one is (found by a stat: no open)."""
+        key = _identity(st)
+        with self.lock:
+            mm = self.maps.get(key)
+            if mm is not None:
+                self.maps.move_to_end(key)
+            return mm
+
 
 def _identity(st: os.stat_result) -> tuple:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -202,6 +211,20 @@ def mapped(stream: Any, path: str | None = None) -> MappedReader | None:
         return MappedReader(map_cache.get(fileno, st, path), stream.tell())
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
         return None
+
+
+def mapped_again(path: str, size: int | None) -> MappedReader | None:
+    """A MappedReader over a local regular file of ``size`` bytes that ``map_cache`` keeps mapped,
+    found by a stat; None where it is not (the caller opens it, with every check an open makes).
+    An epoch's blocks read a few-shard dataset a block at a time: one stat each, not an open."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or (size is not None and st.st_size != size):
+        return None
+    mm = map_cache.find(st)
+    return None if mm is None else MappedReader(mm, 0)
 
 
 def changed_file(tokens: Any) -> str | None:

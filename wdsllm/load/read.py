@@ -127,6 +127,14 @@ def _in_place(stream: Any, url: str) -> tario.MappedReader | None:
     return tario.mapped(stream, local)
 
 
+def _mapped_again(dataset: PackedSource, shard: int, url: str) -> tario.MappedReader | None:
+    """A local shard this process keeps mapped, found without opening it (``tario.mapped_again``)."""
+    if storage.scheme_of(url) != "file":
+        return None
+    entry = dataset.shard_entries[shard] if dataset.shard_entries else None
+    return tario.mapped_again(storage.local_path(url), entry.bytes if entry else None)
+
+
 def open_kwargs(dataset: PackedSource, shard: int, options: ReadOptions, start: GroupStart | None = None) -> dict:
     """How ``storage.open_stream`` opens shard ``shard``: with the index's size, with its sha256
     where a cache will keep the bytes (a cache entry must match the index's checksum), and at a
@@ -228,11 +236,12 @@ def read_slice(
     url = dataset.urls[sl.shard]
     if dataset.mode == "packed" and (dataset.index is None or dataset.index.seq_len is None):
         raise FormatError(f"{url}: packed shards need their index (seq_len)")
-    own = stream is None
+    source = _mapped_again(dataset, sl.shard, url) if stream is None else None
+    own = stream is None and source is None
     if own:
         stream = storage.open_stream(url, **open_kwargs(dataset, sl.shard, options, start))
     try:
-        source = _in_place(stream, url) or stream
+        source = source or _in_place(stream, url) or stream
         checked = options.check_groups and dataset.index is not None and dataset.index.checks_groups
         groups = group_range(dataset, sl, skip) if checked else None
         if groups is not None:

@@ -158,9 +158,12 @@ class PackedSource(OneDataset):
         return state
 
     # -- reading its shards (``UnitReader``) ------------------------------------------------------
-    def opening(self, sl: Slice, skip: int, options: ReadOptions, whole: bool = False) -> Opening:
-        """The shard opened by the stream (read ahead), entered at a group where a ranged read of
-        a remote shard can be (``read.ranged_start``), unless ``whole``."""
+    def opening(self, sl: Slice, skip: int, options: ReadOptions, whole: bool = False) -> Opening | None:
+        """A remote shard opened by the stream (read ahead), entered at a group where a ranged read
+        can be (``read.ranged_start``), unless ``whole``; None for a local one: the reader maps it
+        (once per process, ``format.tar.map_cache``), and nothing is gained by opening it ahead."""
+        if not storage.is_remote(self.urls[sl.shard]):
+            return None
         start = None if whole else ranged_start(self, sl, skip, options)
         return Opening(self.urls[sl.shard], open_kwargs(self, sl.shard, options, start), start)
 
