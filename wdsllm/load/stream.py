@@ -377,22 +377,9 @@ def read_plan_stream(
     of them read is downloaded once (``_planned_work``).
     """
     options = options or ReadOptions()
-    if known is None:
-        known = slices  # type: ignore[assignment]
-    if not isinstance(known, list):  # a resampled stream's slices are endless
-        known = None
-    work, shared = _planned_work(source, slices, spec, 0 if mark else start, options, known)
-    streams = None
-    if source.opens_units:
-        work, ahead = itertools.tee(work)
-        streams = storage.prefetch_iter(
-            _openings(ahead),
-            spool=True,  # remote shards of known size are read in place, as mapped local ones are
-            ahead_bytes=PREFETCH_AHEAD_BYTES,
-            offload=bool(options.fetch_process),  # a fetch process fills the spools (storage/offload.py)
-            owner=storage.WarmKey(id(source), (spec.rank, spec.world, spec.worker, spec.workers)),
-            shared=shared,
-        )
+    known = known if known is not None else slices  # type: ignore[assignment]
+    work, shared = _planned_work(source, slices, spec, 0 if mark else start, options, _listed(known))
+    work, streams = _opened_ahead(source, work, spec, options, shared)
     warmer = _NextPass(source, then, options) if then is not None and streams is not None else None
     to_drop = _Drop()  # items still to drop when counts are unknown and a slice ran out first
     if mark:
@@ -400,13 +387,8 @@ def read_plan_stream(
     passed = _Yielded()
     for w in work:
         passed.items = 0
-        to_drop.items += w.drop
         position = _items_of_docs(source, w.sl, spec, w.skip) if w.sl.pick is not None else 0
-        skip = w.skip
-        if to_drop.docs and w.sl.pick is None:  # the documents before a mark: passed over unread
-            skip, to_drop.docs = w.skip + to_drop.docs, 0
-        elif to_drop.items and _skips_by_documents(source, w.sl, spec):  # passed over unread, not dropped
-            skip, to_drop.items = to_drop.items, 0
+        skip = to_drop.skip_for(source, w, spec)
         try:
             stream = next(streams) if w.opening is not None else None
             if warmer is not None and streams.all_started:
@@ -514,6 +496,42 @@ class _Drop:
         self.items = 0
         self.docs = 0
 
+    def skip_for(self, source: Source, w: _Work, spec: StreamSpec) -> int:
+        """Documents the reader of ``w`` passes over unread: its own skip, plus a mark's documents
+        or the items still to drop where they are whole documents of a slice that holds them."""
+        self.items += w.drop
+        if self.docs and w.sl.pick is None:  # the documents before a mark: passed over unread
+            skip, self.docs = w.skip + self.docs, 0
+            return skip
+        if self.items and _skips_by_documents(source, w.sl, spec):  # passed over unread, not dropped
+            skip, self.items = self.items, 0
+            return skip
+        return w.skip
+
+
+def _listed(slices: Iterable[Slice]) -> list[Slice] | None:
+    """The slices as a list where they are one (a resampled stream's are endless)."""
+    return slices if isinstance(slices, list) else None
+
+
+def _opened_ahead(
+    source: Source, work: Iterator[_Work], spec: StreamSpec, options: ReadOptions, shared: set[str]
+) -> tuple[Iterator[_Work], storage.Prefetcher | None]:
+    """The work, and the prefetcher that opens its units ahead (remote ones read ahead) where the
+    source opens its units."""
+    if not source.opens_units:
+        return work, None
+    work, ahead = itertools.tee(work)
+    streams = storage.prefetch_iter(
+        _openings(ahead),
+        spool=True,  # remote shards of known size are read in place, as mapped local ones are
+        ahead_bytes=PREFETCH_AHEAD_BYTES,
+        offload=bool(options.fetch_process),  # a fetch process fills the spools (storage/offload.py)
+        owner=storage.WarmKey(id(source), (spec.rank, spec.world, spec.worker, spec.workers)),
+        shared=shared,
+    )
+    return work, streams
+
 
 def _planned_work(
     source: Source,
@@ -585,8 +603,7 @@ class _NextPass:
             following = self.then() if WARM_NEXT_EPOCH else None
             if following is not None:
                 slices, spec = following
-                known = slices if isinstance(slices, list) else None
-                work, _ = _planned_work(self.source, slices, spec, 0, self.options, known)
+                work, _ = _planned_work(self.source, slices, spec, 0, self.options, _listed(slices))
                 streams.warm(itertools.islice(_openings(work), streams.options.most))
         except Exception as exc:  # a guess: the next pass plans and meets it again if it is real
             log.debug("not warming the next pass: %s", exc)
