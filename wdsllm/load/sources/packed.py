@@ -38,14 +38,19 @@ from .protocol import OneDataset, Opening
 log = logging.getLogger(__name__)
 
 
+#: shard URLs a ``ShardUrls`` keeps once made (an epoch's blocks ask for a few shards' URLs often)
+URLS_KEPT = 256
+
+
 class ShardUrls(Sequence):
     """The URLs of an index's shards, made when asked for: a dataset of a million shards never
-    holds a million strings."""
+    holds a million strings (at most ``URLS_KEPT`` recently made)."""
 
     def __init__(self, root: str, table: fmt.ShardTable, positions: np.ndarray | None = None):
         self.root = root
         self.table = table
         self.positions = positions
+        self._made: dict[int, str] = {}
 
     def __len__(self) -> int:
         return len(self.table) if self.positions is None else len(self.positions)
@@ -54,8 +59,14 @@ class ShardUrls(Sequence):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         i = range(len(self))[i]
-        p = i if self.positions is None else int(self.positions[i])
-        return storage.join_url(self.root, self.table.name(p))
+        url = self._made.get(i)
+        if url is None:
+            p = i if self.positions is None else int(self.positions[i])
+            url = storage.join_url(self.root, self.table.name(p))
+            if len(self._made) >= URLS_KEPT:
+                self._made.clear()
+            self._made[i] = url
+        return url
 
     def __iter__(self) -> Iterator[str]:
         return (self[i] for i in range(len(self)))
