@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-import numpy as np
 import pytest
 from pack_helpers import GPT2, wiki_lines
 
@@ -157,5 +156,4 @@ def test_the_merged_tails_hold_every_document_once(text):
                 docs.update(d for d in row if d >= 0)
     with _loader(text, MODES["pack"], workers=0) as one:
         alone = Counter(d for b in one for row in b["docs"].tolist() for d in row if d >= 0)
-    assert docs == alone
-    assert np.all(np.asarray(list(docs.values())) >= 1)
+    assert docs == alone  # each document in as many rows as one process packs it into (pieces of seq_len)
