@@ -165,12 +165,10 @@ class MapCache:
         self.origins: weakref.WeakKeyDictionary[mmap.mmap, tuple[str, tuple]] = weakref.WeakKeyDictionary()
 
     def get(self, fileno: int, st: os.stat_result, path: str | None = None) -> mmap.mmap:
+        mm = self.find(st)
+        if mm is not None:
+            return mm
         key = _identity(st)
-        with self.lock:
-            mm = self.maps.get(key)
-            if mm is not None:
-                self.maps.move_to_end(key)
-                return mm
         mm = mmap.mmap(fileno, 0, access=mmap.ACCESS_READ)
         if path is not None:
             with self.lock:
