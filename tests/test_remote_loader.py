@@ -205,8 +205,9 @@ FAULT_RUNS = [(fault, 0) for fault in FAULTS] + [("drop-fin", 2), ("stall", 2)]
 
 
 @pytest.mark.parametrize("fault,workers", FAULT_RUNS, ids=[f"{f}-{w}workers" for f, w in FAULT_RUNS])
-def test_faults_on_every_shard_change_nothing(fault, workers, served, http_server, request):
+def test_faults_on_every_shard_change_nothing(fault, workers, served, http_server, request, caplog):
     kind, params, times = FAULTS[fault]
+    caplog.set_level("WARNING", logger="wdsllm")
     for name in NAMES:
         http_server.faults.add(f"*/{name}", kind, times=times, **params)
     reference = request.getfixturevalue("local_run_2_workers" if workers else "local_run")
@@ -224,7 +225,9 @@ def test_faults_on_every_shard_change_nothing(fault, workers, served, http_serve
         if kind == "status":
             assert len(fresh) == opens[shard] + times and not resumed  # nothing was delivered: nothing to resume
             continue
-        assert len(fresh) == opens[shard], f"{name} was read again from its start: {ranges}"
+        # a GET that timed out before its first byte (a loaded machine) is retried from the start
+        from_start = sum(f"{name}: timed out" in m and "at byte 0 " in m for m in caplog.messages)
+        assert len(fresh) == opens[shard] + from_start, f"{name} was read again from its start: {ranges}"
         assert resumed, (name, ranges)
         for at in resumed:
             moved = [at - a for a in fresh if a < at]
