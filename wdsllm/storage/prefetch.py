@@ -373,12 +373,12 @@ class Prefetcher(Iterator[BinaryIO]):
     def _open(self, item: OpenSpec) -> BinaryIO:
         """``item``'s stream: a view of its object's shared spool where several items read it."""
         url, kwargs = _url_and_kwargs(item)
-        if url not in self._shared or not self.options.spooled(url, kwargs):
+        if url not in self._shared:
             return self.options.open(item, self.owner)
         share = self._shares.get(url)
         if share is None:
             spool = self.options.open(item, self.owner)
-            if not isinstance(spool, SpooledRange):  # an error to raise where it is read
+            if not isinstance(spool, SpooledRange):  # not spooled, or an error to raise where it is read
                 return spool
             share = self._shares[url] = SpoolShare(spool, kwargs)
         return share.view()  # type: ignore[return-value]
