@@ -4,10 +4,11 @@
     python tools/bench_ab.py --old e56b2e2 --old-data old-out --data bench-out --no-check
     python tools/bench_ab.py --old c5d295e --modes all --sources local,http --workers 0,2 --rounds 2
 
-Each revision is checked out once into a git worktree under ``bench-out/ab/`` and imported from
-there (``PYTHONPATH``) in a fresh process per measurement. The measurements alternate old, new,
-old, new ... for ``--rounds`` rounds, so that a noisy machine affects both alike; each reports the
-best of 3 whole epochs after a warm-up epoch (``wdsllm.loader``, batch 64, shuffle buffer 10,000,
+Each revision is checked out once into a git worktree under ``bench-out/ab/`` (or taken from
+``--old-tree``/``--new-tree``, on a machine without the history) and imported from there
+(``PYTHONPATH``) in a fresh process per measurement. The measurements alternate old, new, old,
+new ... for ``--rounds`` rounds, so that a noisy machine affects both alike; each reports the best
+of ``--epochs`` (3) whole epochs after a warm-up epoch (``wdsllm.loader``, batch 64, shuffle buffer 10,000,
 ``max_len`` 2048 for documents; ``--workers`` 0 and 2 by default). ``--modes`` picks the batching
 modes (fixed docs batches, length buckets of a batch size or a token budget, pack and concat rows
 over documents, packed rows; ``all`` for every one), ``--sources`` local files, an HTTP server of
@@ -59,7 +60,7 @@ def cpu_seconds():
 
 
 best = best_cpu = None
-for epoch in range(4):
+for epoch in range(spec["epochs"] + 1):
     loader.set_epoch(epoch)
     lengths = []
     t, c = time.perf_counter(), cpu_seconds()
@@ -96,11 +97,11 @@ def checkout(rev: str, work: Path) -> Path:
     return path
 
 
-def measure(code: Path, root: str, mode: str, workers: int, check: bool) -> dict:
+def measure(code: Path, root: str, mode: str, workers: int, check: bool, epochs: int = 3) -> dict:
     """tokens/s and tokens per CPU second of one configuration, in a fresh process."""
     kind, options = MODES[mode]
-    spec = {"data": f"{root}/wiki-{kind}", "options": options, "workers": workers, "check": check}
-    env = dict(os.environ, PYTHONPATH=str(code))
+    spec = {"data": f"{root}/wiki-{kind}", "options": options, "workers": workers, "check": check, "epochs": epochs}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])))
     # run in the revision's tree: `python -c` puts the working directory before PYTHONPATH
     cmd = [sys.executable, "-c", CHILD, json.dumps(spec)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=code)
@@ -125,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", default="bench-out", help="where bench_load.py put its wiki packs")
     ap.add_argument("--old-data", help="packs the old revision can read [--data]")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=3, help="measured epochs per process, after a warm-up one [3]")
+    ap.add_argument("--old-tree", help="a directory holding the old revision's wdsllm/ (no git checkout)")
+    ap.add_argument("--new-tree", help="likewise for the new revision")
     ap.add_argument("--no-check", action="store_true", help="also the new revision with check_groups=False")
     ap.add_argument("--modes", default="docs,packed", help=f"comma list of {','.join(MODES)}, or all [docs,packed]")
     ap.add_argument("--sources", default="local", help="comma list of local, http [local]")
@@ -136,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     configs = [(m, w, s) for s in sources for w in workers_list for m in modes]
     work = REPO / "bench-out" / "ab"
     work.mkdir(parents=True, exist_ok=True)
-    old, new = checkout(args.old, work), checkout(args.new, work)
+    old = Path(args.old_tree).resolve() if args.old_tree else checkout(args.old, work)
+    new = Path(args.new_tree).resolve() if args.new_tree else checkout(args.new, work)
     data = Path(args.data).resolve()
     old_data = Path(args.old_data).resolve() if args.old_data else data
     servers, roots = [], {"local": (str(old_data), str(data))}
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in range(args.rounds):
             for mode, workers, source in configs:
                 for name, code, side, check in variants:
-                    got = measure(code, roots[source][side], mode, workers, check)
+                    got = measure(code, roots[source][side], mode, workers, check, args.epochs)
                     key = (name, mode, workers, source)
                     had = best.get(key, {"tokens_per_s": 0.0, "tokens_per_cpu_s": 0.0})
                     best[key] = {k: max(had[k], got[k]) for k in had}
