@@ -24,12 +24,21 @@ from .errors import (
     TokenizerError,
     UsageError,
     WdsllmError,
+    WorkerStalledError,
 )
 
 __version__ = "0.1.0"
 
 #: the option records (``load/options.py``): importable without torch
-OPTION_RECORDS = ("BatchOptions", "LayoutOptions", "OrderOptions", "RawTextSource", "ReadingOptions", "WorkerOptions")
+OPTION_RECORDS = (
+    "BatchOptions",
+    "LayoutOptions",
+    "ObserveOptions",
+    "OrderOptions",
+    "RawTextSource",
+    "ReadingOptions",
+    "WorkerOptions",
+)
 
 __all__ = [
     "BatchOptions",
@@ -42,6 +51,7 @@ __all__ = [
     "Mixture",
     "MixtureError",
     "NotFoundError",
+    "ObserveOptions",
     "OrderOptions",
     "PackError",
     "RawTextSource",
@@ -54,6 +64,7 @@ __all__ = [
     "UsageError",
     "WdsllmError",
     "WorkerOptions",
+    "WorkerStalledError",
     "__version__",
     "dataset",
     "loader",

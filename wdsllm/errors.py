@@ -126,6 +126,11 @@ class MergeError(WdsllmError, ValueError):
     """The parts given to ``wdsllm merge`` cannot form one dataset; the message says which and why."""
 
 
+class WorkerStalledError(WdsllmError, RuntimeError):
+    """The loader waited ``ObserveOptions.watchdog_s`` seconds for a batch with
+    ``watchdog_raise=True``; the watchdog's warning before it holds every worker's stack."""
+
+
 def normalize_on_error(value: str) -> str:
     """``on_error`` as one of :data:`ON_ERROR`; the old word "stop" is accepted with a warning."""
     if value in _OLD_ON_ERROR:

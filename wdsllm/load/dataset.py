@@ -745,6 +745,8 @@ def dataset(
             f"{', '.join(face.workers.changed())}: wdsllm.dataset has no workers of its own; pass them to the "
             "DataLoader you wrap it in, or use wdsllm.loader"
         )
+    if face.observe.changed():
+        raise ConfigError(f"{', '.join(face.observe.changed())}: what wdsllm.loader observes (use wdsllm.loader)")
     catalog, batch = open_given(face)
     r, w = resolve_world(face.layout.rank, face.layout.world_size)
     cfg = Config.of(face.order, batch)

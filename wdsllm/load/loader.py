@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, NotADatasetError, UsageError
+from ..observe.observer import Observer, timed
 from . import state as statemod
 from .batching import Batch
 from .collate import CollateOptions, assemble
@@ -31,7 +32,15 @@ from .config import Config, reading_options, resolve_world
 from .cursor import Cursor, EpochTotal, Here, RoundRobin, check_fits, restore
 from .dataset import CountedBy, DataStats, EndOfWorker, build_pipeline, dataset_tokenizer, open_given
 from .mixstats import MixTally
-from .options import BatchOptions, LayoutOptions, OrderOptions, ReadingOptions, WorkerOptions, split_options
+from .options import (
+    BatchOptions,
+    LayoutOptions,
+    ObserveOptions,
+    OrderOptions,
+    ReadingOptions,
+    WorkerOptions,
+    split_options,
+)
 from .plan import torch_seed
 from .tails import TailMerge, merge_key, merges_tails
 from .transport import WorkerBatches
@@ -67,10 +76,12 @@ class Loader:
         workers: WorkerOptions | None = None,
         reading: ReadingOptions | None = None,
         layout: LayoutOptions | None = None,
+        observe: ObserveOptions | None = None,
         _in_process: bool = False,
         **options: Any,
     ):
         records = {"order": order, "batch": batch, "workers": workers, "reading": reading, "layout": layout}
+        records["observe"] = observe
         face = split_options(source, records, options, face="wdsllm.loader")
         self.catalog, batch = open_given(face)
         #: rank and world size given, or found (torch.distributed, RANK/WORLD_SIZE); found ones are
@@ -101,6 +112,8 @@ class Loader:
         self.dropped_batches = 0
         #: what the stages counted beside the batches (truncated tokens, skipped shards and documents, refills)
         self.stats = DataStats()
+        #: the data path measured: the wait on the trainer's thread, the workers, the stores (observe/)
+        self.observer = Observer(face.observe)
 
     def _build(self) -> None:
         self.pipeline = build_pipeline(
@@ -333,8 +346,8 @@ class Loader:
         self._settle_epoch()
         self._started = True
         if self.infinite:
-            return self._iter_infinite()
-        return self._iter_epoch()
+            return timed(self._iter_infinite(), self.observer)
+        return timed(self._iter_epoch(), self.observer)
 
     def _begin(self) -> RoundRobin:
         """The turns of a pass that starts now (from a restored position if one is waiting)."""
@@ -416,6 +429,12 @@ class Loader:
             raise ConfigError("mix_stats() reports a mixture; this loader reads one dataset")
         return self._mix.report(self.world_size)
 
+    def metrics(self) -> dict[str, float]:
+        """What this loader measured of its data path, as a flat dict of numbers any logger takes
+        (the data wait on this thread, and over the ranks where ``reduce_every`` is set); the keys
+        are listed in docs/observability.md."""
+        return self.observer.metrics()
+
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, str]:
         """Where this rank's stream stands, as ``{"format": "wdsllm.loader/5", "state": JSON}``:
@@ -459,10 +478,13 @@ def loader(
     workers: WorkerOptions | None = None,
     reading: ReadingOptions | None = None,
     layout: LayoutOptions | None = None,
+    observe: ObserveOptions | None = None,
     **options: Any,
 ) -> Loader:
     """Batches of ``source`` for this rank, with DataLoader workers, ``set_epoch`` and an exact
     ``state_dict``. The options are the fields of the records (``OrderOptions``, ``BatchOptions``,
-    ``WorkerOptions``, ``ReadingOptions``, ``LayoutOptions``), as keywords (``batch_size=32``) or
-    whole (``batch=BatchOptions(...)``); each is described in docs/loader.md."""
-    return Loader(source, order=order, batch=batch, workers=workers, reading=reading, layout=layout, **options)
+    ``WorkerOptions``, ``ReadingOptions``, ``LayoutOptions``, ``ObserveOptions``), as keywords
+    (``batch_size=32``) or whole (``batch=BatchOptions(...)``); each is described in docs/loader.md."""
+    return Loader(
+        source, order=order, batch=batch, workers=workers, reading=reading, layout=layout, observe=observe, **options
+    )

@@ -238,8 +238,31 @@ class RawTextSource(Options, Mapping):
         return len(self._set())
 
 
+@dataclass(frozen=True)
+class ObserveOptions(Options):
+    """What the loader measures of its own data path (``wdsllm.loader`` only; docs/observability.md)."""
+
+    KEYWORD: ClassVar[str] = "observe"
+
+    wait_window: int = option(100, "steps over which `metrics()` reports the data wait (p50, p95, max, share)", low=1)
+    reduce_every: int | None = option(
+        None, "every N steps, gather the data wait over the process group (a collective: every rank in step)", low=1
+    )
+    watchdog_s: int | None = option(
+        300, "a `next()` waiting this long logs every worker's stack (None: no watchdog)", low=1
+    )
+    watchdog_raise: bool = option(False, "then raise `WorkerStalledError` instead of waiting on")
+
+
 #: the records a face takes, in the order the docs list them
-FACE_RECORDS: tuple[type[Options], ...] = (OrderOptions, BatchOptions, WorkerOptions, ReadingOptions, LayoutOptions)
+FACE_RECORDS: tuple[type[Options], ...] = (
+    OrderOptions,
+    BatchOptions,
+    WorkerOptions,
+    ReadingOptions,
+    LayoutOptions,
+    ObserveOptions,
+)
 #: raw-text fields that the faces still take as keywords (deprecated: pass a RawTextSource)
 RAW_KEYWORDS = tuple(f.name for f in fields(RawTextSource) if f.name not in ("raw", "on_error"))
 
@@ -254,6 +277,7 @@ class FaceOptions:
     reading: ReadingOptions
     layout: LayoutOptions
     source: Any
+    observe: ObserveOptions = field(default_factory=ObserveOptions)
 
     @property
     def explicit_world(self) -> bool:
