@@ -131,6 +131,16 @@ class WorkerStalledError(WdsllmError, RuntimeError):
     ``watchdog_raise=True``; the watchdog's warning before it holds every worker's stack."""
 
 
+class ReplicaError(WdsllmError, RuntimeError):
+    """Peers that must yield the same batches (tensor, context, pipeline parallel) cannot: their
+    reader failed (``replicas="broadcast"``); the message names the peers' mesh coordinates."""
+
+
+class ReplicaMismatchError(ReplicaError):
+    """Replica peers yield or save different things; the message names each peer's mesh
+    coordinates and the first field that differs."""
+
+
 def normalize_on_error(value: str) -> str:
     """``on_error`` as one of :data:`ON_ERROR`; the old word "stop" is accepted with a warning."""
     if value in _OLD_ON_ERROR:

@@ -32,6 +32,7 @@ from .counts import EpochLimits, EpochPlan, WorkerLimit, epoch_limits
 from .guard import refuse_rewrapping
 from .handoff import StreamSlices, batcher_for, stream_slices
 from .holes import LOST_KEY, HoleCut, lost_batches, with_lost, without_lost
+from .layout import resolve_layout
 from .marks import MARK_KEY, TaskMarks, batcher_hint
 from .mixstats import mix_counts
 from .options import (
@@ -748,7 +749,10 @@ def dataset(
     if face.observe.changed():
         raise ConfigError(f"{', '.join(face.observe.changed())}: what wdsllm.loader observes (use wdsllm.loader)")
     catalog, batch = open_given(face)
-    r, w = resolve_world(face.layout.rank, face.layout.world_size)
+    layout = resolve_layout(face.layout)
+    if layout.cp is not None or layout.pp is not None or layout.broadcasts:
+        raise ConfigError("context-parallel slices, pipeline stages and broadcast replicas are wdsllm.loader's")
+    r, w = layout.dp_rank, layout.dp_size
     cfg = Config.of(face.order, batch)
     return build_pipeline(
         catalog,

@@ -26,11 +26,14 @@ import torch
 from ..errors import ConfigError, NotADatasetError, UsageError
 from ..observe.observer import Observer, timed
 from . import state as statemod
+from .agree import settings_of
 from .batching import Batch
 from .collate import CollateOptions, assemble
 from .config import Config, reading_options, resolve_world
+from .cpsplit import check_row_length
 from .cursor import Cursor, EpochTotal, Here, RoundRobin, check_fits, restore
 from .dataset import CountedBy, DataStats, EndOfWorker, build_pipeline, dataset_tokenizer, open_given
+from .layout import resolve_layout
 from .mixstats import MixTally
 from .options import (
     BatchOptions,
@@ -42,6 +45,7 @@ from .options import (
     split_options,
 )
 from .plan import torch_seed
+from .replicas import Progress, replicas_for
 from .tails import TailMerge, merge_key, merges_tails
 from .transport import WorkerBatches
 
@@ -87,7 +91,10 @@ class Loader:
         #: rank and world size given, or found (torch.distributed, RANK/WORLD_SIZE); found ones are
         #: looked up again when iteration starts, in case the process group came up after this
         self._explicit_world = face.explicit_world
-        self.rank, self.world_size = resolve_world(face.layout.rank, face.layout.world_size)
+        #: the parallel layout (layout.py): the data-parallel coordinates are this loader's rank
+        #: and world size; replica peers yield the same batches, cut to a CP slice or a PP stage
+        self.layout = resolve_layout(face.layout)
+        self.rank, self.world_size = self.layout.dp_rank, self.layout.dp_size
         self.cfg = Config.of(face.order, batch).resolved(self.catalog)
         if self.cfg.unbatched:
             raise ConfigError(
@@ -101,6 +108,11 @@ class Loader:
         self._tokenizer: Any = None
         self._build()
         self.collate_options = CollateOptions.for_config(self.cfg, self.catalog)
+        if self.layout.cp is not None:
+            opts = self.collate_options
+            check_row_length(self.layout.cp, seq_len=opts.seq_len, multiple=opts.pad_to_multiple_of, rows=opts.rows)
+        identity = {"dataset": self.catalog.fingerprint()}
+        self._replicas = replicas_for(self.layout, settings_of(self.layout, dict(vars(self.cfg)), identity))
         #: a mixture's delivered tokens and items per source (``mix_stats``)
         self._mix = MixTally(self.catalog) if self.catalog.mixing is not None else None
         self.cursor = Cursor(self.workers)
@@ -345,9 +357,24 @@ class Loader:
         self._settle_world()
         self._settle_epoch()
         self._started = True
-        if self.infinite:
-            return timed(self._iter_infinite(), self.observer)
-        return timed(self._iter_epoch(), self.observer)
+        own = self._iter_infinite() if self.infinite else self._iter_epoch()
+        if not self.layout.alone:
+            own = self._replicas.batches(own, self._progress, self._follow)
+        return timed(own, self.observer)
+
+    def _progress(self) -> Progress:
+        cursor = self.cursor
+        return cursor.epoch, cursor.yielded, cursor.completed
+
+    def _follow(self, progress: Progress, ended: bool) -> None:
+        """A receiver of a broadcast mirrors its reader's cursor, so that ``epoch``, ``len()`` and
+        ``set_epoch`` answer as the reader's do; it finishes an epoch where the reader's last batch
+        came, as the reader does (``_settle_epoch``) when the trainer asks for no more."""
+        cursor = self.cursor
+        cursor.restored = None
+        cursor.epoch, cursor.yielded, cursor.completed = progress
+        if not ended and not self.infinite and self._epoch_done(cursor.yielded):
+            cursor.finish(cursor.epoch)
 
     def _begin(self) -> RoundRobin:
         """The turns of a pass that starts now (from a restored position if one is waiting)."""
@@ -438,7 +465,12 @@ class Loader:
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, str]:
         """Where this rank's stream stands, as ``{"format": "wdsllm.loader/5", "state": JSON}``:
-        two strings that every checkpointer keeps whole (see docs/loader.md and state.py)."""
+        two strings that every checkpointer keeps whole (see docs/loader.md and state.py). Replica
+        peers (docs/parallel.md) hold one state: compared at save, or the reader's under broadcast
+        (a collective over the replica group: every peer calls it at the same step)."""
+        return self._replicas.state(self._own_state)
+
+    def _own_state(self) -> dict[str, str]:
         self._settle_epoch()
         cursor = self.cursor
         if cursor.restored is not None:

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 MAX_LEN_MODES = ("split", "truncate")
 SPLITS = ("line", "paragraph", "file")
 UNEVEN = ("drop", "repeat")
+CP_SPLITS = ("zigzag", "contiguous")
+REPLICAS = ("read", "broadcast")
 
 
 def option(
@@ -172,12 +174,36 @@ class ReadingOptions(Options):
 
 @dataclass(frozen=True)
 class LayoutOptions(Options):
-    """Where this process sits among the ranks (None: found from torch.distributed or RANK/WORLD_SIZE)."""
+    """Where this process sits among the ranks: which data it reads, and which peers must yield the same batches
+    (None everywhere: the rank of torch.distributed or RANK/WORLD_SIZE; docs/parallel.md)."""
 
     KEYWORD: ClassVar[str] = "layout"
 
-    rank: int | None = option(None, "this process's rank", low=0)
-    world_size: int | None = option(None, "the number of ranks", low=1)
+    rank: int | None = option(None, "this process's data-parallel rank", low=0)
+    world_size: int | None = option(None, "the number of data-parallel ranks", low=1)
+    mesh: Any = option(None, "a torch DeviceMesh: its `dp` dims split the data, every other dim is a replica dim")  # noqa: RUF009
+    dp: str | tuple[str, ...] | None = option(None, "the mesh's data-parallel dim names", shown="a 1-D mesh's dim")
+    cp: str | None = option(None, "the mesh's context-parallel dim: each peer gets its slice of every row")
+    pp: str | None = option(None, "the mesh's pipeline dim: the stage is the coordinate on it")
+    dp_group: Any = option(None, "without a mesh: the process group of data-parallel peers (Megatron style)")  # noqa: RUF009
+    replica_group: Any = option(None, "with dp_group: the process group of peers that must yield the same batches")  # noqa: RUF009
+    cp_group: Any = option(None, "with dp_group: the context-parallel group (its rank picks the slice)")  # noqa: RUF009
+    pp_group: Any = option(None, "with dp_group: the pipeline group (its rank is the stage)")  # noqa: RUF009
+    cp_rank: int | None = option(None, "without a mesh or groups: this process's context-parallel rank", low=0)
+    cp_size: int | None = option(None, "without a mesh or groups: the context-parallel size", low=1)
+    pp_stage: int | None = option(None, "without a mesh or groups: this process's pipeline stage", low=0)
+    pp_stages: int | None = option(None, "without a mesh or groups: the number of pipeline stages", low=1)
+    cp_split: str = option(
+        "zigzag", '"zigzag" (2 x CP chunks, rank r takes r and 2CP-1-r) or "contiguous"', choices=CP_SPLITS
+    )
+    replicas: str = option(
+        "read",
+        '"read": every replica peer reads the data; "broadcast": one per group reads and sends',
+        choices=REPLICAS,
+    )
+    agree_every: int | None = option(
+        None, "replica peers compare a digest of the batch every N steps too (always: an epoch's first batch)", low=1
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -185,6 +211,27 @@ class LayoutOptions(Options):
             raise ConfigError("pass rank= and world_size= together")
         if self.rank is not None and self.rank >= self.world_size:
             raise ConfigError(f"rank {self.rank} is outside world size {self.world_size}")
+        given = [
+            name
+            for name, on in (
+                ("rank=", self.rank is not None),
+                ("mesh=", self.mesh is not None),
+                ("dp_group=", self.dp_group is not None),
+            )
+            if on
+        ]
+        if len(given) > 1:
+            raise ConfigError(f"{' and '.join(given)} both say where this process is: pass one")
+        if self.mesh is None and any(v is not None for v in (self.dp, self.cp, self.pp)):
+            raise ConfigError("dp=, cp= and pp= name dims of a DeviceMesh: pass mesh= as well")
+        grouped = [n for n in ("replica_group", "cp_group", "pp_group") if getattr(self, n) is not None]
+        if grouped and self.dp_group is None:
+            raise ConfigError(f"{', '.join(grouped)} go with dp_group= (the data-parallel group)")
+
+    @property
+    def explicit(self) -> bool:
+        """Whether the data-parallel coordinates were given (not looked up in torch.distributed)."""
+        return self.rank is not None or self.mesh is not None or self.dp_group is not None
 
 
 @dataclass(frozen=True)
@@ -281,7 +328,7 @@ class FaceOptions:
 
     @property
     def explicit_world(self) -> bool:
-        return self.layout.rank is not None
+        return self.layout.explicit
 
 
 def _field_owner() -> dict[str, type[Options]]:

@@ -1,0 +1,107 @@
+"""Run under torchrun: a parallel layout (a DeviceMesh, or Megatron-style process groups) reads
+one epoch; every rank reports its coordinates and, per step, what it yielded.
+
+Each step does an all_reduce over the whole world, as a training step's collectives would: a rank
+with fewer steps than the others would leave them waiting (the test's timeout makes that a
+failure). ``--other-seed-at DIM`` builds the peers at coordinate 1 of that dim with another seed:
+they must all raise ReplicaMismatchError at the first batch, which is reported, not a hang.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import wdsllm
+from wdsllm.load.agree import field_digests
+
+LAYOUTS = {  # mesh dims, in order, and the role of each
+    "dp2tp2": (("dp", 2), ("tp", 2)),
+    "dp2cp2": (("dp", 2), ("cp", 2)),
+    "pp2dp2": (("pp", 2), ("dp", 2)),
+    "dp2tp1": (("dp", 2),),
+    "dp4": (("dp", 4),),
+    "dp2tp2cp2": (("dp", 2), ("tp", 2), ("cp", 2)),
+}
+
+
+def _layout_options(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The loader's layout keywords and this rank's coordinates."""
+    dims = LAYOUTS[args.layout]
+    names = tuple(n for n, _ in dims)
+    if args.groups:  # Megatron style: the same layout from plain process groups
+        return _groups(dims)
+    mesh = init_device_mesh("cpu", tuple(s for _, s in dims), mesh_dim_names=names)
+    kw = {"mesh": mesh, "dp": "dp"}
+    if "cp" in names:
+        kw["cp"] = "cp"
+    if "pp" in names:
+        kw["pp"] = "pp"
+    return kw, dict(zip(names, mesh.get_coordinate(), strict=True))
+
+
+def _groups(dims: tuple) -> tuple[dict, dict]:
+    """dp x tp only: rank = dp * tp_size + tp; every rank makes every group, in the same order."""
+    (_, dp_size), (_, tp_size) = dims
+    rank = dist.get_rank()
+    dp_groups = [dist.new_group([d * tp_size + t for d in range(dp_size)]) for t in range(tp_size)]
+    tp_groups = [dist.new_group([d * tp_size + t for t in range(tp_size)]) for d in range(dp_size)]
+    dp, tp = divmod(rank, tp_size)
+    return {"dp_group": dp_groups[tp], "replica_group": tp_groups[dp]}, {"dp": dp, "tp": tp}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layout", required=True, choices=list(LAYOUTS))
+    ap.add_argument("--groups", action="store_true")
+    ap.add_argument("--replicas", default="read")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--other-seed-at", default=None)
+    ap.add_argument("--save-at", type=int, default=None, help="save every rank's state after this step, then stop")
+    ap.add_argument("--resume", default=None, help="a directory of states saved by --save-at")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    layout, coords = _layout_options(args)
+    seed = 7 + (1 if args.other_seed_at and coords.get(args.other_seed_at) == 1 else 0)
+    kw = {"batch_size": 3, "pad_to_multiple_of": 4, "seed": seed, "shuffle_buffer": 16, "num_workers": args.workers}
+    loader = wdsllm.loader(args.data, replicas=args.replicas, **layout, **kw)
+    if args.resume:
+        with open(os.path.join(args.resume, f"state-dp{loader.rank}.json")) as f:
+            loader.load_state_dict(json.load(f))
+    report = {"coords": coords, "dp_rank": loader.rank, "dp_size": loader.world_size, "steps": []}
+    try:
+        for step, batch in enumerate(loader):
+            report["steps"].append(_step(batch))
+            dist.all_reduce(torch.ones(1))  # a collective per step, like a training step's
+            if args.save_at is not None and step + 1 == args.save_at:
+                state = loader.state_dict()  # every rank: replica peers' states are compared
+                with open(os.path.join(args.out, f"state-dp{loader.rank}.json"), "w") as f:
+                    json.dump(state, f)
+                break
+    except wdsllm.WdsllmError as exc:
+        report["error"] = {"type": type(exc).__name__, "message": str(exc), "step": len(report["steps"])}
+    loader.close()
+    with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _step(batch: dict) -> dict:
+    out = {"digest": field_digests({k: v for k, v in batch.items() if k != "epoch"})}
+    if "docs" in batch:
+        out["docs"] = batch["docs"][:, 0].tolist()
+    if "input_ids" in batch:
+        out["input_ids"] = batch["input_ids"].tolist()
+    if "cp_token_ranges" in batch:
+        out["ranges"] = batch["cp_token_ranges"].tolist()
+    return out
+
+
+if __name__ == "__main__":
+    main()

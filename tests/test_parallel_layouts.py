@@ -1,0 +1,128 @@
+"""Parallel layouts under real torchrun (gloo, 127.0.0.1): data-parallel ranks from a DeviceMesh
+or from process groups, replica peers (tensor, context, pipeline parallel) yielding the same
+batches, read by each or broadcast by one, and the check that peers agree."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from synth import write_dataset
+
+SCRIPT = Path(__file__).parent / "scripts" / "parallel_layout.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, out: Path, *args: str, timeout: float = 240) -> list[dict]:
+    """Every rank's report of one run of the script (which must exit cleanly on every rank)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(SCRIPT), "--out", str(out), *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"torchrun did not finish in {timeout} s (a rank hung?)\n{exc.stdout}\n{exc.stderr}")
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, list[int]]:
+    root = tmp_path_factory.mktemp("layout") / "ds"
+    info = write_dataset(root, [12, 12, 12, 12], max_len=30, seed=3)
+    return root, sorted(info["expect"])
+
+
+def _peers(reports: list[dict], *, differ_in: str) -> list[list[dict]]:
+    """The reports grouped by every coordinate but ``differ_in``."""
+    groups: dict[tuple, list[dict]] = {}
+    for rep in reports:
+        key = tuple(sorted((k, v) for k, v in rep["coords"].items() if k != differ_in))
+        groups.setdefault(key, []).append(rep)
+    return list(groups.values())
+
+
+def _check_epoch_once(reports: list[dict], expect: list[int], dp_size: int) -> None:
+    """Equal steps everywhere; the DP ranks' documents disjoint, their union the epoch."""
+    assert len({len(r["steps"]) for r in reports}) == 1, "every rank yields the same number of steps"
+    by_dp = {}
+    for rep in reports:
+        if any(s.get("docs") for s in rep["steps"]):
+            by_dp.setdefault(rep["dp_rank"], [d for s in rep["steps"] for d in s["docs"]])
+    assert sorted(by_dp) == list(range(dp_size))
+    seen = Counter(d for docs in by_dp.values() for d in docs)
+    assert max(seen.values()) == 1, "a document went to two data-parallel ranks"
+    assert sorted(seen) == expect, "the data-parallel ranks' union is the epoch"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["mesh-read", "groups-broadcast"])
+def test_dp2_tp2_tensor_peers_share_every_batch_and_dp_ranks_split_the_epoch(data, tmp_path, how):
+    root, expect = data
+    args = ["--data", str(root), "--layout", "dp2tp2"]
+    args += ["--groups", "--replicas", "broadcast"] if how == "groups-broadcast" else []
+    reports = torchrun(4, tmp_path / "out", *args)
+    assert all("error" not in r for r in reports), [r.get("error") for r in reports]
+    assert {(r["dp_rank"], r["dp_size"]) for r in reports} == {(0, 2), (1, 2)}
+    for peers in _peers(reports, differ_in="tp"):
+        assert len(peers) == 2
+        assert peers[0]["steps"] == peers[1]["steps"], "tensor-parallel peers yield identical batches"
+    _check_epoch_once(reports, expect, 2)
+
+
+@pytest.mark.timeout(300)
+def test_dp2_cp2_context_peers_hold_the_two_halves_of_one_batch(data, tmp_path):
+    root, expect = data
+    reports = torchrun(4, tmp_path / "out", "--data", str(root), "--layout", "dp2cp2")
+    for a, b in _peers(reports, differ_in="cp"):
+        a, b = sorted((a, b), key=lambda r: r["coords"]["cp"])
+        assert len(a["steps"]) == len(b["steps"])
+        for sa, sb in zip(a["steps"], b["steps"]):
+            assert sa["docs"] == sb["docs"], "context-parallel peers slice the same batch"
+            assert sa["ranges"] != sb["ranges"]
+            width = 2 * len(sa["input_ids"][0])
+            whole = [[None] * width for _ in sa["input_ids"]]
+            for part in (sa, sb):
+                for i, row in enumerate(part["input_ids"]):
+                    at = 0
+                    for lo, hi in part["ranges"]:
+                        whole[i][lo:hi] = row[at : at + hi - lo]
+                        at += hi - lo
+            assert all(None not in row for row in whole), "the slices cover every token"
+    _check_epoch_once(reports, expect, 2)
+
+
+@pytest.mark.timeout(300)
+def test_pp2_dp2_first_stage_gets_inputs_last_gets_labels(data, tmp_path):
+    root, expect = data
+    reports = torchrun(4, tmp_path / "out", "--data", str(root), "--layout", "pp2dp2")
+    for rep in reports:
+        keys = set(rep["steps"][0]["digest"])
+        if rep["coords"]["pp"] == 0:
+            assert "input_ids" in keys and "labels" not in keys
+        else:
+            assert "labels" in keys and "loss_mask" in keys and "input_ids" not in keys
+    _check_epoch_once(reports, expect, 2)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("replicas", ["read", "broadcast"])
+def test_a_peer_with_another_seed_fails_at_the_first_batch(data, tmp_path, replicas):
+    root, _ = data
+    args = ["--data", str(root), "--layout", "dp2tp2", "--other-seed-at", "tp", "--replicas", replicas]
+    reports = torchrun(4, tmp_path / "out", *args)
+    for rep in reports:
+        err = rep.get("error")
+        assert err is not None and err["type"] == "ReplicaMismatchError", rep
+        assert err["step"] == 0, "the first batch is compared"
+        assert "setting 'seed': 7 at dp=" in err["message"] and "tp=1" in err["message"]

@@ -1,0 +1,262 @@
+"""Where a process sits in a parallel layout: its data-parallel coordinates, its replica peers,
+its context-parallel slice and its pipeline stage.
+
+Only the data-parallel (DP) coordinates split the data. Every other dim of a DeviceMesh (tensor,
+context, pipeline parallel) is a replica dim: the peers that share a DP coordinate yield the same
+batches, and a context-parallel (CP) slice or a pipeline stage's view is cut from that batch
+afterwards, never planned separately. The layout comes from one of three places, never mixed:
+
+- ``mesh=`` with ``dp=`` (the DP dim names, flattened row-major into one DP rank), ``cp=`` and
+  ``pp=`` naming dims of it;
+- ``dp_group=`` with ``replica_group=`` (and ``cp_group=``/``pp_group=``), Megatron style;
+- ``rank=``/``world_size=`` by hand, or nothing: the rank of torch.distributed, which is only
+  right where every rank is a DP rank, so a current mesh with other dims is refused.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import ConfigError
+from .config import resolve_world
+from .options import LayoutOptions
+
+
+class ProcessGroupLike(Protocol):
+    """What the layout asks of a ``torch.distributed`` process group (``ProcessGroup`` has it)."""
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """The peers that must yield the same batches: their group, this process's place in it, and
+    the global rank of the peer that reads for them under ``replicas="broadcast"``."""
+
+    group: Any
+    rank: int
+    size: int
+    leader: int  # the global rank of the group's rank 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class CpSlice:
+    """This process's context-parallel rank among ``size`` peers, and how rows are cut."""
+
+    rank: int
+    size: int
+    split: str
+
+    @property
+    def chunks(self) -> int:
+        """Equal chunks a row is cut into: 2 x CP for zigzag (each rank takes 2), CP for contiguous."""
+        return 2 * self.size if self.split == "zigzag" else self.size
+
+
+@dataclass(frozen=True)
+class PpStage:
+    """This process's pipeline stage among ``stages``."""
+
+    stage: int
+    stages: int
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The resolved layout: the DP coordinates that split the data, and what the replica dims ask."""
+
+    dp_rank: int
+    dp_size: int
+    explicit: bool  # given (mesh, groups, rank=): never looked up again
+    coords: tuple[tuple[str, int], ...] = ()  # every mesh dim's coordinate, for messages
+    replicas: ReplicaGroup | None = None  # None: no peer must match this process
+    cp: CpSlice | None = None
+    pp: PpStage | None = None
+    mode: str = "read"
+    agree_every: int | None = None
+
+    def where(self) -> str:
+        """This process's coordinates, as messages name them."""
+        if self.coords:
+            return " ".join(f"{name}={index}" for name, index in self.coords)
+        return f"dp={self.dp_rank}"
+
+    @property
+    def alone(self) -> bool:
+        """Whether nothing but the data-parallel split applies (no peers, no slice, no stage)."""
+        return self.replicas is None and self.cp is None and self.pp is None
+
+    @property
+    def broadcasts(self) -> bool:
+        return self.mode == "broadcast" and self.replicas is not None and self.replicas.size > 1
+
+    @property
+    def reads(self) -> bool:
+        """Whether this process reads shards itself (every process but a broadcast's receivers)."""
+        return not self.broadcasts or self.replicas.is_leader
+
+
+def _dist() -> Any:
+    """torch.distributed where torch is imported and a process group is up, else None."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist
+    return None
+
+
+def _dp_dims(mesh: Any, dp: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    names = tuple(mesh.mesh_dim_names or ())
+    if not names:
+        raise ConfigError("the DeviceMesh has no dim names: build it with mesh_dim_names=(...) and name the dp dims")
+    if dp is None:
+        if len(names) > 1:
+            raise ConfigError(
+                f"the mesh has dims {names}: say which split the data (dp=('dp_replicate', 'dp_shard') or dp='dp'); "
+                "the others are replica dims whose peers get the same batches"
+            )
+        return names
+    dims = (dp,) if isinstance(dp, str) else tuple(dp)
+    unknown = [d for d in dims if d not in names]
+    if unknown or not dims:
+        raise ConfigError(f"dp={dp!r} names no dim of the mesh, whose dims are {names}")
+    return dims
+
+
+def _replica_group(dist: Any, mesh: Any, replica_dims: tuple[str, ...]) -> ReplicaGroup | None:
+    """The group of this process's peers along every replica dim (one mesh dim: its own group;
+    several: a group per DP coordinate, made by every rank together)."""
+    if not replica_dims:
+        return None
+    if len(replica_dims) == 1:
+        group = mesh.get_group(replica_dims[0])
+    else:
+        names = tuple(mesh.mesh_dim_names)
+        order = [names.index(d) for d in names if d not in replica_dims] + [names.index(d) for d in replica_dims]
+        table = mesh.mesh.permute(*order).reshape(-1, _product(mesh.size(d) for d in replica_dims))
+        group, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in table])
+    return ReplicaGroup(group, group.rank(), group.size(), dist.get_global_rank(group, 0))
+
+
+def _product(sizes: Any) -> int:
+    out = 1
+    for size in sizes:
+        out *= int(size)
+    return out
+
+
+def _from_mesh(opts: LayoutOptions) -> Layout:
+    mesh = opts.mesh
+    dist = _dist()
+    if dist is None:
+        raise ConfigError("mesh= needs torch.distributed initialised (the mesh's process groups)")
+    names = tuple(mesh.mesh_dim_names or ())
+    dp = _dp_dims(mesh, opts.dp)
+    for role, dim in (("cp", opts.cp), ("pp", opts.pp)):
+        if dim is not None and (dim not in names or dim in dp):
+            raise ConfigError(f"{role}={dim!r} must name a non-data-parallel dim of the mesh {names}")
+    coord = dict(zip(names, mesh.get_coordinate(), strict=True))
+    dp_rank, dp_size = 0, 1
+    for d in dp:  # row-major over the DP dims, in the order given
+        dp_rank, dp_size = dp_rank * mesh.size(names.index(d)) + coord[d], dp_size * mesh.size(names.index(d))
+    cp = CpSlice(coord[opts.cp], mesh.size(names.index(opts.cp)), opts.cp_split) if opts.cp else None
+    pp = PpStage(coord[opts.pp], mesh.size(names.index(opts.pp))) if opts.pp else None
+    replica_dims = tuple(d for d in names if d not in dp)
+    return Layout(
+        dp_rank,
+        dp_size,
+        explicit=True,
+        coords=tuple((n, int(coord[n])) for n in names),
+        replicas=_replica_group(dist, mesh, replica_dims),
+        cp=cp,
+        pp=pp,
+        mode=opts.replicas,
+        agree_every=opts.agree_every,
+    )
+
+
+def _from_groups(opts: LayoutOptions) -> Layout:
+    dist = _dist()
+    if dist is None:
+        raise ConfigError("dp_group= needs torch.distributed initialised")
+    dp_rank, dp_size = opts.dp_group.rank(), opts.dp_group.size()
+    replicas = None
+    if opts.replica_group is not None:
+        g = opts.replica_group
+        replicas = ReplicaGroup(g, g.rank(), g.size(), dist.get_global_rank(g, 0))
+    elif dp_size < dist.get_world_size():
+        raise ConfigError(
+            f"dp_group has {dp_size} of the {dist.get_world_size()} ranks: pass replica_group= (the peers that must "
+            "yield the same batches, e.g. Megatron's tensor x context x pipeline peers)"
+        )
+    cp = CpSlice(opts.cp_group.rank(), opts.cp_group.size(), opts.cp_split) if opts.cp_group is not None else None
+    pp = PpStage(opts.pp_group.rank(), opts.pp_group.size()) if opts.pp_group is not None else None
+    coords = (("dp", dp_rank), ("replica", replicas.rank if replicas else 0))
+    return Layout(dp_rank, dp_size, True, coords, replicas, cp, pp, opts.replicas, opts.agree_every)
+
+
+def _refuse_current_mesh() -> None:
+    """Under ``with mesh:`` (a current DeviceMesh) with dims besides one, the global rank would
+    split the data between peers that must share it: refuse rather than guess."""
+    module = sys.modules.get("torch.distributed.device_mesh")
+    if module is None or _dist() is None:
+        return
+    try:
+        mesh = module._mesh_resources.get_current_mesh()
+    except (RuntimeError, IndexError, AttributeError):  # no mesh is current
+        return
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if mesh.ndim > 1:
+        raise ConfigError(
+            f"a DeviceMesh with dims {names or mesh.ndim} is current: the global rank would split the data between "
+            "peers that must share it; pass mesh= and dp= (docs/parallel.md)"
+        )
+
+
+def _check_pairs(opts: LayoutOptions) -> None:
+    """cp_rank/cp_size and pp_stage/pp_stages come together, the first inside the second."""
+    for low, high in (("cp_rank", "cp_size"), ("pp_stage", "pp_stages")):
+        lo, hi = getattr(opts, low), getattr(opts, high)
+        if (lo is None) != (hi is None):
+            raise ConfigError(f"pass {low}= and {high}= together")
+        if lo is not None and lo >= hi:
+            raise ConfigError(f"{low} {lo} is outside {high} {hi}")
+
+
+def resolve_layout(opts: LayoutOptions) -> Layout:
+    """The layout ``opts`` describes (see the module's docstring for the three ways)."""
+    _check_pairs(opts)
+    if opts.mesh is not None:
+        layout = _from_mesh(opts)
+    elif opts.dp_group is not None:
+        layout = _from_groups(opts)
+    else:
+        if opts.rank is None:
+            _refuse_current_mesh()
+        rank, world = resolve_world(opts.rank, opts.world_size)
+        cp = CpSlice(opts.cp_rank, opts.cp_size, opts.cp_split) if opts.cp_rank is not None else None
+        pp = PpStage(opts.pp_stage, opts.pp_stages) if opts.pp_stage is not None else None
+        layout = Layout(rank, world, opts.rank is not None, (), None, cp, pp, opts.replicas, opts.agree_every)
+    if opts.mesh is not None or opts.dp_group is not None:
+        hand = [n for n in ("cp_rank", "pp_stage") if getattr(opts, n) is not None]
+        if hand:
+            raise ConfigError(f"{', '.join(hand)} are for layouts without a mesh or groups; name the dim or group")
+    return layout
+
+
+__all__ = ["CpSlice", "Layout", "PpStage", "ReplicaGroup", "resolve_layout"]

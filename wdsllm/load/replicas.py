@@ -1,0 +1,271 @@
+"""Replica peers yield the same batches: each reads for itself, or one reads and broadcasts.
+
+Two ways behind one Protocol (:class:`Replicas`):
+
+- ``read`` (the default): every peer runs the loader itself; the plan is a function of the
+  data-parallel coordinates and the settings, so peers make the same batches without talking.
+- ``broadcast``: the group's rank 0 (the leader) reads and sends each batch over the replica
+  group; the others read no shard bytes. A batch goes as a header (its fields' names, dtypes,
+  shapes and which tensors are one tensor under two names, and the plain values) and one flat
+  buffer per dtype, so variable shapes (lengths, cu_seqlens, position_ids, docs, sources) cost
+  nothing extra. On gloo the buffers are CPU tensors; on NCCL they travel on this rank's device
+  (receivers then yield device tensors). A failure of the leader is sent as such, so its peers
+  raise :class:`~wdsllm.errors.ReplicaError` instead of waiting for a batch that never comes.
+
+Both check agreement (``agree.Agreement``) and then cut this process's view: its context-parallel
+slice (``cpsplit``), then its pipeline stage's fields (:func:`stage_view`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import ReplicaError
+from .agree import Agreement
+from .collate import HF_CU_SEQ_LENS, HF_MAX_LENGTH, IGNORE_INDEX
+from .cpsplit import RANGES_KEY, cp_slice
+from .layout import Layout, PpStage
+
+#: what a pipeline's first stage takes (the model's inputs) and its last (the loss's)
+INPUT_KEYS = frozenset(
+    {"input_ids", "attention_mask", "position_ids", "cu_seqlens", "max_seqlen", RANGES_KEY, *HF_CU_SEQ_LENS}
+    | set(HF_MAX_LENGTH)
+)
+LABEL_KEYS = frozenset({"labels", "shift_labels"})
+#: what the batch says of itself, kept where any data is (not on middle stages)
+META_KEYS = frozenset({"lengths", "docs", "sources", "rows"})
+LOSS_MASK = "loss_mask"
+
+#: (epoch, batches handed out in it, the last epoch completed): the reader's cursor after a batch
+#: (or at its pass's end), which receivers mirror
+Progress = tuple[int, int, "int | None"]
+
+
+def stage_view(batch: dict, pp: PpStage | None) -> dict:
+    """What pipeline stage ``pp`` takes of ``batch``: the first the inputs, the last the labels and
+    ``loss_mask`` (the positions that count in the loss), both for one stage, a middle stage only
+    the epoch (it reads nothing from the batch, but steps with the others)."""
+    if pp is None:
+        return batch
+    keep = {"epoch"}
+    if pp.first:
+        keep |= INPUT_KEYS | META_KEYS
+    if pp.last:
+        keep |= LABEL_KEYS | META_KEYS
+    out = {k: v for k, v in batch.items() if k in keep}
+    if pp.last:
+        labels = batch["shift_labels"] if "shift_labels" in batch else batch["labels"]
+        out[LOSS_MASK] = labels != IGNORE_INDEX
+    return out
+
+
+class Replicas(Protocol):
+    """The stage between a loader's own batches and its caller, for one layout."""
+
+    def batches(
+        self, own: Iterator[dict], progress: Callable[[], Progress], follow: Callable[[Progress, bool], None]
+    ) -> Iterator[dict]:
+        """This process's batches: from ``own`` (a lazy iterator, never started by a receiver),
+        checked and cut to this process's view."""
+        ...
+
+    def state(self, own: Callable[[], dict[str, str]]) -> dict[str, str]:
+        """The replica group's one state, checked (or sent) at save."""
+        ...
+
+
+def _device(layout: Layout) -> torch.device:
+    """Where collectives over the replica group put their tensors (NCCL: this rank's GPU)."""
+    if layout.replicas is None:
+        return torch.device("cpu")
+    import torch.distributed as dist
+
+    if dist.get_backend(layout.replicas.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _View:
+    """The checks and the cut that both ways share."""
+
+    def __init__(self, layout: Layout, settings: dict[str, str]):
+        self.layout = layout
+        self.device = _device(layout)
+        self.agreement = Agreement(layout, settings, self.device)
+
+    def view(self, batch: dict) -> dict:
+        if self.layout.cp is not None:
+            batch = cp_slice(batch, self.layout.cp)
+        return stage_view(batch, self.layout.pp)
+
+    def checked(self, step: int, batch: dict) -> dict:
+        if self.agreement.due(step):
+            self.agreement.check(batch, f"epoch {batch.get('epoch')}, batch {step} of this pass")
+        return self.view(batch)
+
+
+class ReadReplicas(_View):
+    """Every peer reads; the first batch of a pass (and every N-th if asked) is compared."""
+
+    def batches(
+        self, own: Iterator[dict], progress: Callable[[], Progress], follow: Callable[[Progress, bool], None]
+    ) -> Iterator[dict]:
+        for step, batch in enumerate(own):
+            yield self.checked(step, batch)
+
+    def state(self, own: Callable[[], dict[str, str]]) -> dict[str, str]:
+        sealed = own()
+        if self.agreement.active:
+            self.agreement.check_state(sealed)
+        return sealed
+
+
+# -- the wire: a batch as a header and one buffer per dtype --------------------------------------
+
+
+def _header(batch: dict, progress: Progress) -> tuple[dict, list[torch.Tensor]]:
+    fields, tensors, names = [], [], {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            if id(value) in names:  # one tensor under two names stays one tensor
+                fields.append((key, "alias", names[id(value)]))
+                continue
+            names[id(value)] = key
+            fields.append((key, "tensor", (str(value.dtype).removeprefix("torch."), tuple(value.shape))))
+            tensors.append(value)
+        else:
+            fields.append((key, "value", value))
+    return {"kind": "batch", "fields": fields, "progress": progress}, tensors
+
+
+def _by_dtype(dtypes: list[str]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, dtype in enumerate(dtypes):
+        out.setdefault(dtype, []).append(i)
+    return out
+
+
+class Wire:
+    """Batches from the replica group's leader to its peers (``torch.distributed`` collectives)."""
+
+    def __init__(self, layout: Layout, device: torch.device):
+        self.group = layout.replicas.group
+        self.leader = layout.replicas.leader
+        self.device = device
+
+    def share(self, message: Any) -> Any:
+        """``message`` (any picklable value) from the leader, on every peer."""
+        import torch.distributed as dist
+
+        box = [message]
+        dist.broadcast_object_list(box, src=self.leader, group=self.group, device=self.device)
+        return box[0]
+
+    def send(self, batch: dict, progress: Progress) -> None:
+        import torch.distributed as dist
+
+        header, tensors = _header(batch, progress)
+        self.share(header)
+        for indices in _by_dtype([str(t.dtype) for t in tensors]).values():
+            flat = torch.cat([tensors[i].reshape(-1) for i in indices]).to(self.device)
+            dist.broadcast(flat, src=self.leader, group=self.group)
+
+    def send_end(self, progress: Progress) -> None:
+        self.share({"kind": "end", "progress": progress})
+
+    def send_error(self, exc: BaseException, where: str) -> None:
+        self.share({"kind": "error", "message": f"{type(exc).__name__}: {exc}", "where": where})
+
+    def receive(self) -> tuple[dict | None, Progress]:
+        """The next batch (None at the end of the leader's pass) and the leader's progress."""
+        import torch.distributed as dist
+
+        header = self.share(None)
+        if header["kind"] == "error":
+            raise ReplicaError(f"the reader of this replica group ({header['where']}) failed: {header['message']}")
+        if header["kind"] == "end":
+            return None, header["progress"]
+        specs = [(k, info) for k, how, info in header["fields"] if how == "tensor"]
+        received: dict[str, torch.Tensor] = {}
+        for indices in _by_dtype([dtype for _, (dtype, _) in specs]).values():
+            dtype = getattr(torch, specs[indices[0]][1][0])
+            sizes = [_numel(specs[i][1][1]) for i in indices]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+            dist.broadcast(flat, src=self.leader, group=self.group)
+            for i, part in zip(indices, flat.split(sizes), strict=True):
+                key, (_, shape) = specs[i]
+                received[key] = part.view(shape)
+        batch: dict[str, Any] = {}
+        for key, how, info in header["fields"]:
+            batch[key] = received[key] if how == "tensor" else received[info] if how == "alias" else info
+        return batch, header["progress"]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+class BroadcastReplicas(_View):
+    """The leader reads and sends; its peers receive (and read no shard bytes)."""
+
+    def __init__(self, layout: Layout, settings: dict[str, str]):
+        super().__init__(layout, settings)
+        self.wire = Wire(layout, self.device)
+
+    def batches(
+        self, own: Iterator[dict], progress: Callable[[], Progress], follow: Callable[[Progress, bool], None]
+    ) -> Iterator[dict]:
+        if self.layout.replicas.is_leader:
+            return self._lead(own, progress)
+        return self._receive(follow)
+
+    def _lead(self, own: Iterator[dict], progress: Callable[[], Progress]) -> Iterator[dict]:
+        step = 0
+        while True:
+            try:
+                batch = next(own, None)
+            except Exception as exc:  # the peers hear of it instead of waiting for a batch
+                self.wire.send_error(exc, self.layout.where())
+                raise
+            if batch is None:
+                self.wire.send_end(progress())
+                return
+            self.wire.send(batch, progress())
+            yield self.checked(step, batch)
+            step += 1
+
+    def _receive(self, follow: Callable[[Progress, bool], None]) -> Iterator[dict]:
+        step = 0
+        while True:
+            batch, progress = self.wire.receive()
+            follow(progress, batch is None)
+            if batch is None:
+                return
+            yield self.checked(step, batch)
+            step += 1
+
+    def state(self, own: Callable[[], dict[str, str]]) -> dict[str, str]:
+        return self.wire.share(own() if self.layout.replicas.is_leader else None)
+
+
+def replicas_for(layout: Layout, settings: dict[str, str]) -> Replicas:
+    """The way ``layout`` asks for (``broadcast`` only where there are peers to send to)."""
+    return BroadcastReplicas(layout, settings) if layout.broadcasts else ReadReplicas(layout, settings)
+
+
+__all__ = [
+    "INPUT_KEYS",
+    "LABEL_KEYS",
+    "BroadcastReplicas",
+    "ReadReplicas",
+    "Replicas",
+    "Wire",
+    "replicas_for",
+    "stage_view",
+]
