@@ -126,3 +126,53 @@ def test_a_peer_with_another_seed_fails_at_the_first_batch(data, tmp_path, repli
         assert err is not None and err["type"] == "ReplicaMismatchError", rep
         assert err["step"] == 0, "the first batch is compared"
         assert "setting 'seed': 7 at dp=" in err["message"] and "tp=1" in err["message"]
+
+
+@pytest.mark.timeout(400)
+def test_dp2_tp2_saved_mid_epoch_resumes_as_dp4_with_every_document_once(data, tmp_path):
+    """dp2 x tp2 saves after 2 steps (every rank: the tensor peers' states are compared and
+    equal); dp4 resumes from those states: the epoch ends with every document exactly once."""
+    root, expect = data
+    before = torchrun(4, tmp_path / "a", "--data", str(root), "--layout", "dp2tp2", "--save-at", "2")
+    assert all("error" not in r for r in before)
+    assert sorted(p.name for p in (tmp_path / "a").glob("state-*.json")) == ["state-dp0.json", "state-dp1.json"]
+    after = torchrun(4, tmp_path / "b", "--data", str(root), "--layout", "dp4", "--resume", str(tmp_path / "a"))
+    assert len({len(r["steps"]) for r in after}) == 1
+    seen = Counter(d for rep in before if rep["coords"]["tp"] == 0 for s in rep["steps"] for d in s["docs"])
+    seen.update(d for rep in after for s in rep["steps"] for d in s["docs"])
+    assert max(seen.values()) == 1 and sorted(seen) == expect
+
+
+def _shard_bytes(server, root: Path) -> int:
+    """Bytes of shards the server was asked for: each GET's range, or the whole file."""
+    total = 0
+    for rec in server.log("*.tar"):
+        if rec.range is None:
+            total += (root / Path(rec.path).name).stat().st_size
+        else:
+            lo, hi = rec.range.removeprefix("bytes=").split("-")
+            size = (root / Path(rec.path).name).stat().st_size
+            total += min(int(hi), size - 1) + 1 - int(lo) if hi else size - int(lo)
+    return total
+
+
+@pytest.mark.timeout(400)
+def test_broadcast_over_http_reads_the_shard_bytes_of_the_dp_ranks_alone(data, tmp_path, http_server):
+    """dp2 x tp2 with replicas="broadcast" asks the server for the same shard bytes as dp2 alone:
+    the tensor peers that receive read nothing."""
+    import shutil
+
+    root, expect = data
+    shutil.copytree(root, http_server.root / "ds")
+    url = http_server.url_for("ds").rstrip("/")
+    alone = torchrun(2, tmp_path / "alone", "--data", url, "--layout", "dp2tp1", "--workers", "0")
+    alone_bytes = _shard_bytes(http_server, root)
+    http_server.reset()
+    shared = torchrun(
+        4, tmp_path / "tp", "--data", url, "--layout", "dp2tp2", "--replicas", "broadcast", "--workers", "0"
+    )
+    assert alone_bytes > 0 and _shard_bytes(http_server, root) == alone_bytes
+    for peers in _peers(shared, differ_in="tp"):
+        assert peers[0]["steps"] == peers[1]["steps"]
+    assert sorted(d for r in alone for s in r["steps"] for d in s["docs"]) == expect
+    _check_epoch_once(shared, expect, 2)

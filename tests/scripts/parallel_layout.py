@@ -71,7 +71,8 @@ def main() -> None:
     kw = {"batch_size": 3, "pad_to_multiple_of": 4, "seed": seed, "shuffle_buffer": 16, "num_workers": args.workers}
     loader = wdsllm.loader(args.data, replicas=args.replicas, **layout, **kw)
     if args.resume:
-        with open(os.path.join(args.resume, f"state-dp{loader.rank}.json")) as f:
+        mine = os.path.join(args.resume, f"state-dp{loader.rank}.json")  # else another DP rank's: an elastic resume
+        with open(mine if os.path.exists(mine) else os.path.join(args.resume, "state-dp0.json")) as f:
             loader.load_state_dict(json.load(f))
     report = {"coords": coords, "dp_rank": loader.rank, "dp_size": loader.world_size, "steps": []}
     try:
