@@ -125,6 +125,7 @@ SLOW_TESTS = frozenset(
         "test_pack_tasks.py::test_merge_on_s3_in_place",
         "test_parallel_example.py::test_tp_and_cp_layouts_train_each_dp_rank_on_the_same_batches",
         "test_parallel_layouts.py::test_a_peer_with_another_seed_fails_at_the_first_batch",
+        "test_parallel_layouts.py::test_a_reader_that_fails_tells_its_receivers",
         "test_parallel_layouts.py::test_broadcast_over_http_reads_the_shard_bytes_of_the_dp_ranks_alone",
         "test_parallel_layouts.py::test_dp2_cp2_context_peers_hold_the_two_halves_of_one_batch",
         "test_parallel_layouts.py::test_dp2_tp2_tensor_peers_share_every_batch_and_dp_ranks_split_the_epoch",

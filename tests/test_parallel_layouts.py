@@ -129,14 +129,19 @@ def test_a_peer_with_another_seed_fails_at_the_first_batch(data, tmp_path, repli
 
 
 @pytest.mark.timeout(400)
-def test_dp2_tp2_saved_mid_epoch_resumes_as_dp4_with_every_document_once(data, tmp_path):
+@pytest.mark.parametrize("how", ["json", "dcp"])
+def test_dp2_tp2_saved_mid_epoch_resumes_as_dp4_with_every_document_once(data, tmp_path, how):
     """dp2 x tp2 saves after 2 steps (every rank: the tensor peers' states are compared and
-    equal); dp4 resumes from those states: the epoch ends with every document exactly once."""
+    equal), as JSON per DP rank or through torch.distributed.checkpoint; dp4 resumes from them:
+    the epoch ends with every document exactly once."""
     root, expect = data
-    before = torchrun(4, tmp_path / "a", "--data", str(root), "--layout", "dp2tp2", "--save-at", "2")
+    dcp = ["--dcp"] if how == "dcp" else []
+    before = torchrun(4, tmp_path / "a", "--data", str(root), "--layout", "dp2tp2", "--save-at", "2", *dcp)
     assert all("error" not in r for r in before)
-    assert sorted(p.name for p in (tmp_path / "a").glob("state-*.json")) == ["state-dp0.json", "state-dp1.json"]
-    after = torchrun(4, tmp_path / "b", "--data", str(root), "--layout", "dp4", "--resume", str(tmp_path / "a"))
+    if how == "json":
+        assert sorted(p.name for p in (tmp_path / "a").glob("state-*.json")) == ["state-dp0.json", "state-dp1.json"]
+    resume = ["--resume", str(tmp_path / "a"), *dcp]
+    after = torchrun(4, tmp_path / "b", "--data", str(root), "--layout", "dp4", *resume)
     assert len({len(r["steps"]) for r in after}) == 1
     seen = Counter(d for rep in before if rep["coords"]["tp"] == 0 for s in rep["steps"] for d in s["docs"])
     seen.update(d for rep in after for s in rep["steps"] for d in s["docs"])
@@ -176,3 +181,22 @@ def test_broadcast_over_http_reads_the_shard_bytes_of_the_dp_ranks_alone(data, t
         assert peers[0]["steps"] == peers[1]["steps"]
     assert sorted(d for r in alone for s in r["steps"] for d in s["docs"]) == expect
     _check_epoch_once(shared, expect, 2)
+
+
+@pytest.mark.timeout(300)
+def test_a_reader_that_fails_tells_its_receivers(data, tmp_path, http_server):
+    """replicas="broadcast" over HTTP with a shard that answers 404: the reader raises the storage
+    error, and its tensor peer raises ReplicaError naming it instead of waiting for a batch."""
+    import shutil
+
+    root, _ = data
+    shutil.copytree(root, http_server.root / "ds")
+    http_server.faults.add("*/shard-000002.tar", "status_permanent", status=404)
+    url = http_server.url_for("ds").rstrip("/")
+    args = ["--data", url, "--layout", "dp1tp2", "--replicas", "broadcast", "--workers", "0"]
+    reader, receiver = sorted(torchrun(2, tmp_path / "out", *args), key=lambda r: r["coords"]["tp"])
+    assert reader["error"]["type"] in ("NotFoundError", "StorageError"), reader
+    assert receiver["error"]["type"] == "ReplicaError"
+    assert "the reader of this replica group (dp=0 tp=0) failed" in receiver["error"]["message"]
+    assert "shard-000002.tar" in receiver["error"]["message"]
+    assert len(receiver["steps"]) == len(reader["steps"]), "the receiver got every batch read before"

@@ -13,6 +13,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
 import wdsllm
@@ -23,6 +24,7 @@ LAYOUTS = {  # mesh dims, in order, and the role of each
     "dp2cp2": (("dp", 2), ("cp", 2)),
     "pp2dp2": (("pp", 2), ("dp", 2)),
     "dp2tp1": (("dp", 2),),
+    "dp1tp2": (("dp", 1), ("tp", 2)),
     "dp4": (("dp", 4),),
     "dp2tp2cp2": (("dp", 2), ("tp", 2), ("cp", 2)),
 }
@@ -64,13 +66,16 @@ def main() -> None:
     ap.add_argument("--other-seed-at", default=None)
     ap.add_argument("--save-at", type=int, default=None, help="save every rank's state after this step, then stop")
     ap.add_argument("--resume", default=None, help="a directory of states saved by --save-at")
+    ap.add_argument("--dcp", action="store_true", help="save and resume through torch.distributed.checkpoint")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     layout, coords = _layout_options(args)
     seed = 7 + (1 if args.other_seed_at and coords.get(args.other_seed_at) == 1 else 0)
     kw = {"batch_size": 3, "pad_to_multiple_of": 4, "seed": seed, "shuffle_buffer": 16, "num_workers": args.workers}
     loader = wdsllm.loader(args.data, replicas=args.replicas, **layout, **kw)
-    if args.resume:
+    if args.resume and args.dcp:
+        dcp.load({"dataloader": loader}, checkpoint_id=args.resume)
+    elif args.resume:
         mine = os.path.join(args.resume, f"state-dp{loader.rank}.json")  # else another DP rank's: an elastic resume
         with open(mine if os.path.exists(mine) else os.path.join(args.resume, "state-dp0.json")) as f:
             loader.load_state_dict(json.load(f))
@@ -80,6 +85,9 @@ def main() -> None:
             report["steps"].append(_step(batch))
             dist.all_reduce(torch.ones(1))  # a collective per step, like a training step's
             if args.save_at is not None and step + 1 == args.save_at:
+                if args.dcp:  # DCP asks every rank for the state (replica peers' are compared)
+                    dcp.save({"dataloader": loader}, checkpoint_id=args.out)
+                    break
                 state = loader.state_dict()  # every rank: replica peers' states are compared
                 with open(os.path.join(args.out, f"state-dp{loader.rank}.json"), "w") as f:
                     json.dump(state, f)
