@@ -23,6 +23,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import ConfigError, ShardError, StateError, WdsllmError
 from ..format.tar import changed_file
+from ..observe.report import timed_reads
 from . import resume as resumemod
 from . import state as statemod
 from .batching import Batch
@@ -305,6 +306,7 @@ class WorkerBatcher:
             holes=holes,
             known=slices.own,
         )
+        stream = timed_reads(stream)  # observe/stages.py
         return stream if marks is None else marks.wrap(position, stream)
 
     def task_marks(self, task: EpochTask, batcher: Any, slices: list) -> TaskMarks | None:

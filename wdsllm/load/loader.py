@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -125,7 +126,8 @@ class Loader:
         #: what the stages counted beside the batches (truncated tokens, skipped shards and documents, refills)
         self.stats = DataStats()
         #: the data path measured: the wait on the trainer's thread, the workers, the stores (observe/)
-        self.observer = Observer(face.observe)
+        self.observer = Observer(face.observe, self._transport.tally)
+        self._transport.timeout = self.observer.dataloader_timeout()
 
     def _build(self) -> None:
         self.pipeline = build_pipeline(
@@ -318,7 +320,9 @@ class Loader:
     def _hand_out(self, batch: Batch) -> dict:
         if self._mix is not None:
             self._mix.add(batch.mix, batch.epoch)
+        began = time.perf_counter()
         out = assemble(batch.items, batch.epoch, self.collate_options)
+        self.observer.handed(batch.worker, time.perf_counter() - began)
         if batch.stats:
             self.stats.add(batch.stats)
         if batch.tail:  # merged from the workers' tails (tails.py)
@@ -338,6 +342,7 @@ class Loader:
         if stream is not None:
             stream.close()
         self._transport.close()
+        self.observer.close()
         storage.release(id(self.catalog))
 
     def __enter__(self) -> Loader:
@@ -460,7 +465,7 @@ class Loader:
         """What this loader measured of its data path, as a flat dict of numbers any logger takes
         (the data wait on this thread, and over the ranks where ``reduce_every`` is set); the keys
         are listed in docs/observability.md."""
-        return self.observer.metrics()
+        return self.observer.metrics(self.stats.skipped_shards)
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, str]:

@@ -31,6 +31,10 @@ from torch.utils.data import DataLoader, get_worker_info
 
 from .. import storage
 from ..errors import ConfigError, WdsllmError
+from ..observe import stages
+from ..observe.board import WorkerBoard
+from ..observe.report import Reporter, WorkerReport, timed_stream
+from ..observe.workers import WorkerTally
 from .batching import Batch
 
 HEADER = 4096  # one int64 acknowledgement counter per worker
@@ -107,8 +111,10 @@ class TokenRing:
 
     def take(self, msg: RingBundle) -> np.ndarray:
         """Copy a message's tokens out of its slot and free the slot (main process)."""
+        began = time.perf_counter()
         tokens = np.frombuffer(self.mm, np.dtype(msg.dtype), count=msg.count, offset=msg.offset).copy()
         self.taken[msg.worker] = msg.seq + 1
+        stages.add("transport", time.perf_counter() - began)
         return tokens
 
 
@@ -151,14 +157,20 @@ class RingHolder:
 
     def __init__(self) -> None:
         self.ring: TokenRing | None = None
+        #: the workers' pids, progress and messages sent (observe/board.py), made with the ring
+        self.board: WorkerBoard | None = None
 
 
 def send_bundles(bundles: Iterable[list], holder: RingHolder) -> Iterator[Any]:
     """Stage after ``dataset._bundle`` in DataLoader workers: bundles through the ring where
-    possible, else as they are (then compacted, to be pickled)."""
+    possible, else as they are (then compacted, to be pickled). Each bundle ends with the
+    worker's report (``observe.report``): what its stages took since its previous one."""
     info = get_worker_info()
     ring = holder.ring
-    for bundle in bundles:
+    reporter = Reporter(info.id if info is not None else 0, holder.board)
+    for bundle in timed_stream(iter(bundles), "batch"):
+        bundle.append(reporter.report())
+        began = time.perf_counter()
         msg = None
         if ring is not None and ring.usable and info is not None and info.id < ring.workers:
             msg = ring.pack(info.id, bundle)
@@ -166,9 +178,8 @@ def send_bundles(bundles: Iterable[list], holder: RingHolder) -> Iterator[Any]:
             for batch in bundle:
                 if isinstance(batch, Batch):
                     batch.items = batch.items.compact()
-            yield bundle
-        else:
-            yield msg
+        stages.add("transport", time.perf_counter() - began)
+        yield bundle if msg is None else msg
 
 
 def received(bundle: Any) -> list:
@@ -178,6 +189,16 @@ def received(bundle: Any) -> list:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _arrivals(messages: Iterable[Any], tally: WorkerTally) -> Iterator:
+    """The batches and end markers of the workers' messages; their reports go to ``tally``."""
+    for message in messages:
+        for item in received(message):
+            if isinstance(item, WorkerReport):
+                tally.add(item)
+            else:
+                yield item
 
 
 class WorkerBatches:
@@ -194,6 +215,10 @@ class WorkerBatches:
         self.context = context
         self.in_process = in_process
         self.ring = RingHolder()  # shared memory the workers send tokens through
+        #: what the workers reported with their messages (observe/workers.py)
+        self.tally = WorkerTally()
+        #: DataLoader's wait for one message before it raises (0: forever; the watchdog's raise)
+        self.timeout = 0.0
         self.dataloader: Any = None
         #: what DataLoader draws its workers' base seed from (never torch's global RNG, which a
         #: trainer restores from its checkpoint and expects untouched: dropout, init)
@@ -232,13 +257,15 @@ class WorkerBatches:
         ``seed`` seeds the generator DataLoader draws from when the pass starts (``plan.torch_seed``)."""
         self.generator.manual_seed(seed)
         if self.num_workers == 0:
-            return iter(pipeline)
+            return timed_stream(iter(pipeline), "batch")
         if self.in_process:
-            return _interleave([pipeline.worker_iter(w, self.num_workers) for w in range(self.num_workers)])
+            streams = [pipeline.worker_iter(w, self.num_workers) for w in range(self.num_workers)]
+            return timed_stream(_interleave(streams), "batch")
         if self.dataloader is None or not self.persistent:
             # workers about to be forked get a ring of their own (an abandoned iterator's workers
             # may still be writing into the old one)
             self.ring.ring = TokenRing(self.num_workers, slots=(self.prefetch_factor or 2) + 2)
+            self.ring.board = self.tally.new_board(self.num_workers)
             storage.prepare_workers()  # what each worker would build again (an S3 client), built once here
         if self.dataloader is None:
             self.dataloader = DataLoader(
@@ -250,8 +277,9 @@ class WorkerBatches:
                 persistent_workers=self.persistent,
                 multiprocessing_context=self.context,
                 generator=self.generator,
+                timeout=self.timeout,
             )
-        return (item for bundle in iter(self.dataloader) for item in received(bundle))
+        return _arrivals(iter(self.dataloader), self.tally)
 
 
 def _interleave(streams: list) -> Iterator:

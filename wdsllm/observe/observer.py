@@ -1,8 +1,8 @@
 """What one loader measures of its data path, and the flat dict of numbers it reports.
 
 The loader owns one :class:`Observer`; its :func:`timed` stage wraps the loader's batches on the
-trainer's thread (the data wait), and ``Loader.metrics()`` is :meth:`Observer.metrics` plus what
-the workers and stores reported.
+trainer's thread (the data wait, charged to the worker whose batch was awaited), and
+``Loader.metrics()`` is :meth:`Observer.metrics`: the wait, the stages, the workers and the stores.
 """
 
 from __future__ import annotations
@@ -10,25 +10,71 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from ..errors import WorkerStalledError
 from ..load.options import ObserveOptions
+from ..storage.counters import STORE_NAMES, store_key, store_stats
+from . import stages
 from .wait import WaitClock
+from .watchdog import RAISE_GRACE_S, Watchdog
+from .workers import WorkerTally
 
 
 class Observer:
-    """The data wait of one loader, its periodic reduction over the process group (opt-in), and
-    the last reduction's figures."""
+    """The data wait of one loader, its periodic reduction over the process group (opt-in), the
+    last reduction's figures, and what its workers reported (``tally``)."""
 
-    def __init__(self, options: ObserveOptions):
+    def __init__(self, options: ObserveOptions, tally: WorkerTally | None = None):
         self.options = options
         self.wait = WaitClock(options.wait_window)
+        self.tally = tally if tally is not None else WorkerTally()
         #: the group ``reduce_every`` gathers over (None: the default group); the data-parallel
         #: group where the world also holds tensor or pipeline parallel ranks
         self.group: Any = None
         self.reduced: dict[str, float] = {}
+        self._worker = 0  # whose batch is being handed out
+        self.watchdog: Watchdog | None = None  # started with the first iteration
+
+    def watch(self) -> None:
+        """Start the watchdog (once, as iteration starts; before the workers fork, so that they
+        learn where to write their stacks)."""
+        seconds = self.options.watchdog_s
+        if seconds is None:
+            return
+        if self.watchdog is None:
+            self.watchdog = Watchdog(seconds, self.wait, self.tally)
+            self.tally.stacks_dir = self.watchdog.stacks_dir
+        self.watchdog.start()
+
+    def dataloader_timeout(self) -> float:
+        """DataLoader's ``timeout`` (0: none): with ``watchdog_raise``, a little after the warning."""
+        options = self.options
+        if options.watchdog_s is None or not options.watchdog_raise:
+            return 0.0
+        return options.watchdog_s + RAISE_GRACE_S
+
+    def stalled(self, error: BaseException) -> WorkerStalledError | None:
+        """The named error for DataLoader's timeout after the watchdog's warning (else None)."""
+        if self.watchdog is None or not self.watchdog.stalled or not self.options.watchdog_raise:
+            return None
+        return WorkerStalledError(
+            f"no batch for {self.options.watchdog_s} s (watchdog_s): the WARNING before this one holds every "
+            f"worker's stack ({error})"
+        )
+
+    def close(self) -> None:
+        watchdog, self.watchdog = self.watchdog, None
+        if watchdog is not None:
+            watchdog.close()
+
+    def handed(self, worker: int, collate_s: float) -> None:
+        """The loader collated a batch of ``worker`` in ``collate_s`` seconds."""
+        stages.add("collate", collate_s)
+        self._worker = worker
 
     def stepped(self) -> None:
-        """After each batch handed out: every ``reduce_every`` steps, the reduction (on every rank
-        at the same step, as the ranks count the same steps)."""
+        """After each batch handed out: its wait charged to its worker; every ``reduce_every``
+        steps, the reduction (on every rank at the same step, as the ranks count the same steps)."""
+        self.tally.waited(self._worker, self.wait.waits[-1])
         every = self.options.reduce_every
         if every is None or self.wait.total_steps % every:
             return
@@ -40,17 +86,71 @@ class Observer:
 
         self.reduced = reduce_wait(self.wait.summary(), self.group)
 
-    def metrics(self) -> dict[str, float]:
-        """The data wait (this rank's, and the last reduction's where one ran), flat."""
+    def metrics(self, skipped_shards: list[str] = ()) -> dict[str, float]:
+        """Everything measured, flat (docs/observability.md lists the keys)."""
         out = {"steps": float(self.wait.total_steps), "data_wait_total_s": self.wait.total_wait}
         out.update(self.wait.summary().flat())
         out.update(self.reduced)
+        out.update(self._stages())
+        out.update(self._workers())
+        out.update(_stores(store_stats(), skipped_shards))
         return out
+
+    def _stages(self) -> dict[str, float]:
+        totals = self.tally.stage_totals()
+        out = {f"stage_{stage}_s": seconds for stage, seconds in totals.items()}
+        out["slowest_stage"] = float(STAGE_INDEX[max(stages.STAGES, key=lambda s: totals[s])])
+        return out
+
+    def _workers(self) -> dict[str, float]:
+        tally, out = self.tally, {}
+        for worker in sorted(set(tally.waits) | set(tally.stages)):
+            out[f"worker_{worker}_wait_s"] = tally.waits.get(worker, 0.0)
+            out[f"worker_{worker}_batch_s"] = tally.stages.get(worker, {}).get("batch", 0.0)
+            depth = tally.queue_depth(worker)
+            if depth is not None:
+                out[f"worker_{worker}_queue"] = float(depth)
+        slowest = tally.slowest_worker()
+        if slowest is not None:
+            out["slowest_worker"] = float(slowest)
+        return out
+
+    def diagnosis(self, skipped_shards: list[str] = ()) -> str:
+        """The metrics in one line for a log: the wait's share, the slowest stage and worker."""
+        m = self.metrics(skipped_shards)
+        line = (
+            f"data wait {m['data_wait_share']:.1%} of step time over {int(m['data_wait_window_steps'])} steps "
+            f"(p95 {m['data_wait_p95_s'] * 1e3:.1f} ms); slowest stage {stages.STAGES[int(m['slowest_stage'])]}"
+        )
+        if "slowest_worker" in m:
+            line += f"; slowest worker {int(m['slowest_worker'])}"
+        return line
+
+
+STAGE_INDEX = {stage: i for i, stage in enumerate(stages.STAGES)}
+
+
+def _stores(stores: dict[str, dict[str, int]], skipped_shards: list[str]) -> dict[str, float]:
+    """``store/<scheme://host>/<counter>`` for every store asked, with its receive rate and the
+    shards of it skipped as unreadable."""
+    skipped: dict[str, int] = {}
+    for url in skipped_shards:
+        skipped[store_key(url)] = skipped.get(store_key(url), 0) + 1
+    out = {}
+    for store in sorted(set(stores) | set(skipped)):
+        counts = stores.get(store, dict.fromkeys(STORE_NAMES, 0))
+        for name in STORE_NAMES:
+            out[f"store/{store}/{name}"] = float(counts[name])
+        seconds = counts["fetch_ns"] / 1e9
+        out[f"store/{store}/bytes_per_s"] = counts["received_bytes"] / seconds if seconds > 0 else 0.0
+        out[f"store/{store}/skipped_shards"] = float(skipped.get(store, 0))
+    return out
 
 
 def timed(batches: Iterator[dict], observer: Observer) -> Iterator[dict]:
     """The loader's batches, each ``next()`` timed on the calling (trainer's) thread."""
     clock = observer.wait
+    observer.watch()
     try:
         while True:
             clock.entered()
@@ -58,6 +158,11 @@ def timed(batches: Iterator[dict], observer: Observer) -> Iterator[dict]:
                 batch = next(batches)
             except StopIteration:
                 return
+            except RuntimeError as exc:  # DataLoader's timeout, set by watchdog_raise
+                stalled = observer.stalled(exc)
+                if stalled is None:
+                    raise
+                raise stalled from exc
             clock.left()
             observer.stepped()
             yield batch

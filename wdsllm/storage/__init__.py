@@ -25,7 +25,7 @@ from . import local as _local  # noqa: F401 - registers local paths, file:// and
 from . import s3 as _s3  # noqa: F401 - registers s3://
 from .backends import CHUNK_SIZE, backend_for, is_remote, prepare_workers
 from .cache import ShardCache
-from .counters import reset_stats, stats
+from .counters import reset_stats, stats, store_stats
 from .helpers import release
 from .listing import ObjectInfo, glob_objects, has_magic, list_prefix, stat_object
 from .output import Output
@@ -97,4 +97,5 @@ __all__ = [
     "split_query",
     "stat_object",
     "stats",
+    "store_stats",
 ]

@@ -15,7 +15,7 @@ import time
 from typing import Any, BinaryIO
 
 from .backends import CHUNK_SIZE
-from .counters import count
+from .counters import count, count_store
 from .resumable import STREAM_BUFFER, open_stream
 from .retry import RetryPolicy, make_error
 
@@ -162,17 +162,20 @@ class ShardCache:
                 file = self._open_entry(url, data, expected_size, repair=True)  # downloaded meanwhile?
                 if file is None:
                     count("cache_misses")
+                    count_store(url, "cache_misses")
                     self.evict(reserve=expected_size or 0)
                     self._download(url, data, part, expected_sha256, expected_size, retry)
                     file = open(data, "rb", buffering=0)  # noqa: SIM115 - owned by _CachedFile
                     self._touch(data)
                 else:
                     count("cache_hits")
+                    count_store(url, "cache_hits")
                 # The file is open before the lock is downgraded, so even an eviction that slips
                 # into the downgrade cannot take the bytes away from this reader.
                 fcntl.flock(fd, fcntl.LOCK_SH)
             else:
                 count("cache_hits")
+                count_store(url, "cache_hits")
             # Also on hits: entries that were in use at the last eviction may be free now.
             self.evict()
             raw = _CachedFile(url, file, fd, offset, length)

@@ -43,7 +43,7 @@ import threading
 from functools import partial
 
 from .backends import backend_for
-from .counters import count, stats
+from .counters import add_stores, count, stats, store_stats, stores_moved
 from .mappings import KEEP, KEEP_BYTES
 from .retry import make_error
 from .spool import Spool, SpooledRange, open_spool_block
@@ -279,9 +279,10 @@ class _FetchProcess:
                 data = b""
             if not data:
                 break
-            kind, sid, filled, delta, error = pickle.loads(data)  # our own child's reports
+            kind, sid, filled, delta, stores, error = pickle.loads(data)  # our own child's reports
             for name, n in delta.items():
                 count(name, n)
+            add_stores(stores)
             if kind == "log":  # a record logged there (a retry, a resume), handled here
                 logger = logging.getLogger(error.name)
                 if logger.isEnabledFor(error.levelno):
@@ -435,14 +436,17 @@ class _Reports:
         self.sock = sock
         self.lock = threading.Lock()
         self.counted = stats()
+        self.stores = store_stats()
 
     def send(self, kind: str, sid: int, filled: int, error: BaseException | logging.LogRecord | None = None) -> None:
         with self.lock:
             now = stats()
             delta = {k: v - self.counted[k] for k, v in now.items() if v != self.counted[k]}
             self.counted = now
+            stores_now = store_stats()
+            stores, self.stores = stores_moved(self.stores, stores_now), stores_now
             with contextlib.suppress(OSError):  # the parent is gone; the main loop sees it too
-                self.sock.send(pickle.dumps((kind, sid, filled, delta, error)))
+                self.sock.send(pickle.dumps((kind, sid, filled, delta, stores, error)))
 
 
 class _ForwardLogs(logging.Handler):

@@ -24,6 +24,7 @@ from typing import Any
 from . import versions
 from .retry import make_error
 from .state import own
+from .stores import store_of  # noqa: F401 - where the spools find it (parallel.store_of)
 from .urls import redact
 
 #: Bytes per ranged GET, and GETs in flight per stream (``WDSLLM_BLOCK_SIZE``,
@@ -47,19 +48,6 @@ SERIAL_BLOCK_SIZE = int(os.environ.get("WDSLLM_SERIAL_BLOCK_SIZE") or 4 * BLOCK_
 #: rate: ``IN_FLIGHT`` of them run at once even where a store measured fast, so that small ranged
 #: reads (an epoch's blocks of a shard, side-file chunks) do not wait out one round trip each in turn.
 SMALL_GET_SHARE = 4
-
-
-def store_of(url: str) -> tuple[str, str]:
-    """The store a URL names, as its speed is kept: (scheme, host and port, without a user name
-    or password). The host of s3:// and gs:// is a bucket, of az:// a container; of hf:// the
-    repository (``datasets/ORG/NAME``)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return ("file", "")
-    host = rest.split("/", 1)[0].rsplit("@", 1)[-1].split("?", 1)[0]
-    if scheme == "hf":  # hf://datasets/ORG/NAME@REV/...: one repository
-        host = "/".join(rest.split("/", 3)[:3]).split("@", 1)[0]
-    return (scheme.lower(), host.lower())
 
 
 class Ticket:

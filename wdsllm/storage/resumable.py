@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 from ..errors import StorageError
 from . import parallel, versions
 from .backends import Backend, backend_for
-from .counters import count
+from .counters import count, count_failure, count_in, store_key
 from .retry import DEFAULT_RETRY, RetryPolicy, classification, is_missing, make_error, retrying
 from .urls import redact, scheme_of
 
@@ -66,6 +66,7 @@ class ResumableStream(io.RawIOBase):
         if offset < 0 or (length is not None and length < 0):
             raise ValueError(f"{redact(url)}: negative offset or length ({offset}, {length})")
         self.name = redact(url)
+        self._store = store_key(self.name)  # where its requests, bytes and failures are counted
         self._opener = opener
         self._policy = policy
         self._start = self._pos = offset
@@ -114,7 +115,10 @@ class ResumableStream(io.RawIOBase):
                     return 0
                 view = view[: max(0, self._end - self._pos)] if self._end is not None else view
             try:
+                began = time.perf_counter_ns()
                 n = self._body.readinto(view)
+                count_in(self._store, "fetch_ns", time.perf_counter_ns() - began)
+                count_in(self._store, "received_bytes", n)
                 if not n and self._end is not None and self._pos < self._end:
                     raise make_error(self.name, f"stream ended at byte {self._pos} of {self._end}", transient=True)
             except Exception as exc:
@@ -156,11 +160,15 @@ class ResumableStream(io.RawIOBase):
     def _open(self) -> None:
         while True:
             count("requests")
+            count_in(self._store, "requests")
+            began = time.perf_counter_ns()
             try:
                 body = self._opener(self._pos, self._limit, self._etag)
             except Exception as exc:
                 self._failed(exc)
                 continue
+            finally:
+                count_in(self._store, "fetch_ns", time.perf_counter_ns() - began)  # a request's wait too
             try:
                 self._accept(body)
             except BaseException:
@@ -193,6 +201,7 @@ class ResumableStream(io.RawIOBase):
         if kind is None:
             raise exc
         transient, reason, after = kind
+        count_failure(self.name, reason)
         if not transient:
             if isinstance(exc, StorageError):
                 raise exc
@@ -213,6 +222,7 @@ class ResumableStream(io.RawIOBase):
             delay,
         )
         count("retries")
+        count_in(self._store, "retries")
         self._resuming = True
         time.sleep(delay)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import NotFoundError, StorageError, TransientError
 from ..redact import redact, redact_text
-from .counters import count
+from .counters import count, count_failure, count_store
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ def retrying(url: str, policy: RetryPolicy, op: Callable[[], Any]) -> Any:
     """Run a whole idempotent operation (HEAD, PUT, DELETE, upload) under the retry policy."""
     for attempt in range(1, policy.attempts + 1):
         count("requests")
+        count_store(url, "requests")
         try:
             return op()
         except Exception as exc:
@@ -159,6 +160,7 @@ def retrying(url: str, policy: RetryPolicy, op: Callable[[], Any]) -> Any:
             if kind is None:
                 raise
             transient, reason, after = kind
+            count_failure(url, reason)
             if not transient:
                 if isinstance(exc, StorageError):
                     raise
@@ -168,5 +170,6 @@ def retrying(url: str, policy: RetryPolicy, op: Callable[[], Any]) -> Any:
             delay = policy.delay(url, attempt - 1, after)
             log.warning("%s: %s; retry %d/%d in %.2fs", redact(url), reason, attempt, policy.attempts - 1, delay)
             count("retries")
+            count_store(url, "retries")
             time.sleep(delay)
     raise AssertionError("unreachable")

@@ -1,0 +1,52 @@
+"""A throttled store, seen from the loader: the data wait rises, fetch is the largest stage, and
+the store's requests, retries and 503s are counted exactly as the server served them."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from pack_helpers import cached
+from synth import write_dataset
+
+import wdsllm
+from wdsllm import storage
+from wdsllm.observe.stages import STAGES
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _data() -> Path:
+    return cached("observe-stores", lambda d: write_dataset(d, [120, 90, 110, 100], seed=6) and d)
+
+
+def _epoch(source: str, **options) -> dict[str, float]:
+    with wdsllm.loader(source, batch_size=8, num_workers=2, seed=1, watchdog_s=None, **options) as loader:
+        steps = sum(1 for _ in loader)
+        metrics = loader.metrics()
+    assert metrics["steps"] == steps
+    return metrics
+
+
+def test_a_throttled_store_shows_in_the_wait_the_stages_and_the_store(http_server):
+    shutil.copytree(_data(), http_server.root / "ds")
+    url = http_server.url_for("ds")
+    store = url.split("/ds")[0]
+    storage.reset_stats()
+    fast = _epoch(url)
+    http_server.reset()  # faults and log; the same files
+    http_server.faults.add("*/shard-000002.tar", "status", status=503, times=2)  # the first matching fault applies
+    http_server.faults.add("*.tar", "rate", bytes_per_s=40_000, times=None)
+    storage.reset_stats()
+    slow = _epoch(url)
+    assert slow["data_wait_total_s"] > fast["data_wait_total_s"]
+    stages = {stage: slow[f"stage_{stage}_s"] for stage in STAGES}
+    assert max(stages, key=stages.get) == "fetch" == STAGES[int(slow["slowest_stage"])], stages
+    served = http_server.log("*")
+    key = f"store/{store}"
+    assert slow[f"{key}/status_503"] == sum(r.status == 503 for r in served) == 2
+    assert slow[f"{key}/retries"] == 2 and slow[f"{key}/status_429"] == 0 and slow[f"{key}/other_errors"] == 0
+    assert slow[f"{key}/requests"] == len([r for r in served if r.method in ("GET", "HEAD")])
+    assert slow[f"{key}/received_bytes"] > 0 and slow[f"{key}/bytes_per_s"] > 0
+    assert slow[f"{key}/skipped_shards"] == 0

@@ -1,0 +1,106 @@
+"""The watchdog on real DataLoader workers: one stopped with SIGSTOP is named, with every
+answering worker's stack, within watchdog_s plus a few seconds; its own stack when it resumes;
+and with watchdog_raise the run stops with WorkerStalledError instead of hanging."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from pack_helpers import cached
+from synth import write_dataset
+
+import wdsllm
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _data() -> Path:
+    return cached("observe-watchdog", lambda d: write_dataset(d, [300, 300], seed=7) and d)
+
+
+def _loader(**options) -> wdsllm.Loader:
+    return wdsllm.loader(_data(), batch_size=1, num_workers=2, prefetch_factor=1, seed=0, **options)
+
+
+def _worker_pids(loader) -> list[int]:
+    board = loader.observer.tally.board
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pids = board.pids()
+        if all(pids):
+            return pids
+        time.sleep(0.05)
+    raise AssertionError("the workers never wrote their pids")
+
+
+def _resume(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it finished its share and exited
+        os.kill(pid, signal.SIGCONT)
+
+
+def _records(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def test_a_stopped_worker_is_named_and_every_stack_logged(caplog):
+    caplog.set_level(logging.WARNING, logger="wdsllm.observe.watchdog")
+    with _loader(watchdog_s=2) as loader:
+        batches = iter(loader)
+        next(batches)
+        stopped = _worker_pids(loader)[1]
+        os.kill(stopped, signal.SIGSTOP)
+        began = time.monotonic()
+
+        def resume_after_warning() -> None:
+            while not _records(caplog, "the data path is stuck") and time.monotonic() - began < 30:
+                time.sleep(0.05)
+            os.kill(stopped, signal.SIGCONT)
+
+        resumer = threading.Thread(target=resume_after_warning)
+        resumer.start()
+        try:
+            count = 1 + sum(1 for _ in batches)
+        finally:
+            _resume(stopped)
+            resumer.join()
+        deadline = time.monotonic() + 10
+        while not _records(caplog, "answered the watchdog late") and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert count == 600  # nothing lost: the stopped worker went on where it stood
+    (warning,) = _records(caplog, "the data path is stuck")
+    assert f"worker 1 (pid {stopped}, state T)" in warning and "stopped by a signal" in warning
+    running = warning.split("worker 0 (pid", 1)[1].split("worker 1 (pid", 1)[0]
+    assert "_worker_loop" in running, "the running worker's own stack"
+    assert "Thread MainThread" in warning, "the loader's own threads"
+    (late,) = _records(caplog, "answered the watchdog late")
+    assert "_worker_loop" in late, "the stopped worker's stack, from the frame it stopped in"
+
+
+def test_watchdog_raise_stops_the_run_with_a_named_error(caplog):
+    caplog.set_level(logging.WARNING, logger="wdsllm.observe.watchdog")
+    with _loader(watchdog_s=1, watchdog_raise=True) as loader:
+        batches = iter(loader)
+        next(batches)
+        stopped = _worker_pids(loader)[1]
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            with pytest.raises(wdsllm.WorkerStalledError, match="watchdog_s"):
+                for _ in batches:
+                    pass
+        finally:
+            _resume(stopped)
+    assert _records(caplog, "the data path is stuck"), "the warning with the stacks came first"
+
+
+def test_no_watchdog_no_thread_and_no_files():
+    with wdsllm.loader(_data(), batch_size=64, watchdog_s=None) as loader:
+        sum(1 for _ in loader)
+        assert loader.observer.watchdog is None
+    assert not any(t.name == "wdsllm-watchdog" for t in threading.enumerate())

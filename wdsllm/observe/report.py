@@ -1,0 +1,92 @@
+"""What a DataLoader worker sends with each message beside its batches, and what it took to make.
+
+One small record per message (a bundle of up to 16 batches): the stage seconds and the store
+counters that moved since the worker's previous message, and how many messages it has sent. The
+loader's process adds them up (``workers.WorkerTally``); a worker's own figures are otherwise
+invisible there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..storage.counters import fetch_ns, store_stats, stores_moved
+from . import stages
+from .board import WorkerBoard
+from .watchdog import arm_worker
+
+
+@dataclass
+class WorkerReport:
+    """A worker's figures since its previous message (``seq``: the messages it has sent, this one included)."""
+
+    worker: int
+    seq: int
+    stages: dict[str, float] = field(default_factory=dict)
+    stores: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+class Reporter:
+    """A worker's side: snapshots taken when it starts (a forked worker inherits its parent's
+    counts), then each message's differences, and its row of the board."""
+
+    def __init__(self, worker: int, board: WorkerBoard | None):
+        self.worker = worker
+        self.board = board if board is not None and board.usable and worker < board.workers else None
+        # kept workers count on across passes (their board is kept too)
+        self.seq = self.board.messages(worker) if self.board is not None else 0
+        self._stages = stages.CLOCK.snapshot()
+        self._stores = store_stats()
+        if self.board is not None:
+            self.board.started(worker)
+            if self.board.stacks_dir is not None:
+                arm_worker(self.board.stacks_dir, worker)
+
+    def report(self) -> WorkerReport:
+        self.seq += 1
+        now_stages, now_stores = stages.CLOCK.snapshot(), store_stats()
+        report = WorkerReport(
+            self.worker,
+            self.seq,
+            stages.moved(self._stages, now_stages),
+            stores_moved(self._stores, now_stores),
+        )
+        self._stages, self._stores = now_stages, now_stores
+        if self.board is not None:
+            self.board.sent(self.worker, self.seq)
+        return report
+
+
+def timed_stream(items: Iterator, stage: str) -> Iterator:
+    """``items``, the time each takes to come counted as ``stage`` in this process."""
+    clock = stages.CLOCK
+    while True:
+        began = time.perf_counter()
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        clock.add(stage, time.perf_counter() - began)
+        yield item
+
+
+def timed_reads(blocks: Iterator) -> Iterator:
+    """A worker's blocks from its reader, the wait for each split between ``fetch`` (as long as
+    requests and bodies were being received in this process meanwhile: the wait for bytes) and
+    ``read`` (the rest: checks, decoding, tokenizing), and taken from ``batch``, the stream they
+    run inside. An estimate where several downloads overlap one wait: fetch gets at most the wait."""
+    clock = stages.CLOCK
+    while True:
+        began, fetched = time.perf_counter(), fetch_ns()
+        try:
+            block = next(blocks)
+        except StopIteration:
+            return
+        spent = time.perf_counter() - began
+        for_bytes = min(spent, (fetch_ns() - fetched) / 1e9)
+        clock.add("fetch", for_bytes)
+        clock.add("read", spent - for_bytes)
+        clock.add("batch", -spent)
+        yield block

@@ -1,0 +1,58 @@
+"""The loader's side of its workers' reports: stage seconds per worker, queue depths, the wait
+each worker's batches cost the trainer, and the slowest of each."""
+
+from __future__ import annotations
+
+from ..storage.counters import add_stores
+from . import stages
+from .board import WorkerBoard
+from .report import WorkerReport
+
+
+class WorkerTally:
+    """Sums of what the workers reported, and the data wait charged to the worker whose batch
+    the trainer was waiting for."""
+
+    def __init__(self) -> None:
+        self.stages: dict[int, dict[str, float]] = {}
+        self.taken: dict[int, int] = {}  # messages of each worker taken here (its report's seq)
+        self.waits: dict[int, float] = {}
+        self.board: WorkerBoard | None = None
+        self.stacks_dir: str | None = None  # the watchdog's, for the workers started from now on
+
+    def new_board(self, workers: int) -> WorkerBoard:
+        """The board of a set of workers about to start (their messages are counted afresh)."""
+        self.board = WorkerBoard(workers, self.stacks_dir)
+        self.taken = {}
+        return self.board
+
+    def add(self, report: WorkerReport) -> None:
+        mine = self.stages.setdefault(report.worker, dict.fromkeys(stages.STAGES, 0.0))
+        for stage, seconds in report.stages.items():
+            mine[stage] += seconds
+        self.taken[report.worker] = report.seq
+        add_stores(report.stores)  # this process's store counters hold its workers' too
+
+    def waited(self, worker: int, seconds: float) -> None:
+        self.waits[worker] = self.waits.get(worker, 0.0) + seconds
+
+    def queue_depth(self, worker: int) -> int | None:
+        """Messages the worker sent that this process has not taken yet (None without a board)."""
+        board = self.board
+        if board is None or not board.usable or worker >= board.workers:
+            return None
+        return max(0, board.messages(worker) - self.taken.get(worker, 0))
+
+    def slowest_worker(self) -> int | None:
+        """The worker whose batches the trainer waited for longest (None before any wait)."""
+        if not self.waits or max(self.waits.values()) <= 0:
+            return None
+        return max(sorted(self.waits), key=lambda w: self.waits[w])
+
+    def stage_totals(self) -> dict[str, float]:
+        """Seconds per stage over the workers and this process (fetch aside: see the stores)."""
+        totals = stages.CLOCK.snapshot()
+        for mine in self.stages.values():
+            for stage, seconds in mine.items():
+                totals[stage] += seconds
+        return totals
