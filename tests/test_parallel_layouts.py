@@ -200,3 +200,18 @@ def test_a_reader_that_fails_tells_its_receivers(data, tmp_path, http_server):
     assert "the reader of this replica group (dp=0 tp=0) failed" in receiver["error"]["message"]
     assert "shard-000002.tar" in receiver["error"]["message"]
     assert len(receiver["steps"]) == len(reader["steps"]), "the receiver got every batch read before"
+
+
+@pytest.mark.timeout(400)
+def test_dp2_tp2_cp2_on_eight_processes(data, tmp_path):
+    """8 processes: the 4 tensor x context peers of each data-parallel rank hold one batch (the
+    two tensor peers the same slice, the two context peers its halves)."""
+    root, expect = data
+    reports = torchrun(8, tmp_path / "out", "--data", str(root), "--layout", "dp2tp2cp2", "--replicas", "broadcast")
+    assert all("error" not in r for r in reports), [r.get("error") for r in reports]
+    for peers in _peers(reports, differ_in="tp"):
+        assert peers[0]["steps"] == peers[1]["steps"], "tensor-parallel peers hold the same slice"
+    for peers in _peers(reports, differ_in="cp"):
+        assert [s["docs"] for s in peers[0]["steps"]] == [s["docs"] for s in peers[1]["steps"]]
+        assert peers[0]["steps"][0]["ranges"] != peers[1]["steps"][0]["ranges"]
+    _check_epoch_once(reports, expect, 2)

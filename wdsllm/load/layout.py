@@ -148,7 +148,7 @@ def _replica_group(dist: Any, mesh: Any, replica_dims: tuple[str, ...]) -> Repli
     else:
         names = tuple(mesh.mesh_dim_names)
         order = [names.index(d) for d in names if d not in replica_dims] + [names.index(d) for d in replica_dims]
-        table = mesh.mesh.permute(*order).reshape(-1, _product(mesh.size(d) for d in replica_dims))
+        table = mesh.mesh.permute(*order).reshape(-1, _product(mesh.size(names.index(d)) for d in replica_dims))
         group, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in table])
     return ReplicaGroup(group, group.rank(), group.size(), dist.get_global_rank(group, 0))
 
@@ -220,8 +220,8 @@ def _refuse_current_mesh() -> None:
         mesh = module._mesh_resources.get_current_mesh()
     except (RuntimeError, IndexError, AttributeError):  # no mesh is current
         return
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if mesh.ndim > 1:
+        names = tuple(mesh.mesh_dim_names or ())
         raise ConfigError(
             f"a DeviceMesh with dims {names or mesh.ndim} is current: the global rank would split the data between "
             "peers that must share it; pass mesh= and dp= (docs/parallel.md)"
