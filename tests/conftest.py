@@ -132,6 +132,7 @@ SLOW_TESTS = frozenset(
         "test_parallel_layouts.py::test_dp2_tp2_saved_mid_epoch_resumes_as_dp4_with_every_document_once",
         "test_parallel_layouts.py::test_dp2_tp2_cp2_on_eight_processes",
         "test_parallel_layouts.py::test_pp2_dp2_first_stage_gets_inputs_last_gets_labels",
+        "test_parallel_layouts.py::test_replica_peers_agree_in_every_batching_mode_a_mixture_and_raw_text",
         "test_rank_pieces.py::test_ranks_differ_by_at_most_one_piece_and_each_ends_with_one_short_batch",
         "test_raw.py::test_bad_lines_are_named_or_skipped_and_counted",
         "test_raw.py::test_resume_is_exact_and_does_not_tokenize_again",

@@ -215,3 +215,32 @@ def test_dp2_tp2_cp2_on_eight_processes(data, tmp_path):
         assert [s["docs"] for s in peers[0]["steps"]] == [s["docs"] for s in peers[1]["steps"]]
         assert peers[0]["steps"][0]["ranges"] != peers[1]["steps"][0]["ranges"]
     _check_epoch_once(reports, expect, 2)
+
+
+@pytest.mark.timeout(400)
+def test_replica_peers_agree_in_every_batching_mode_a_mixture_and_raw_text(tmp_path, shakespeare, gpt2_json):
+    """Two tensor peers, read and broadcast: the same batches in every mode, packed rows, a
+    mixture and raw text; a run saved after 2 batches and resumed equals the epoch, and the
+    resumed pass is checked."""
+    write_dataset(tmp_path / "docs", [11, 7, 9], max_len=30, seed=1)
+    write_dataset(tmp_path / "other", [8, 6], max_len=20, seed=2)
+    write_dataset(tmp_path / "rows", [5, 6, 4], mode="packed", seq_len=16, max_len=9, seed=3)
+    raw = tmp_path / "raw.txt"
+    raw.write_text("\n".join(shakespeare.read_text().splitlines()[:120]) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--docs", str(tmp_path / "docs"), "--other", str(tmp_path / "other"), "--rows", str(tmp_path / "rows")]
+    args += ["--raw", str(raw), "--tokenizer", str(gpt2_json), "--out", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(_free_port()), str(SCRIPT.parent / "parallel_modes.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    a, b = (json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
+    assert len(a) == 14
+    for case, got in a.items():
+        assert got == b[case], f"{case}: the tensor peers differ"
+        assert got["full"], case
+        assert got["resumed"] == got["full"], f"{case}: the resumed run differs from the epoch"
+        assert got["checks"] >= 1, f"{case}: the resumed pass was not checked"
+    for name in ("fixed", "pack", "rows", "mixture", "raw"):
+        assert a[f"{name}/read"]["full"] == a[f"{name}/broadcast"]["full"], f"{name}: broadcast changes the batches"
