@@ -15,6 +15,7 @@ afterwards, never planned separately. The layout comes from one of three places,
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -22,6 +23,8 @@ from typing import Any, Protocol
 from ..errors import ConfigError
 from .config import resolve_world
 from .options import LayoutOptions
+
+log = logging.getLogger(__name__)
 
 
 class ProcessGroupLike(Protocol):
@@ -238,25 +241,32 @@ def _check_pairs(opts: LayoutOptions) -> None:
             raise ConfigError(f"{low} {lo} is outside {high} {hi}")
 
 
+def _from_rank(opts: LayoutOptions) -> Layout:
+    """``rank=``/``world_size=`` given, or the global rank; a CP slice or a stage given by hand."""
+    if opts.rank is None:
+        _refuse_current_mesh()
+    rank, world = resolve_world(opts.rank, opts.world_size)
+    if opts.rank is None and world > 1:
+        log.info(
+            "the data is split by the global rank (%d of %d): every rank is a data-parallel rank; with tensor, "
+            "context or pipeline parallel peers pass mesh= and dp= (docs/parallel.md)",
+            rank,
+            world,
+        )
+    cp = CpSlice(opts.cp_rank, opts.cp_size, opts.cp_split) if opts.cp_rank is not None else None
+    pp = PpStage(opts.pp_stage, opts.pp_stages) if opts.pp_stage is not None else None
+    return Layout(rank, world, opts.rank is not None, (), None, cp, pp, opts.replicas, opts.agree_every)
+
+
 def resolve_layout(opts: LayoutOptions) -> Layout:
     """The layout ``opts`` describes (see the module's docstring for the three ways)."""
     _check_pairs(opts)
-    if opts.mesh is not None:
-        layout = _from_mesh(opts)
-    elif opts.dp_group is not None:
-        layout = _from_groups(opts)
-    else:
-        if opts.rank is None:
-            _refuse_current_mesh()
-        rank, world = resolve_world(opts.rank, opts.world_size)
-        cp = CpSlice(opts.cp_rank, opts.cp_size, opts.cp_split) if opts.cp_rank is not None else None
-        pp = PpStage(opts.pp_stage, opts.pp_stages) if opts.pp_stage is not None else None
-        layout = Layout(rank, world, opts.rank is not None, (), None, cp, pp, opts.replicas, opts.agree_every)
-    if opts.mesh is not None or opts.dp_group is not None:
-        hand = [n for n in ("cp_rank", "pp_stage") if getattr(opts, n) is not None]
-        if hand:
-            raise ConfigError(f"{', '.join(hand)} are for layouts without a mesh or groups; name the dim or group")
-    return layout
+    if opts.mesh is None and opts.dp_group is None:
+        return _from_rank(opts)
+    hand = [n for n in ("cp_rank", "pp_stage") if getattr(opts, n) is not None]
+    if hand:
+        raise ConfigError(f"{', '.join(hand)} are for layouts without a mesh or groups; name the dim or group")
+    return _from_mesh(opts) if opts.mesh is not None else _from_groups(opts)
 
 
 __all__ = ["CpSlice", "Layout", "PpStage", "ReplicaGroup", "resolve_layout"]
