@@ -107,6 +107,8 @@ SLOW_TESTS = frozenset(
         "test_mixture_raw.py::test_realized_quotas_and_raw_documents",
         "test_mixtures.py::test_exactly_once_within_the_quota_for_any_layout",
         "test_mixtures.py::test_torchrun_three_ranks_two_workers_a_mixture_file",
+        "test_observe_export.py::test_hf_callback_adds_the_figures_to_each_log",
+        "test_observe_export.py::test_lightning_callback_logs_through_the_trainers_logger",
         "test_observe_stores.py::test_a_throttled_store_shows_in_the_wait_the_stages_and_the_store",
         "test_observe_watchdog.py::test_a_stopped_worker_is_named_and_every_stack_logged",
         "test_observe_watchdog.py::test_watchdog_raise_stops_the_run_with_a_named_error",

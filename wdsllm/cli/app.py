@@ -16,6 +16,7 @@ from ..errors import WdsllmError
 from .count import count
 from .inspect import head, info, verify
 from .merge import merge
+from .metrics import metrics
 from .output import INTERRUPTED, echo, message, quiet_stdout, to_json
 from .pack import pack
 from .stats import stats
@@ -60,7 +61,7 @@ def cli(ctx: click.Context, verbose: int) -> None:
     ctx.ensure_object(dict)["verbose"] = verbose
 
 
-for _command in (pack, count, merge, info, verify, head, stats):
+for _command in (pack, count, merge, info, verify, head, stats, metrics):
     cli.add_command(_command)
 
 

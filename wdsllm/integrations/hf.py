@@ -40,6 +40,7 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 from ..errors import StateError, UsageError  # noqa: E402
 from ..load.dataset import WdsPipeline  # noqa: E402
 from ..load.loader import Loader  # noqa: E402
+from ..observe.export import DEFAULT_KEYS, MetricsLog, selected  # noqa: E402
 from . import model_inputs, world_mismatch  # noqa: E402
 
 #: the loader's state in a checkpoint directory, one file per rank
@@ -135,4 +136,28 @@ def _no_skipping(loader: Loader):
         hf_trainer.skip_first_batches = original
 
 
-__all__ = ["STATE_FILE", "Trainer", "model_inputs"]
+class LoaderMetrics(transformers.TrainerCallback):
+    """Adds the loader's metrics (``data/data_wait_share``, ...: ``observe.export.DEFAULT_KEYS``, or
+    ``keys``; None: all) to every log of the Trainer, and writes every key to ``jsonl`` if given.
+
+    The Trainer calls its reporters (TensorBoard, W&B) before the callbacks passed to it, so put
+    this one first for them to see the figures:
+    ``trainer.callback_handler.callbacks.insert(0, LoaderMetrics(loader))``."""
+
+    def __init__(self, loader: Loader, keys: tuple[str, ...] | None = DEFAULT_KEYS, jsonl: str | None = None):
+        self.loader, self.keys = loader, keys
+        self.jsonl = MetricsLog(jsonl) if jsonl is not None else None
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        metrics = self.loader.metrics()
+        if logs is not None:
+            logs.update(selected(metrics, self.keys))
+        if self.jsonl is not None and state.is_world_process_zero:
+            self.jsonl.write(state.global_step, metrics)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+
+
+__all__ = ["STATE_FILE", "LoaderMetrics", "Trainer", "model_inputs"]

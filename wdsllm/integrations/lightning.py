@@ -30,6 +30,7 @@ except ImportError:  # the standalone package
 
 from ..errors import UsageError
 from ..load.loader import Loader
+from ..observe.export import DEFAULT_KEYS, MetricsLog, selected
 
 
 def _loaders(obj: Any) -> list[Loader]:
@@ -59,3 +60,27 @@ class LoaderEpochs(pl.Callback):
 
 
 __all__ = ["LoaderEpochs"]
+
+
+class LoaderMetrics(pl.Callback):
+    """Logs the loader's metrics (``data/data_wait_share``, ...: ``observe.export.DEFAULT_KEYS``, or
+    ``keys``; None: all) every ``every`` training steps through the module's ``log_dict`` (to
+    whatever logger the Trainer has), and writes every key to ``jsonl`` if given (rank 0)."""
+
+    def __init__(self, every: int = 50, keys: tuple[str, ...] | None = DEFAULT_KEYS, jsonl: str | None = None):
+        self.every, self.keys = every, keys
+        self.jsonl = MetricsLog(jsonl) if jsonl is not None else None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step % self.every:
+            return
+        for loader in _loaders(trainer.train_dataloader)[:1]:
+            metrics = loader.metrics()
+            pl_module.log_dict(selected(metrics, self.keys), on_step=True, on_epoch=False)
+            if self.jsonl is not None and trainer.is_global_zero:
+                self.jsonl.write(step, metrics)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()

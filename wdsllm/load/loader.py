@@ -126,7 +126,7 @@ class Loader:
         #: what the stages counted beside the batches (truncated tokens, skipped shards and documents, refills)
         self.stats = DataStats()
         #: the data path measured: the wait on the trainer's thread, the workers, the stores (observe/)
-        self.observer = Observer(face.observe, self._transport.tally)
+        self.observer = Observer(face.observe, self._transport.tally, self._mix)
         self._transport.timeout = self.observer.dataloader_timeout()
 
     def _build(self) -> None:
@@ -465,7 +465,7 @@ class Loader:
         """What this loader measured of its data path, as a flat dict of numbers any logger takes
         (the data wait on this thread, and over the ranks where ``reduce_every`` is set); the keys
         are listed in docs/observability.md."""
-        return self.observer.metrics(self.stats.skipped_shards)
+        return self.observer.metrics(self.stats.skipped_shards, self.world_size)
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, str]:

@@ -11,9 +11,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import WorkerStalledError
+from ..load.mixstats import MixTally
 from ..load.options import ObserveOptions
 from ..storage.counters import STORE_NAMES, store_key, store_stats
 from . import stages
+from .drift import MixDrift
 from .wait import WaitClock
 from .watchdog import RAISE_GRACE_S, Watchdog
 from .workers import WorkerTally
@@ -23,10 +25,12 @@ class Observer:
     """The data wait of one loader, its periodic reduction over the process group (opt-in), the
     last reduction's figures, and what its workers reported (``tally``)."""
 
-    def __init__(self, options: ObserveOptions, tally: WorkerTally | None = None):
+    def __init__(self, options: ObserveOptions, tally: WorkerTally | None = None, mix: MixTally | None = None):
         self.options = options
         self.wait = WaitClock(options.wait_window)
         self.tally = tally if tally is not None else WorkerTally()
+        #: a mixture's drift over the window, from the loader's count of what it delivered
+        self.drift = MixDrift(mix, options.wait_window) if mix is not None else None
         #: the group ``reduce_every`` gathers over (None: the default group); the data-parallel
         #: group where the world also holds tensor or pipeline parallel ranks
         self.group: Any = None
@@ -70,6 +74,8 @@ class Observer:
         """The loader collated a batch of ``worker`` in ``collate_s`` seconds."""
         stages.add("collate", collate_s)
         self._worker = worker
+        if self.drift is not None:
+            self.drift.stepped()
 
     def stepped(self) -> None:
         """After each batch handed out: its wait charged to its worker; every ``reduce_every``
@@ -86,14 +92,17 @@ class Observer:
 
         self.reduced = reduce_wait(self.wait.summary(), self.group)
 
-    def metrics(self, skipped_shards: list[str] = ()) -> dict[str, float]:
-        """Everything measured, flat (docs/observability.md lists the keys)."""
+    def metrics(self, skipped_shards: list[str] = (), world: int = 1) -> dict[str, float]:
+        """Everything measured, flat (docs/observability.md lists the keys); ``world``: the ranks,
+        for a mixture's place in its schedule."""
         out = {"steps": float(self.wait.total_steps), "data_wait_total_s": self.wait.total_wait}
         out.update(self.wait.summary().flat())
         out.update(self.reduced)
         out.update(self._stages())
         out.update(self._workers())
         out.update(_stores(store_stats(), skipped_shards))
+        if self.drift is not None:
+            out.update(self.drift.metrics(world))
         return out
 
     def _stages(self) -> dict[str, float]:
@@ -115,9 +124,9 @@ class Observer:
             out["slowest_worker"] = float(slowest)
         return out
 
-    def diagnosis(self, skipped_shards: list[str] = ()) -> str:
+    def diagnosis(self, skipped_shards: list[str] = (), world: int = 1) -> str:
         """The metrics in one line for a log: the wait's share, the slowest stage and worker."""
-        m = self.metrics(skipped_shards)
+        m = self.metrics(skipped_shards, world)
         line = (
             f"data wait {m['data_wait_share']:.1%} of step time over {int(m['data_wait_window_steps'])} steps "
             f"(p95 {m['data_wait_p95_s'] * 1e3:.1f} ms); slowest stage {stages.STAGES[int(m['slowest_stage'])]}"

@@ -74,12 +74,13 @@ def timed_stream(items: Iterator, stage: str) -> Iterator:
 
 def timed_reads(blocks: Iterator) -> Iterator:
     """A worker's blocks from its reader, the wait for each split between ``fetch`` (as long as
-    requests and bodies were being received in this process meanwhile: the wait for bytes) and
-    ``read`` (the rest: checks, decoding, tokenizing), and taken from ``batch``, the stream they
-    run inside. An estimate where several downloads overlap one wait: fetch gets at most the wait."""
+    requests and bodies were being received in this process meanwhile: the wait for bytes), the
+    stages timed on their own inside the reader (``check``, ``decode``, ``tokenize``), and ``read``
+    (the rest); all of it taken from ``batch``, the stream they run inside. An estimate where
+    several downloads overlap one wait: fetch gets at most the wait."""
     clock = stages.CLOCK
     while True:
-        began, fetched = time.perf_counter(), fetch_ns()
+        began, fetched, inner = time.perf_counter(), fetch_ns(), _inner(clock)
         try:
             block = next(blocks)
         except StopIteration:
@@ -87,6 +88,12 @@ def timed_reads(blocks: Iterator) -> Iterator:
         spent = time.perf_counter() - began
         for_bytes = min(spent, (fetch_ns() - fetched) / 1e9)
         clock.add("fetch", for_bytes)
-        clock.add("read", spent - for_bytes)
+        clock.add("read", max(0.0, spent - for_bytes - (_inner(clock) - inner)))
         clock.add("batch", -spent)
         yield block
+
+
+def _inner(clock: stages.StageClock) -> float:
+    """Seconds of the stages a reader times on its own (``stages.timed``)."""
+    seconds = clock.seconds
+    return seconds["check"] + seconds["decode"] + seconds["tokenize"]
