@@ -5,6 +5,7 @@ batches, read by each or broadcast by one, and the check that peers agree."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -221,7 +222,7 @@ def test_dp2_tp2_cp2_on_eight_processes(data, tmp_path):
 def test_replica_peers_agree_in_every_batching_mode_a_mixture_and_raw_text(tmp_path, shakespeare, gpt2_json):
     """Two tensor peers, read and broadcast: the same batches in every mode, packed rows, a
     mixture and raw text; a run saved after 2 batches and resumed equals the epoch, and the
-    resumed pass is checked."""
+    resumed pass is checked; peers that save at different steps get ReplicaMismatchError."""
     write_dataset(tmp_path / "docs", [11, 7, 9], max_len=30, seed=1)
     write_dataset(tmp_path / "other", [8, 6], max_len=20, seed=2)
     write_dataset(tmp_path / "rows", [5, 6, 4], mode="packed", seq_len=16, max_len=9, seed=3)
@@ -236,6 +237,10 @@ def test_replica_peers_agree_in_every_batching_mode_a_mixture_and_raw_text(tmp_p
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stderr[-5000:]
     a, b = (json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
+    for rep in (a, b):  # peers that saved at different steps: both refuse, naming the field
+        mismatch = rep.pop("state_mismatch")
+        assert mismatch and "different states (at state_dict())" in mismatch, mismatch
+        assert re.search(r"first difference is field '(workers|yielded)'", mismatch), mismatch
     assert len(a) == 14
     for case, got in a.items():
         assert got == b[case], f"{case}: the tensor peers differ"

@@ -84,7 +84,7 @@ def _first_difference(peers: list[Facts]) -> str:
         for key in [*base.fields, *(k for k in other.fields if k not in base.fields)]:
             if base.fields.get(key) != other.fields.get(key):
                 a, b = base.fields.get(key), other.fields.get(key)
-                return f"batch field {key!r} (digest {a} at {base.where}, {b} at {other.where})"
+                return f"field {key!r} (digest {a} at {base.where}, {b} at {other.where})"
     return "no field (the digests differ in what they cover)"
 
 
@@ -106,7 +106,7 @@ class Agreement:
         every = self.layout.agree_every
         return self.active and (step == 0 or (every is not None and step % every == 0))
 
-    def check(self, batch: dict, where: str) -> None:
+    def check(self, batch: dict, where: str, what: str = "batches") -> None:
         """All-gather the batch's digest over the replica group; differing peers all raise."""
         import torch.distributed as dist
 
@@ -121,7 +121,7 @@ class Agreement:
         peers: list[Any] = [None] * self.layout.replicas.size
         dist.all_gather_object(peers, Facts(self.layout.where(), self.settings, fields), group=group)
         raise ReplicaMismatchError(
-            f"replica peers yield different batches ({where}): the first difference is {_first_difference(peers)}; "
+            f"replica peers yield different {what} ({where}): the first difference is {_first_difference(peers)}; "
             f"peers: {', '.join(p.where for p in peers)}. Replica peers (tensor, context, pipeline parallel) must be "
             "built with the same source and settings (docs/parallel.md)"
         )
@@ -133,7 +133,8 @@ class Agreement:
             fields = json.loads(sealed["state"])
         except (KeyError, TypeError, ValueError):
             fields = dict(sealed)
-        self.check({k: fields[k] for k in sorted(fields)}, "at state_dict()")
+        fields.pop("digest", None)  # the seal of the other fields, which name the difference
+        self.check({k: fields[k] for k in sorted(fields)}, "at state_dict()", "states")
 
 
 __all__ = ["Agreement", "digest_of", "field_digests", "settings_of"]
