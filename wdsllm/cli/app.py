@@ -14,6 +14,7 @@ import click
 from .. import __version__
 from ..errors import WdsllmError
 from .count import count
+from .explain import explain
 from .inspect import head, info, verify
 from .merge import merge
 from .metrics import metrics
@@ -61,7 +62,7 @@ def cli(ctx: click.Context, verbose: int) -> None:
     ctx.ensure_object(dict)["verbose"] = verbose
 
 
-for _command in (pack, count, merge, info, verify, head, stats, metrics):
+for _command in (pack, count, merge, info, verify, head, stats, metrics, explain):
     cli.add_command(_command)
 
 
