@@ -105,3 +105,32 @@ def test_epochs_of_one_small_shard_download_it_once_each_after_the_first(served,
         assert sum(len(batch["input_ids"]) for batch in loader)
     loader.close()
     assert http_server.ranges("*.tar") == [f"bytes=0-{shard.stat().st_size - 1}"] * 2
+
+
+def test_every_epochs_blocks_share_the_spool_they_read(http_server, tmp_path, monkeypatch):
+    """Groups kept from an earlier pass's spool are read again from this pass's one: a window of
+    blocks then sits on one buffer (joined without a copy), and no old spool stays alive."""
+    from wdsllm.format.tar import MappedReader
+    from wdsllm.load import block as block_mod
+
+    text = tmp_path / "in.txt"
+    text.write_bytes(SHAKESPEARE.read_bytes()[:200_000])
+    big = MappedReader.SMALL  # groups whose tokens are views of the spool, not small copies
+    pack_api([text], http_server.root / "big", mode="docs", sample_tokens=big)
+    monkeypatch.setattr(plan, "MIN_BLOCK_TOKENS", big)
+    url = http_server.url_for("big")
+    windows: list[bool] = []
+    join = block_mod.concat_blocks
+
+    def joined(blocks):
+        windows.append(all(block_mod.same_buffer(b.tokens, blocks[0].tokens) for b in blocks))
+        return join(blocks)
+
+    monkeypatch.setattr(block_mod, "concat_blocks", joined)  # what block.windows joins with
+    loader = wdsllm.loader(url, batch_size=4, seed=5, max_len=64, shuffle_buffer=64, retry=FAST, _in_process=True)
+    for epoch in range(3):  # the first spool, a second one, then the second handed on
+        loader.set_epoch(epoch)
+        windows.clear()
+        assert sum(len(batch["input_ids"]) for batch in loader)
+        assert windows and all(windows), epoch
+    loader.close()

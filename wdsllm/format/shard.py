@@ -134,11 +134,15 @@ def read_checked(
     where: str,
     on_retry: Callable[[str], None] | None = None,
     edges: Container[int] = (),
+    buffer: Any = None,
 ) -> Iterator[CheckedGroup]:
     """Groups ``first`` .. ``stop - 1`` of a shard whose groups.npy rows are ``table`` (format 3),
     each checked; ``items_total``/``docs_total``: the shard's items and documents (the index's).
     ``edges``: groups the caller reads only part of (a block of the epoch starts or stops inside
-    them), kept for the read of their other part (``_RecentGroups``)."""
+    them), kept for the read of their other part (``_RecentGroups``). ``buffer``: the spool ``fetch``
+    reads in place, if any: a kept group over another buffer (a spool of an earlier pass) is read
+    again from this one, so that the blocks of one read share one buffer
+    (joined without a copy) and an old spool is not kept alive by the cache."""
     for g in range(first, stop):
         offset, items_before, docs_before, size, checksum = (int(x) for x in table[g])
         items_after = int(table[g + 1, fmt.ITEMS]) if g + 1 < len(table) else items_total
@@ -146,14 +150,23 @@ def read_checked(
         # the same bytes, checked against the same expectations (the table's counts included)
         key = (where, offset, size, checksum, expect, items_after - items_before, docs_after - docs_before)
         group = _recent.get(key)
-        if group is not None and changed_file(group.tokens) is not None:
-            group = None  # its file was rewritten since: check the bytes it holds now
+        if group is not None and (changed_file(group.tokens) is not None or not _inside(group.tokens, buffer)):
+            group = None  # its file was rewritten since, or it is another buffer's: check the bytes here
         if group is None:
             data = _fetch_checked(fetch, offset, size, checksum, where, on_retry)
             group = _decode_one(data, offset, where)
             _check_group(group, items_after - items_before, docs_after - docs_before, expect, f"{where} @{offset}")
             _recent.put(key, group, size, edge=g in edges)
         yield CheckedGroup(offset, items_before, docs_before, items_after - items_before, group)
+
+
+def _inside(tokens: np.ndarray, buffer: Any) -> bool:
+    """Whether ``tokens`` view ``buffer`` (always, without one)."""
+    if buffer is None:
+        return True
+    lo = np.frombuffer(buffer, np.uint8).__array_interface__["data"][0]
+    at = tokens.__array_interface__["data"][0]
+    return lo <= at and at + tokens.nbytes <= lo + len(buffer)
 
 
 class _GroupLru:
@@ -173,8 +186,11 @@ class _GroupLru:
         return hit[0]
 
     def put(self, key: tuple, group: fmt.Group, size: int) -> None:
-        if size > self.max_bytes or key in self.entries:
+        if size > self.max_bytes:
             return
+        had = self.entries.pop(key, None)
+        if had is not None:
+            self.bytes -= had[1]  # the same group read again from another buffer replaces it
         self.entries[key] = (group, size)
         self.bytes += size
         while len(self.entries) > self.max_groups or self.bytes > self.max_bytes:

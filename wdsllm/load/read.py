@@ -292,6 +292,7 @@ def _checked_groups(
         where=url,
         on_retry=log.warning,
         edges=_edge_groups(table, first, after, sl, items_total),
+        buffer=source.spool.mm if isinstance(source, _SpooledShard) else None,
     )
 
 
