@@ -19,6 +19,12 @@ wiki packs of ``tools/bench_load.py`` (``DATA/wiki-docs``, ``DATA/wiki-packed``)
 cannot read the current format reads ``--old-data`` (the same packs made by that revision's own
 ``bench_load.py``). ``--no-check`` adds the new revision with ``check_groups=False``, the reading
 path without integrity checks (issue #19). Prints each revision's best tokens/s and new/old.
+
+``--paired N`` measures differently, for a machine whose load comes and goes: per configuration
+one live process per revision, warmed up once, then N pairs of measurements taken back to back
+(each at least half a second of whole epochs, the order alternating within the pair), so both
+revisions of a pair see the same load. It prints the median new/old ratio per wall and per CPU
+second and the CPU ratio's quartiles.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +65,24 @@ def cpu_seconds():
         total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
 
+
+if spec.get("paired"):
+    # one warm-up epoch, then a measurement per "go" line: epochs until MIN_SECONDS have passed
+    epoch = 0
+    for batch in loader:
+        pass
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        tokens, t, c, p = 0, time.perf_counter(), cpu_seconds(), time.process_time()
+        while time.perf_counter() - t < 0.5:
+            epoch += 1
+            loader.set_epoch(epoch)
+            for batch in loader:
+                tokens += int(batch["lengths"].sum())
+        # without workers, this process's CPU at ns resolution; with them, all from /proc (10 ms ticks)
+        cpu = cpu_seconds() - c if spec["workers"] else time.process_time() - p
+        print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - t, "cpu": cpu}), flush=True)
+    raise SystemExit(0)
 
 best = best_cpu = None
 for epoch in range(spec["epochs"] + 1):
@@ -110,6 +135,45 @@ def measure(code: Path, root: str, mode: str, workers: int, check: bool, epochs:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _child(code: Path, root: str, mode: str, workers: int) -> subprocess.Popen:
+    """A paired-mode child: loads, runs a warm-up epoch, then measures once per line it reads."""
+    kind, options = MODES[mode]
+    spec = {"data": f"{root}/wiki-{kind}", "options": options, "workers": workers, "check": True, "paired": True}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-c", CHILD, json.dumps(spec)]
+    proc = subprocess.Popen(cmd, env=env, cwd=code, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        raise SystemExit(f"{code} {mode} {workers} workers failed to start")
+    return proc
+
+
+def paired(trees: tuple[Path, Path], roots: tuple[str, str], mode: str, workers: int, pairs: int) -> dict:
+    """new/old ratios of tokens per wall and per CPU second, one per pair of measurements taken
+    back to back by two live processes (the order alternating), so that both see the same load."""
+    procs = [_child(code, root, mode, workers) for code, root in zip(trees, roots)]
+    ratios: dict[str, list[float]] = {"wall": [], "cpu": []}
+    try:
+        for i in range(pairs):
+            got: list[dict] = [{}, {}]
+            for side in (0, 1) if i % 2 == 0 else (1, 0):
+                procs[side].stdin.write("go\n")
+                procs[side].stdin.flush()
+                got[side] = json.loads(procs[side].stdout.readline())
+            old, new = got
+            ratios["wall"].append((new["tokens"] / new["seconds"]) / (old["tokens"] / old["seconds"]))
+            ratios["cpu"].append((new["tokens"] / max(new["cpu"], 1e-3)) / (old["tokens"] / max(old["cpu"], 1e-3)))
+    finally:
+        for proc in procs:
+            proc.stdin.close()
+            proc.wait(timeout=60)
+    return ratios
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return q[0], statistics.median(values), q[2]
+
+
 def http_root(data: Path):
     """(server process, URL of ``data``) from the test fixtures' HTTP server, as bench_remote runs it."""
     sys.path.insert(0, str(REPO / "tools"))
@@ -129,6 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--epochs", type=int, default=3, help="measured epochs per process, after a warm-up one [3]")
     ap.add_argument("--old-tree", help="a directory holding the old revision's wdsllm/ (no git checkout)")
     ap.add_argument("--new-tree", help="likewise for the new revision")
+    ap.add_argument(
+        "--paired", type=int, metavar="N", help="N paired measurements per configuration instead of --rounds"
+    )
     ap.add_argument("--no-check", action="store_true", help="also the new revision with check_groups=False")
     ap.add_argument("--modes", default="docs,packed", help=f"comma list of {','.join(MODES)}, or all [docs,packed]")
     ap.add_argument("--sources", default="local", help="comma list of local, http [local]")
@@ -151,26 +218,44 @@ def main(argv: list[str] | None = None) -> None:
         servers.append(proc)
         old_rel = os.path.relpath(old_data, data)
         roots["http"] = (url if old_rel == "." else f"{url}/{old_rel}", url)
-    variants = [("old", old, 0, True), ("new", new, 1, True)]
-    if args.no_check:
-        variants.append(("new, unchecked", new, 1, False))
-    best: dict[tuple, dict] = {}
     try:
-        for r in range(args.rounds):
-            for mode, workers, source in configs:
-                for name, code, side, check in variants:
-                    got = measure(code, roots[source][side], mode, workers, check, args.epochs)
-                    key = (name, mode, workers, source)
-                    had = best.get(key, {"tokens_per_s": 0.0, "tokens_per_cpu_s": 0.0})
-                    best[key] = {k: max(had[k], got[k]) for k in had}
-                    rate = got["tokens_per_s"] / 1e6
-                    print(f"round {r}: {source} {mode}, {workers} workers, {name}: {rate:.1f}M tokens/s", flush=True)
+        if args.paired:
+            run_paired(args, configs, (old, new), roots)
+        else:
+            run_rounds(args, configs, (old, new), roots)
     finally:
         for proc in servers:
             proc.stdin.close()
             proc.wait(timeout=10)
-    print_table(args, configs, best)
     print(f"load average {os.getloadavg()[0]:.2f}")
+
+
+def run_paired(args, configs: list, trees: tuple[Path, Path], roots: dict) -> None:
+    print(f"\n| config | new / old per wall s | per CPU s | CPU quartiles ({args.paired} pairs) |")
+    print("|---|---|---|---|")
+    for mode, workers, source in configs:
+        ratios = paired(trees, roots[source], mode, workers, args.paired)
+        _, wall, _ = quartiles(ratios["wall"])
+        q1, cpu, q3 = quartiles(ratios["cpu"])
+        print(f"| {source} {mode}, {workers} workers | {wall:.2f}x | {cpu:.2f}x | {q1:.2f}-{q3:.2f} |", flush=True)
+
+
+def run_rounds(args, configs: list, trees: tuple[Path, Path], roots: dict) -> None:
+    old, new = trees
+    variants = [("old", old, 0, True), ("new", new, 1, True)]
+    if args.no_check:
+        variants.append(("new, unchecked", new, 1, False))
+    best: dict[tuple, dict] = {}
+    for r in range(args.rounds):
+        for mode, workers, source in configs:
+            for name, code, side, check in variants:
+                got = measure(code, roots[source][side], mode, workers, check, args.epochs)
+                key = (name, mode, workers, source)
+                had = best.get(key, {"tokens_per_s": 0.0, "tokens_per_cpu_s": 0.0})
+                best[key] = {k: max(had[k], got[k]) for k in had}
+                rate = got["tokens_per_s"] / 1e6
+                print(f"round {r}: {source} {mode}, {workers} workers, {name}: {rate:.1f}M tokens/s", flush=True)
+    print_table(args, configs, best)
 
 
 def print_table(args, configs: list, best: dict) -> None:
