@@ -7,7 +7,7 @@ trainer's thread (the data wait, charged to the worker whose batch was awaited),
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import WorkerStalledError
@@ -92,7 +92,7 @@ class Observer:
 
         self.reduced = reduce_wait(self.wait.summary(), self.group)
 
-    def metrics(self, skipped_shards: list[str] = (), world: int = 1) -> dict[str, float]:
+    def metrics(self, skipped_shards: Sequence[str] = (), world: int = 1) -> dict[str, float]:
         """Everything measured, flat (docs/observability.md lists the keys); ``world``: the ranks,
         for a mixture's place in its schedule."""
         out = {"steps": float(self.wait.total_steps), "data_wait_total_s": self.wait.total_wait}
@@ -124,7 +124,7 @@ class Observer:
             out["slowest_worker"] = float(slowest)
         return out
 
-    def diagnosis(self, skipped_shards: list[str] = (), world: int = 1) -> str:
+    def diagnosis(self, skipped_shards: Sequence[str] = (), world: int = 1) -> str:
         """The metrics in one line for a log: the wait's share, the slowest stage and worker."""
         m = self.metrics(skipped_shards, world)
         line = (
@@ -139,7 +139,7 @@ class Observer:
 STAGE_INDEX = {stage: i for i, stage in enumerate(stages.STAGES)}
 
 
-def _stores(stores: dict[str, dict[str, int]], skipped_shards: list[str]) -> dict[str, float]:
+def _stores(stores: dict[str, dict[str, int]], skipped_shards: Sequence[str]) -> dict[str, float]:
     """``store/<scheme://host>/<counter>`` for every store asked, with its receive rate and the
     shards of it skipped as unreadable."""
     skipped: dict[str, int] = {}

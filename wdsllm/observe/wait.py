@@ -81,6 +81,11 @@ class WaitClock:
         self._entered = None
         self._left = None
 
+    @property
+    def entered_at(self) -> float | None:
+        """When the ``next()`` in progress began (None: none is), which names that wait."""
+        return self._entered
+
     def waiting_for(self) -> float:
         """Seconds the ``next()`` in progress has waited; 0 when none is in progress."""
         entered = self._entered

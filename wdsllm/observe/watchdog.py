@@ -11,6 +11,7 @@ such; its stack is logged when it resumes. With ``watchdog_raise`` the loader al
 (DataLoader's ``timeout``, a little after the warning) and raises ``WorkerStalledError``.
 
 A worker killed by the OS is already DataLoader's error, naming its pid; that is left as it is.
+The workers' ``SIGUSR1`` is the watchdog's (``faulthandler`` replaces a handler installed before).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class Watchdog:
                 log.debug("watchdog check failed", exc_info=True)
 
     def _check(self) -> None:
-        entered = self.clock._entered
+        entered = self.clock.entered_at
         if self._owed:
             self._late_stacks()
         if entered is None:
