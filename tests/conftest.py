@@ -112,6 +112,7 @@ SLOW_TESTS = frozenset(
         "test_observe_stores.py::test_a_throttled_store_shows_in_the_wait_the_stages_and_the_store",
         "test_observe_watchdog.py::test_a_stopped_worker_is_named_and_every_stack_logged",
         "test_observe_watchdog.py::test_watchdog_raise_stops_the_run_with_a_named_error",
+        "test_observe_watchdog.py::test_without_workers_the_warning_holds_the_readers_own_stack",
         "test_pack_columnar.py::test_struct_field_and_where_give_the_same_documents_from_every_kind_of_input",
         "test_pack_determinism.py::test_paragraph_split_is_independent_of_chunking",
         "test_pack_errors.py::test_a_damaged_compressed_file_keeps_what_came_before_whatever_the_chunking",

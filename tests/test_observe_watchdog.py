@@ -104,3 +104,17 @@ def test_no_watchdog_no_thread_and_no_files():
         sum(1 for _ in loader)
         assert loader.observer.watchdog is None
     assert not any(t.name == "wdsllm-watchdog" for t in threading.enumerate())
+
+
+def test_without_workers_the_warning_holds_the_readers_own_stack(http_server, caplog):
+    import shutil
+
+    caplog.set_level(logging.WARNING, logger="wdsllm.observe.watchdog")
+    shutil.copytree(_data(), http_server.root / "ds")
+    http_server.faults.add("*/shard-000001.tar", "stall", bytes=0, seconds=3)  # the store goes silent
+    url = http_server.url_for("ds")
+    with wdsllm.loader(url, batch_size=64, watchdog_s=1, fetch_process=False, seed=0) as loader:
+        assert sum(1 for _ in loader) == 10  # nothing raised: the trainer's thread is the reader
+    (warning, *_) = _records(caplog, "the data path is stuck")
+    assert "Thread MainThread" in warning and "worker 0 (pid" not in warning
+

@@ -36,6 +36,9 @@ class Observer:
         self.group: Any = None
         self.reduced: dict[str, float] = {}
         self._worker = 0  # whose batch is being handed out
+        # this process's stage seconds count from its start: this loader reports what moved since
+        # it was made (the stores' counters are the process's, as storage.stats() is)
+        self._stages_base = stages.CLOCK.snapshot()
         self.watchdog: Watchdog | None = None  # started with the first iteration
 
     def watch(self) -> None:
@@ -106,7 +109,7 @@ class Observer:
         return out
 
     def _stages(self) -> dict[str, float]:
-        totals = self.tally.stage_totals()
+        totals = self.tally.stage_totals(self._stages_base)
         out = {f"stage_{stage}_s": seconds for stage, seconds in totals.items()}
         out["slowest_stage"] = float(STAGE_INDEX[max(stages.STAGES, key=lambda s: totals[s])])
         return out
@@ -147,7 +150,7 @@ def _stores(stores: dict[str, dict[str, int]], skipped_shards: Sequence[str]) ->
         skipped[store_key(url)] = skipped.get(store_key(url), 0) + 1
     out = {}
     for store in sorted(set(stores) | set(skipped)):
-        counts = stores.get(store, dict.fromkeys(STORE_NAMES, 0))
+        counts = {**dict.fromkeys(STORE_NAMES, 0), **stores.get(store, {})}
         for name in STORE_NAMES:
             out[f"store/{store}/{name}"] = float(counts[name])
         seconds = counts["fetch_ns"] / 1e9

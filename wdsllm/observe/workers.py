@@ -49,9 +49,11 @@ class WorkerTally:
             return None
         return max(sorted(self.waits), key=lambda w: self.waits[w])
 
-    def stage_totals(self) -> dict[str, float]:
-        """Seconds per stage over the workers and this process (fetch aside: see the stores)."""
-        totals = stages.CLOCK.snapshot()
+    def stage_totals(self, base: dict[str, float]) -> dict[str, float]:
+        """Seconds per stage over the workers and this process (what this process's clock moved
+        since ``base``, a snapshot of it)."""
+        now = stages.CLOCK.snapshot()
+        totals = {stage: now[stage] - base[stage] for stage in stages.STAGES}
         for mine in self.stages.values():
             for stage, seconds in mine.items():
                 totals[stage] += seconds
