@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import socket
 import sys
 import time
@@ -48,12 +49,14 @@ def _timed(batches) -> tuple[float, float, list]:
 
 
 def _peer(rank: int, port: int, data: str, batches: int, results) -> None:
+    import torch
     import torch.distributed as dist
 
     import wdsllm
     from wdsllm.load.agree import Agreement, settings_of
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    torch.set_num_threads(1)  # as in every measuring process (docs/benchmarks.md)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     alone = [dist.new_group([r]) for r in range(2)]
     out = {}
@@ -129,7 +132,16 @@ def main() -> None:
     procs = [ctx.Process(target=_peer, args=(r, port, args.data, args.batches, results)) for r in range(2)]
     for p in procs:
         p.start()
-    got = dict(results.get() for _ in procs)
+    got = {}
+    while len(got) < len(procs):
+        try:
+            rank, figures = results.get(timeout=5)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise SystemExit(f"a peer failed (exit codes {dead}); its traceback is above") from None
+            continue
+        got[rank] = figures
     for p in procs:
         p.join()
     report(got, args.batches)
