@@ -44,6 +44,8 @@ def test_a_mesh_with_other_dims_needs_its_dp_dims_named(data, one_rank):
     assert (ld.rank, ld.world_size) == (0, 1)
     assert ld.layout.where() == "dp=0 tp=0"
     assert sum(len(b["docs"]) for b in ld) == 17
+    pipe = wdsllm.dataset(data, batch_size=2, mesh=mesh, dp="dp")  # the DP coordinates alone
+    assert sum(len(b["docs"]) for b in pipe) == 17
 
 
 def test_the_global_rank_is_refused_under_a_current_mesh_with_other_dims(data, one_rank):
