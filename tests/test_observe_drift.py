@@ -40,6 +40,7 @@ def test_no_drift_over_full_windows_of_an_unscheduled_mix():
     assert drifts[: ROUND_STEPS - 1] != [0.0, 0.0], "a window not yet full"
     assert drifts[ROUND_STEPS - 1 :] == [0.0] * (45 - ROUND_STEPS + 1)
     assert metrics["mix/a/items"] == 120 and metrics["mix/b/items"] == 60
+    assert metrics["mix/a/target_share"] == 2 / 3
     one_step, _ = _drifts(1)
     assert max(one_step) > 0, "a single batch of 4 cannot hold 2:1"
 
@@ -53,3 +54,4 @@ def test_drift_follows_a_schedule_point():
     assert before == [0.0] * len(before) and after == [0.0] * len(after)
     # what was delivered follows the new weights after the point: 2:1 of 72 items, then 1:1 of 108
     assert metrics["mix/a/items"] == 48 + 54 and metrics["mix/b/items"] == 24 + 54
+    assert metrics["mix/a/target_share"] == metrics["mix/b/target_share"] == 0.5

@@ -117,4 +117,3 @@ def test_without_workers_the_warning_holds_the_readers_own_stack(http_server, ca
         assert sum(1 for _ in loader) == 10  # nothing raised: the trainer's thread is the reader
     (warning, *_) = _records(caplog, "the data path is stuck")
     assert "Thread MainThread" in warning and "worker 0 (pid" not in warning
-

@@ -54,9 +54,14 @@ class MixDrift:
 
     def metrics(self, world: int) -> dict[str, float]:
         drift = self.drift(world)
+        tally, planner = self.tally, self.tally.source.mix_planner()
+        # the schedule's phase in force at the run's present position
+        position = (tally.epoch or 0) * planner.epoch + int(tally.this_epoch[:, self.unit].sum()) * max(1, world)
+        target = phase_weights(planner, position)
         out = {"mix_drift_max": float(np.abs(drift).max()) if len(drift) else 0.0}
-        for s, name in enumerate(self.tally.source.names()):
-            out[f"mix/{name}/tokens"] = float(self.tally.total[s, 0])
-            out[f"mix/{name}/items"] = float(self.tally.total[s, 1])
+        for s, name in enumerate(tally.source.names()):
+            out[f"mix/{name}/tokens"] = float(tally.total[s, 0])
+            out[f"mix/{name}/items"] = float(tally.total[s, 1])
+            out[f"mix/{name}/target_share"] = float(target[s])
             out[f"mix/{name}/drift"] = float(drift[s])
         return out
