@@ -52,4 +52,4 @@ def test_a_throttled_store_shows_in_the_wait_the_stages_and_the_store(http_serve
     assert slow[f"{key}/skipped_shards"] == 0
     waits = {w: slow[f"worker_{w}_wait_s"] for w in (0, 1)}
     assert slow["slowest_worker"] == max(waits, key=waits.get) and sum(waits.values()) <= slow["data_wait_total_s"]
-    assert all(slow[f"worker_{w}_queue"] >= 0 for w in (0, 1))
+    assert all(slow[f"worker_{w}_queue"] >= 0 and slow[f"worker_{w}_minor_faults"] >= 0 for w in (0, 1))

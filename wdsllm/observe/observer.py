@@ -119,6 +119,9 @@ class Observer:
         for worker in sorted(set(tally.waits) | set(tally.stages)):
             out[f"worker_{worker}_wait_s"] = tally.waits.get(worker, 0.0)
             out[f"worker_{worker}_batch_s"] = tally.stages.get(worker, {}).get("batch", 0.0)
+            major, minor = tally.faults.get(worker, (0, 0))
+            out[f"worker_{worker}_major_faults"] = float(major)
+            out[f"worker_{worker}_minor_faults"] = float(minor)
             depth = tally.queue_depth(worker)
             if depth is not None:
                 out[f"worker_{worker}_queue"] = float(depth)

@@ -8,6 +8,7 @@ invisible there.
 
 from __future__ import annotations
 
+import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,6 +27,14 @@ class WorkerReport:
     seq: int
     stages: dict[str, float] = field(default_factory=dict)
     stores: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: page faults (major: read from disk, minor: mapped from the page cache) of its mapped shards
+    faults: tuple[int, int] = (0, 0)
+
+
+def page_faults() -> tuple[int, int]:
+    """This process's (major, minor) page faults so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_majflt, usage.ru_minflt
 
 
 class Reporter:
@@ -39,6 +48,7 @@ class Reporter:
         self.seq = self.board.messages(worker) if self.board is not None else 0
         self._stages = stages.CLOCK.snapshot()
         self._stores = store_stats()
+        self._faults = page_faults()
         if self.board is not None:
             self.board.started(worker)
             if self.board.stacks_dir is not None:
@@ -46,14 +56,15 @@ class Reporter:
 
     def report(self) -> WorkerReport:
         self.seq += 1
-        now_stages, now_stores = stages.CLOCK.snapshot(), store_stats()
+        now_stages, now_stores, now_faults = stages.CLOCK.snapshot(), store_stats(), page_faults()
         report = WorkerReport(
             self.worker,
             self.seq,
             stages.moved(self._stages, now_stages),
             stores_moved(self._stores, now_stores),
+            (now_faults[0] - self._faults[0], now_faults[1] - self._faults[1]),
         )
-        self._stages, self._stores = now_stages, now_stores
+        self._stages, self._stores, self._faults = now_stages, now_stores, now_faults
         if self.board is not None:
             self.board.sent(self.worker, self.seq)
         return report

@@ -17,6 +17,7 @@ class WorkerTally:
         self.stages: dict[int, dict[str, float]] = {}
         self.taken: dict[int, int] = {}  # messages of each worker taken here (its report's seq)
         self.waits: dict[int, float] = {}
+        self.faults: dict[int, list[int]] = {}  # [major, minor] page faults per worker
         self.board: WorkerBoard | None = None
         self.stacks_dir: str | None = None  # the watchdog's, for the workers started from now on
 
@@ -31,6 +32,9 @@ class WorkerTally:
         for stage, seconds in report.stages.items():
             mine[stage] += seconds
         self.taken[report.worker] = report.seq
+        faults = self.faults.setdefault(report.worker, [0, 0])
+        faults[0] += report.faults[0]
+        faults[1] += report.faults[1]
         add_stores(report.stores)  # this process's store counters hold its workers' too
 
     def waited(self, worker: int, seconds: float) -> None:
