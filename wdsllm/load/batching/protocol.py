@@ -147,9 +147,10 @@ class Batch:
 def left_out(handing: Batcher, lengths: np.ndarray, spec: StreamSpec) -> tuple[np.ndarray, int]:
     """``Batcher.tail`` of a mode whose batches hold whole items: the positions no batch of
     ``handing`` (the mode's ``handing()``) holds, from its batches on lengths alone."""
-    parts = list(handing.dry_batches(lengths, spec))
-    used = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    return np.setdiff1d(np.arange(len(lengths), dtype=np.int64), used), 0
+    unused = np.ones(len(lengths), bool)
+    for part in handing.dry_batches(lengths, spec):
+        unused[part] = False  # a mask, not setdiff1d: that sorts or hashes every position
+    return np.flatnonzero(unused).astype(np.int64, copy=False), 0
 
 
 def batches_of(n: int, b: int, drop_last: bool) -> int:
