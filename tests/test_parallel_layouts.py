@@ -83,8 +83,10 @@ def test_dp2_tp2_tensor_peers_share_every_batch_and_dp_ranks_split_the_epoch(dat
 
 @pytest.mark.timeout(300)
 def test_dp2_cp2_context_peers_hold_the_two_halves_of_one_batch(data, tmp_path):
+    """Megatron style: dp_group, replica_group and cp_group (the mesh's CP dim: the 8-process
+    test and the example)."""
     root, expect = data
-    reports = torchrun(4, tmp_path / "out", "--data", str(root), "--layout", "dp2cp2")
+    reports = torchrun(4, tmp_path / "out", "--data", str(root), "--layout", "dp2cp2", "--groups")
     for a, b in _peers(reports, differ_in="cp"):
         a, b = sorted((a, b), key=lambda r: r["coords"]["cp"])
         assert len(a["steps"]) == len(b["steps"])

@@ -46,13 +46,17 @@ def _layout_options(args: argparse.Namespace) -> tuple[dict, dict]:
 
 
 def _groups(dims: tuple) -> tuple[dict, dict]:
-    """dp x tp only: rank = dp * tp_size + tp; every rank makes every group, in the same order."""
-    (_, dp_size), (_, tp_size) = dims
+    """dp x (tp or cp): rank = dp * size + peer; every rank makes every group, in the same order.
+    The peers' group is the replica group, and also the CP group where the dim is cp."""
+    (_, dp_size), (other, size) = dims
     rank = dist.get_rank()
-    dp_groups = [dist.new_group([d * tp_size + t for d in range(dp_size)]) for t in range(tp_size)]
-    tp_groups = [dist.new_group([d * tp_size + t for t in range(tp_size)]) for d in range(dp_size)]
-    dp, tp = divmod(rank, tp_size)
-    return {"dp_group": dp_groups[tp], "replica_group": tp_groups[dp]}, {"dp": dp, "tp": tp}
+    dp_groups = [dist.new_group([d * size + t for d in range(dp_size)]) for t in range(size)]
+    peer_groups = [dist.new_group([d * size + t for t in range(size)]) for d in range(dp_size)]
+    dp, peer = divmod(rank, size)
+    kw = {"dp_group": dp_groups[peer], "replica_group": peer_groups[dp]}
+    if other == "cp":
+        kw["cp_group"] = peer_groups[dp]
+    return kw, {"dp": dp, other: peer}
 
 
 def main() -> None:
