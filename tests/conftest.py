@@ -110,6 +110,7 @@ SLOW_TESTS = frozenset(
         "test_observe_export.py::test_hf_callback_adds_the_figures_to_each_log",
         "test_observe_export.py::test_lightning_callback_logs_through_the_trainers_logger",
         "test_observe_stores.py::test_a_throttled_store_shows_in_the_wait_the_stages_and_the_store",
+        "test_observe_wait.py::test_reduction_over_two_gloo_ranks_names_the_rank_that_waited",
         "test_observe_watchdog.py::test_a_stopped_worker_is_named_and_every_stack_logged",
         "test_observe_watchdog.py::test_watchdog_raise_stops_the_run_with_a_named_error",
         "test_observe_watchdog.py::test_without_workers_the_warning_holds_the_readers_own_stack",

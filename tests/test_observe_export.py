@@ -116,7 +116,7 @@ def test_lightning_callback_logs_through_the_trainers_logger(tmp_path):
     )
     trainer.fit(_Tiny())
     header, *rows = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()
-    assert "data/data_wait_share" in header.split(",")
+    assert "data/data_wait_share" in header.split(",") and rows
     assert [r["step"] for r in read_metrics(tmp_path / "pl.jsonl")] == [3, 6, 9, 12, 15, 18]
 
 

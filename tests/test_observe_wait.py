@@ -86,8 +86,11 @@ def test_reduction_over_two_gloo_ranks_names_the_rank_that_waited(http_server, t
     sources = [str(_data()), http_server.url_for("ds")]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPTS / "observe_reduce.py"), "--rank", str(rank), "--port", str(port)]
-            + ["--data", sources[rank], "--out", str(out)]
+            [
+                sys.executable,
+                str(SCRIPTS / "observe_reduce.py"),
+                *("--rank", str(rank), "--port", str(port), "--data", sources[rank], "--out", str(out)),
+            ]
         )
         for rank in range(2)
     ]

@@ -5,6 +5,7 @@ and with watchdog_raise the run stops with WorkerStalledError instead of hanging
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -96,6 +97,8 @@ def test_watchdog_raise_stops_the_run_with_a_named_error(caplog):
                     pass
         finally:
             _resume(stopped)
+        del batches  # its DataLoader's workers are stopped here, not in a later test
+        gc.collect()
     assert _records(caplog, "the data path is stuck"), "the warning with the stacks came first"
 
 
