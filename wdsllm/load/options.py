@@ -21,6 +21,9 @@ from ..errors import ConfigError, normalize_on_error
 from ..inputs.sources import DEFAULT_MAX_DOC_BYTES
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
     from ..storage import RetryPolicy
 
 MAX_LEN_MODES = ("split", "truncate")
@@ -181,14 +184,14 @@ class LayoutOptions(Options):
 
     rank: int | None = option(None, "this process's data-parallel rank", low=0)
     world_size: int | None = option(None, "the number of data-parallel ranks", low=1)
-    mesh: Any = option(None, "a torch DeviceMesh: its `dp` dims split the data, every other dim is a replica dim")  # noqa: RUF009
+    mesh: DeviceMesh | None = option(None, "a DeviceMesh: its `dp` dims split the data, the others replicate")  # noqa: RUF009
     dp: str | tuple[str, ...] | None = option(None, "the mesh's data-parallel dim names", shown="a 1-D mesh's dim")
     cp: str | None = option(None, "the mesh's context-parallel dim: each peer gets its slice of every row")
     pp: str | None = option(None, "the mesh's pipeline dim: the stage is the coordinate on it")
-    dp_group: Any = option(None, "without a mesh: the process group of data-parallel peers (Megatron style)")  # noqa: RUF009
-    replica_group: Any = option(None, "with dp_group: the process group of peers that must yield the same batches")  # noqa: RUF009
-    cp_group: Any = option(None, "with dp_group: the context-parallel group (its rank picks the slice)")  # noqa: RUF009
-    pp_group: Any = option(None, "with dp_group: the pipeline group (its rank is the stage)")  # noqa: RUF009
+    dp_group: ProcessGroup | None = option(None, "without a mesh: the data-parallel group (Megatron style)")  # noqa: RUF009
+    replica_group: ProcessGroup | None = option(None, "with dp_group: the peers that yield the same batches")  # noqa: RUF009
+    cp_group: ProcessGroup | None = option(None, "with dp_group: the context-parallel group (rank: the slice)")  # noqa: RUF009
+    pp_group: ProcessGroup | None = option(None, "with dp_group: the pipeline group (rank: the stage)")  # noqa: RUF009
     cp_rank: int | None = option(None, "without a mesh or groups: this process's context-parallel rank", low=0)
     cp_size: int | None = option(None, "without a mesh or groups: the context-parallel size", low=1)
     pp_stage: int | None = option(None, "without a mesh or groups: this process's pipeline stage", low=0)
