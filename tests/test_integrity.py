@@ -473,6 +473,20 @@ def test_a_server_that_lies_gives_a_named_error_or_exact_documents(
     assert got == reference
 
 
+def test_a_group_read_again_after_a_bad_checksum_is_counted_for_its_store(http_server, served_dataset, reference):
+    """One corrupt response: the group is asked for again (a checksum re-read, counted for the
+    store that sent it) and the documents come out exact."""
+    from wdsllm.storage import RetryPolicy, counters
+
+    http_server.reset()
+    http_server.faults.add("*/shard-000001.tar", "corrupt", at=2000, length=16, times=1, whole=True)
+    before = counters.store_stats().get(counters.store_key(served_dataset), {}).get("checksum_rereads", 0)
+    got = documents(served_dataset, retry=RetryPolicy(attempts=3, base_delay=0.001, timeout=5))
+    assert got == reference
+    after = counters.store_stats()[counters.store_key(served_dataset)]["checksum_rereads"]
+    assert after - before == 1
+
+
 # ----------------------------------------------------------------------------------------------
 # Older datasets keep loading, and the loader says once that their content is unchecked
 

@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ChecksumError, FormatError, ShardError
+from ..observe import stages
+from ..storage.counters import count_store
 from ..storage.state import own
 from . import group as fmt
 from .index import Index
@@ -154,8 +156,10 @@ def read_checked(
             group = None  # its file was rewritten since, or it is another buffer's: check the bytes here
         if group is None:
             data = _fetch_checked(fetch, offset, size, checksum, where, on_retry)
-            group = _decode_one(data, offset, where)
-            _check_group(group, items_after - items_before, docs_after - docs_before, expect, f"{where} @{offset}")
+            with stages.timed("decode"):
+                group = _decode_one(data, offset, where)
+            with stages.timed("check"):
+                _check_group(group, items_after - items_before, docs_after - docs_before, expect, f"{where} @{offset}")
             _recent.put(key, group, size, edge=g in edges)
         yield CheckedGroup(offset, items_before, docs_before, items_after - items_before, group)
 
@@ -243,7 +247,11 @@ def _fetch_checked(
         data = fetch(offset, size, attempt)
         if data is None:
             break
-        if len(data) == size and fmt.group_checksum(data) == checksum:
+        if attempt:
+            count_store(where, "checksum_rereads")  # the store sent the group again
+        with stages.timed("check"):
+            good = len(data) == size and fmt.group_checksum(data) == checksum
+        if good:
             return data
         key = _key_at(data)
         if on_retry is not None and attempt + 1 < CHECKSUM_ATTEMPTS:

@@ -23,6 +23,7 @@ from ..errors import SourceError
 from ..inputs.registry import reader_for
 from ..inputs.sources import ParsedChunk
 from ..inputs.tokenizer import Encoder
+from ..observe import stages
 from .block import ID_SHIFT, Block
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ def read_unit(
         picked = np.nonzero(keep)[0]
         if len(picked):
             texts = parsed.texts if len(picked) == n else [parsed.texts[i] for i in picked.tolist()]
-            tokens, lengths = encoder.encode(texts)
+            with stages.timed("tokenize"):
+                tokens, lengths = encoder.encode(texts)
             lines = np.asarray(parsed.lines, np.int64)[picked]
             _check_counted(catalog, unit, j[picked], lengths, lines)
             starts = np.cumsum(lengths) - lengths
