@@ -68,3 +68,12 @@ def test_contradictory_layouts_are_refused(data):
         wdsllm.loader(data, batch_size=2, replicas="scatter")
     with pytest.raises(wdsllm.ConfigError, match="are wdsllm.loader's"):
         wdsllm.dataset(data, batch_size=2, cp_rank=0, cp_size=2)
+
+
+def test_the_data_wait_is_reduced_over_the_mesh_data_parallel_group(data, one_rank):
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    ld = wdsllm.loader(data, batch_size=2, mesh=mesh, dp="dp", reduce_every=2)
+    assert ld.observer.group is mesh.get_group("dp")
+    assert sum(len(b["docs"]) for b in ld) == 17
+    metrics = ld.metrics()
+    assert metrics["data_wait_ranks"] == 1 and metrics["data_wait_slowest_rank"] == 0  # gathered over dp

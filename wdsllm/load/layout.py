@@ -93,6 +93,9 @@ class Layout:
     pp: PpStage | None = None
     mode: str = "read"
     agree_every: int | None = None
+    #: the process group of the data-parallel ranks where the world holds other ranks too (None:
+    #: the default group is the data-parallel one): what a reduction across DP ranks runs over
+    dp_group: Any = None
 
     def where(self) -> str:
         """This process's coordinates, as messages name them."""
@@ -146,14 +149,20 @@ def _replica_group(dist: Any, mesh: Any, replica_dims: tuple[str, ...]) -> Repli
     several: a group per DP coordinate, made by every rank together)."""
     if not replica_dims:
         return None
-    if len(replica_dims) == 1:
-        group = mesh.get_group(replica_dims[0])
-    else:
-        names = tuple(mesh.mesh_dim_names)
-        order = [names.index(d) for d in names if d not in replica_dims] + [names.index(d) for d in replica_dims]
-        table = mesh.mesh.permute(*order).reshape(-1, _product(mesh.size(names.index(d)) for d in replica_dims))
-        group, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in table])
+    group = _dims_group(dist, mesh, replica_dims)
     return ReplicaGroup(group, group.rank(), group.size(), dist.get_global_rank(group, 0))
+
+
+def _dims_group(dist: Any, mesh: Any, dims: tuple[str, ...]) -> Any:
+    """This process's group along ``dims`` of the mesh (one dim: the mesh's own group; several: a
+    group per coordinate of the other dims, made by every rank together)."""
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    names = tuple(mesh.mesh_dim_names)
+    order = [names.index(d) for d in names if d not in dims] + [names.index(d) for d in dims]
+    table = mesh.mesh.permute(*order).reshape(-1, _product(mesh.size(names.index(d)) for d in dims))
+    group, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in table])
+    return group
 
 
 def _product(sizes: Any) -> int:
@@ -190,6 +199,7 @@ def _from_mesh(opts: LayoutOptions) -> Layout:
         pp=pp,
         mode=opts.replicas,
         agree_every=opts.agree_every,
+        dp_group=_dims_group(dist, mesh, dp) if replica_dims else None,
     )
 
 
@@ -210,7 +220,8 @@ def _from_groups(opts: LayoutOptions) -> Layout:
     cp = CpSlice(opts.cp_group.rank(), opts.cp_group.size(), opts.cp_split) if opts.cp_group is not None else None
     pp = PpStage(opts.pp_group.rank(), opts.pp_group.size()) if opts.pp_group is not None else None
     coords = (("dp", dp_rank), ("replica", replicas.rank if replicas else 0))
-    return Layout(dp_rank, dp_size, True, coords, replicas, cp, pp, opts.replicas, opts.agree_every)
+    dp_group = opts.dp_group if dp_size < dist.get_world_size() else None
+    return Layout(dp_rank, dp_size, True, coords, replicas, cp, pp, opts.replicas, opts.agree_every, dp_group)
 
 
 def _refuse_current_mesh() -> None:

@@ -127,6 +127,7 @@ class Loader:
         self.stats = DataStats()
         #: the data path measured: the wait on the trainer's thread, the workers, the stores (observe/)
         self.observer = Observer(face.observe, self._transport.tally, self._mix)
+        self.observer.group = self.layout.dp_group  # the wait is reduced across data-parallel ranks
         self._transport.timeout = self.observer.dataloader_timeout()
 
     def _build(self) -> None:
