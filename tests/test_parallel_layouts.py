@@ -118,6 +118,39 @@ def test_pp2_dp2_first_stage_gets_inputs_last_gets_labels(data, tmp_path):
     _check_epoch_once(reports, expect, 2)
 
 
+@pytest.mark.timeout(400)
+def test_pp3_dp2_middle_stages_read_nothing_and_step_with_the_others(data, tmp_path, http_server):
+    """replicas="read" over HTTP, 6 processes: each pipeline's middle stage fetches no shard byte
+    (only the index, as every rank does) and builds no batch; it follows its first stage (one
+    small header per step) and yields {"epoch"} as often as the others step, with the same len()
+    and epoch after the pass; the first and last stages read for themselves (the server serves
+    each shard request twice); states after 2 steps are identical on the three stages; the
+    agreement check (every 2 steps) passes with the middle stage's digests sent by the first."""
+    import shutil
+
+    root, expect = data
+    shutil.copytree(root, http_server.root / "ds")
+    url = http_server.url_for("ds").rstrip("/")
+    args = ["--data", url, "--layout", "pp3dp2", "--workers", "0", "--state-at", "2", "--agree-every", "2"]
+    reports = torchrun(6, tmp_path / "out", *args)
+    assert all("error" not in r for r in reports), [r.get("error") for r in reports]
+    by_stage = {s: [r for r in reports if r["coords"]["pp"] == s] for s in range(3)}
+    for first, middle, last in zip(*(sorted(by_stage[s], key=lambda r: r["dp_rank"]) for s in range(3))):
+        assert first["dp_rank"] == middle["dp_rank"] == last["dp_rank"]
+        assert all(step["digest"] == {} for step in middle["steps"]), "a middle stage gets only the epoch"
+        assert "input_ids" in first["steps"][0]["digest"] and "labels" in last["steps"][0]["digest"]
+        assert [s["docs"] for s in first["steps"]] == [s["docs"] for s in last["steps"]]
+        assert len(middle["steps"]) == len(first["steps"]) == first["len"] > 2
+        assert (middle["len"], middle["epoch"]) == (first["len"], first["epoch"]) == (last["len"], last["epoch"])
+        assert middle["state"] == first["state"] == last["state"]
+        assert middle["received_bytes"] < first["received_bytes"] == last["received_bytes"], "the end stages read"
+    # every shard request twice (the first and the last stage of one DP rank), none a third time
+    requests = Counter((rec.path, rec.range) for rec in http_server.log("*.tar"))
+    assert set(requests.values()) == {2}, requests
+    assert {Path(path).name for path, _ in requests} == {p.name for p in root.glob("*.tar")}
+    _check_epoch_once(reports, expect, 2)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("replicas", ["read", "broadcast"])
 def test_a_peer_with_another_seed_fails_at_the_first_batch(data, tmp_path, replicas):
@@ -203,6 +236,27 @@ def test_a_reader_that_fails_tells_its_receivers(data, tmp_path, http_server):
     assert "the reader of this replica group (dp=0 tp=0) failed" in receiver["error"]["message"]
     assert "shard-000002.tar" in receiver["error"]["message"]
     assert len(receiver["steps"]) == len(reader["steps"]), "the receiver got every batch read before"
+
+
+@pytest.mark.timeout(300)
+def test_a_first_stage_that_fails_tells_its_middle_stage(data, tmp_path, http_server):
+    """replicas="read", pp3 over HTTP with a shard that answers 404: the first and last stages
+    raise the storage error themselves; the middle stage, which reads nothing, raises ReplicaError
+    naming its first stage and the error, after as many steps as the first stage took."""
+    import shutil
+
+    root, _ = data
+    shutil.copytree(root, http_server.root / "ds")
+    http_server.faults.add("*/shard-000002.tar", "status_permanent", status=404)
+    url = http_server.url_for("ds").rstrip("/")
+    args = ["--data", url, "--layout", "pp3dp1", "--workers", "0"]
+    first, middle, last = sorted(torchrun(3, tmp_path / "out", *args), key=lambda r: r["coords"]["pp"])
+    for end in (first, last):
+        assert end["error"]["type"] in ("NotFoundError", "StorageError"), end
+    assert middle["error"]["type"] == "ReplicaError", middle
+    assert "the reader of this replica group (pp=0 dp=0) failed" in middle["error"]["message"]
+    assert "shard-000002.tar" in middle["error"]["message"]
+    assert len(middle["steps"]) == len(first["steps"]), "the middle stage stepped with its first stage"
 
 
 @pytest.mark.timeout(400)

@@ -11,7 +11,10 @@ from the packed dataset, and padded documents from the raw Wikipedia text (token
 - ``read``: each peer reads and batches; CPU per batch of each.
 - ``broadcast``: rank 0 reads and sends, rank 1 receives; CPU per batch of each.
 - the agreement check alone (digest + all-gather of one int64), per batch, on both;
-- the CP split (zigzag, CP 2 and 4) of the same batches, in one process.
+- the CP split (zigzag, CP 2 and 4) of the same batches, in one process;
+- the header a pipeline's first stage sends its middle stages each step under ``read`` (the
+  middle view ``{"epoch"}`` and the progress, no tensors), rank 0 to rank 1; ``--feed-only``
+  measures this alone.
 Ratios are against ``read`` measured in the same run. The dataset is the docs-mode Wikipedia
 pack of ``tools/bench_batching.py`` (made by it where missing).
 """
@@ -48,7 +51,26 @@ def _timed(batches) -> tuple[float, float, list]:
     return time.process_time() - cpu, time.perf_counter() - wall, out
 
 
-def _peer(rank: int, port: int, data: str, batches: int, results) -> None:
+def _feed_header(rank: int, steps: int) -> dict:
+    """CPU and wall per step of the first stage's header to a middle stage (rank 0 to rank 1)."""
+    import torch
+    import torch.distributed as dist
+
+    from wdsllm.load.layout import ReplicaGroup
+    from wdsllm.load.replicas import Wire
+
+    wire = Wire(ReplicaGroup(dist.group.WORLD, rank, 2, 0), torch.device("cpu"))
+    dist.barrier()
+    cpu, wall = time.process_time(), time.perf_counter()
+    for step in range(steps):
+        if rank == 0:
+            wire.send({"epoch": 0}, (0, step + 1, None))
+        else:
+            wire.receive()
+    return {"cpu": (time.process_time() - cpu) / steps, "wall": (time.perf_counter() - wall) / steps}
+
+
+def _peer(rank: int, port: int, data: str, batches: int, results, feed_only: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -59,8 +81,8 @@ def _peer(rank: int, port: int, data: str, batches: int, results) -> None:
     torch.set_num_threads(1)  # as in every measuring process (docs/benchmarks.md)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     alone = [dist.new_group([r]) for r in range(2)]
-    out = {}
-    for shape, kw in SHAPES.items():
+    out = {("pp feed header", "step"): _feed_header(rank, max(batches, 1000))}
+    for shape, kw in {} if feed_only else SHAPES.items():
         for mode in ("read", "broadcast"):
             source = _raw_source() if shape == RAW else data
             loader = wdsllm.loader(
@@ -119,8 +141,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=str(REPO / "bench-out" / "wiki-docs"))
     ap.add_argument("--batches", type=int, default=200)
+    ap.add_argument("--feed-only", action="store_true", help="only the pipeline feed header per step")
     args = ap.parse_args()
-    if not (Path(args.data) / "index.json").exists():
+    if not args.feed_only and not (Path(args.data) / "index.json").exists():
         from bench_batching import ensure_docs_dataset  # packs the corpus once
 
         ensure_docs_dataset(Path(args.data).parent)
@@ -129,7 +152,9 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_peer, args=(r, port, args.data, args.batches, results)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_peer, args=(r, port, args.data, args.batches, results, args.feed_only)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     got = {}
@@ -144,14 +169,18 @@ def main() -> None:
         got[rank] = figures
     for p in procs:
         p.join()
-    report(got, args.batches)
+    report(got, args.batches, {} if args.feed_only else SHAPES)
 
 
-def report(got: dict, batches: int) -> None:
+def report(got: dict, batches: int, shapes: dict) -> None:
     lead, peer = got[0], got[1]
-    print(f"per batch over {batches} batches; CPU ms (wall ms); ratios against read")
-    summary = {}
-    for shape in SHAPES:
+    sender, receiver = lead["pp feed header|step"], peer["pp feed header|step"]
+    print(f"pipeline feed header per step, CPU ms (wall ms): first stage {sender['cpu'] * 1e3:.3f}", end=" ")
+    print(f"({sender['wall'] * 1e3:.3f}), middle stage {receiver['cpu'] * 1e3:.3f} ({receiver['wall'] * 1e3:.3f})")
+    summary = {"pp feed header": {"first stage": sender, "middle stage": receiver}}
+    if shapes:
+        print(f"per batch over {batches} batches; CPU ms (wall ms); ratios against read")
+    for shape in shapes:
         read = (lead[f"{shape}|read"]["cpu"] + peer[f"{shape}|read"]["cpu"]) / 2
         rows = {
             "read, each peer": (read, (lead[f"{shape}|read"]["wall"] + peer[f"{shape}|read"]["wall"]) / 2),

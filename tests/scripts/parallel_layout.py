@@ -17,12 +17,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
 import wdsllm
+import wdsllm.storage
 from wdsllm.load.agree import field_digests
 
 LAYOUTS = {  # mesh dims, in order, and the role of each
     "dp2tp2": (("dp", 2), ("tp", 2)),
     "dp2cp2": (("dp", 2), ("cp", 2)),
     "pp2dp2": (("pp", 2), ("dp", 2)),
+    "pp3dp2": (("pp", 3), ("dp", 2)),
+    "pp3dp1": (("pp", 3), ("dp", 1)),
     "dp2tp1": (("dp", 2),),
     "dp1tp2": (("dp", 1), ("tp", 2)),
     "dp4": (("dp", 4),),
@@ -71,11 +74,14 @@ def main() -> None:
     ap.add_argument("--save-at", type=int, default=None, help="save every rank's state after this step, then stop")
     ap.add_argument("--resume", default=None, help="a directory of states saved by --save-at")
     ap.add_argument("--dcp", action="store_true", help="save and resume through torch.distributed.checkpoint")
+    ap.add_argument("--state-at", type=int, default=None, help="every rank's state after this step, reported")
+    ap.add_argument("--agree-every", type=int, default=None)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     layout, coords = _layout_options(args)
     seed = 7 + (1 if args.other_seed_at and coords.get(args.other_seed_at) == 1 else 0)
     kw = {"batch_size": 3, "pad_to_multiple_of": 4, "seed": seed, "shuffle_buffer": 16, "num_workers": args.workers}
+    kw["agree_every"] = args.agree_every
     loader = wdsllm.loader(args.data, replicas=args.replicas, **layout, **kw)
     if args.resume and args.dcp:
         dcp.load({"dataloader": loader}, checkpoint_id=args.resume)
@@ -88,6 +94,8 @@ def main() -> None:
         for step, batch in enumerate(loader):
             report["steps"].append(_step(batch))
             dist.all_reduce(torch.ones(1))  # a collective per step, like a training step's
+            if args.state_at is not None and step + 1 == args.state_at:
+                report["state"] = loader.state_dict()["state"]  # every rank: replica peers' are compared
             if args.save_at is not None and step + 1 == args.save_at:
                 if args.dcp:  # DCP asks every rank for the state (replica peers' are compared)
                     dcp.save({"dataloader": loader}, checkpoint_id=args.out)
@@ -98,6 +106,9 @@ def main() -> None:
                 break
     except wdsllm.WdsllmError as exc:
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "step": len(report["steps"])}
+    report["received_bytes"] = wdsllm.storage.stats()["received_bytes"]  # from remote stores
+    if "error" not in report:  # what a middle stage answers is its first stage's
+        report["len"], report["epoch"] = len(loader), loader.epoch
     loader.close()
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(report, f)

@@ -108,9 +108,13 @@ class Agreement:
 
     def check(self, batch: dict, where: str, what: str = "batches") -> None:
         """All-gather the batch's digest over the replica group; differing peers all raise."""
+        self.check_fields(field_digests(batch), where, what)
+
+    def check_fields(self, fields: dict[str, str], where: str, what: str = "batches") -> None:
+        """:meth:`check` with the batch's field digests made already (by this peer, or by the
+        first pipeline stage for a middle stage, which holds no batch)."""
         import torch.distributed as dist
 
-        fields = field_digests(batch)
         mine = torch.tensor([digest_of(self.settings, fields)], dtype=torch.int64, device=self.device)
         group = self.layout.replicas.group
         gathered = [torch.empty_like(mine) for _ in range(self.layout.replicas.size)]

@@ -66,10 +66,14 @@ class CpSlice:
 
 @dataclass(frozen=True)
 class PpStage:
-    """This process's pipeline stage among ``stages``."""
+    """This process's pipeline stage among ``stages``, and under ``replicas="read"`` with middle
+    stages, ``feed``: the group of its pipeline's first stage (the leader) and middle stages, over
+    which the first stage tells the middle ones its progress, so that they read nothing (None on
+    the last stage, and where there is no middle stage)."""
 
     stage: int
     stages: int
+    feed: ReplicaGroup | None = None
 
     @property
     def first(self) -> bool:
@@ -78,6 +82,11 @@ class PpStage:
     @property
     def last(self) -> bool:
         return self.stage == self.stages - 1
+
+    @property
+    def follows(self) -> bool:
+        """Whether this is a middle stage that follows its first stage instead of reading."""
+        return self.feed is not None and not self.first
 
 
 @dataclass(frozen=True)
@@ -114,7 +123,10 @@ class Layout:
 
     @property
     def reads(self) -> bool:
-        """Whether this process reads shards itself (every process but a broadcast's receivers)."""
+        """Whether this process reads shards itself (every process but a broadcast's receivers and
+        the middle pipeline stages that follow their first stage)."""
+        if self.pp is not None and self.pp.follows:
+            return False
         return not self.broadcasts or self.replicas.is_leader
 
 
@@ -165,6 +177,36 @@ def _dims_group(dist: Any, mesh: Any, dims: tuple[str, ...]) -> Any:
     return group
 
 
+def _feed(dist: Any, pipelines: list[list[int]]) -> ReplicaGroup | None:
+    """This process's place in the group of its pipeline's first and middle stages (each
+    pipeline's global ranks in stage order), made by every rank together; None on a last stage."""
+    if len(pipelines[0]) < 3:
+        return None
+    feeds = [pipeline[:-1] for pipeline in pipelines]
+    group, _ = dist.new_subgroups_by_enumeration(feeds)
+    if group is None:
+        return None
+    feed = next(f for f in feeds if dist.get_rank() in f)
+    return ReplicaGroup(group, feed.index(dist.get_rank()), len(feed), feed[0])
+
+
+def _mesh_pipelines(mesh: Any, pp: str) -> list[list[int]]:
+    """Every pipeline of the mesh: the global ranks along the ``pp`` dim, one list per coordinate
+    of the other dims."""
+    names = tuple(mesh.mesh_dim_names)
+    order = [names.index(d) for d in names if d != pp] + [names.index(pp)]
+    return [row.tolist() for row in mesh.mesh.permute(*order).reshape(-1, mesh.size(names.index(pp)))]
+
+
+def _group_pipelines(dist: Any, pp_group: Any) -> list[list[int]]:
+    """Every rank's pipeline (its ``pp_group``'s global ranks in stage order), gathered over the
+    world: each rank knows its own group only."""
+    mine = [dist.get_global_rank(pp_group, s) for s in range(pp_group.size())]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return sorted({tuple(p): list(p) for p in every}.values())
+
+
 def _product(sizes: Any) -> int:
     out = 1
     for size in sizes:
@@ -187,7 +229,10 @@ def _from_mesh(opts: LayoutOptions) -> Layout:
     for d in dp:  # row-major over the DP dims, in the order given
         dp_rank, dp_size = dp_rank * mesh.size(names.index(d)) + coord[d], dp_size * mesh.size(names.index(d))
     cp = CpSlice(coord[opts.cp], mesh.size(names.index(opts.cp)), opts.cp_split) if opts.cp else None
-    pp = PpStage(coord[opts.pp], mesh.size(names.index(opts.pp))) if opts.pp else None
+    pp = None
+    if opts.pp:
+        feed = _feed(dist, _mesh_pipelines(mesh, opts.pp)) if opts.replicas == "read" else None
+        pp = PpStage(coord[opts.pp], mesh.size(names.index(opts.pp)), feed)
     replica_dims = tuple(d for d in names if d not in dp)
     return Layout(
         dp_rank,
@@ -218,7 +263,11 @@ def _from_groups(opts: LayoutOptions) -> Layout:
             "yield the same batches, e.g. Megatron's tensor x context x pipeline peers)"
         )
     cp = CpSlice(opts.cp_group.rank(), opts.cp_group.size(), opts.cp_split) if opts.cp_group is not None else None
-    pp = PpStage(opts.pp_group.rank(), opts.pp_group.size()) if opts.pp_group is not None else None
+    pp = None
+    if opts.pp_group is not None:
+        g = opts.pp_group
+        feed = _feed(dist, _group_pipelines(dist, g)) if opts.replicas == "read" and g.size() >= 3 else None
+        pp = PpStage(g.rank(), g.size(), feed)
     coords = (("dp", dp_rank), ("replica", replicas.rank if replicas else 0))
     dp_group = opts.dp_group if dp_size < dist.get_world_size() else None
     return Layout(dp_rank, dp_size, True, coords, replicas, cp, pp, opts.replicas, opts.agree_every, dp_group)

@@ -373,9 +373,10 @@ class Loader:
         return cursor.epoch, cursor.yielded, cursor.completed
 
     def _follow(self, progress: Progress, ended: bool) -> None:
-        """A receiver of a broadcast mirrors its reader's cursor, so that ``epoch``, ``len()`` and
-        ``set_epoch`` answer as the reader's do; it finishes an epoch where the reader's last batch
-        came, as the reader does (``_settle_epoch``) when the trainer asks for no more."""
+        """A receiver of a broadcast (or a middle pipeline stage) mirrors its reader's cursor, so
+        that ``epoch``, ``len()`` and ``set_epoch`` answer as the reader's do; it finishes an epoch
+        where the reader's last batch came, as the reader does (``_settle_epoch``) when the trainer
+        asks for no more."""
         cursor = self.cursor
         cursor.restored = None
         cursor.epoch, cursor.yielded, cursor.completed = progress

@@ -14,20 +14,25 @@ Two ways behind one Protocol (:class:`Replicas`):
 
 Both check agreement (``agree.Agreement``) and then cut this process's view: its context-parallel
 slice (``cpsplit``), then its pipeline stage's fields (:func:`stage_view`).
+
+Under ``read`` with middle pipeline stages, a middle stage reads nothing either: its view holds no
+data, so its pipeline's first stage sends it the view and the progress over the same wire (a
+header without buffers, and the batch's field digests where the agreement check is due) over the
+group of the first and middle stages (``PpStage.feed``). The last stage reads for itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from ..errors import ReplicaError
-from .agree import Agreement
+from .agree import Agreement, field_digests
 from .collate import HF_CU_SEQ_LENS, HF_MAX_LENGTH, IGNORE_INDEX
 from .cpsplit import RANGES_KEY, cp_slice
-from .layout import Layout, PpStage
+from .layout import Layout, PpStage, ReplicaGroup
 
 #: what a pipeline's first stage takes (the model's inputs) and its last (the loss's)
 INPUT_KEYS = frozenset(
@@ -101,23 +106,56 @@ class _View:
             batch = cp_slice(batch, self.layout.cp)
         return stage_view(batch, self.layout.pp)
 
-    def checked(self, step: int, batch: dict) -> dict:
+    def checked(self, step: int, batch: dict, fields: dict[str, str] | None = None) -> dict:
+        """The batch checked where due (``fields``: its digests, where made already) and cut."""
         if self.agreement.due(step):
-            self.agreement.check(batch, f"epoch {batch.get('epoch')}, batch {step} of this pass")
+            self.check_fields(step, batch, fields or field_digests(batch))
         return self.view(batch)
+
+    def check_fields(self, step: int, batch: dict, fields: dict[str, str]) -> None:
+        self.agreement.check_fields(fields, f"epoch {batch.get('epoch')}, batch {step} of this pass")
 
 
 class ReadReplicas(_View):
-    """Every peer reads; the first batch of a pass (and every N-th if asked) is compared."""
+    """Every peer reads (but middle pipeline stages, which follow their first stage); the first
+    batch of a pass (and every N-th if asked) is compared."""
+
+    def __init__(self, layout: Layout, settings: dict[str, str]):
+        super().__init__(layout, settings)
+        pp = layout.pp
+        #: the first stage's wire to its middle stages (None: this process has no part in one)
+        self.feed = Wire(pp.feed, self.device) if pp is not None and pp.feed is not None else None
+        self.middle = PpStage(1, pp.stages) if pp is not None else None  # what a middle stage takes
 
     def batches(
         self, own: Iterator[dict], progress: Callable[[], Progress], follow: Callable[[Progress, bool], None]
     ) -> Iterator[dict]:
-        for step, batch in enumerate(own):
-            yield self.checked(step, batch)
+        if self.feed is None:
+            return (self.checked(step, batch) for step, batch in enumerate(own))
+        if self.layout.pp.first:
+            return self._feed(own, progress)
+        return self._follow(follow)
+
+    def _feed(self, own: Iterator[dict], progress: Callable[[], Progress]) -> Iterator[dict]:
+        """The first stage: reads, and sends each step's middle view (and digests where due)."""
+        for step, batch, fields in _lead(own, progress, self.feed, self._middle_message, self.layout.where()):
+            yield self.checked(step, batch, fields)
+
+    def _middle_message(self, step: int, batch: dict) -> tuple[dict, dict[str, str] | None]:
+        return stage_view(batch, self.middle), field_digests(batch) if self.agreement.due(step) else None
+
+    def _follow(self, follow: Callable[[Progress, bool], None]) -> Iterator[dict]:
+        """A middle stage: its view and its first stage's progress, checked with the digests sent."""
+        for step, view, digests in _received(self.feed, follow):
+            if digests is not None:
+                self.check_fields(step, view, digests)
+            yield view
 
     def state(self, own: Callable[[], dict[str, str]]) -> dict[str, str]:
-        sealed = own()
+        if self.feed is None:
+            sealed = own()
+        else:  # a middle stage holds its first stage's state, as a broadcast's receiver does
+            sealed = self.feed.share(own() if self.layout.pp.first else None)
         if self.agreement.active:
             self.agreement.check_state(sealed)
         return sealed
@@ -126,7 +164,7 @@ class ReadReplicas(_View):
 # -- the wire: a batch as a header and one buffer per dtype --------------------------------------
 
 
-def _header(batch: dict, progress: Progress) -> tuple[dict, list[torch.Tensor]]:
+def _header(batch: dict, progress: Progress, digests: dict | None) -> tuple[dict, list[torch.Tensor]]:
     fields, tensors, names = [], [], {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor):
@@ -138,7 +176,7 @@ def _header(batch: dict, progress: Progress) -> tuple[dict, list[torch.Tensor]]:
             tensors.append(value)
         else:
             fields.append((key, "value", value))
-    return {"kind": "batch", "fields": fields, "progress": progress}, tensors
+    return {"kind": "batch", "fields": fields, "progress": progress, "digests": digests}, tensors
 
 
 def _by_dtype(dtypes: list[str]) -> dict[str, list[int]]:
@@ -148,12 +186,22 @@ def _by_dtype(dtypes: list[str]) -> dict[str, list[int]]:
     return out
 
 
-class Wire:
-    """Batches from the replica group's leader to its peers (``torch.distributed`` collectives)."""
+class Received(NamedTuple):
+    """What a peer receives: the batch (None at the end of the leader's pass), the leader's
+    progress, and the batch's field digests where the leader sent them."""
 
-    def __init__(self, layout: Layout, device: torch.device):
-        self.group = layout.replicas.group
-        self.leader = layout.replicas.leader
+    batch: dict | None
+    progress: Progress
+    digests: dict[str, str] | None
+
+
+class Wire:
+    """Batches from a group's leader to its peers (``torch.distributed`` collectives): a replica
+    group's, or a pipeline's first stage's to its middle stages."""
+
+    def __init__(self, peers: ReplicaGroup, device: torch.device):
+        self.group = peers.group
+        self.leader = peers.leader
         self.device = device
 
     def share(self, message: Any) -> Any:
@@ -164,10 +212,10 @@ class Wire:
         dist.broadcast_object_list(box, src=self.leader, group=self.group, device=self.device)
         return box[0]
 
-    def send(self, batch: dict, progress: Progress) -> None:
+    def send(self, batch: dict, progress: Progress, digests: dict[str, str] | None = None) -> None:
         import torch.distributed as dist
 
-        header, tensors = _header(batch, progress)
+        header, tensors = _header(batch, progress, digests)
         self.share(header)
         for indices in _by_dtype([str(t.dtype) for t in tensors]).values():
             flat = torch.cat([tensors[i].reshape(-1) for i in indices]).to(self.device)
@@ -179,15 +227,15 @@ class Wire:
     def send_error(self, exc: BaseException, where: str) -> None:
         self.share({"kind": "error", "message": f"{type(exc).__name__}: {exc}", "where": where})
 
-    def receive(self) -> tuple[dict | None, Progress]:
-        """The next batch (None at the end of the leader's pass) and the leader's progress."""
+    def receive(self) -> Received:
+        """The next batch (None at the end of the leader's pass), the leader's progress, digests."""
         import torch.distributed as dist
 
         header = self.share(None)
         if header["kind"] == "error":
             raise ReplicaError(f"the reader of this replica group ({header['where']}) failed: {header['message']}")
         if header["kind"] == "end":
-            return None, header["progress"]
+            return Received(None, header["progress"], None)
         specs = [(k, info) for k, how, info in header["fields"] if how == "tensor"]
         received: dict[str, torch.Tensor] = {}
         for indices in _by_dtype([dtype for _, (dtype, _) in specs]).values():
@@ -201,7 +249,7 @@ class Wire:
         batch: dict[str, Any] = {}
         for key, how, info in header["fields"]:
             batch[key] = received[key] if how == "tensor" else received[info] if how == "alias" else info
-        return batch, header["progress"]
+        return Received(batch, header["progress"], header["digests"])
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -211,12 +259,55 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
+#: what a leader sends of a batch at a step: the batch to send, and its field digests or None
+Message = Callable[[int, dict], tuple[dict, "dict[str, str] | None"]]
+
+
+def _lead(
+    own: Iterator[dict], progress: Callable[[], Progress], wire: Wire, message: Message, where: str
+) -> Iterator[tuple[int, dict, Any]]:
+    """The leader's steps: each batch read is sent (as ``message`` makes it, with the digests it
+    made) before it is yielded;
+    the end of the pass, or the reader's failure, is sent too, so no peer waits for a batch that
+    never comes."""
+    step = 0
+    while True:
+        try:
+            batch = next(own, None)
+        except Exception as exc:  # the peers hear of it instead of waiting for a batch
+            wire.send_error(exc, where)
+            raise
+        if batch is None:
+            wire.send_end(progress())
+            return
+        sent, digests = message(step, batch)
+        wire.send(sent, progress(), digests)
+        yield step, batch, digests
+        step += 1
+
+
+def _received(wire: Wire, follow: Callable[[Progress, bool], None]) -> Iterator[tuple[int, dict, Any]]:
+    """A peer's steps: each batch received, its leader's progress mirrored first (``follow``)."""
+    step = 0
+    while True:
+        batch, progress, digests = wire.receive()
+        follow(progress, batch is None)
+        if batch is None:
+            return
+        yield step, batch, digests
+        step += 1
+
+
+def _whole(step: int, batch: dict) -> tuple[dict, None]:
+    return batch, None
+
+
 class BroadcastReplicas(_View):
     """The leader reads and sends; its peers receive (and read no shard bytes)."""
 
     def __init__(self, layout: Layout, settings: dict[str, str]):
         super().__init__(layout, settings)
-        self.wire = Wire(layout, self.device)
+        self.wire = Wire(layout.replicas, self.device)
 
     def batches(
         self, own: Iterator[dict], progress: Callable[[], Progress], follow: Callable[[Progress, bool], None]
@@ -226,29 +317,12 @@ class BroadcastReplicas(_View):
         return self._receive(follow)
 
     def _lead(self, own: Iterator[dict], progress: Callable[[], Progress]) -> Iterator[dict]:
-        step = 0
-        while True:
-            try:
-                batch = next(own, None)
-            except Exception as exc:  # the peers hear of it instead of waiting for a batch
-                self.wire.send_error(exc, self.layout.where())
-                raise
-            if batch is None:
-                self.wire.send_end(progress())
-                return
-            self.wire.send(batch, progress())
+        for step, batch, _ in _lead(own, progress, self.wire, _whole, self.layout.where()):
             yield self.checked(step, batch)
-            step += 1
 
     def _receive(self, follow: Callable[[Progress, bool], None]) -> Iterator[dict]:
-        step = 0
-        while True:
-            batch, progress = self.wire.receive()
-            follow(progress, batch is None)
-            if batch is None:
-                return
+        for step, batch, _ in _received(self.wire, follow):
             yield self.checked(step, batch)
-            step += 1
 
     def state(self, own: Callable[[], dict[str, str]]) -> dict[str, str]:
         return self.wire.share(own() if self.layout.replicas.is_leader else None)
@@ -264,6 +338,7 @@ __all__ = [
     "LABEL_KEYS",
     "BroadcastReplicas",
     "ReadReplicas",
+    "Received",
     "Replicas",
     "Wire",
     "replicas_for",
