@@ -240,21 +240,22 @@ def test_a_reader_that_fails_tells_its_receivers(data, tmp_path, http_server):
 
 @pytest.mark.timeout(300)
 def test_a_first_stage_that_fails_tells_its_middle_stage(data, tmp_path, http_server):
-    """replicas="read", pp3 over HTTP with a shard that answers 404: the first and last stages
-    raise the storage error themselves; the middle stage, which reads nothing, raises ReplicaError
-    naming its first stage and the error, after as many steps as the first stage took."""
+    """replicas="read", pp3 from process groups (Megatron style: pp_group=) over HTTP with a shard
+    that answers 404: the first and last stages raise the storage error themselves; the middle
+    stage, which reads nothing, raises ReplicaError naming its first stage and the error, after as
+    many steps as the first stage took."""
     import shutil
 
     root, _ = data
     shutil.copytree(root, http_server.root / "ds")
     http_server.faults.add("*/shard-000002.tar", "status_permanent", status=404)
     url = http_server.url_for("ds").rstrip("/")
-    args = ["--data", url, "--layout", "pp3dp1", "--workers", "0"]
+    args = ["--data", url, "--layout", "dp1pp3", "--groups", "--workers", "0"]
     first, middle, last = sorted(torchrun(3, tmp_path / "out", *args), key=lambda r: r["coords"]["pp"])
     for end in (first, last):
         assert end["error"]["type"] in ("NotFoundError", "StorageError"), end
     assert middle["error"]["type"] == "ReplicaError", middle
-    assert "the reader of this replica group (pp=0 dp=0) failed" in middle["error"]["message"]
+    assert "the reader of this replica group (dp=0 replica=0) failed" in middle["error"]["message"]
     assert "shard-000002.tar" in middle["error"]["message"]
     assert len(middle["steps"]) == len(first["steps"]), "the middle stage stepped with its first stage"
 

@@ -25,7 +25,7 @@ LAYOUTS = {  # mesh dims, in order, and the role of each
     "dp2cp2": (("dp", 2), ("cp", 2)),
     "pp2dp2": (("pp", 2), ("dp", 2)),
     "pp3dp2": (("pp", 3), ("dp", 2)),
-    "pp3dp1": (("pp", 3), ("dp", 1)),
+    "dp1pp3": (("dp", 1), ("pp", 3)),
     "dp2tp1": (("dp", 2),),
     "dp1tp2": (("dp", 1), ("tp", 2)),
     "dp4": (("dp", 4),),
@@ -49,16 +49,16 @@ def _layout_options(args: argparse.Namespace) -> tuple[dict, dict]:
 
 
 def _groups(dims: tuple) -> tuple[dict, dict]:
-    """dp x (tp or cp): rank = dp * size + peer; every rank makes every group, in the same order.
-    The peers' group is the replica group, and also the CP group where the dim is cp."""
+    """dp x (tp, cp or pp): rank = dp * size + peer; every rank makes every group, in the same
+    order. The peers' group is the replica group, and also the CP or PP group where the dim is."""
     (_, dp_size), (other, size) = dims
     rank = dist.get_rank()
     dp_groups = [dist.new_group([d * size + t for d in range(dp_size)]) for t in range(size)]
     peer_groups = [dist.new_group([d * size + t for t in range(size)]) for d in range(dp_size)]
     dp, peer = divmod(rank, size)
     kw = {"dp_group": dp_groups[peer], "replica_group": peer_groups[dp]}
-    if other == "cp":
-        kw["cp_group"] = peer_groups[dp]
+    if other in ("cp", "pp"):
+        kw[f"{other}_group"] = peer_groups[dp]
     return kw, {"dp": dp, other: peer}
 
 
