@@ -201,7 +201,7 @@ class LayoutOptions(Options):
     )
     replicas: str = option(
         "read",
-        '"read": every replica peer reads the data; "broadcast": one per group reads and sends',
+        '"read": every replica peer reads (pipeline middle stages follow the first); "broadcast": one reads, sends',
         choices=REPLICAS,
     )
     agree_every: int | None = option(
