@@ -119,6 +119,7 @@ def test_nothing_we_started_outlives_the_loader(http_server, monkeypatch, worker
     monkeypatch.delenv("WDSLLM_FETCH_PROCESS", raising=False)
     write_dataset(http_server.root / "ds", [30, 12, 25], seed=4, mode="packed", seq_len=16)
     storage.reset()
+    gc.collect()  # an earlier test's loader left to the collector stops its threads there
     assert settled(lambda: not ours())
     before = children()
     read_and_end(http_server.url_for("ds"), workers, how, before)

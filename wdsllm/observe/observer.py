@@ -183,4 +183,6 @@ def timed(batches: Iterator[dict], observer: Observer) -> Iterator[dict]:
             yield batch
     finally:
         clock.abandoned()
+        if observer.watchdog is not None:
+            observer.watchdog.pause()  # no thread outlives an iteration: a loader left unclosed keeps none
         batches.close()

@@ -42,6 +42,8 @@ STACK_WAIT_S = 2.0
 #: DataLoader's timeout under ``watchdog_raise`` is the watchdog's seconds plus this: the warning,
 #: with its stacks, comes first
 RAISE_GRACE_S = STACK_WAIT_S + 1.0
+#: how long a paused watchdog still waits for the stacks that stopped workers owe
+OWED_WAIT_S = 30.0
 
 #: the file a worker's faulthandler writes its stack into (kept open for the process's life)
 _STACK_FILE: IO[bytes] | None = None
@@ -91,19 +93,31 @@ class Watchdog:
         self._fired_for: float | None = None  # the wait (its start) the warning was given for
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ending: float | None = None  # paused with stacks owed: stop once they came, or then
 
     def start(self) -> None:
+        self._ending = None
         if self._thread is None or not self._thread.is_alive():
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="wdsllm-watchdog", daemon=True)
             self._thread.start()
 
-    def close(self) -> None:
-        """Stop the thread and remove the stack files (also what ``Loader.close()`` does)."""
+    def pause(self) -> None:
+        """An iteration ended: stop the thread, or, while a stopped worker still owes its stack,
+        let it log that (at most ``OWED_WAIT_S``) and stop then. A loader left unclosed after its
+        iterations keeps no thread."""
+        if self._owed:
+            self._ending = time.monotonic() + OWED_WAIT_S
+            return
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
+
+    def close(self) -> None:
+        """Stop the thread and remove the stack files (also what ``Loader.close()`` does)."""
+        self._owed.clear()  # nothing is waited for any more
+        self.pause()
         shutil.rmtree(self.stacks_dir, ignore_errors=True)
 
     def _run(self) -> None:
@@ -113,6 +127,8 @@ class Watchdog:
                 self._check()
             except Exception:  # the watchdog must never be what stops a run
                 log.debug("watchdog check failed", exc_info=True)
+            if self._ending is not None and (not self._owed or time.monotonic() > self._ending):
+                return  # paused: the owed stacks came (or never will)
 
     def _check(self) -> None:
         entered = self.clock.entered_at
