@@ -122,11 +122,16 @@ def checkout(rev: str, work: Path) -> Path:
     return path
 
 
+def _env(code: Path) -> dict:
+    """The environment a revision's child runs in: its tree first on PYTHONPATH, the caller's after."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])))
+
+
 def measure(code: Path, root: str, mode: str, workers: int, check: bool, epochs: int = 3) -> dict:
     """tokens/s and tokens per CPU second of one configuration, in a fresh process."""
     kind, options = MODES[mode]
     spec = {"data": f"{root}/wiki-{kind}", "options": options, "workers": workers, "check": check, "epochs": epochs}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])))
+    env = _env(code)
     # run in the revision's tree: `python -c` puts the working directory before PYTHONPATH
     cmd = [sys.executable, "-c", CHILD, json.dumps(spec)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=code)
@@ -139,9 +144,8 @@ def _child(code: Path, root: str, mode: str, workers: int) -> subprocess.Popen:
     """A paired-mode child: loads, runs a warm-up epoch, then measures once per line it reads."""
     kind, options = MODES[mode]
     spec = {"data": f"{root}/wiki-{kind}", "options": options, "workers": workers, "check": True, "paired": True}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-c", CHILD, json.dumps(spec)]
-    proc = subprocess.Popen(cmd, env=env, cwd=code, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=_env(code), cwd=code, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if proc.stdout.readline().strip() != "ready":
         raise SystemExit(f"{code} {mode} {workers} workers failed to start")
     return proc

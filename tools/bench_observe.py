@@ -40,7 +40,6 @@ import bench_load  # the same packs and constants as the load benchmark
 
 import wdsllm
 from wdsllm.load import dataset, loader, transport
-from wdsllm.load.batching import Batch
 from wdsllm.observe import observer
 
 
@@ -49,14 +48,7 @@ def _send_bundles_unobserved(bundles: Iterable[list], holder: transport.RingHold
     info = transport.get_worker_info()
     ring = holder.ring
     for bundle in bundles:
-        msg = None
-        if ring is not None and ring.usable and info is not None and info.id < ring.workers:
-            msg = ring.pack(info.id, bundle)
-        if msg is None:
-            for batch in bundle:
-                if isinstance(batch, Batch):
-                    batch.items = batch.items.compact()
-        yield bundle if msg is None else msg
+        yield transport.packed(bundle, ring, info)
 
 
 def _take_untimed(self: transport.TokenRing, msg: transport.RingBundle) -> Any:

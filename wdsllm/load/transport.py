@@ -171,15 +171,21 @@ def send_bundles(bundles: Iterable[list], holder: RingHolder) -> Iterator[Any]:
     for bundle in timed_stream(iter(bundles), "batch"):
         bundle.append(reporter.report())
         began = time.perf_counter()
-        msg = None
-        if ring is not None and ring.usable and info is not None and info.id < ring.workers:
-            msg = ring.pack(info.id, bundle)
-        if msg is None:
-            for batch in bundle:
-                if isinstance(batch, Batch):
-                    batch.items = batch.items.compact()
+        out = packed(bundle, ring, info)
         stages.add("transport", time.perf_counter() - began)
-        yield bundle if msg is None else msg
+        yield out
+
+
+def packed(bundle: list, ring: Any, info: Any) -> Any:
+    """The bundle through the ring where this worker has a part of it, else compacted (pickled)."""
+    msg = None
+    if ring is not None and ring.usable and info is not None and info.id < ring.workers:
+        msg = ring.pack(info.id, bundle)
+    if msg is None:
+        for batch in bundle:
+            if isinstance(batch, Batch):
+                batch.items = batch.items.compact()
+    return bundle if msg is None else msg
 
 
 def received(bundle: Any) -> list:
