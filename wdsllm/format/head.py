@@ -13,7 +13,7 @@ import numpy as np
 from .. import format as fmt
 from .. import storage
 from ..format import tar as tario
-from .shard import expect_of, read_checked, sequential_fetch, shard_tables
+from .shard import GroupRows, expect_of, read_checked, sequential_fetch, shard_tables
 
 
 @dataclass
@@ -79,7 +79,7 @@ def _groups(stream: BinaryIO, entry: fmt.ShardEntry, index: fmt.Index, tables: d
     items = entry.rows if index.mode == "packed" else entry.documents
     checked = read_checked(
         sequential_fetch(source),
-        table,
+        GroupRows(table),
         0,
         len(table),
         items_total=items,

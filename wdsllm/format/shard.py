@@ -125,9 +125,22 @@ def _key_at(data: bytes | memoryview) -> str:
     return key if re.fullmatch(r"[A-Za-z0-9_-]{1,64}", key) else "?"
 
 
+class GroupRows:
+    """A shard's checked rows of groups.npy (``array``), also as lists of Python ints: a read of a
+    block of the epoch looks up a few groups, where numpy's cost per call would exceed the work."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+        self.rows: list[list[int]] = array.tolist()
+        self.items: list[int] = [row[fmt.ITEMS] for row in self.rows]  # items before each group
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
 def read_checked(
     fetch: Fetch,
-    table: np.ndarray,
+    table: GroupRows,
     first: int,
     stop: int,
     *,
@@ -139,17 +152,19 @@ def read_checked(
     edges: Container[int] = (),
     buffer: Any = None,
 ) -> Iterator[CheckedGroup]:
-    """Groups ``first`` .. ``stop - 1`` of a shard whose groups.npy rows are ``table`` (format 3),
-    each checked; ``items_total``/``docs_total``: the shard's items and documents (the index's).
+    """Groups ``first`` .. ``stop - 1`` of a shard whose checked groups.npy rows are ``table``
+    (format 3), each checked; ``items_total``/``docs_total``: the shard's items and documents (the index's).
     ``edges``: groups the caller reads only part of (a block of the epoch starts or stops inside
     them), kept for the read of their other part (``_RecentGroups``). ``buffer``: the spool ``fetch``
     reads in place, if any: a kept group over another buffer (a spool of an earlier pass) is read
     again from this one, so that the blocks of one read share one buffer
     (joined without a copy) and an old spool is not kept alive by the cache."""
+    rows = table.rows
     for g in range(first, stop):
-        offset, items_before, docs_before, size, checksum = (int(x) for x in table[g])
-        items_after = int(table[g + 1, fmt.ITEMS]) if g + 1 < len(table) else items_total
-        docs_after = int(table[g + 1, fmt.DOCS]) if g + 1 < len(table) else docs_total
+        offset, items_before, docs_before, size, checksum = rows[g]
+        following = rows[g + 1] if g + 1 < len(rows) else None
+        items_after = following[fmt.ITEMS] if following is not None else items_total
+        docs_after = following[fmt.DOCS] if following is not None else docs_total
         # the same bytes, checked against the same expectations (the table's counts included)
         key = (where, offset, size, checksum, expect, items_after - items_before, docs_after - docs_before)
         group = _recent.get(key)

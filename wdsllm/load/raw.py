@@ -164,6 +164,7 @@ class RawSource(OneDataset):
         opened: Opening | None = None,
         stream: Any = None,
         stats: Any = None,
+        held: dict | None = None,
     ) -> Iterator[Block]:
         """The slice's documents, tokenized (``rawread.read_unit``)."""
         return read_unit(self, sl.shard, sl.start, sl.stop, sl.stride, skip, stats)

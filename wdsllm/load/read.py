@@ -4,6 +4,7 @@ offset where the index says where groups start, zero-copy over mapped local shar
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,12 +16,12 @@ from .. import format as fmt
 from .. import storage
 from ..errors import FormatError
 from ..format import tar as tario
-from ..format.shard import CheckedGroup, expect_of, read_checked, sequential_fetch
+from ..format.shard import CheckedGroup, GroupRows, read_checked, sequential_fetch
 from .block import Block, make_id
 from .plan import Slice
 
 if TYPE_CHECKING:
-    from .sources.packed import PackedSource
+    from .sources.packed import PackedSource, ShardFacts
 
 log = logging.getLogger(__name__)
 
@@ -127,20 +128,35 @@ def _in_place(stream: Any, url: str) -> tario.MappedReader | None:
     return tario.mapped(stream, local)
 
 
-def _mapped_again(dataset: PackedSource, shard: int, url: str) -> tario.MappedReader | None:
-    """A local shard this process keeps mapped, found without opening it (``tario.mapped_again``)."""
-    if storage.scheme_of(url) != "file":
+#: how many local shards' mappings a pass holds for its next slices (``read_slice``'s ``held``)
+HELD_SHARDS = 8
+
+
+def _mapped_again(dataset: PackedSource, facts: ShardFacts, held: dict | None) -> tario.MappedReader | None:
+    """A local shard this process keeps mapped, found without opening it (``tario.mapped_again``);
+    found once per pass where the pass ``held`` it for its next slices: the pass's first read of
+    the shard is the one that sees a replaced file, as a read of the whole shard would."""
+    if facts.local_path is None:
         return None
-    entry = dataset.shard_entries[shard] if dataset.shard_entries else None
-    return tario.mapped_again(storage.local_path(url), entry.bytes if entry else None)
+    key = (id(dataset), facts.url)
+    mm = held.get(key) if held is not None else None
+    if mm is not None:
+        return tario.MappedReader(mm, 0)
+    reader = tario.mapped_again(facts.local_path, facts.entry.bytes if facts.entry else None)
+    if reader is not None and held is not None:
+        if len(held) >= HELD_SHARDS:
+            held.pop(next(iter(held)))
+        held[key] = reader.mm
+    return reader
 
 
 def open_kwargs(dataset: PackedSource, shard: int, options: ReadOptions, start: GroupStart | None = None) -> dict:
     """How ``storage.open_stream`` opens shard ``shard``: with the index's size, with its sha256
     where a cache will keep the bytes (a cache entry must match the index's checksum), and at a
     group's offset for a ranged start."""
-    entry = dataset.shard_entries[shard] if dataset.shard_entries else None
-    cached = options.cache is not None and storage.is_remote(dataset.urls[shard])
+    facts = dataset.shard(shard)
+    entry = facts.entry
+    cached = options.cache is not None and facts.remote
     return dict(
         offset=start.offset if start else 0,
         length=start.length if start else None,
@@ -175,17 +191,17 @@ class GroupStart:
     length: int | None = None  # bytes to request: through the header of the group after the last one needed
 
 
-def group_range(dataset: PackedSource, sl: Slice, skip: int) -> tuple[np.ndarray, int, int] | None:
-    """(the shard's group table, first group, one past the last) holding items ``sl.start + skip``
+def group_range(dataset: PackedSource, sl: Slice, skip: int) -> tuple[GroupRows, int, int] | None:
+    """(the shard's group rows, first group, one past the last) holding items ``sl.start + skip``
     to ``sl.stop`` of the slice; None without groups.npy or for a slice dealt out by stride."""
     if sl.stride != 1:
         return None
-    table = dataset.group_table(sl.shard)
+    table = dataset.group_rows(sl.shard)
     if table is None or not len(table):
         return None
-    items = table[:, fmt.ITEMS]
-    first = max(0, int(np.searchsorted(items, sl.start + skip, side="right")) - 1)
-    after = len(table) if sl.stop is None else int(np.searchsorted(items, sl.stop, side="left"))
+    items = table.items
+    first = max(0, bisect.bisect_right(items, sl.start + skip) - 1)
+    after = len(table) if sl.stop is None else bisect.bisect_left(items, sl.stop)
     return table, first, max(first, after)
 
 
@@ -195,26 +211,23 @@ def ranged_start(dataset: PackedSource, sl: Slice, skip: int, options: ReadOptio
     groups' sizes are known; format 2: through the first member header of the group after it, where
     the reader sees the group end). A consumer whose share is a part of a shard then downloads only
     that part (and the groups it shares with its neighbours), not the shard up to its share."""
-    if options.cache is not None or not storage.is_remote(dataset.urls[sl.shard]):
+    facts = dataset.shard(sl.shard)
+    if options.cache is not None or not facts.remote:
         return None
     found = group_range(dataset, sl, skip)
     if found is None:
         return None
     table, g, after = found
-    if g == 0 and after >= len(table):
+    rows = table.rows
+    if g == 0 and after >= len(rows):
         return None  # the whole shard: a plain read
-    entry = dataset.shard_entries[sl.shard]
-    end_items = int(table[g + 1, fmt.ITEMS]) if g + 1 < len(table) else _shard_items(dataset, entry)
-    if table.shape[1] > fmt.BYTES:
-        length = int(table[after - 1, fmt.OFFSET] + table[after - 1, fmt.BYTES] - table[g, fmt.OFFSET])
+    end_items = rows[g + 1][fmt.ITEMS] if g + 1 < len(rows) else facts.items
+    if len(rows[g]) > fmt.BYTES:
+        length = rows[after - 1][fmt.OFFSET] + rows[after - 1][fmt.BYTES] - rows[g][fmt.OFFSET]
     else:
-        length = int(table[after, 0]) + tario.BLOCK - int(table[g, 0]) if after < len(table) else None
-    items_before = int(table[g, fmt.ITEMS])
-    return GroupStart(int(table[g, 0]), items_before, int(table[g, fmt.DOCS]), end_items - items_before, length)
-
-
-def _shard_items(dataset: PackedSource, entry: fmt.ShardEntry) -> int:
-    return entry.rows if dataset.mode == "packed" else entry.documents
+        length = rows[after][fmt.OFFSET] + tario.BLOCK - rows[g][fmt.OFFSET] if after < len(rows) else None
+    items_before = rows[g][fmt.ITEMS]
+    return GroupStart(rows[g][fmt.OFFSET], items_before, rows[g][fmt.DOCS], end_items - items_before, length)
 
 
 def read_slice(
@@ -225,18 +238,21 @@ def read_slice(
     options: ReadOptions | None = None,
     stream: Any = None,
     start: GroupStart | None = None,
+    held: dict | None = None,
 ) -> Iterator[Block]:
     """The items of one slice (after skipping ``skip`` of them), as blocks of one group each.
 
     ``start``: where to enter the shard (``ranged_start``); ``stream``: the shard already opened
-    there (else it is opened here). Datasets with group checksums (format 3) are read group by
-    group through :func:`wdsllm.format.shard.read_checked`; older ones and shards read without an
-    index are parsed as they stream (their content is unchecked)."""
+    there (else it is opened here); ``held``: the pass's local shards mapped by earlier slices.
+    Datasets with group checksums (format 3) are read group by group through
+    :func:`wdsllm.format.shard.read_checked`; older ones and shards read without an index are
+    parsed as they stream (their content is unchecked)."""
     options = options or ReadOptions()
-    url = dataset.urls[sl.shard]
+    facts = dataset.shard(sl.shard)
+    url = facts.url
     if dataset.mode == "packed" and (dataset.index is None or dataset.index.seq_len is None):
         raise FormatError(f"{url}: packed shards need their index (seq_len)")
-    source = _mapped_again(dataset, sl.shard, url) if stream is None else None
+    source = _mapped_again(dataset, facts, held) if stream is None else None
     own = stream is None and source is None
     if own:
         stream = storage.open_stream(url, **open_kwargs(dataset, sl.shard, options, start))
@@ -245,23 +261,26 @@ def read_slice(
         checked = options.check_groups and dataset.index is not None and dataset.index.checks_groups
         groups = group_range(dataset, sl, skip) if checked else None
         if groups is not None:
-            raw_groups = _checked_groups(dataset, sl, source, groups, start, options)
+            raw_groups = _checked_groups(dataset, facts, sl, source, groups, start, options)
         else:
-            raw_groups = _streamed_groups(dataset, sl, skip, source, start)
-        yield from _blocks(dataset, sl, skip, source, raw_groups, options)
+            raw_groups = _streamed_groups(dataset, facts, sl, skip, source, start)
+        yield from _blocks(dataset, facts, sl, skip, source, raw_groups, options)
     finally:
         if own:
             stream.close()
 
 
 def _checked_groups(
-    dataset: PackedSource, sl: Slice, source: Any, groups: tuple, start: GroupStart | None, options: ReadOptions
+    dataset: PackedSource,
+    facts: ShardFacts,
+    sl: Slice,
+    source: Any,
+    groups: tuple,
+    start: GroupStart | None,
+    options: ReadOptions,
 ) -> Iterator[CheckedGroup]:
     table, first, after = groups
-    url = dataset.urls[sl.shard]
-    entry = dataset.shard_entries[sl.shard]
-    index = dataset.index
-    remote = storage.is_remote(url)
+    url, remote = facts.url, facts.remote
     position = start.offset if start is not None else 0
 
     def again(offset: int, length: int) -> bytes | None:
@@ -280,41 +299,41 @@ def _checked_groups(
                 source.spool.wait(offset + length)  # the group's bytes have arrived
             return plain(offset, length, attempt)
 
-    items_total = _shard_items(dataset, entry)
     return read_checked(
         fetch,
         table,
         first,
         after,
-        items_total=items_total,
-        docs_total=entry.documents,
-        expect=expect_of(index),
+        items_total=facts.items,
+        docs_total=facts.entry.documents,
+        expect=dataset.expect(),
         where=url,
         on_retry=log.warning,
-        edges=_edge_groups(table, first, after, sl, items_total),
+        edges=_edge_groups(table, first, after, sl, facts.items),
         buffer=source.spool.mm if isinstance(source, _SpooledShard) else None,
     )
 
 
-def _edge_groups(table: np.ndarray, first: int, after: int, sl: Slice, items_total: int) -> tuple[int, ...]:
+def _edge_groups(table: GroupRows, first: int, after: int, sl: Slice, items_total: int) -> tuple[int, ...]:
     """The slice's first and last groups where it holds only part of them (a block of the epoch
     starts or stops inside)."""
     if after <= first:
         return ()
     edges = []
-    if int(table[first, fmt.ITEMS]) < sl.start:
+    items = table.items
+    if items[first] < sl.start:
         edges.append(first)
-    last_end = int(table[after, fmt.ITEMS]) if after < len(table) else items_total
+    last_end = items[after] if after < len(items) else items_total
     if sl.stop is not None and last_end > sl.stop:
         edges.append(after - 1)
     return tuple(edges)
 
 
 def _streamed_groups(
-    dataset: PackedSource, sl: Slice, skip: int, source: Any, start: GroupStart | None
+    dataset: PackedSource, facts: ShardFacts, sl: Slice, skip: int, source: Any, start: GroupStart | None
 ) -> Iterator[CheckedGroup]:
     """Groups parsed as the shard streams (no checksums): unwanted ones are skipped by their JSON."""
-    url = dataset.urls[sl.shard]
+    url = facts.url
     first_wanted = sl.start + skip * sl.stride
     stop = sl.stop
     state = {"ordinal": 0, "doc": 0} if start is None else {"ordinal": start.items, "doc": start.documents}
@@ -329,7 +348,7 @@ def _streamed_groups(
             state["doc"] += state["pending_docs"]
         return keep
 
-    end = dataset.shard_entries[sl.shard].bytes if dataset.shard_entries is not None else None
+    end = facts.entry.bytes if facts.entry is not None else None
     for raw in tario.iter_samples(source, url, wanted=wanted, base_offset=start.offset if start else 0, end=end):
         group = tario.decode_sample(raw, url)
         n = tario.group_items(raw.meta, url)
@@ -345,17 +364,21 @@ def _streamed_groups(
 
 
 def _blocks(
-    dataset: PackedSource, sl: Slice, skip: int, source: Any, groups: Iterator[CheckedGroup], options: ReadOptions
+    dataset: PackedSource,
+    facts: ShardFacts,
+    sl: Slice,
+    skip: int,
+    source: Any,
+    groups: Iterator[CheckedGroup],
+    options: ReadOptions,
 ) -> Iterator[Block]:
     """The slice's items of each group, as blocks (over the whole mapped shard when it is one)."""
     mode = dataset.mode
     seq_len = dataset.index.seq_len if dataset.index else None
     first_wanted = sl.start + skip * sl.stride
     stop = sl.stop
-    prev_shard_doc = -1
-    if mode == "packed" and dataset.shard_entries is not None and sl.shard > 0:
-        # a row that continues a document from the previous shard belongs to its last document
-        prev_shard_doc = int(make_id(sl.shard - 1, dataset.shard_entries[sl.shard - 1].documents - 1))
+    # a row that continues a document from the previous shard belongs to its last document
+    prev_shard_doc = facts.prev_doc
     shard_tokens = None
     if isinstance(source, tario.MappedReader) and dataset.index is not None:
         dtype = np.dtype(dataset.index.dtype)

@@ -385,6 +385,7 @@ def read_plan_stream(
     if mark:
         to_drop.docs, to_drop.items = mark
     passed = _Yielded()
+    held: dict = {}  # what readers keep for the pass's next slices (a local shard's mapping)
     for w in work:
         passed.items = 0
         position = _items_of_docs(source, w.sl, spec, w.skip) if w.sl.pick is not None else 0
@@ -395,7 +396,9 @@ def read_plan_stream(
                 warmer.warm(streams)
                 warmer = None
             blocks = _Passed(
-                w.reader.read(w.local, skip=skip, options=options, opened=w.opening, stream=stream, stats=stats)
+                w.reader.read(
+                    w.local, skip=skip, options=options, opened=w.opening, stream=stream, stats=stats, held=held
+                )
             )
             for block in _cut_blocks(source, w, blocks, spec, position, to_drop, stats):
                 passed.note(block)

@@ -80,10 +80,11 @@ class Observer:
         if self.drift is not None:
             self.drift.stepped()
 
-    def stepped(self) -> None:
-        """After each batch handed out: its wait charged to its worker; every ``reduce_every``
+    def stepped(self, wait: float) -> None:
+        """After each batch handed out: its ``wait`` charged to its worker; every ``reduce_every``
         steps, the reduction (on every rank at the same step, as the ranks count the same steps)."""
-        self.tally.waited(self._worker, self.wait.waits[-1])
+        waits = self.tally.waits
+        waits[self._worker] = waits.get(self._worker, 0.0) + wait
         every = self.options.reduce_every
         if every is None or self.wait.total_steps % every:
             return
@@ -178,11 +179,10 @@ def timed(batches: Iterator[dict], observer: Observer) -> Iterator[dict]:
                 if stalled is None:
                     raise
                 raise stalled from exc
-            clock.left()
-            observer.stepped()
+            observer.stepped(clock.left())
             yield batch
     finally:
         clock.abandoned()
         if observer.watchdog is not None:
-            observer.watchdog.pause()  # no thread outlives an iteration: a loader left unclosed keeps none
+            observer.watchdog.pause()  # its thread waits a moment for the next pass, then stops
         batches.close()

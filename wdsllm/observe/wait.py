@@ -62,11 +62,12 @@ class WaitClock:
         self._entered = now
         return now
 
-    def left(self) -> None:
+    def left(self) -> float:
+        """The wait of the ``next()`` that returned now (0.0 when none was entered)."""
         now = time.perf_counter()
         entered, self._entered = self._entered, None
         if entered is None:
-            return
+            return 0.0
         wait = now - entered
         self.waits.append(wait)
         # the first step of a pass has no previous return: its step is its wait
@@ -74,6 +75,7 @@ class WaitClock:
         self._left = now
         self.total_steps += 1
         self.total_wait += wait
+        return wait
 
     def abandoned(self) -> None:
         """The pass ended (or failed) inside ``next()``: no step to count; the next pass's

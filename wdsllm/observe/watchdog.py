@@ -44,6 +44,9 @@ STACK_WAIT_S = 2.0
 RAISE_GRACE_S = STACK_WAIT_S + 1.0
 #: how long a paused watchdog still waits for the stacks that stopped workers owe
 OWED_WAIT_S = 30.0
+#: how long a paused watchdog's thread waits for the next iteration (the next epoch's), which then
+#: needs no thread started and joined
+LINGER_S = 1.0
 
 #: the file a worker's faulthandler writes its stack into (kept open for the process's life)
 _STACK_FILE: IO[bytes] | None = None
@@ -92,43 +95,56 @@ class Watchdog:
         self._growing: dict[int, int] = {}  # a stack file's size at the last look, while it grows
         self._fired_for: float | None = None  # the wait (its start) the warning was given for
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # who starts and who ends the thread
         self._thread: threading.Thread | None = None
-        self._ending: float | None = None  # paused with stacks owed: stop once they came, or then
+        self._paused: float | None = None  # when the last iteration ended (None: one is running)
 
     def start(self) -> None:
-        self._ending = None
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="wdsllm-watchdog", daemon=True)
-            self._thread.start()
+        with self._lock:
+            self._paused = None
+            if self._thread is None:
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._run, name="wdsllm-watchdog", daemon=True)
+                self._thread.start()
 
     def pause(self) -> None:
-        """An iteration ended: stop the thread, or, while a stopped worker still owes its stack,
-        let it log that (at most ``OWED_WAIT_S``) and stop then. A loader left unclosed after its
-        iterations keeps no thread."""
-        if self._owed:
-            self._ending = time.monotonic() + OWED_WAIT_S
-            return
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)
+        """An iteration ended. The thread waits ``LINGER_S`` for the next one, or, while a stopped
+        worker still owes its stack, lets it log that (at most ``OWED_WAIT_S``), then stops. A
+        loader left unclosed after its iterations keeps no thread for longer."""
+        with self._lock:
+            self._paused = time.monotonic()
 
     def close(self) -> None:
         """Stop the thread and remove the stack files (also what ``Loader.close()`` does)."""
-        self._owed.clear()  # nothing is waited for any more
-        self.pause()
+        with self._lock:
+            self._owed.clear()  # nothing is waited for any more
+            self._stop.set()
+            thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
         shutil.rmtree(self.stacks_dir, ignore_errors=True)
 
     def _run(self) -> None:
-        poll = min(1.0, self.seconds / 4)
+        poll = min(1.0, self.seconds / 4, LINGER_S)
         while not self._stop.wait(poll):
             try:
                 self._check()
             except Exception:  # the watchdog must never be what stops a run
                 log.debug("watchdog check failed", exc_info=True)
-            if self._ending is not None and (not self._owed or time.monotonic() > self._ending):
-                return  # paused: the owed stacks came (or never will)
+            if self._ended():
+                return
+
+    def _ended(self) -> bool:
+        """Whether a paused thread is done: no iteration came within ``LINGER_S`` and no stack is
+        owed, or ``OWED_WAIT_S`` passed (it is then no longer this watchdog's thread)."""
+        with self._lock:
+            if self._paused is None:
+                return False
+            idle = time.monotonic() - self._paused
+            if (self._owed and idle < OWED_WAIT_S) or idle < LINGER_S:
+                return False
+            self._thread = None
+            return True
 
     def _check(self) -> None:
         entered = self.clock.entered_at

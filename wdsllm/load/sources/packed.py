@@ -28,8 +28,9 @@ from ... import format as fmt
 from ... import storage
 from ...errors import MixtureError, TokenizerError
 from ...format.index import read_index_bytes
+from ...format.shard import Expect, GroupRows, expect_of
 from ...format.side import SideArray
-from ..block import Block
+from ..block import Block, make_id
 from ..plan import Slice
 from ..read import ReadOptions, open_kwargs, ranged_start, read_slice
 from .lengths import IndexLengths
@@ -72,8 +73,22 @@ class ShardUrls(Sequence):
         return (self[i] for i in range(len(self)))
 
 
-#: group tables kept checked per process (a few per shard being read; each is a few hundred bytes)
+#: group tables kept checked per process (a few per shard being read; each is a few hundred bytes),
+#: and shards' ``ShardFacts``
 GROUP_TABLES_KEPT = 256
+
+
+@dataclass(frozen=True)
+class ShardFacts:
+    """What every read of one shard asks of its URL and the index, worked out once per process: an
+    epoch reads a few-shard dataset a block at a time, each block a read of its own."""
+
+    url: str
+    entry: fmt.ShardEntry | None  # None without an index
+    remote: bool
+    local_path: str | None  # a local file's path (found mapped again by a stat), else None
+    items: int | None  # rows (packed) or documents, where an index says
+    prev_doc: int  # packed rows: id of the previous shard's last document, which a first row may continue (-1)
 
 
 @dataclass
@@ -97,6 +112,8 @@ class PackedSource(OneDataset):
     _sides: dict = field(default_factory=dict, repr=False)  # side file name -> SideArray
     _columns: dict = field(default_factory=dict, repr=False)  # cached per-shard int64 columns
     _tables: dict = field(default_factory=dict, repr=False)  # shard -> its checked rows of groups.npy
+    _facts: dict = field(default_factory=dict, repr=False)  # shard -> its ShardFacts
+    _expect: Expect | None = field(default=None, repr=False)
     _lengths: IndexLengths | None = field(default=None, repr=False)  # lengths.npy, once opened
 
     #: the stream opens the shards, reading the next one ahead while this one is consumed
@@ -166,6 +183,7 @@ class PackedSource(OneDataset):
         state = dict(self.__dict__)
         state["_tables"] = {}
         state["_columns"] = {}
+        state["_facts"] = {}
         return state
 
     # -- reading its shards (``UnitReader``) ------------------------------------------------------
@@ -173,10 +191,11 @@ class PackedSource(OneDataset):
         """A remote shard opened by the stream (read ahead), entered at a group where a ranged read
         can be (``read.ranged_start``), unless ``whole``; None for a local one: the reader maps it
         (once per process, ``format.tar.map_cache``), and nothing is gained by opening it ahead."""
-        if not storage.is_remote(self.urls[sl.shard]):
+        facts = self.shard(sl.shard)
+        if not facts.remote:
             return None
         start = None if whole else ranged_start(self, sl, skip, options)
-        return Opening(self.urls[sl.shard], open_kwargs(self, sl.shard, options, start), start)
+        return Opening(facts.url, open_kwargs(self, sl.shard, options, start), start)
 
     def read(
         self,
@@ -187,9 +206,10 @@ class PackedSource(OneDataset):
         opened: Opening | None = None,
         stream: Any = None,
         stats: Any = None,
+        held: dict | None = None,
     ) -> Iterator[Block]:
         start = opened.start if opened is not None else None
-        return read_slice(self, sl, skip=skip, options=options, stream=stream, start=start)
+        return read_slice(self, sl, skip=skip, options=options, stream=stream, start=start, held=held)
 
     # -- side files -------------------------------------------------------------------------
     def side(self, ref: fmt.SideFile | None) -> SideArray | None:
@@ -220,11 +240,39 @@ class PackedSource(OneDataset):
         self._lengths = IndexLengths(side, self.docs_per_shard, self._starts("documents"), self.positions is None)
         return self._lengths
 
+    def shard(self, shard: int) -> ShardFacts:
+        """What reading shard ``shard`` needs of its URL and the index (kept for the next reads)."""
+        facts = self._facts.get(shard)
+        if facts is not None:
+            return facts
+        url = self.urls[shard]
+        entries = self.shard_entries
+        entry = entries[shard] if entries is not None else None
+        prev_doc = -1
+        if self.mode == "packed" and entries is not None and shard > 0:
+            prev_doc = int(make_id(shard - 1, entries[shard - 1].documents - 1))
+        local = storage.local_path(url) if storage.scheme_of(url) == "file" else None
+        items = None if entry is None else entry.rows if self.mode == "packed" else entry.documents
+        facts = ShardFacts(url, entry, storage.is_remote(url), local, items, prev_doc)
+        _keep(self._facts, shard, facts)
+        return facts
+
+    def expect(self) -> Expect:
+        """What the index says every group must be (``read_checked`` asks at each read)."""
+        if self._expect is None:
+            self._expect = expect_of(self.index)
+        return self._expect
+
     def group_table(self, shard: int) -> np.ndarray | None:
         """Where each group of shard ``shard`` starts (and, format 3, its size and checksum):
-        [groups, columns] from groups.npy, or None without one. Only this shard's rows are read,
-        checked against the index (their chunk of groups.npy by digest, then as a table), and kept
-        for the next few reads of the shard."""
+        [groups, columns] from groups.npy, or None without one."""
+        rows = self.group_rows(shard)
+        return None if rows is None else rows.array
+
+    def group_rows(self, shard: int) -> GroupRows | None:
+        """Shard ``shard``'s rows of groups.npy, or None without one. Only this shard's rows are
+        read, checked against the index (their chunk of groups.npy by digest, then as a table), and
+        kept for the next few reads of the shard."""
         table = self._tables.get(shard)
         if table is not None:
             return table
@@ -241,10 +289,8 @@ class PackedSource(OneDataset):
         entry = self.shard_entries[shard]
         rows = side.read(columns * first, columns * (first + entry.samples)).astype(np.int64, copy=False)
         items = entry.rows if self.mode == "packed" else entry.documents
-        table = fmt.check_group_table(rows, entry, items, side.url, columns)
-        if len(self._tables) >= GROUP_TABLES_KEPT:
-            self._tables.pop(next(iter(self._tables)))
-        self._tables[shard] = table
+        table = GroupRows(fmt.check_group_table(rows, entry, items, side.url, columns))
+        _keep(self._tables, shard, table)
         return table
 
     def fingerprint(self) -> str:
@@ -292,6 +338,13 @@ class PackedSource(OneDataset):
                 f"load {index.tokenizer.source!r} yourself (sha256 {index.tokenizer.sha256[:16]}...)"
             )
         return text
+
+
+def _keep(kept: dict, shard: int, value: Any) -> None:
+    """``value`` kept for ``shard``, the oldest dropped beyond ``GROUP_TABLES_KEPT``."""
+    if len(kept) >= GROUP_TABLES_KEPT:
+        kept.pop(next(iter(kept)))
+    kept[shard] = value
 
 
 def _read_index(root: str, retry: storage.RetryPolicy | None = None) -> tuple[fmt.Index | None, str]:

@@ -79,9 +79,11 @@ class UnitReader(Protocol):
         opened: Opening | None = None,
         stream: Any = None,
         stats: Any = None,
+        held: dict | None = None,
     ) -> Iterator[Block]:
         """The slice's items after ``skip`` of them (documents counted), as blocks; ``opened``
-        and ``stream``: what ``opening`` said and the stream opened by it."""
+        and ``stream``: what ``opening`` said and the stream opened by it; ``held``: what the
+        reader keeps for the pass's next slices (the stream's, dropped when the pass ends)."""
         ...
 
 
