@@ -75,3 +75,40 @@ def test_a_group_that_two_blocks_share_is_checked_and_decoded_once(tmp_path, mon
     documents = sum(len(batch["lengths"]) for batch in loader)
     assert documents == int(source.items_per_shard[0])
     assert sorted(decoded) == sorted(set(decoded)) and len(decoded) == groups
+
+
+def test_a_pass_maps_a_local_shard_once_and_the_next_pass_sees_it_replaced(packed, monkeypatch):
+    """A pass's blocks of one local shard share the mapping its first block found (one stat, not
+    one per block); the pass after finds the file again, so a shard replaced meanwhile is read
+    from its new file."""
+    import os
+    import shutil
+
+    from wdsllm.format import tar as tario
+    from wdsllm.load.read import ReadOptions, read_slice
+
+    found = []
+    real = tario.mapped_again
+    monkeypatch.setattr(tario, "mapped_again", lambda *a: found.append(real(*a)) or found[-1])
+    source = open_source(str(packed))
+    blocks = plan.epoch_blocks(source.items_per_shard, source.tokens_per_shard, 5, 0, True)
+    slices = [plan.Slice(int(s), int(f), int(f + n)) for s, f, n in zip(blocks.shards, blocks.firsts, blocks.counts)]
+
+    def one_pass() -> list:
+        held: dict = {}
+        return [b for sl in slices for b in read_slice(source, sl, options=ReadOptions(), held=held)]
+
+    one_pass()  # maps the shard: opened, then found mapped by the next block
+    found.clear()
+    first = one_pass()
+    assert len(first) > 8
+    assert len(found) == 1 and found[0] is not None  # one stat for all of the pass's blocks
+    old_mapping = found[0].mm
+    shard = next(packed.glob("*.tar"))
+    shutil.copy(shard, shard.with_suffix(".new"))
+    os.replace(shard.with_suffix(".new"), shard)  # the same bytes in a new file
+    found.clear()
+    again = one_pass()
+    # the new file is not the mapping kept: the pass's first block opens it, the next find it mapped
+    assert found[0] is None and len(found) == 2 and found[1].mm is not old_mapping
+    assert [b.ids.tolist() for b in again] == [b.ids.tolist() for b in first]

@@ -113,6 +113,25 @@ def test_no_watchdog_no_thread_and_no_files():
         assert watchdogs() <= before
 
 
+def test_epoch_after_epoch_keep_one_thread_which_stops_soon_after_the_last():
+    loader = wdsllm.loader(_data(), batch_size=64, watchdog_s=60, seed=0)
+    threads = set()
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        sum(1 for _ in loader)
+        threads.add(loader.observer.watchdog._thread)
+    assert len(threads) == 1 and None not in threads  # no start and join per epoch
+    (thread,) = threads
+    thread.join(timeout=10)  # not closed: the thread waits about a second for another pass, then stops
+    assert not thread.is_alive()
+    loader.set_epoch(3)
+    sum(1 for _ in loader)  # a later pass starts a new one
+    again = loader.observer.watchdog._thread
+    assert again is not None and again is not thread and again.is_alive()
+    loader.close()
+    assert not again.is_alive()
+
+
 def test_without_workers_the_warning_holds_the_readers_own_stack(http_server, caplog):
     import shutil
 

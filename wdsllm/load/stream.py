@@ -625,9 +625,10 @@ def _cut_blocks(
     to drop dropped (``position``: the in-slice item position of the first block)."""
     base = w.sl.shard - w.local.shard
     pick, lead = w.sl.pick, w.sl.lead
+    docs = source.mode == "docs"
     for block in blocks:
         block = rebase(block, base)
-        if source.mode == "docs":
+        if docs:
             block, cut = _apply_max_len(block, spec)
             if stats is not None:
                 stats.truncated_tokens += cut
