@@ -113,23 +113,27 @@ class _Spans:
         self.lead = lead  # tokens of the first item before the stream's first row
         self.end = 0  # tokens passed, counted from the first item's first token
         self.position = 0  # the shuffled position after the last item passed
-        self._blocks: list[tuple[int, int, np.ndarray]] = []  # (first position, first token, ends)
+        #: (first position, first token, one past the last token, each item's end token)
+        self._blocks: list[tuple[int, int, int, np.ndarray]] = []
 
     def wrap(self, shuffled: Iterable[tuple[int, Block]]) -> Iterator[tuple[int, Block]]:
         for position, block in shuffled:
             ends = self.end + np.cumsum(block.lengths)
-            self._blocks.append((position, self.end, ends))
-            self._blocks = self._blocks[-self.KEEP :]
-            self.end = int(ends[-1]) if len(ends) else self.end
+            last = int(ends[-1]) if len(ends) else self.end
+            self._blocks.append((position, self.end, last, ends))
+            if len(self._blocks) > self.KEEP:
+                del self._blocks[0]
+            self.end = last
             self.position = position + len(block)
             yield position, block
 
     def at(self, tokens: int) -> dict:
-        """The hint of the row that starts ``tokens`` tokens after the stream's first row."""
+        """The hint of the row that starts ``tokens`` tokens after the stream's first row (asked
+        for every batch: the last blocks are searched first, with the arrays' own methods)."""
         t = tokens + self.lead
-        for position, first, ends in reversed(self._blocks):
-            if first <= t < (int(ends[-1]) if len(ends) else first):
-                i = int(np.searchsorted(ends, t, side="right"))
+        for position, first, last, ends in reversed(self._blocks):
+            if first <= t < last:
+                i = int(ends.searchsorted(t, "right"))
                 return {"i": position + i, "lead": t - (int(ends[i - 1]) if i else first)}
         return {"i": self.position, "lead": 0}  # at (or past) the end of what was passed
 
