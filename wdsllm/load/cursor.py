@@ -12,6 +12,7 @@ turned into this rank's, or another layout's re-planned as the rest of its epoch
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -39,12 +40,15 @@ class RoundRobin:
 
     def __init__(self, workers: int, turn: int = 0, active: list[int] | None = None):
         self.queues: list[deque] = [deque() for _ in range(workers)]
-        self.active = list(range(workers)) if active is None else list(active)
+        self.active = list(range(workers)) if active is None else sorted(active)
         self.turn = turn
 
     def _advance(self) -> None:
-        if self.active:
-            self.turn = min((w for w in self.active if w > self.turn), default=self.active[0])
+        """The next active worker after ``turn``, wrapping around (``active`` is in worker order)."""
+        active = self.active
+        if active:
+            i = bisect.bisect_right(active, self.turn)
+            self.turn = active[i] if i < len(active) else active[0]
 
     def run(self, raw: Iterator, on_end: Callable[[EndOfWorker], None]) -> Iterator:
         """The batches of ``raw`` (items that name their ``worker``) in turn order; a worker's end
