@@ -112,3 +112,22 @@ def test_a_pass_maps_a_local_shard_once_and_the_next_pass_sees_it_replaced(packe
     # the new file is not the mapping kept: the pass's first block opens it, the next find it mapped
     assert found[0] is None and len(found) == 2 and found[1].mm is not old_mapping
     assert [b.ids.tolist() for b in again] == [b.ids.tolist() for b in first]
+
+
+def test_the_group_rows_kept_are_bounded_by_their_groups(tmp_path, monkeypatch):
+    from synth import write_dataset
+
+    from wdsllm.load.sources import packed as packedmod
+
+    write_dataset(tmp_path, [30, 12, 25, 20, 18], mode="packed", seq_len=16, seed=3)
+    source = open_source(str(tmp_path))
+    sizes = [len(source.group_rows(s)) for s in range(5)]
+    assert all(sizes) and len(source._tables) == 5
+    budget = sizes[3] + sizes[4]
+    monkeypatch.setattr(packedmod, "GROUP_ROWS_KEPT", budget)
+    source = open_source(str(tmp_path))
+    for shard in range(5):
+        rows = source.group_rows(shard)
+        assert rows.rows == rows.array.tolist() and source.group_table(shard) is rows.array
+        assert sum(len(t) for t in source._tables.values()) <= max(budget, len(rows))
+    assert 4 in source._tables

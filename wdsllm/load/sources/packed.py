@@ -73,9 +73,10 @@ class ShardUrls(Sequence):
         return (self[i] for i in range(len(self)))
 
 
-#: group tables kept checked per process (a few per shard being read; each is a few hundred bytes),
-#: and shards' ``ShardFacts``
+#: shards whose group tables (checked) and ``ShardFacts`` a process keeps for their next reads
 GROUP_TABLES_KEPT = 256
+#: ... and at most this many groups in those tables: a group's row as Python ints is about 300 bytes
+GROUP_ROWS_KEPT = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,8 @@ class PackedSource(OneDataset):
         items = entry.rows if self.mode == "packed" else entry.documents
         table = GroupRows(fmt.check_group_table(rows, entry, items, side.url, columns))
         _keep(self._tables, shard, table)
+        while len(self._tables) > 1 and sum(len(t) for t in self._tables.values()) > GROUP_ROWS_KEPT:
+            self._tables.pop(next(iter(self._tables)))
         return table
 
     def fingerprint(self) -> str:
