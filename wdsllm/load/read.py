@@ -132,13 +132,13 @@ def _in_place(stream: Any, url: str) -> tario.MappedReader | None:
 HELD_SHARDS = 8
 
 
-def _mapped_again(dataset: PackedSource, facts: ShardFacts, held: dict | None) -> tario.MappedReader | None:
+def _mapped_again(facts: ShardFacts, held: dict | None) -> tario.MappedReader | None:
     """A local shard this process keeps mapped, found without opening it (``tario.mapped_again``);
     found once per pass where the pass ``held`` it for its next slices: the pass's first read of
     the shard is the one that sees a replaced file, as a read of the whole shard would."""
     if facts.local_path is None:
         return None
-    key = (id(dataset), facts.url)
+    key = facts.url  # a file: one mapping, whichever source of a mixture reads it
     mm = held.get(key) if held is not None else None
     if mm is not None:
         return tario.MappedReader(mm, 0)
@@ -252,7 +252,7 @@ def read_slice(
     url = facts.url
     if dataset.mode == "packed" and (dataset.index is None or dataset.index.seq_len is None):
         raise FormatError(f"{url}: packed shards need their index (seq_len)")
-    source = _mapped_again(dataset, facts, held) if stream is None else None
+    source = _mapped_again(facts, held) if stream is None else None
     own = stream is None and source is None
     if own:
         stream = storage.open_stream(url, **open_kwargs(dataset, sl.shard, options, start))

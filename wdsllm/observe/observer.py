@@ -83,8 +83,7 @@ class Observer:
     def stepped(self, wait: float) -> None:
         """After each batch handed out: its ``wait`` charged to its worker; every ``reduce_every``
         steps, the reduction (on every rank at the same step, as the ranks count the same steps)."""
-        waits = self.tally.waits
-        waits[self._worker] = waits.get(self._worker, 0.0) + wait
+        self.tally.waited(self._worker, wait)
         every = self.options.reduce_every
         if every is None or self.wait.total_steps % every:
             return

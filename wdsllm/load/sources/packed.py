@@ -287,10 +287,10 @@ class PackedSource(OneDataset):
             listed = side.count // columns
             raise fmt.FormatError(f"{side.url}: lists {listed} groups, index.json counts {int(samples.sum())}")
         first = int(self._starts("samples")[shard])
-        entry = self.shard_entries[shard]
+        facts = self.shard(shard)
+        entry = facts.entry
         rows = side.read(columns * first, columns * (first + entry.samples)).astype(np.int64, copy=False)
-        items = entry.rows if self.mode == "packed" else entry.documents
-        table = GroupRows(fmt.check_group_table(rows, entry, items, side.url, columns))
+        table = GroupRows(fmt.check_group_table(rows, entry, facts.items, side.url, columns))
         _keep(self._tables, shard, table)
         while len(self._tables) > 1 and sum(len(t) for t in self._tables.values()) > GROUP_ROWS_KEPT:
             self._tables.pop(next(iter(self._tables)))
