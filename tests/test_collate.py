@@ -7,6 +7,8 @@ from itertools import pairwise
 
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from synth import write_dataset
 
 import wdsllm
@@ -86,3 +88,36 @@ def test_batches_kept_by_the_caller_do_not_change(tmp_path):
         for batch, copy in kept:
             for k, v in copy.items():
                 assert torch.equal(batch[k], v), f"{k} of a kept batch changed"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(0, 70), min_size=0, max_size=12),
+    st.sampled_from([None, 1, 8]),
+    st.integers(0, 2**32 - 1),
+)
+def test_docs_collate_pads_each_document_after_its_tokens(lengths, multiple, seed):
+    """input_ids, labels and attention_mask against a row-by-row reference: each document
+    left-aligned, pad_id / -100 / 0 after it, the width its longest rounded up."""
+    from wdsllm.load.block import Block
+    from wdsllm.load.collate import CollateOptions, collate_docs
+
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths, np.int64)
+    tokens = rng.integers(0, 50_000, int(lengths.sum()) + 50, dtype=np.uint16)
+    starts = rng.permutation(len(lengths))  # items in any order over the buffer
+    offsets = np.concatenate([[0], np.cumsum(lengths[starts])[:-1]]).astype(np.int64)
+    item_starts = np.empty(len(lengths), np.int64)
+    item_starts[starts] = offsets
+    block = Block(tokens, item_starts, lengths, np.arange(len(lengths), dtype=np.int64))
+    out = collate_docs(block, CollateOptions(pad_id=7, pad_to_multiple_of=multiple))
+    width = int(lengths.max()) if len(lengths) else 0
+    if multiple:
+        width = -(-width // multiple) * multiple
+    assert tuple(out["input_ids"].shape) == (len(lengths), width)
+    for i, (a, n) in enumerate(zip(item_starts.tolist(), lengths.tolist())):
+        row = tokens[a : a + n].astype(np.int64)
+        assert out["input_ids"][i].tolist() == row.tolist() + [7] * (width - n)
+        assert out["labels"][i].tolist() == row.tolist() + [IGNORE_INDEX] * (width - n)
+        assert out["attention_mask"][i].tolist() == [1] * n + [0] * (width - n)
+    assert out["lengths"].tolist() == lengths.tolist()

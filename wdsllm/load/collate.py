@@ -114,32 +114,31 @@ class BufferPool:
 _pool = BufferPool()
 
 
-def _tokens_tensor(tokens: np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Token ids as an int64 (or int32) tensor; converted by numpy, single-threaded (see _filled)."""
-    tokens = np.asarray(tokens)
-    out = _pool.take(len(tokens), _NP_DTYPES[dtype])
-    np.copyto(out, tokens, casting="unsafe")
-    return torch.from_numpy(out)
-
-
-def _filled(n: int, value: int, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D tensor of ``value``s in pooled memory. numpy's single-threaded fill beats
-    torch.full here: the main process shares the cores with the DataLoader workers, and torch's
-    parallel fill loses badly to that contention."""
-    arr = _pool.take(n, _NP_DTYPES[dtype])
+def _filled(shape: tuple[int, int], value: int, dtype: torch.dtype) -> np.ndarray:
+    """An array of ``value``s in pooled memory. numpy's single-threaded fill beats torch.full
+    here: the main process shares the cores with the DataLoader workers, and torch's parallel
+    fill loses badly to that contention."""
+    arr = _pool.take(shape[0] * shape[1], _NP_DTYPES[dtype]).reshape(shape)
     arr.fill(value)
-    return torch.from_numpy(arr)
+    return arr
+
+
+def _left_aligned(items: Block, lengths: np.ndarray, width: int, opts: CollateOptions) -> tuple:
+    """``input_ids`` and ``labels`` of the items, each left-aligned in a row of ``width`` and
+    padded after it, and the mask of the real tokens (numpy, in pooled memory). The tokens are
+    written through the mask, once per array: no scatter over a position array."""
+    n = len(lengths)
+    real = _pool.take(n * width, np.bool_).reshape(n, width)
+    np.less(np.arange(width), lengths[:, None], out=real)
+    input_ids = _filled((n, width), opts.pad_id, opts.dtype)
+    input_ids[real] = items.gather_tokens()
+    labels = _filled((n, width), IGNORE_INDEX, opts.dtype)
+    np.copyto(labels, input_ids, where=real)
+    return input_ids, labels, real
 
 
 def _round_up(n: int, multiple: int | None) -> int:
     return n if not multiple else (n + multiple - 1) // multiple * multiple
-
-
-def _flat_positions(lengths: np.ndarray, width: int) -> torch.Tensor:
-    """Positions in a row-major [n, width] array of each item's tokens (items left-aligned)."""
-    total = int(lengths.sum())
-    row_base = np.arange(len(lengths), dtype=np.int64) * width - (np.cumsum(lengths) - lengths)
-    return torch.from_numpy(np.repeat(row_base, lengths) + np.arange(total, dtype=np.int64))
 
 
 def assemble(items: Block, epoch: int, opts: CollateOptions) -> dict:
@@ -153,21 +152,19 @@ def assemble(items: Block, epoch: int, opts: CollateOptions) -> dict:
 def collate_docs(items: Block, opts: CollateOptions) -> dict:
     """Documents padded to the longest in the batch: input_ids, attention_mask, labels, lengths, docs.
 
-    Built with one fill per tensor and one scatter of the real tokens: work proportional to the
-    padded size is a memset, the rest is proportional to the tokens.
+    Each tensor is written in one or two passes over the padded size (a fill, then the real tokens
+    through their mask), with no position array: the rest is proportional to the tokens.
     """
     lengths = items.lengths.astype(np.int64, copy=False)
     n = len(lengths)
     width = _round_up(int(lengths.max()) if n else 0, opts.pad_to_multiple_of)
-    flat = _tokens_tensor(items.gather_tokens(), opts.dtype)
-    where = _flat_positions(lengths, width)
-    input_ids = _filled(n * width, opts.pad_id, opts.dtype).index_copy_(0, where, flat)
-    labels = _filled(n * width, IGNORE_INDEX, opts.dtype).index_copy_(0, where, flat)
-    attention_mask = _filled(n * width, 0, opts.dtype).index_fill_(0, where, 1)
+    input_ids, labels, real = _left_aligned(items, lengths, width, opts)
+    attention_mask = _pool.take(n * width, _NP_DTYPES[opts.dtype]).reshape(n, width)
+    np.copyto(attention_mask, real)
     out = {
-        "input_ids": input_ids.view(n, width),
-        "attention_mask": attention_mask.view(n, width),
-        "labels": labels.view(n, width),
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(attention_mask),
+        "labels": torch.from_numpy(labels),
         "lengths": torch.from_numpy(lengths.copy()),
     }
     if opts.docs:
@@ -199,10 +196,8 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
         # x/y views of one buffer in nanoGPT-style loaders). Boundary masking below copies first.
         labels = input_ids
     else:
-        flat = _tokens_tensor(items.gather_tokens(), opts.dtype)
-        where = _flat_positions(lengths.astype(np.int64), seq_len)
-        input_ids = _filled(n * seq_len, opts.pad_id, opts.dtype).index_copy_(0, where, flat).view(n, seq_len)
-        labels = _filled(n * seq_len, IGNORE_INDEX, opts.dtype).index_copy_(0, where, flat).view(n, seq_len)
+        ids, labels, _ = _left_aligned(items, lengths.astype(np.int64), seq_len, opts)
+        input_ids, labels = torch.from_numpy(ids), torch.from_numpy(labels)
     out = {
         "input_ids": input_ids,
         "labels": labels,
