@@ -171,3 +171,42 @@ def test_segment_lengths_from_the_batcher_match_the_row_layout(lengths, seq_len,
             _, from_layout = block_sources(dataclasses.replace(block, seg_lens=None), mixing, "docs")
             assert with_lens.tolist() == from_layout.tolist()
             assert int(with_lens.sum()) == int(block.lengths.sum())
+
+
+@FAST
+@given(
+    st.lists(st.integers(0, 300), min_size=513, max_size=900),
+    st.integers(0, 2**32 - 1),
+)
+def test_gather_tokens_joins_items_in_order_by_slices_or_by_index(lengths, seed):
+    """Blocks of more than 512 items join their tokens by a slice per item or, for tiny items, by
+    a token index (GATHER_BY_SLICES): the same tokens either way, in item order."""
+    from wdsllm.load import block as blockmod
+
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths, np.int64)
+    tokens = rng.integers(0, 60_000, int(lengths.sum()) + 1000, dtype=np.uint16)
+    starts = rng.integers(0, 1000, len(lengths)) + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    starts = starts[rng.permutation(len(starts))]  # in shuffled order, as a window holds them
+    lengths = np.minimum(lengths, len(tokens) - starts)
+    block = blockmod.Block(tokens, starts, lengths, np.arange(len(lengths), dtype=np.int64))
+    want = np.concatenate([tokens[a : a + n] for a, n in zip(starts.tolist(), lengths.tolist())])
+    assert np.array_equal(block.gather_tokens(), want)
+    old = blockmod.GATHER_BY_SLICES
+    try:
+        for threshold in (1, 10**9):  # every block by slices, every block by index
+            blockmod.GATHER_BY_SLICES = threshold
+            assert np.array_equal(block.gather_tokens(), want)
+    finally:
+        blockmod.GATHER_BY_SLICES = old
+
+
+@FAST
+@given(st.lists(st.integers(0, 50), max_size=40), st.integers(1, 500), st.integers(1, 60))
+def test_concat_cuts_are_the_sorted_unique_of_starts_and_row_edges(lengths, limit, seq_len):
+    from wdsllm.load.batching.concat import _sorted_unique
+
+    ends = np.cumsum(np.asarray(lengths, np.int64))
+    starts = ends - np.asarray(lengths, np.int64)
+    merged = np.concatenate([starts[starts < limit], np.arange(0, limit, seq_len)]).astype(np.int64)
+    assert np.array_equal(_sorted_unique(merged.copy()), np.unique(merged))

@@ -136,7 +136,8 @@ class Block:
         first, total = int(self.starts[0]), int(self.lengths.sum())
         if n == 1 or np.array_equal(self.starts[1:], (self.starts + self.lengths)[:-1]):
             return self.tokens[first : first + total]
-        if n <= 512:
+        if n <= 512 or total >= GATHER_BY_SLICES * n:
+            # a slice per item, joined in one copy: cheaper than a token index unless items are tiny
             return np.concatenate([self.tokens[a : a + m] for a, m in zip(self.starts.tolist(), self.lengths.tolist())])
         idx = np.repeat(self.starts - (np.cumsum(self.lengths) - self.lengths), self.lengths) + np.arange(total)
         return self.tokens[idx]
@@ -179,6 +180,12 @@ def rebase(block: Block, first_shard: int) -> Block:
         doc_first=moved(block.doc_first),
         doc_next=moved(block.doc_next),
     )
+
+
+#: mean tokens per item from which ``gather_tokens`` joins a slice per item rather than building
+#: an index of every token (an int64 a token, written and read several times): at about 140 tokens
+#: an item (wiki documents) slices take a fifth of the time for 600 items and 0.6 of it for 10,000
+GATHER_BY_SLICES = 64
 
 
 def row_view(tokens: np.ndarray, width: int) -> np.ndarray:

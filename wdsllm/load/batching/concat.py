@@ -165,6 +165,16 @@ def _concat_rows(
         yield rows
 
 
+def _sorted_unique(merged: np.ndarray) -> np.ndarray:
+    """``np.unique`` of two sorted runs joined: a stable sort merges them in one pass (timsort),
+    where ``np.unique`` hashes or sorts from scratch."""
+    merged.sort(kind="stable")
+    keep = np.empty(len(merged), bool)
+    keep[:1] = True
+    np.not_equal(merged[1:], merged[:-1], out=keep[1:])
+    return merged[keep]
+
+
 def _cut_rows(block: Block, seq_len: int, n_rows: int) -> tuple[Block, Block | None]:
     """The first ``n_rows`` rows of the block's concatenated tokens, and the rest as a block."""
     ends = np.cumsum(block.lengths)
@@ -172,7 +182,7 @@ def _cut_rows(block: Block, seq_len: int, n_rows: int) -> tuple[Block, Block | N
     limit = min(n_rows * seq_len, int(ends[-1]))
     # segments: every item piece that falls inside a row
     row_edges = np.arange(0, limit, seq_len)
-    cuts = np.unique(np.concatenate([starts[starts < limit], row_edges]))
+    cuts = _sorted_unique(np.concatenate([starts[starts < limit], row_edges]))
     item_of = np.searchsorted(ends, cuts, side="right")
     seg_end = np.minimum(np.append(cuts[1:], limit), ends[item_of])
     seg_len = seg_end - cuts
