@@ -114,6 +114,44 @@ def test_a_pass_maps_a_local_shard_once_and_the_next_pass_sees_it_replaced(packe
     assert [b.ids.tolist() for b in again] == [b.ids.tolist() for b in first]
 
 
+def test_a_local_shards_groups_are_checked_once_per_process_until_the_file_changes(tmp_path, monkeypatch):
+    """Groups of a mapped local file stay checked from one epoch to the next (their tokens are
+    views of the page cache, not the process's memory), more of them than the last few read; a
+    file rewritten in place is read and checked again."""
+    import os
+
+    from wdsllm import storage
+    from wdsllm.format import shard as shard_format
+
+    text = tmp_path / "in.txt"
+    text.write_bytes(SHAKESPEARE.read_bytes()[:400_000])
+    # groups of 4,096 tokens: payloads of 8 KiB, read as views of the mapping (not copied)
+    pack_api([text], tmp_path / "ds", mode="packed", seq_len=SEQ_LEN, sample_tokens=4096)
+    monkeypatch.setattr(plan, "MIN_BLOCK_TOKENS", 4096)  # blocks of whole groups: none is an edge
+    groups = len(open_source(str(tmp_path / "ds")).group_table(0))
+    assert groups > shard_format._recent.recent.max_groups
+    decoded = []
+    decode = shard_format._decode_one
+    monkeypatch.setattr(shard_format, "_decode_one", lambda *a: decoded.append(a[1]) or decode(*a))
+    storage.reset()
+    loader = wdsllm.loader(str(tmp_path / "ds"), batch_size=4, seed=5)
+
+    def decoded_in(epoch: int) -> int:
+        loader.set_epoch(epoch)
+        before = len(decoded)
+        assert sum(len(batch["lengths"]) for batch in loader) > 0
+        return len(decoded) - before
+
+    assert [decoded_in(epoch) for epoch in range(3)] == [groups, 0, 0]
+    shard = next((tmp_path / "ds").glob("*.tar"))
+    data = shard.read_bytes()
+    with open(shard, "r+b") as f:  # the same bytes written over the file, which keeps its inode
+        f.write(data)
+    stat = shard.stat()
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert decoded_in(3) == groups
+
+
 def test_the_group_rows_kept_are_bounded_by_their_groups(tmp_path, monkeypatch):
     from synth import write_dataset
 

@@ -31,7 +31,7 @@ from ..storage.counters import count_store
 from ..storage.state import own
 from . import group as fmt
 from .index import Index
-from .tar import MappedReader, changed_file, decode_sample, iter_samples
+from .tar import MappedReader, changed_file, decode_sample, iter_samples, views_mapped_file
 
 #: fetch(offset, length, attempt) -> the bytes [offset, offset+length) of the shard, or None when
 #: they cannot be fetched again (attempt > 0 on a local file: the same bytes would come back)
@@ -178,7 +178,7 @@ def read_checked(
             _check_group(group, items_after - items_before, docs_after - docs_before, expect, f"{where} @{offset}")
             stages.add("decode", decoded - began)
             stages.add("check", time.perf_counter() - decoded)
-            _recent.put(key, group, size, edge=g in edges)
+            _recent.put(key, group, size, edge=g in edges, mapped=views_mapped_file(group.tokens))
         yield CheckedGroup(offset, items_before, docs_before, items_after - items_before, group)
 
 
@@ -228,27 +228,43 @@ class _RecentGroups:
       where that source's previous run stopped;
     - edge groups, which an epoch's block starts or stops inside: the block that reads the group's
       other part comes anywhere later in the shuffled order (and in every later epoch: the blocks'
-      edges stay, their order changes), so more of them are kept.
+      edges stay, their order changes), so more of them are kept;
+    - groups of mapped local files, many more: they hold views of the page cache, not memory of
+      this process, and the next epoch reads them again (the file is stat'ed before each batch is
+      handed out and before a kept group is used, so a rewritten file is read and checked again).
+      A dataset whose groups fit is hashed and decoded once per process, not once per epoch.
     """
 
-    def __init__(self, max_groups: int = 16, max_bytes: int = 64 << 20, edge_groups: int = 2048):
+    def __init__(
+        self,
+        max_groups: int = 16,
+        max_bytes: int = 64 << 20,
+        edge_groups: int = 2048,
+        mapped_groups: int = 1024,
+        mapped_bytes: int = 256 << 20,
+    ):
         self.recent = _GroupLru(max_groups, max_bytes)
         self.edges = _GroupLru(edge_groups, max_bytes)
+        self.mapped = _GroupLru(mapped_groups, mapped_bytes)
         self.lock = threading.Lock()  # loaders of several threads share it
 
     def get(self, key: tuple) -> fmt.Group | None:
         with self.lock:
-            group = self.recent.get(key)
-            return group if group is not None else self.edges.get(key)
+            for lru in (self.recent, self.mapped, self.edges):
+                group = lru.get(key)
+                if group is not None:
+                    return group
+            return None
 
-    def put(self, key: tuple, group: fmt.Group, size: int, edge: bool = False) -> None:
+    def put(self, key: tuple, group: fmt.Group, size: int, edge: bool = False, mapped: bool = False) -> None:
         with self.lock:
-            (self.edges if edge else self.recent).put(key, group, size)
+            (self.edges if edge else self.mapped if mapped else self.recent).put(key, group, size)
 
     def reset(self) -> None:
         with self.lock:
-            self.recent = _GroupLru(self.recent.max_groups, self.recent.max_bytes)
-            self.edges = _GroupLru(self.edges.max_groups, self.edges.max_bytes)
+            for name in ("recent", "edges", "mapped"):
+                lru = getattr(self, name)
+                setattr(self, name, _GroupLru(lru.max_groups, lru.max_bytes))
 
     def after_fork(self) -> None:
         self.lock = threading.Lock()  # the parent's may have been held by another thread at fork time

@@ -225,15 +225,26 @@ def mapped_again(path: str, size: int | None) -> MappedReader | None:
     return None if mm is None else MappedReader(mm, 0)
 
 
-def changed_file(tokens: Any) -> str | None:
-    """The path of the mapped file that ``tokens`` views, if that file changed since it was mapped
-    (rewritten in place: a shared mapping then shows the new bytes); None if it did not, or if
-    ``tokens`` is not a view of a mapped file. A stat, a few microseconds: cheap once per batch."""
+def _origin(tokens: Any) -> tuple[str, tuple] | None:
+    """(path, identity when mapped) of the mapped file that ``tokens`` views; None if none."""
     base = tokens
     while getattr(base, "base", None) is not None and not isinstance(base, memoryview):
         base = base.base
     mm = base.obj if isinstance(base, memoryview) else None
-    origin = map_cache.origins.get(mm) if isinstance(mm, mmap.mmap) else None
+    return map_cache.origins.get(mm) if isinstance(mm, mmap.mmap) else None
+
+
+def views_mapped_file(tokens: Any) -> bool:
+    """Whether ``tokens`` view a mapped local file (its pages are the page cache's, not this
+    process's memory)."""
+    return _origin(tokens) is not None
+
+
+def changed_file(tokens: Any) -> str | None:
+    """The path of the mapped file that ``tokens`` views, if that file changed since it was mapped
+    (rewritten in place: a shared mapping then shows the new bytes); None if it did not, or if
+    ``tokens`` is not a view of a mapped file. A stat, a few microseconds: cheap once per batch."""
+    origin = _origin(tokens)
     if origin is None:
         return None
     path, key = origin
