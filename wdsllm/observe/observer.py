@@ -75,7 +75,7 @@ class Observer:
 
     def handed(self, worker: int, collate_s: float) -> None:
         """The loader collated a batch of ``worker`` in ``collate_s`` seconds."""
-        stages.add("collate", collate_s)
+        stages.SECONDS["collate"] += collate_s
         self._worker = worker
         if self.drift is not None:
             self.drift.stepped()
@@ -165,10 +165,11 @@ def _stores(stores: dict[str, dict[str, int]], skipped_shards: Sequence[str]) ->
 def timed(batches: Iterator[dict], observer: Observer) -> Iterator[dict]:
     """The loader's batches, each ``next()`` timed on the calling (trainer's) thread."""
     clock = observer.wait
+    entered, left, stepped = clock.entered, clock.left, observer.stepped  # bound once: called every batch
     observer.watch()
     try:
         while True:
-            clock.entered()
+            entered()
             try:
                 batch = next(batches)
             except StopIteration:
@@ -178,7 +179,7 @@ def timed(batches: Iterator[dict], observer: Observer) -> Iterator[dict]:
                 if stalled is None:
                     raise
                 raise stalled from exc
-            observer.stepped(clock.left())
+            stepped(left())
             yield batch
     finally:
         clock.abandoned()

@@ -72,14 +72,14 @@ class Reporter:
 
 def timed_stream(items: Iterator, stage: str) -> Iterator:
     """``items``, the time each takes to come counted as ``stage`` in this process."""
-    clock = stages.CLOCK
+    seconds, perf_counter = stages.SECONDS, time.perf_counter
     while True:
-        began = time.perf_counter()
+        began = perf_counter()
         try:
             item = next(items)
         except StopIteration:
             return
-        clock.add(stage, time.perf_counter() - began)
+        seconds[stage] += perf_counter() - began
         yield item
 
 
@@ -89,22 +89,21 @@ def timed_reads(blocks: Iterator) -> Iterator:
     stages timed on their own inside the reader (``check``, ``decode``, ``tokenize``), and ``read``
     (the rest); all of it taken from ``batch``, the stream they run inside. An estimate where
     several downloads overlap one wait: fetch gets at most the wait."""
-    clock = stages.CLOCK
+    seconds, perf_counter = stages.SECONDS, time.perf_counter
     while True:
-        began, fetched, inner = time.perf_counter(), fetch_ns(), _inner(clock)
+        began, fetched, inner = perf_counter(), fetch_ns(), _inner(seconds)
         try:
             block = next(blocks)
         except StopIteration:
             return
-        spent = time.perf_counter() - began
+        spent = perf_counter() - began
         for_bytes = min(spent, (fetch_ns() - fetched) / 1e9)
-        clock.add("fetch", for_bytes)
-        clock.add("read", max(0.0, spent - for_bytes - (_inner(clock) - inner)))
-        clock.add("batch", -spent)
+        seconds["fetch"] += for_bytes
+        seconds["read"] += max(0.0, spent - for_bytes - (_inner(seconds) - inner))
+        seconds["batch"] -= spent
         yield block
 
 
-def _inner(clock: stages.StageClock) -> float:
+def _inner(seconds: dict[str, float]) -> float:
     """Seconds of the stages a reader times on its own (``stages.timed``)."""
-    seconds = clock.seconds
     return seconds["check"] + seconds["decode"] + seconds["tokenize"]
