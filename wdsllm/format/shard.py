@@ -219,6 +219,10 @@ class _GroupLru:
             _, (_, gone) = self.entries.popitem(last=False)
             self.bytes -= gone
 
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
 
 class _RecentGroups:
     """Groups checked in this process, by shard, place and checksum, so that a group read in two
@@ -246,11 +250,12 @@ class _RecentGroups:
         self.recent = _GroupLru(max_groups, max_bytes)
         self.edges = _GroupLru(edge_groups, max_bytes)
         self.mapped = _GroupLru(mapped_groups, mapped_bytes)
+        self.lrus = (self.recent, self.mapped, self.edges)  # in the order a lookup asks them
         self.lock = threading.Lock()  # loaders of several threads share it
 
     def get(self, key: tuple) -> fmt.Group | None:
         with self.lock:
-            for lru in (self.recent, self.mapped, self.edges):
+            for lru in self.lrus:
                 group = lru.get(key)
                 if group is not None:
                     return group
@@ -262,9 +267,8 @@ class _RecentGroups:
 
     def reset(self) -> None:
         with self.lock:
-            for name in ("recent", "edges", "mapped"):
-                lru = getattr(self, name)
-                setattr(self, name, _GroupLru(lru.max_groups, lru.max_bytes))
+            for lru in self.lrus:
+                lru.clear()
 
     def after_fork(self) -> None:
         self.lock = threading.Lock()  # the parent's may have been held by another thread at fork time

@@ -351,8 +351,7 @@ class WorkerBatcher:
         for index, items, after in planned:
             if limit is not None and limit.reached(index):
                 break
-            if self.stats.skipped_shards:
-                failed.update(self.stats.skipped_shards)
+            failed.update(self.stats.skipped_shards)
             if cfg.unbatched:  # a chunk of single items: `index` counts items
                 if limit is not None and limit.reached(index + len(items)):
                     items = items.slice(0, limit.value() - index)
@@ -365,9 +364,7 @@ class WorkerBatcher:
                     emptied += 1
                     index = following
                     continue
-            note = after if marks is None else marks.hint(following, after)
-            if emptied:
-                note = with_lost(note, emptied)
+            note = with_lost(after if marks is None else marks.hint(following, after), emptied)
             yield self.emit(spec, index, items, note, tail=merging and items_stream.ended)
             index = following
         failed.update(self.stats.skipped_shards)

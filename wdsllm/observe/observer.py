@@ -75,7 +75,7 @@ class Observer:
 
     def handed(self, worker: int, collate_s: float) -> None:
         """The loader collated a batch of ``worker`` in ``collate_s`` seconds."""
-        stages.SECONDS["collate"] += collate_s
+        stages.add("collate", collate_s)
         self._worker = worker
         if self.drift is not None:
             self.drift.stepped()

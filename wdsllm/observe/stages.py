@@ -23,20 +23,13 @@ STAGES = ("fetch", "read", "check", "decode", "tokenize", "batch", "collate", "t
 
 
 class StageClock:
-    """Seconds per stage since this process started it (or since :meth:`reset`)."""
+    """Seconds per stage since this process started (``add`` adds to them)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = dict.fromkeys(STAGES, 0.0)
 
-    def add(self, stage: str, seconds: float) -> None:
-        self.seconds[stage] += seconds
-
     def snapshot(self) -> dict[str, float]:
         return dict(self.seconds)
-
-    def reset(self) -> None:
-        # in place: the hot loops hold this dict (``SECONDS``)
-        self.seconds.update(dict.fromkeys(STAGES, 0.0))
 
 
 #: this process's clock (a DataLoader worker's starts with its parent's figures: reports send
@@ -58,7 +51,7 @@ def timed(stage: str) -> Iterator[None]:
     try:
         yield
     finally:
-        SECONDS[stage] += time.perf_counter() - began
+        add(stage, time.perf_counter() - began)
 
 
 def moved(before: dict[str, float], now: dict[str, float]) -> dict[str, float]:
