@@ -22,6 +22,7 @@ from .errors import (
     ShardError,
     SourceError,
     StateError,
+    SteeringError,
     StorageError,
     TokenizerError,
     UsageError,
@@ -60,9 +61,11 @@ __all__ = [
     "ReadingOptions",
     "ReplicaError",
     "ReplicaMismatchError",
+    "Schedule",
     "ShardError",
     "SourceError",
     "StateError",
+    "SteeringError",
     "StorageError",
     "TokenizerError",
     "UsageError",
@@ -72,6 +75,7 @@ __all__ = [
     "__version__",
     "dataset",
     "loader",
+    "ramp",
 ]
 
 
@@ -85,6 +89,10 @@ def __getattr__(name: str) -> Any:
         from .load.mixture import Mixture
 
         return Mixture
+    if name in ("Schedule", "ramp"):  # no torch: schedules are checked before the loader
+        from .load import steering
+
+        return getattr(steering, name)
     if name in OPTION_RECORDS:  # no torch either: records are built and checked before the loader
         from .load import options
 

@@ -16,6 +16,7 @@ to the caller (not merely prefetched), the round-robin turn, and the rank's batc
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 import weakref
@@ -24,15 +25,16 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, NotADatasetError, UsageError
+from ..errors import ConfigError, NotADatasetError, SteeringError, UsageError
 from ..observe.observer import Observer, timed
 from . import state as statemod
 from .agree import settings_of
 from .batching import Batch
+from .block import concat_blocks
 from .collate import CollateOptions, assemble
 from .config import Config, reading_options, resolve_world
 from .cpsplit import check_row_length
-from .cursor import Cursor, EpochTotal, Here, RoundRobin, check_fits, restore
+from .cursor import Cursor, EpochTotal, Here, RoundRobin, check_fits, positions_of_share, restore, turn_after
 from .dataset import CountedBy, DataStats, EndOfWorker, build_pipeline, dataset_tokenizer, open_given
 from .layout import resolve_layout
 from .mixstats import MixTally
@@ -47,6 +49,7 @@ from .options import (
 )
 from .plan import torch_seed
 from .replicas import Progress, replicas_for
+from .steer import Steerer
 from .tails import TailMerge, merge_key, merges_tails
 from .transport import WorkerBatches
 
@@ -112,6 +115,8 @@ class Loader:
         if self.layout.cp is not None:
             opts = self.collate_options
             check_row_length(self.layout.cp, seq_len=opts.seq_len, multiple=opts.pad_to_multiple_of, rows=opts.rows)
+        #: the schedule in planned steps, the run's changes, where the run stands (steering.md)
+        self.steering = self._steerer()
         identity = {"dataset": self.catalog.fingerprint()}
         self._replicas = replicas_for(self.layout, settings_of(self.layout, dict(vars(self.cfg)), identity))
         #: a mixture's delivered tokens and items per source (``mix_stats``)
@@ -145,6 +150,10 @@ class Loader:
         self.source = self.pipeline.source
         #: what loaded states and batch counts are checked against
         self.here = Here(self.catalog, self.cfg, self.rank, self.world_size, self.workers, self.source)
+
+    def _steerer(self) -> Steerer:
+        opts = self.collate_options
+        return Steerer.of(self.cfg.schedule, self.cfg, opts.rows, opts.seq_len, self.world_size)
 
     @property
     def num_workers(self) -> int:
@@ -224,6 +233,7 @@ class Loader:
         )
         self.rank, self.world_size = rank, world
         self._build()
+        self.steering.phases = self._steerer().phases
         self._total.forget()
         self._transport.forget()
 
@@ -260,6 +270,8 @@ class Loader:
 
     def _finish_pass(self, epoch: int) -> None:
         """The pass over ``epoch`` is complete: its generator, if resumed or collected later, does nothing."""
+        if self.steering.skip_target() is not None:  # a skipped range ends the epoch: counted
+            self._seek(epoch, self.steering.skip_target())
         if self.source.resume_positions or self.cursor.restored is not None:
             self._drop_resume()
         self.cursor.finish(epoch)
@@ -290,7 +302,11 @@ class Loader:
         total = self._epoch_total()
         if total is None:
             raise TypeError("the number of batches is unknown without an index")
-        return total
+        steer = self.steering
+        if steer.plain:
+            return total
+        start = steer.epoch_start if self.cursor.order is not None or self.cursor.restored else steer.planned
+        return steer.yielded_steps(start, total)
 
     def _epoch_total(self) -> int | None:
         """Batches this rank yields in the current epoch, from the index (None without one)."""
@@ -302,7 +318,12 @@ class Loader:
         limits = self.limits
         if limits is not None and not limits.ready() and yielded < limits.per_rank_bound:
             return False
-        return yielded == self._epoch_total()
+        total = self._epoch_total()
+        if yielded == total:
+            return True
+        steer = self.steering  # or the rest of the epoch is skipped
+        target = None if steer.plain or total is None else steer.skip_target()
+        return target is not None and yielded + steer.phases.batches_between(steer.planned, target) >= total
 
     def _note_limits(self, epoch: int) -> None:
         """Log and keep this rank's dropped batches once the equal-batches decision is known."""
@@ -330,6 +351,9 @@ class Loader:
             self.cursor.merged_out()
         else:
             self.cursor.handed_out(batch.worker, batch.epoch, batch.index, batch.hint)
+        return self._pinned(out)
+
+    def _pinned(self, out: dict) -> dict:
         if self.pin_memory and torch.cuda.is_available():
             out = {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
         return out
@@ -396,14 +420,25 @@ class Loader:
         noted = self.limits is not None and self.limits.ready()  # else once the count is done
         if noted:
             self._note_limits(epoch)
-        order = self._begin()
-        resumed = bool(self.source.resume_positions)
-        batches = order.run(self._transport.stream(self.pipeline, torch_seed(self.cfg.seed, epoch)), self._note_end)
-        if merges_tails(self.source.catalog, self.cfg, self.workers):
-            batches = self._tail_merge(epoch).run(batches)
+        if cursor.restored is None:  # a fresh epoch: its planned steps begin here
+            self.steering.epoch_start = self.steering.planned
+        resumed = False
         try:
-            for batch in batches:
-                yield self._hand_out(batch)
+            while True:
+                order = self._begin()
+                resumed = resumed or bool(self.source.resume_positions)
+                batches = order.run(
+                    self._transport.stream(self.pipeline, torch_seed(self.cfg.seed, epoch)), self._note_end
+                )
+                if merges_tails(self.source.catalog, self.cfg, self.workers):
+                    batches = self._tail_merge(epoch).run(batches)
+                try:
+                    yield from self._steps(batches)
+                finally:
+                    batches.close()
+                target = self.steering.skip_target()
+                if target is None or cursor.pass_no != this_pass or not self._seek(epoch, target):
+                    break
         finally:
             if resumed and cursor.pass_no == this_pass:
                 self._drop_resume()
@@ -411,6 +446,65 @@ class Loader:
             self._note_limits(epoch)
         if cursor.pass_no == this_pass:  # the epoch is complete (unless a later pass took over)
             self._finish_pass(epoch)
+
+    def _steps(self, batches: Iterator[Batch]) -> Iterator[dict]:
+        """The loader's batches as the run's steps: one each, or grouped by the schedule, up to a
+        skipped step (``Steerer.steps``)."""
+        steer = self.steering
+        if steer.plain:
+            changes = steer.log.changes  # a change made while the pass runs leaves this path
+            for batch in batches:
+                steer.planned += 1
+                yield self._hand_out(batch)
+                if changes:
+                    break
+            else:
+                return
+        for group in steer.steps(batches):
+            yield self._hand_out_group(group)
+
+    def _seek(self, epoch: int, target: int) -> bool:
+        """Move this pass to planned step ``target`` (the end of a skipped range): the workers
+        start again where the plan has the loader's batches of that step, as a resume does.
+        False where ``target`` lies beyond the epoch (which then ends, its steps counted)."""
+        steer, cursor = self.steering, self.cursor
+        total = self._epoch_total()
+        if total is None:
+            raise UsageError("skipping steps needs the batch counts of the epoch (an index, or a count sidecar)")
+        skipped = steer.phases.batches_between(steer.planned, target)
+        position = min(total, cursor.yielded + skipped)
+        end = steer.epoch_start + steer.epoch_steps(steer.epoch_start, total)
+        steer.skipped.steps += min(target, end) - steer.planned
+        steer.skipped.batches += position - cursor.yielded
+        steer.planned = min(target, end)
+        if position >= total:
+            cursor.yielded = total
+            return False
+        counts = self.here.worker_counts(epoch, self.world_size, self.workers, self.source.plan_for(epoch))[self.rank]
+        positions = positions_of_share(epoch, counts, position)
+        self.source.resume_from(positions)
+        self._transport.forget()
+        served = {w: (p[0], p[1]) for w, p in positions.items()}
+        cursor.seek(positions, position, turn_after(served, self.workers))
+        return True
+
+    def _hand_out_group(self, group: list[Batch]) -> dict:
+        """One step of several of the loader's batches: each counted as handed out, collated together."""
+        if len(group) == 1:
+            return self._hand_out(group[0])
+        began = time.perf_counter()
+        for batch in group:
+            if self._mix is not None:
+                self._mix.add(batch.mix, batch.epoch)
+            if batch.stats:
+                self.stats.add(batch.stats)
+            if batch.tail:
+                self.cursor.merged_out()
+            else:
+                self.cursor.handed_out(batch.worker, batch.epoch, batch.index, batch.hint)
+        out = assemble(concat_blocks([b.items for b in group]), group[0].epoch, self.collate_options)
+        self.observer.handed(group[-1].worker, time.perf_counter() - began)
+        return self._pinned(out)
 
     def _tail_merge(self, epoch: int) -> TailMerge:
         """The stage that holds the workers' epoch-final batches and merges them (``tails.py``),
@@ -436,13 +530,16 @@ class Loader:
                 self._transport.stream(self.pipeline, torch_seed(self.cfg.seed, cursor.epoch)), on_end
             )
         steps = self.cfg.steps_per_epoch
+        steer = self.steering
+        if not steer.plain and steer.skip_target() is not None:
+            raise UsageError("skipped steps of an endless stream are not supported yet (docs/steering.md)")
         while steps is None or cursor.steps < steps:
-            try:
-                batch = next(self._stream)
-            except StopIteration:
+            group = list(itertools.islice(self._stream, steer.group_at(steer.planned)))
+            if not group:
                 return
             cursor.steps += 1
-            yield self._hand_out(batch)
+            steer.planned += 1
+            yield self._hand_out_group(group)
         cursor.steps = 0
 
     def _drop_resume(self) -> None:
@@ -469,6 +566,50 @@ class Loader:
         are listed in docs/observability.md."""
         return self.observer.metrics(self.stats.skipped_shards, self.world_size)
 
+    # -- steering (docs/steering.md) ------------------------------------------------------------
+    @property
+    def planned_step(self) -> int:
+        """The planned step of the next batch: its place in the run's planned sequence of steps
+        (every epoch's, skipped ones included), which ``skip`` ranges name."""
+        self._settle_epoch()
+        return self.steering.planned
+
+    @planned_step.setter
+    def planned_step(self, step: int) -> None:
+        """Only where a state saved before steering existed left it unknown (``skip`` says so)."""
+        if not self.steering.unknown:
+            raise SteeringError(f"the planned step is known ({self.steering.planned}); it moves only by iterating")
+        self.steering.planned = self.steering.epoch_start = int(step)
+        self.steering.unknown = False
+
+    def skip(self, start: int, stop: int) -> int:
+        """Leave out planned steps [start, stop): the batches yielded are the planned sequence with
+        that range removed, exactly on resume. A collective: every process calls it with the same
+        range at the same step. The same range given again (a requeue replaying its launch script)
+        is a replay and removes nothing more; a range that overlaps a recorded one without being it,
+        or lies wholly before the next planned step, is refused. Returns the first planned step it
+        takes effect at (``max(start, planned_step)``), or the recorded one's for a replay."""
+        self._settle_epoch()
+        steer = self.steering
+        from .steer_agree import agree_on_change
+
+        agree_on_change("skip()", steer.planned, ["skip", start, stop])
+        if steer.unknown:
+            raise SteeringError(
+                "this loader was restored from a state saved before steering existed, which does not say the run's "
+                "planned step: set loader.planned_step = N (the trainer's step: nothing was skipped before) first"
+            )
+        if self.infinite:
+            raise SteeringError("skip() on an endless stream is not supported yet (docs/steering.md)")
+        if self._epoch_total() is None:
+            raise SteeringError("skip() needs the epoch's batch counts: an index, or raw text with a count sidecar")
+        recorded, replay = steer.log.add_skip(start, stop, steer.planned)
+        if replay:
+            log.info("skip(%d, %d) is recorded already (a replay): nothing more is skipped", start, stop)
+        else:
+            log.info("planned steps [%d, %d) are skipped", recorded.start, recorded.stop)
+        return recorded.start
+
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, str]:
         """Where this rank's stream stands, as ``{"format": "wdsllm.loader/5", "state": JSON}``:
@@ -487,7 +628,9 @@ class Loader:
             # The last batch is out: a resume starts the next epoch, not an empty rest of this one.
             in_epoch = False
             cursor.completed = cursor.epoch
-        return self.here.state(cursor.get(in_epoch)).sealed()
+        position = cursor.get(in_epoch)
+        position["steering"] = self.steering.saved()
+        return self.here.state(position).sealed()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a state saved by ``state_dict`` (on any rank when batches were equal).
@@ -507,6 +650,8 @@ class Loader:
         self._stream = None
         self._transport.forget()
         restore(self.cursor, st, self.here)
+        same_layout = (st.world_size, st.num_workers) == (self.world_size, self.workers)
+        self.steering.restore(st.steering, same_layout)
 
 
 def loader(

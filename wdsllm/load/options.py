@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import ConfigError, normalize_on_error
 from ..inputs.sources import DEFAULT_MAX_DOC_BYTES
+from .steering import Schedule
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -128,6 +129,9 @@ class BatchOptions(Options):
         None, "documents per row that cu_seqlens is padded for", low=1, shown="the index's, else seq_len"
     )
     docs: bool = option(True, "batches carry `docs` (False: left out, packed batches come faster)")
+    schedule: Schedule | None = option(  # noqa: RUF009
+        None, "batch sizes (or token budgets) by step, samples or tokens, in multiples of batch_size: steering.md"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -135,6 +139,11 @@ class BatchOptions(Options):
 
         if self.batching not in MODES:
             raise ConfigError(f"batching must be one of {', '.join(map(repr, MODES))}, not {self.batching!r}")
+        if self.schedule is not None and not isinstance(self.schedule, Schedule):
+            raise ConfigError(
+                f"schedule must be a wdsllm.Schedule (e.g. Schedule(batch_size=[(0, 8), (1000, 16)])), "
+                f"not {type(self.schedule).__name__}"
+            )
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,8 @@ def settings_fingerprint(cfg: Config) -> str:
     fields = {k: v for k, v in asdict(cfg).items() if k not in ("equal_batches", "docs")}
     if fields.get("uneven") == "drop":  # the default: the states saved before it existed still fit
         del fields["uneven"]
+    if fields.get("schedule") is None:  # the same for a loader without a schedule
+        fields.pop("schedule", None)
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

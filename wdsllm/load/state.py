@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StateError
+from ..errors import StateError, SteeringError
 from . import plan as planmod
 from .batching import COUNT_BY_ITEMS
 from .config import Config
@@ -34,6 +34,7 @@ from .holes import LOST_KEY, lost_batches
 from .marks import MARK_KEY
 from .resume import RemainderPlan
 from .sources.protocol import Source
+from .steer import SavedSteering
 from .tails import merges_tails
 
 LOADER_KIND = "wdsllm.loader"
@@ -41,9 +42,11 @@ DATASET_KIND = "wdsllm.dataset"
 #: 1: a plain nested dict (still read); 2: the same fields sealed in one JSON string; 3: the
 #: epoch of an indexed dataset ordered by blocks of shards (``plan.epoch_blocks``); 4: worker
 #: shares in whole batches, and documents split at max_len shared by their pieces; 5: ``tails``, the
-#: batches of the workers' merged tails handed out (``tails.py``; none before, so 0 in older states)
-LOADER_VERSION = 5
-READABLE_LOADER_VERSIONS = (1, 2, 3, 4, 5)
+#: batches of the workers' merged tails handed out (``tails.py``; none before, so 0 in older states); 6:
+#: ``steering``, the run's planned step and its log of changes (``steer.py``; older states leave the
+#: planned step unknown)
+LOADER_VERSION = 6
+READABLE_LOADER_VERSIONS = (1, 2, 3, 4, 5, 6)
 #: 2: blocks of shards, as the loader's 3; 3: whole-batch and piece shares, as the loader's 4; 4: the
 #: epochs of an endless stream hand tails over, as the loader's 5
 DATASET_VERSION = 4
@@ -237,6 +240,8 @@ class LoaderState:
     version: int = LOADER_VERSION
     #: of ``yielded``: batches of the workers' merged tails (``tails.py``)
     tails: int = 0
+    #: the run's planned step and its log of changes (None: saved before steering existed)
+    steering: SavedSteering | None = None
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -279,6 +284,7 @@ class LoaderState:
             config=config,
             version=body.get("version", LOADER_VERSION),
             tails=_int(_get(body, "tails"), "tails") if body.get("version", LOADER_VERSION) >= 5 else 0,
+            steering=_steering(body) if body.get("version", LOADER_VERSION) >= 6 else None,
         )
 
     @property
@@ -311,6 +317,7 @@ class LoaderState:
             "turn": self.turn,
             "active": self.active,
             "plan": self.plan.to_json() if self.plan is not None else None,
+            "steering": self.steering.to_json() if self.steering is not None else None,
         }
 
     def sealed(self) -> dict[str, str]:
@@ -319,6 +326,13 @@ class LoaderState:
 
 # ----------------------------------------------------------------------------------------------
 # Checks against this loader and the plan
+
+
+def _steering(body: Mapping[str, Any]) -> SavedSteering:
+    try:
+        return SavedSteering.parse(_get(body, "steering"))
+    except SteeringError as exc:
+        raise StateError(str(exc)) from None
 
 
 def check_identity(st: LoaderState, *, dataset: str, settings: str, infinite: bool) -> None:

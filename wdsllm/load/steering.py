@@ -1,0 +1,335 @@
+"""Steering a run: schedules declared up front and the changes a trainer makes while it runs.
+
+Every position here is a **planned step**: the number of a batch in the sequence the loader plans
+for the run (the epochs' batches end to end, skipped ones included), never the trainer's own step
+counter, which a requeue or a skipped range moves. A schedule gives a value from a point of the
+run on; a point is a planned step, or the samples (items) or tokens the run has planned by then
+across every data-parallel rank, so that a point of the data stays where it is whatever the batch
+sizes before it. Pure Python, no torch: ``wdsllm stats`` reads schedules too.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import SteeringError
+
+#: what a schedule's points count: planned steps, or the samples / tokens planned before them
+UNITS = ("steps", "samples", "tokens")
+#: the values a schedule can steer (each a loader option of the same name)
+SCHEDULED = ("batch_size", "max_tokens")
+#: the most points a schedule may hold (each is a phase the loader walks)
+MAX_POINTS = 1 << 16
+#: the most changes a run's log may hold (each one is in every state)
+MAX_CHANGES = 1 << 16
+#: positions beyond this are refused as damaged (a negated or huge number)
+MAX_POSITION = 1 << 62
+
+
+def _int(value: Any, what: str, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            import operator
+
+            value = operator.index(value)
+        except TypeError:
+            raise SteeringError(f"{what} must be an integer, not {value!r:.40}") from None
+    if not low <= value < MAX_POSITION:
+        raise SteeringError(f"{what} must be {'positive' if low == 1 else f'at least {low}'}, not {value!r}")
+    return int(value)
+
+
+def _points(values: Any, what: str) -> tuple[tuple[int, int], ...]:
+    """``[(at, value), ...]`` (or ``{at: value}``) checked: rising points from 0, positive values."""
+    if isinstance(values, Mapping):
+        values = sorted(values.items())
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise SteeringError(f"{what} must be a list of (at, value) pairs, not {type(values).__name__}")
+    out: list[tuple[int, int]] = []
+    for i, pair in enumerate(values):
+        if i >= MAX_POINTS:
+            raise SteeringError(f"{what} has more than {MAX_POINTS:,} points")
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise SteeringError(f"{what}[{i}] must be a pair (at, value), not {pair!r:.40}")
+        at, value = _int(pair[0], f"{what}[{i}]'s point"), _int(pair[1], f"{what}[{i}]'s value", low=1)
+        if out and at <= out[-1][0]:
+            raise SteeringError(
+                f"{what} goes backwards: point {at:,} comes after {out[-1][0]:,} (points must rise strictly)"
+            )
+        out.append((at, value))
+    if not out:
+        raise SteeringError(f"{what} is empty: give at least its value at 0")
+    if out[0][0] != 0:
+        raise SteeringError(f"{what} must start at 0 (its first point is {out[0][0]:,})")
+    return tuple(out)
+
+
+def ramp(start: int, stop: int, increment: int, over: int, at: int = 0) -> tuple[tuple[int, int], ...]:
+    """A linear ramp as a piecewise constant schedule: ``start`` at point ``at``, then ``increment``
+    more every ``over / n`` units (n = the increments from start to stop), ``stop`` from ``at + over``
+    on (Megatron's ``--rampup-batch-size`` shape)."""
+    start, stop = _int(start, "ramp start", 1), _int(stop, "ramp stop", 1)
+    increment, over = _int(increment, "ramp increment", 1), _int(over, "ramp length", 1)
+    if stop < start or (stop - start) % increment:
+        raise SteeringError(f"a ramp from {start} to {stop} must rise by whole increments of {increment}")
+    steps = (stop - start) // increment
+    points = {0: start} if at else {}
+    for i in range(steps + 1):  # the i-th increment holds from over * i / steps on
+        points[at + (over * i // steps if steps else 0)] = start + increment * i
+    out: list[tuple[int, int]] = []
+    for point in sorted(points.items()):
+        if not out or point[1] != out[-1][1]:  # a value held on is no new point
+            out.append(point)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Batch sizes (or token budgets) by point of the run, declared up front: ``batch_size=[(0, 8),
+    (1000, 16)]`` or ``batch_size=ramp(8, 64, 8, over=100_000)``; ``unit`` says what the points
+    count. Every value is a multiple of the loader's own ``batch_size`` (``max_tokens``): a step of
+    the schedule is that many of the loader's batches taken together, so that the documents, the
+    plan and the equal batches are the ones without a schedule (docs/steering.md)."""
+
+    batch_size: Any = None
+    max_tokens: Any = None
+    unit: str = "steps"
+
+    def __post_init__(self) -> None:
+        if self.unit not in UNITS:
+            raise SteeringError(f"a schedule's unit must be one of {', '.join(map(repr, UNITS))}, not {self.unit!r}")
+        given = 0
+        for name in SCHEDULED:
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _points(value, f"schedule {name}"))
+                given += 1
+        if given != 1:
+            raise SteeringError("a schedule steers one of batch_size= or max_tokens=")
+
+    @property
+    def name(self) -> str:
+        """The option it steers."""
+        return next(n for n in SCHEDULED if getattr(self, n) is not None)
+
+    @property
+    def points(self) -> tuple[tuple[int, int], ...]:
+        return getattr(self, self.name)
+
+    @classmethod
+    def rampup(cls, start: int, increment: int, samples: int, final: int) -> Schedule:
+        """Megatron's ``--rampup-batch-size START INCR SAMPLES`` with ``--global-batch-size FINAL``,
+        per rank (divide Megatron's global sizes by the data-parallel size): the batch size grows by
+        ``increment`` over each of the equal stretches of ``samples`` planned samples."""
+        return cls(batch_size=ramp(start, final, increment, samples), unit="samples")
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "points": [list(p) for p in self.points], "unit": self.unit}
+
+    def __repr__(self) -> str:  # the settings' fingerprint and the peers' description read it
+        return f"Schedule({self.name}={list(self.points)}, unit={self.unit!r})"
+
+
+@dataclass(frozen=True)
+class StepPhase:
+    """From planned step ``step`` on, each step takes ``group`` of the loader's batches."""
+
+    step: int
+    group: int
+
+
+@dataclass(frozen=True)
+class Phases:
+    """A schedule resolved into planned steps (by the world size and the tokens of a sample)."""
+
+    phases: tuple[StepPhase, ...] = (StepPhase(0, 1),)
+    _starts: tuple[int, ...] = field(default=(0,), repr=False, compare=False)
+    #: every step is one of the loader's batches
+    trivial: bool = field(default=True, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_starts", tuple(p.step for p in self.phases))
+        object.__setattr__(self, "trivial", all(p.group == 1 for p in self.phases))
+
+    def group_at(self, step: int) -> int:
+        """The loader's batches that planned step ``step`` takes."""
+        return self.phases[bisect.bisect_right(self._starts, step) - 1].group
+
+    def batches_between(self, a: int, b: int) -> int:
+        """The loader's batches that planned steps [a, b) take."""
+        total = 0
+        for i, phase in enumerate(self.phases):
+            end = self.phases[i + 1].step if i + 1 < len(self.phases) else None
+            lo, hi = max(a, phase.step), b if end is None else min(b, end)
+            if hi > lo:
+                total += (hi - lo) * phase.group
+        return total
+
+    def steps_for(self, start: int, batches: int) -> int:
+        """Planned steps from ``start`` that ``batches`` of the loader's batches make (the last one
+        short where they do not fill it)."""
+        step, left = start, batches
+        i = bisect.bisect_right(self._starts, start) - 1
+        while left > 0:
+            phase = self.phases[i]
+            end = self.phases[i + 1].step if i + 1 < len(self.phases) else None
+            span = None if end is None else end - step
+            need = -(-left // phase.group)
+            if span is None or need <= span:
+                return step - start + need
+            step, left, i = end, left - span * phase.group, i + 1
+        return step - start
+
+    def to_json(self) -> list:
+        return [[p.step, p.group] for p in self.phases]
+
+
+def resolve(schedule: Schedule | None, base: int, per_step: int) -> Phases:
+    """``schedule``'s points as planned steps: ``base`` is the loader's own batch size (or token
+    budget), whose multiples the values must be; ``per_step`` is what one of the loader's batches
+    adds to the schedule's unit over every data-parallel rank (1 for steps; samples or tokens of a
+    batch times the world size)."""
+    if schedule is None:
+        return Phases()
+    out: list[StepPhase] = []
+    step = 0
+    planned = 0  # the unit planned before ``step``
+    for i, (at, value) in enumerate(schedule.points):
+        if value % base:
+            raise SteeringError(
+                f"schedule {schedule.name}[{i}] = {value} is not a multiple of the loader's {schedule.name}={base}: "
+                f"a step takes whole batches of {base} (docs/steering.md)"
+            )
+        group = value // base
+        if out:
+            if schedule.unit == "steps":
+                step = at
+            else:  # the first step at which the planned unit reaches the point
+                last = out[-1].group * per_step
+                step = out[-1].step + max(0, -(-(at - planned) // last))
+            planned += (step - out[-1].step) * (out[-1].group * per_step if schedule.unit != "steps" else 1)
+            if step == out[-1].step:
+                out[-1] = StepPhase(step, group)
+                continue
+        out.append(StepPhase(step, group))
+    return Phases(tuple(out))
+
+
+# ----------------------------------------------------------------------------------------------
+# The log of changes made while the run trains
+
+
+@dataclass(frozen=True)
+class Skip:
+    """Planned steps [start, stop) are not yielded; ``asked`` is the start the caller named (a
+    range named partly in the past takes effect from the next planned step)."""
+
+    start: int
+    stop: int
+    asked: int
+    kind: str = "skip"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "start": self.start, "stop": self.stop, "asked": self.asked}
+
+
+@dataclass(frozen=True)
+class Change:
+    """One entry of the log: ``change`` took effect at planned step ``at``."""
+
+    at: int
+    change: Skip
+
+    def to_json(self) -> dict:
+        return {"at": self.at, **self.change.to_json()}
+
+
+def parse_change(value: Any, where: str) -> Change:
+    """A log entry from its JSON, every field checked (a state's log is untrusted)."""
+    if not isinstance(value, dict):
+        raise SteeringError(f"{where} must be an object")
+    kind = value.get("kind")
+    if kind != "skip":
+        raise SteeringError(f"{where} has an unknown kind {kind!r:.20}")
+    at = _int(value.get("at"), f"{where}.at")
+    start, stop = _int(value.get("start"), f"{where}.start"), _int(value.get("stop"), f"{where}.stop")
+    asked = _int(value.get("asked"), f"{where}.asked")
+    if stop <= start or asked > start or start != max(asked, at):
+        raise SteeringError(f"{where}: the range [{start}, {stop}) (asked from {asked} at {at}) does not hold together")
+    return Change(at, Skip(start, stop, asked))
+
+
+@dataclass
+class Log:
+    """The changes of a run in the order they took effect (``docs/steering.md``)."""
+
+    changes: list[Change] = field(default_factory=list)
+
+    @property
+    def skips(self) -> list[Skip]:
+        return [c.change for c in self.changes if c.change.kind == "skip"]
+
+    def add_skip(self, start: int, stop: int, planned: int) -> tuple[Skip, bool]:
+        """Record a skip of planned steps [start, stop) made when ``planned`` steps were planned:
+        the skip recorded, and whether it was recorded already (a replay: nothing more is removed)."""
+        start, stop = _int(start, "skip's start"), _int(stop, "skip's stop")
+        if stop <= start:
+            raise SteeringError(f"skip({start}, {stop}): the range is empty or reversed")
+        for old in self.skips:
+            if (old.asked, old.stop) == (start, stop):
+                return old, True
+            if start < old.stop and old.asked < stop:
+                raise SteeringError(
+                    f"skip({start}, {stop}) overlaps the recorded skip({old.start}, {old.stop}) without being it; "
+                    "give the recorded range again (a replay), or a range beside it"
+                )
+        if stop <= planned:
+            raise SteeringError(
+                f"skip({start}, {stop}) lies wholly in what was already planned and consumed (the next planned "
+                f"step is {planned}): steps before it cannot be taken back"
+            )
+        if len(self.changes) >= MAX_CHANGES:
+            raise SteeringError(f"the run's log holds {MAX_CHANGES:,} changes; no more are kept")
+        skip = Skip(max(start, planned), stop, start)
+        self.changes.append(Change(planned, skip))
+        return skip, False
+
+    def skip_end(self, step: int) -> int | None:
+        """Where a skip that holds planned step ``step`` ends (None: ``step`` is not skipped)."""
+        for skip in self.skips:
+            if skip.start <= step < skip.stop:
+                return skip.stop
+        return None
+
+    def skipped_before(self, step: int) -> int:
+        """Planned steps before ``step`` that skips removed."""
+        return sum(max(0, min(step, s.stop) - s.start) for s in self.skips)
+
+    def to_json(self) -> list:
+        return [c.to_json() for c in self.changes]
+
+    @classmethod
+    def parse(cls, value: Any, where: str = "steering.log") -> Log:
+        if not isinstance(value, list):
+            raise SteeringError(f"{where} must be a list")
+        if len(value) > MAX_CHANGES:
+            raise SteeringError(f"{where} holds {len(value):,} changes; at most {MAX_CHANGES:,} are read")
+        log = cls([parse_change(v, f"{where}[{i}]") for i, v in enumerate(value)])
+        skips = sorted(log.skips, key=lambda s: s.start)
+        for a, b in itertools.pairwise(skips):
+            if b.start < a.stop:
+                raise SteeringError(f"{where}: the recorded skips [{a.start}, {a.stop}), [{b.start}, {b.stop}) overlap")
+        return log
+
+    def digest(self) -> str:
+        text = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+__all__ = ["Log", "Phases", "Schedule", "Skip", "ramp", "resolve"]
