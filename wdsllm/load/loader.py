@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, NotADatasetError, SteeringError, UsageError
+from ..errors import ConfigError, NotADatasetError, UsageError
 from ..observe.observer import Observer, timed
 from . import state as statemod
 from .agree import settings_of
@@ -50,6 +50,9 @@ from .options import (
 from .plan import torch_seed
 from .replicas import Progress, replicas_for
 from .steer import Steerer
+from .steerface import SteeringMethods
+from .steering import Log
+from .steerplan import steer_plans
 from .tails import TailMerge, merge_key, merges_tails
 from .transport import WorkerBatches
 
@@ -66,7 +69,7 @@ def _note_end(loader: weakref.ref, end: EndOfWorker) -> None:
         live.stats.add(end.stats)
 
 
-class Loader:
+class Loader(SteeringMethods):
     """Iterate batches for this rank; call ``set_epoch(e)`` before each epoch (see docs/loader.md).
 
     A cursor (``cursor.Cursor``: the epoch, the pass, each worker's position; its get/set is the
@@ -420,11 +423,18 @@ class Loader:
         noted = self.limits is not None and self.limits.ready()  # else once the count is done
         if noted:
             self._note_limits(epoch)
+        steer = self.steering
         if cursor.restored is None:  # a fresh epoch: its planned steps begin here
-            self.steering.epoch_start = self.steering.planned
+            steer.epoch_start = steer.planned
         resumed = False
         try:
             while True:
+                if steer.restart:  # re-planned by a change: the rest of the epoch is a pass of its own
+                    steer.restart = False
+                    self.limits = self.source.limits(epoch, self.workers)
+                    noted = self.limits is not None and self.limits.ready()
+                    if noted:
+                        self._note_limits(epoch)
                 order = self._begin()
                 resumed = resumed or bool(self.source.resume_positions)
                 batches = order.run(
@@ -436,8 +446,12 @@ class Loader:
                     yield from self._steps(batches)
                 finally:
                     batches.close()
-                target = self.steering.skip_target()
-                if target is None or cursor.pass_no != this_pass or not self._seek(epoch, target):
+                if cursor.pass_no != this_pass:
+                    break
+                if steer.restart:
+                    continue
+                target = steer.skip_target()
+                if target is None or not self._seek(epoch, target):
                     break
         finally:
             if resumed and cursor.pass_no == this_pass:
@@ -566,50 +580,6 @@ class Loader:
         are listed in docs/observability.md."""
         return self.observer.metrics(self.stats.skipped_shards, self.world_size)
 
-    # -- steering (docs/steering.md) ------------------------------------------------------------
-    @property
-    def planned_step(self) -> int:
-        """The planned step of the next batch: its place in the run's planned sequence of steps
-        (every epoch's, skipped ones included), which ``skip`` ranges name."""
-        self._settle_epoch()
-        return self.steering.planned
-
-    @planned_step.setter
-    def planned_step(self, step: int) -> None:
-        """Only where a state saved before steering existed left it unknown (``skip`` says so)."""
-        if not self.steering.unknown:
-            raise SteeringError(f"the planned step is known ({self.steering.planned}); it moves only by iterating")
-        self.steering.planned = self.steering.epoch_start = int(step)
-        self.steering.unknown = False
-
-    def skip(self, start: int, stop: int) -> int:
-        """Leave out planned steps [start, stop): the batches yielded are the planned sequence with
-        that range removed, exactly on resume. A collective: every process calls it with the same
-        range at the same step. The same range given again (a requeue replaying its launch script)
-        is a replay and removes nothing more; a range that overlaps a recorded one without being it,
-        or lies wholly before the next planned step, is refused. Returns the first planned step it
-        takes effect at (``max(start, planned_step)``), or the recorded one's for a replay."""
-        self._settle_epoch()
-        steer = self.steering
-        from .steer_agree import agree_on_change
-
-        agree_on_change("skip()", steer.planned, ["skip", start, stop])
-        if steer.unknown:
-            raise SteeringError(
-                "this loader was restored from a state saved before steering existed, which does not say the run's "
-                "planned step: set loader.planned_step = N (the trainer's step: nothing was skipped before) first"
-            )
-        if self.infinite:
-            raise SteeringError("skip() on an endless stream is not supported yet (docs/steering.md)")
-        if self._epoch_total() is None:
-            raise SteeringError("skip() needs the epoch's batch counts: an index, or raw text with a count sidecar")
-        recorded, replay = steer.log.add_skip(start, stop, steer.planned)
-        if replay:
-            log.info("skip(%d, %d) is recorded already (a replay): nothing more is skipped", start, stop)
-        else:
-            log.info("planned steps [%d, %d) are skipped", recorded.start, recorded.stop)
-        return recorded.start
-
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, str]:
         """Where this rank's stream stands, as ``{"format": "wdsllm.loader/5", "state": JSON}``:
@@ -644,7 +614,13 @@ class Loader:
         if not self._started:
             self._settle_world()
         st = statemod.LoaderState.load(state)
-        check_fits(st, self.here, exact_order=self.read_options.on_error == "raise")
+        # the run's changes shape its plans (exclusions, a mixture's weights): checked under them
+        steer_plans(st.steering.log if st.steering else Log(), self.catalog, self.source)
+        try:
+            check_fits(st, self.here, exact_order=self.read_options.on_error == "raise")
+        except Exception:
+            steer_plans(self.steering.log, self.catalog, self.source)
+            raise
         # The state fits: from here on nothing is refused.
         self._total.forget()
         self._stream = None

@@ -158,6 +158,9 @@ class RemainderPlan:
                 spec = cfg.spec(self.epoch, r, self.world, w, self.workers)
                 slices = slices_for(source, cfg, spec, self.base)
                 counts = slice_item_counts(source, slices, spec)
+                if counts is not None and not self.consumed[r][w] and not hands_over(source, cfg, spec):
+                    slices_out.extend(sl for sl, n in zip(slices, counts) if n)  # nothing of it gone
+                    continue
                 lengths = slice_item_lengths(source, slices, spec)
                 if counts is None or lengths is None:
                     raise StateError(
@@ -186,7 +189,7 @@ class RemainderPlan:
             return cut_sequence(slices, counts, a, b, split)
         block = mixing.block_size(cfg.spec(self.epoch, rank, world, worker, workers))
         out: list[Slice] = []
-        for strands in _strands(slices, counts, mixing):
+        for strands in self.strands(source, cfg, slices, counts):
             shares = [strand.share(rank, world, worker, workers) for strand in strands]
             total = sum(b - a for a, b in shares)
             rounds = -(-total // block)
@@ -201,6 +204,10 @@ class RemainderPlan:
                         out.extend(strand.cut(a + x, a + y, split))
         return out
 
+    def strands(self, source: Source, cfg: Config, slices: list[Slice], counts: list[int]) -> list[list[_Strand]]:
+        """Per part of the epoch, per source of a mixture: its remaining slices and counts."""
+        return _strands(slices, counts, source.mixing)
+
 
 @dataclass
 class _Strand:
@@ -213,6 +220,12 @@ class _Strand:
     def share(self, rank: int, world: int, worker: int, workers: int) -> tuple[int, int]:
         return planmod.consumer_share(int(sum(self.counts)), rank, world, worker, workers)
 
+    def first(self, n: int) -> _Strand:
+        """Its first ``n`` items."""
+        if n >= sum(self.counts):
+            return self
+        return _Strand(*_head(self.slices, self.counts, n))
+
     def cut(self, a: int, b: int, split: bool) -> list[Slice]:
         """Items [a, b): ``cut_sequence`` from the first slice that holds item a."""
         if self._ends is None or len(self._ends) != len(self.counts):
@@ -222,6 +235,22 @@ class _Strand:
         j = int(np.searchsorted(ends, b, side="left")) + 1  # one past the slice that holds item b-1
         before = int(ends[i - 1]) if i else 0
         return cut_sequence(self.slices[i:j], self.counts[i:j], a - before, b - before, split)
+
+
+def _head(slices: list[Slice], counts: list[int], n: int) -> tuple[list[Slice], list[int]]:
+    """The first ``n`` items of slices (as picks where a slice is cut)."""
+    out, out_counts = [], []
+    for sl, c in zip(slices, counts):
+        if n <= 0:
+            break
+        if c <= n:
+            out.append(sl)
+            out_counts.append(c)
+        else:
+            out.extend(cut_sequence([sl], [c], 0, n, True))
+            out_counts.append(n)
+        n -= c
+    return out, out_counts
 
 
 def _strands(slices: list[Slice], counts: list[int], mixing) -> list[list[_Strand]]:

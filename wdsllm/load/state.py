@@ -35,6 +35,7 @@ from .marks import MARK_KEY
 from .resume import RemainderPlan
 from .sources.protocol import Source
 from .steer import SavedSteering
+from .steerplan import Leaving, SteeredPlan
 from .tails import merges_tails
 
 LOADER_KIND = "wdsllm.loader"
@@ -64,6 +65,8 @@ MAX_EPOCH = 1 << 32
 MAX_COUNT = 1 << 48
 MAX_WORLD = 1 << 20
 MAX_WORKERS = 1 << 12
+#: the most plans one epoch's plan may be made over (resumes on other layouts, changes while it ran)
+MAX_PLAN_DEPTH = 256
 #: the most epochs of an endless stream whose batch counts are recomputed to check its positions
 MAX_CHECKED_SPAN = 8
 
@@ -197,7 +200,7 @@ def parse_plan(value: Any, key: str = "plan", depth: int = 0) -> RemainderPlan |
     """A RemainderPlan from its JSON, every field checked (the plan an epoch was re-planned by)."""
     if value is None:
         return None
-    if not isinstance(value, dict) or depth > 64:
+    if not isinstance(value, dict) or depth > MAX_PLAN_DEPTH:
         raise StateError(f"{_where(key)} must be an object or null")
     world = _int(_get(value, "world", key + "."), key + ".world", 1, MAX_WORLD)
     workers = _int(_get(value, "workers", key + "."), key + ".workers", 1, MAX_WORKERS)
@@ -209,13 +212,15 @@ def parse_plan(value: Any, key: str = "plan", depth: int = 0) -> RemainderPlan |
         if not isinstance(row, list) or len(row) != workers:
             raise StateError(f"{_where(f'{key}.consumed[{r}]')} must hold one count per old worker ({workers})")
         rows.append([_int(c, f"{key}.consumed[{r}][{w}]") for w, c in enumerate(row)])
-    return RemainderPlan(
-        _int(_get(value, "epoch", key + "."), key + ".epoch", hi=MAX_EPOCH),
-        world,
-        workers,
-        rows,
-        parse_plan(value.get("base"), key + ".base", depth + 1),
-    )
+    epoch = _int(_get(value, "epoch", key + "."), key + ".epoch", hi=MAX_EPOCH)
+    base = parse_plan(value.get("base"), key + ".base", depth + 1)
+    if "leaving" not in value:
+        return RemainderPlan(epoch, world, workers, rows, base)
+    try:  # re-planned by a change while the run trained (steerplan.py)
+        leaving = Leaving.from_json(value["leaving"])
+    except SteeringError as exc:
+        raise StateError(f"{_where(key + '.leaving')}: {exc}") from None
+    return SteeredPlan(epoch, world, workers, rows, base, leaving=leaving)
 
 
 @dataclass

@@ -75,6 +75,8 @@ class Steerer:
     skipped: Counted = field(default_factory=Counted)
     #: restored from a state saved before steering existed: the planned step is not known
     unknown: bool = False
+    #: a change re-planned the epoch in progress: its pass starts again over the new plan
+    restart: bool = False
 
     @classmethod
     def of(cls, schedule: Schedule | None, cfg: Any, rows: bool, seq_len: int | None, world: int) -> Steerer:
@@ -92,7 +94,7 @@ class Steerer:
     def steps(self, batches: Iterator[Any]) -> Iterator[list[Any]]:
         """The loader's batches grouped into steps; stops at the end of ``batches`` or where the
         next planned step is skipped (``skip_target`` then says where the stream goes)."""
-        while self.log.skip_end(self.planned) is None:
+        while not self.restart and self.log.skip_end(self.planned) is None:
             group = list(itertools.islice(batches, self.group_at(self.planned)))
             if not group:
                 return

@@ -14,6 +14,7 @@ import bisect
 import hashlib
 import itertools
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -240,14 +241,65 @@ class Skip:
 
 
 @dataclass(frozen=True)
+class Exclude:
+    """Sources (by name), shards and items (by number, as item ids name them) are not yielded
+    again; ``epoch``: the first epoch whose plan it shapes from the start."""
+
+    sources: tuple[str, ...]
+    shards: tuple[int, ...]
+    items: tuple[int, ...]
+    epoch: int
+    kind: str = "exclude"
+
+    def same(self, other: Exclude) -> bool:
+        return (self.sources, self.shards, self.items) == (other.sources, other.shards, other.items)
+
+    def to_json(self) -> dict:
+        out = {"kind": self.kind, "sources": list(self.sources), "shards": list(self.shards)}
+        return {**out, "items": list(self.items), "epoch": self.epoch}
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A mixture's weights from here on (normalised, in the mixture's source order); ``epoch``:
+    the first epoch whose quotas follow them from its start."""
+
+    weights: tuple[float, ...]
+    epoch: int
+    kind: str = "weights"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "weights": list(self.weights), "epoch": self.epoch}
+
+
+@dataclass(frozen=True)
 class Change:
     """One entry of the log: ``change`` took effect at planned step ``at``."""
 
     at: int
-    change: Skip
+    change: Skip | Exclude | Weights
 
     def to_json(self) -> dict:
         return {"at": self.at, **self.change.to_json()}
+
+
+def _ints(value: Any, where: str, limit: int = 1 << 20) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > limit:
+        raise SteeringError(f"{where} must be a list of at most {limit:,} numbers")
+    return tuple(_int(v, f"{where}[]") for v in value)
+
+
+def check_weights(weights: Sequence[float], where: str) -> tuple[float, ...]:
+    """Weights that are finite, not negative and not all zero, normalised to sum to one."""
+    out = []
+    for i, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or math.isnan(w) or math.isinf(w) or w < 0:
+            raise SteeringError(f"{where}[{i}] is {w!r:.20}: a weight is a finite number, zero or more")
+        out.append(float(w))
+    total = sum(out)
+    if not out or total <= 0:
+        raise SteeringError(f"{where} are all zero: nothing would be read")
+    return tuple(w / total for w in out)
 
 
 def parse_change(value: Any, where: str) -> Change:
@@ -255,9 +307,22 @@ def parse_change(value: Any, where: str) -> Change:
     if not isinstance(value, dict):
         raise SteeringError(f"{where} must be an object")
     kind = value.get("kind")
-    if kind != "skip":
+    if kind not in ("skip", "exclude", "weights"):
         raise SteeringError(f"{where} has an unknown kind {kind!r:.20}")
     at = _int(value.get("at"), f"{where}.at")
+    if kind == "exclude":
+        names = value.get("sources")
+        if not isinstance(names, list) or len(names) > 1 << 16 or not all(isinstance(n, str) for n in names):
+            raise SteeringError(f"{where}.sources must be a list of source names")
+        shards, items = _ints(value.get("shards"), f"{where}.shards"), _ints(value.get("items"), f"{where}.items")
+        return Change(at, Exclude(tuple(names), shards, items, _int(value.get("epoch"), f"{where}.epoch")))
+    if kind == "weights":
+        weights = value.get("weights")
+        if not isinstance(weights, list) or len(weights) > 1 << 16:
+            raise SteeringError(f"{where}.weights must be a list")
+        return Change(
+            at, Weights(check_weights(weights, f"{where}.weights"), _int(value.get("epoch"), f"{where}.epoch"))
+        )
     start, stop = _int(value.get("start"), f"{where}.start"), _int(value.get("stop"), f"{where}.stop")
     asked = _int(value.get("asked"), f"{where}.asked")
     if stop <= start or asked > start or start != max(asked, at):
@@ -273,7 +338,20 @@ class Log:
 
     @property
     def skips(self) -> list[Skip]:
-        return [c.change for c in self.changes if c.change.kind == "skip"]
+        return [c.change for c in self.changes if isinstance(c.change, Skip)]
+
+    @property
+    def exclusions(self) -> list[Exclude]:
+        return [c.change for c in self.changes if isinstance(c.change, Exclude)]
+
+    @property
+    def weight_changes(self) -> list[Weights]:
+        return [c.change for c in self.changes if isinstance(c.change, Weights)]
+
+    def add(self, at: int, change: Exclude | Weights) -> None:
+        if len(self.changes) >= MAX_CHANGES:
+            raise SteeringError(f"the run's log holds {MAX_CHANGES:,} changes; no more are kept")
+        self.changes.append(Change(at, change))
 
     def add_skip(self, start: int, stop: int, planned: int) -> tuple[Skip, bool]:
         """Record a skip of planned steps [start, stop) made when ``planned`` steps were planned:
