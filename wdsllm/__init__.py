@@ -75,7 +75,9 @@ __all__ = [
     "__version__",
     "dataset",
     "loader",
+    "mean_losses",
     "ramp",
+    "source_losses",
 ]
 
 
@@ -97,13 +99,17 @@ def __getattr__(name: str) -> Any:
         from .load import options
 
         return getattr(options, name)
-    if name not in ("dataset", "loader", "Loader"):
+    if name not in ("dataset", "loader", "Loader", "source_losses", "mean_losses"):
         raise AttributeError(f"module 'wdsllm' has no attribute {name!r}")
     try:
         if name == "dataset":
             from .load.dataset import dataset
 
             return dataset
+        if name in ("source_losses", "mean_losses"):
+            from .load import sourceloss
+
+            return getattr(sourceloss, name)
         from .load import loader as loader_module
     except ModuleNotFoundError as exc:
         if exc.name not in LOADER_EXTRA:
