@@ -340,6 +340,7 @@ def test_parts_of_input_files_merge_into_the_local_pack(tmp_path, caplog, monkey
         pack_part_files([name], 0, str(tmp_path / "x"), options())
     whole = pack_part_files([name], 0, str(tmp_path / "whole"), opts)
     assert whole.documents == N and whole.sources[name]["documents"] == N
+    assert pack_part_files([name], 0, str(tmp_path / "whole"), opts) == whole  # it holds these files: reused
     # a preempted attempt (stopped after 10 chunks), then one that continues where it stopped
     real, calls = part_module.encode_parsed, []
 
