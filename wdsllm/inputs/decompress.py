@@ -175,16 +175,24 @@ class GzipMember:
 
 class StreamReader:
     """The decompressed bytes of concatenated compressed streams, as the file objects of ``gzip``,
-    ``bz2`` and ``lzma`` read them (zero padding between gzip members; after a bz2 or xz stream,
-    bytes that start no stream end the input, as ``trailing_error`` from the next stream's first
-    bytes says), except that a read returns whatever the decompressor gave before its input ended
-    or it failed: only a read that got nothing raises (``EOFError`` for a stream cut short)."""
+    ``bz2`` and ``lzma`` read them (gzip: ``zero_padding`` between and after members, any other
+    byte starts a member; bz2 and xz: bytes after a stream that start none, as ``trailing_error``
+    from their first decompression says, end the input), except that a read returns whatever the
+    decompressor gave before its input ended or it failed: only a read that got nothing raises
+    (``EOFError`` for a stream cut short)."""
 
-    def __init__(self, raw: BinaryIO, factory: Callable[[], Decompressor], trailing_error: type[Exception]) -> None:
+    def __init__(
+        self,
+        raw: BinaryIO,
+        factory: Callable[[], Decompressor],
+        *,
+        trailing_error: type[Exception] | None = None,
+        zero_padding: bool = False,
+    ) -> None:
         self._raw = raw
         self._factory = factory
         self._trailing_error = trailing_error
-        self._padded = factory is GzipMember  # gzip allows zeros between members, and no trailing bytes
+        self._padded = zero_padding
         self._decompressor: Decompressor | None = factory()
         self._pending = b""  # compressed bytes the last stream left over, for the next one
         self._following = False  # the current stream follows another and has not been fed yet
@@ -199,8 +207,9 @@ class StreamReader:
             data = self._input() if self._decompressor.needs_input else b""
             try:
                 out = self._decompressor.decompress(data, want)
-            except self._trailing_error:
-                if not self._following or self._padded:
+            except Exception as exc:
+                trailing = self._trailing_error is not None and isinstance(exc, self._trailing_error)
+                if not (trailing and self._following):
                     raise
                 self._decompressor = None  # bytes after the last stream that start none
                 break
@@ -302,11 +311,11 @@ def decompressing(raw: BinaryIO, compression: str | None) -> BinaryIO:
     if compression is None:
         return raw
     if compression == "gz":
-        return CheckedStream(StreamReader(raw, GzipMember, zlib.error), raw, "gzip")
+        return CheckedStream(StreamReader(raw, GzipMember, zero_padding=True), raw, "gzip")
     if compression == "bz2":
-        return CheckedStream(StreamReader(raw, bz2.BZ2Decompressor, OSError), raw, "bz2")
+        return CheckedStream(StreamReader(raw, bz2.BZ2Decompressor, trailing_error=OSError), raw, "bz2")
     if compression == "xz":
-        return CheckedStream(StreamReader(raw, lzma.LZMADecompressor, lzma.LZMAError), raw, "xz")
+        return CheckedStream(StreamReader(raw, lzma.LZMADecompressor, trailing_error=lzma.LZMAError), raw, "xz")
     if compression == "zst":
         import zstandard
 
