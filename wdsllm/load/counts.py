@@ -231,7 +231,7 @@ class EpochCounts:
         index cannot count."""
         workers = max(1, workers)
         batcher = cfg.make_batcher()
-        if catalog.items_per_shard is None or (batcher.count_by != COUNT_BY_ITEMS and not has_lengths(catalog)):
+        if not cfg.can_count(catalog):
             return None
         if plan is None:
             plan = catalog.default_plan(epoch)
