@@ -42,6 +42,12 @@ class Config(OrderOptions, BatchOptions):
         return self.batch_size is None and self.batching == "fixed"
 
     @property
+    def row_len(self) -> int | None:
+        """The tokens a row of pack or concat is read with: ``seq_len``, and one more with next-token
+        labels (the last token is only the label of the one before it)."""
+        return self.seq_len + 1 if self.shift_labels and self.seq_len else self.seq_len
+
+    @property
     def infinite(self) -> bool:
         """Whether the stream never ends: endless epochs, resampling, or a fixed steps_per_epoch
         (whose loop continues into the next epoch's data)."""
@@ -140,7 +146,7 @@ class Config(OrderOptions, BatchOptions):
         """What decides the stream of (rank, worker) in ``epoch``."""
         max_len, max_len_mode = self.max_len, self.max_len_mode
         if self.mode.pieces_at_seq_len:  # longer documents become seq_len pieces, all kept
-            max_len = self.seq_len if max_len is None else min(max_len, self.seq_len)
+            max_len = self.row_len if max_len is None else min(max_len, self.row_len)
             max_len_mode = "split"
         return StreamSpec(
             seed=self.seed,

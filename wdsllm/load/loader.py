@@ -111,7 +111,7 @@ class Loader:
         self.collate_options = CollateOptions.for_config(self.cfg, self.catalog)
         if self.layout.cp is not None:
             opts = self.collate_options
-            check_row_length(self.layout.cp, seq_len=opts.seq_len, multiple=opts.pad_to_multiple_of, rows=opts.rows)
+            check_row_length(self.layout.cp, seq_len=opts.width, multiple=opts.pad_to_multiple_of, rows=opts.rows)
         identity = {"dataset": self.catalog.fingerprint()}
         self._replicas = replicas_for(self.layout, settings_of(self.layout, dict(vars(self.cfg)), identity))
         #: a mixture's delivered tokens and items per source (``mix_stats``)
