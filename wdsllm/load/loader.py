@@ -275,6 +275,12 @@ class Loader:
         return self.cfg.infinite
 
     @property
+    def one_state_for_all(self) -> bool:
+        """Whether any data-parallel rank's state resumes every rank, so a checkpointer may keep one
+        copy for all (``Config.one_state_for_all``); else keep each rank's own."""
+        return self.cfg.one_state_for_all(self.catalog, self.world_size)
+
+    @property
     def _by_epochs(self) -> bool:
         """Whether this endless loader runs whole epochs one after another (``Config.endless_by_epochs``)."""
         return self.cfg.endless_by_epochs(self.world_size)
