@@ -145,8 +145,9 @@ def _dp_dims(mesh: Any, dp: str | tuple[str, ...] | None) -> tuple[str, ...]:
     if dp is None:
         if len(names) > 1:
             raise ConfigError(
-                f"the mesh has dims {names}: say which split the data (dp=('dp_replicate', 'dp_shard') or dp='dp'); "
-                "the others are replica dims whose peers get the same batches"
+                f"the mesh has dims {names}: say which split the data (dp='batch' on torchtitan's data-loading mesh, "
+                "dp=('dp_replicate', 'dp_shard') or dp='dp'); the others are replica dims whose peers get the same "
+                "batches"
             )
         return names
     dims = (dp,) if isinstance(dp, str) else tuple(dp)
