@@ -64,6 +64,7 @@ def test_steps_per_epoch_loops_are_windows_of_the_stream_of_whole_epochs():
     loops = make(0, epochs=1, steps_per_epoch=4)
     got, state = [], None
     for loop in range(5):
+        loops.set_epoch(loop)  # as a trainer does each loop (Lightning's LoaderEpochs): the stream goes on
         got += [key(b) for b in loops]
         if loop == 2:
             state = loops.state_dict()
