@@ -154,6 +154,7 @@ SLOW_TESTS = frozenset(
         "test_remote_pack.py::test_resume_of_a_complete_s3_pack_is_refused",
         "test_scale.py::test_a_format_3_and_a_format_4_part_merge_into_format_4_with_shards_npy",
         "test_shuffle_ddp.py::test_one_shard_under_ddp_reshuffles_ranks_and_resumes_exactly",
+        "test_torchtitan.py::test_dp2_tp2_and_dp2_cp2_checkpoint_through_torchtitan_and_resume_exactly_also_as_dp4",
         "test_train_ddp.py::test_every_rank_takes_the_steps_on_disjoint_rows",
         "test_train_ddp.py::test_resume_equals_uninterrupted",
     }
