@@ -19,6 +19,27 @@ REPO = Path(__file__).resolve().parent.parent
 DATA = REPO.parent / "shared" / "data"
 
 
+class Epoch:
+    """What one epoch of docs-mode batches held. With ``max_len`` a longer document comes as
+    several pieces (items of their own, numbered in ``docs[:, 1]``): it is counted once, by its
+    first piece, and the pieces apart."""
+
+    def __init__(self) -> None:
+        self.batches = self.documents = self.pieces = self.tokens = 0
+
+    def add(self, batch: dict) -> None:
+        self.batches += 1
+        self.pieces += len(batch["lengths"])
+        self.documents += int((batch["docs"][:, 1] == 0).sum())
+        self.tokens += int(batch["lengths"].sum())
+
+    def summary(self, seconds: float) -> str:
+        return (
+            f"{self.batches} batches, {self.documents:,} documents in {self.pieces:,} pieces, {self.tokens:,} tokens "
+            f"in {seconds:.2f} s ({self.tokens / seconds / 1e6:.1f}M tokens/s)"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", default=str(DATA / "corpora" / "wiki" / "wiki-0[01].jsonl.gz"))
@@ -36,21 +57,15 @@ def main() -> None:
     print("\nstreaming docs-mode batches (batch 16, max_len 512, 2 workers):")
     loader = wdsllm.loader(docs_dir, batch_size=16, max_len=512, num_workers=2, seed=0)
     t0 = time.perf_counter()
-    tokens = docs = batches = 0
+    epoch = Epoch()
     for batch in loader:
-        if batches < args.batches:
+        if epoch.batches < args.batches:
             print(
-                f"  batch {batches}: input_ids {tuple(batch['input_ids'].shape)}, "
+                f"  batch {epoch.batches}: input_ids {tuple(batch['input_ids'].shape)}, "
                 f"real tokens {int(batch['attention_mask'].sum())}, first doc id {int(batch['docs'][0, 0])}"
             )
-        batches += 1
-        tokens += int(batch["lengths"].sum())
-        docs += len(batch["lengths"])
-    dt = time.perf_counter() - t0
-    print(
-        f"  one epoch: {batches} batches, {docs:,} documents, {tokens:,} tokens in {dt:.2f} s "
-        f"({tokens / dt / 1e6:.1f}M tokens/s)"
-    )
+        epoch.add(batch)
+    print(f"  one epoch: {epoch.summary(time.perf_counter() - t0)}")
 
     print("\nstreaming packed rows (batch 8 x 1024, document boundaries):")
     loader = wdsllm.loader(packed_dir, batch_size=8, boundaries=True, seed=0)

@@ -95,6 +95,7 @@ SLOW_TESTS = frozenset(
         "test_cluster_imports.py::test_cli_packer_and_loader_import_neither_ray_nor_datatrove",
         "test_cluster_partitions.py::test_spark_and_dask_partitions_merge_into_the_local_pack",
         "test_cluster_ray.py::test_a_killed_write_task_is_retried_without_duplicates_or_orphans",
+        "test_cluster_ray.py::test_a_rerun_with_another_number_of_blocks_is_refused_by_name_and_packs_nothing_twice",
         "test_cluster_ray.py::test_ray_pack_equals_a_local_pack",
         "test_distributed.py::test_torchrun_elastic_three_ranks_to_two",
         "test_distributed.py::test_torchrun_exactly_once_without_equal_batches",
@@ -102,6 +103,7 @@ SLOW_TESTS = frozenset(
         "test_distributed.py::test_torchrun_three_ranks_two_workers_each",
         "test_docs_run.py::test_every_code_block_of_the_page_runs",
         "test_hf.py::test_trainer_two_ranks_each_document_once_and_resume_exact",
+        "test_hostile_compressed.py::test_skip_keeps_every_document_decompressed_before_the_break_in_pack_count_and_loader",
         "test_integration_messages.py::test_multi_gpu_launch_on_cpus_names_accelerator_cpu_true",
         "test_lightning.py::test_mid_epoch_checkpoint_resumes_exactly",
         "test_mixture_raw.py::test_realized_quotas_and_raw_documents",
@@ -152,6 +154,7 @@ SLOW_TESTS = frozenset(
         "test_remote_pack.py::test_resume_of_a_complete_s3_pack_is_refused",
         "test_scale.py::test_a_format_3_and_a_format_4_part_merge_into_format_4_with_shards_npy",
         "test_shuffle_ddp.py::test_one_shard_under_ddp_reshuffles_ranks_and_resumes_exactly",
+        "test_torchtitan.py::test_dp2_tp2_and_dp2_cp2_checkpoint_through_torchtitan_and_resume_exactly_also_as_dp4",
         "test_train_ddp.py::test_every_rank_takes_the_steps_on_disjoint_rows",
         "test_train_ddp.py::test_resume_equals_uninterrupted",
     }

@@ -109,7 +109,9 @@ def test_where_reads_the_documents_metadata(tmp_path):
     documents = [
         Document(text=json.loads(line)["text"], id=str(n), metadata={"score": n % 3}) for n, line in enumerate(lines)
     ]
-    PackWriter(str(tmp_path), tokenizer=str(GPT2), where="score >= 1", **SMALL).run(iter(documents), rank=2)
+    PackWriter(str(tmp_path), tokenizer=str(GPT2), where="score >= 1", **SMALL).run(
+        iter(documents), rank=2, world_size=3
+    )
     index = load_index(tmp_path / "part-00002")
     assert index.documents == 60 and index.skipped["counts"] == {"filtered": 30}
     with pytest.raises(PackError, match="document.text"):

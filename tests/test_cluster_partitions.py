@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 from cluster_helpers import GPT2, SMALL, documents_by_origin, local_pack, source_records
 
+from wdsllm.errors import PackError
 from wdsllm.integrations.partitions import PackPartitions
 from wdsllm.pack.merge import merge
 
@@ -42,5 +43,8 @@ def test_dask_map_partitions_packs_a_part_per_partition(tmp_path):
     assert manifests["part_id"].tolist() == [0, 1, 2] and manifests["documents"].sum() == N
     again = frame.map_partitions(packer.dask, meta=packer.dask_meta).compute(scheduler="threads")
     assert again["digest"].tolist() == manifests["digest"].tolist()  # a rerun finds the committed parts
+    other = dd.from_pandas(pd.DataFrame(records), npartitions=2, sort=False)  # a rerun partitioned otherwise
+    with pytest.raises(PackError, match=r"part-0000[01] holds other input than this task's \(\d+ records"):
+        other.map_partitions(packer.dask, meta=packer.dask_meta).compute(scheduler="synchronous")
     merge([str(tmp_path)], str(tmp_path))
     assert documents_by_origin(tmp_path) == documents_by_origin(local_pack(N))

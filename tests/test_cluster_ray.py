@@ -73,6 +73,35 @@ def test_ray_pack_equals_a_local_pack(first_run):
         dataset(records).write_datasink(sink(out, [name]))
 
 
+def test_a_rerun_with_another_number_of_blocks_is_refused_by_name_and_packs_nothing_twice(ray_cluster, tmp_path):
+    """#43: a re-run after a driver crash with another number of blocks (Ray's default follows the
+    cluster's size) returned the first run's parts without reading its rows: documents were
+    packed twice, or the merge's advice (--overwrite) dropped finished parts. Parts hold their
+    rows' digest: a task reuses the part only if it holds exactly its rows."""
+    name, records = source_records(N)
+    records = records[:800]
+    out = tmp_path / "out"
+    ray.data.from_items(records, override_num_blocks=4).write_datasink(sink(out, [name], merge=False))
+    first = {p.name: dataset_files(p) for p in sorted(out.glob("part-*"))}
+    assert sorted(first) == ["part-00000", "part-00001", "part-00002", "part-00003"]
+    with pytest.raises(Exception, match=r"part-0000[01] holds other input than this task's \(200 records") as refused:
+        ray.data.from_items(records, override_num_blocks=2).write_datasink(sink(out, [name]))
+    assert "this task: 400 records" in str(refused.value) and "override_num_blocks" in str(refused.value)
+    assert {p.name: dataset_files(p) for p in sorted(out.glob("part-*"))} == first
+    assert not (out / "index.json").exists()
+    again = sink(out, [name])
+    ray.data.from_items(records, override_num_blocks=4).write_datasink(again)  # the first run's split: reused
+    assert [m.resumed_shards for m in again.manifests] == [0, 0, 0, 0] and again.index.documents == 800
+    local = documents_by_origin(local_pack(N))
+    assert documents_by_origin(out) == {k: v for k, v in local.items() if k[1] <= 800}
+    other = tmp_path / "other"
+    ray.data.from_items(records, override_num_blocks=2).write_datasink(sink(other, [name], merge=False))
+    kept = {p.name: dataset_files(p) for p in sorted(other.glob("part-0000[01]"))}
+    with pytest.raises(Exception, match=r"part-0000[01] holds other input than this task's \(400 records"):
+        ray.data.from_items(records, override_num_blocks=4).write_datasink(sink(other, [name]))
+    assert {p.name: dataset_files(p) for p in sorted(other.glob("part-0000[01]"))} == kept
+
+
 class CrashOnce(PackSink):
     """Kills its worker (as a preemption or an OOM kill would) in the middle of part 1, once."""
 

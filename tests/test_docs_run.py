@@ -43,6 +43,11 @@ SKIP = {
         "continues the reader's own loop: run after the page's earlier blocks, its loader is the endless one "
         "(epochs=None) and the loop would not end"
     ),
+    ("docs/integrations.md", "def llama3_wdsllm"): (
+        "a config function for torchtitan's trainer, whose model modules import triton (GPU kernels): "
+        "tests/test_torchtitan.py builds the adapter with the trainer's keywords on CPU"
+    ),
+    ("docs/integrations.md", "-m torchtitan.train"): "an 8-process torchtitan training on GPUs",
     ("docs/remote.md", "hf://datasets/org/name@main"): "needs the Hugging Face Hub and a torchrun launch",
     ("docs/mixtures.md", '"share": 0.601'): "an output of mix_stats(), not code",
     ("docs/cluster.md", "ray.init("): "starts a Ray cluster that reads its Parquet from S3",

@@ -51,7 +51,7 @@ def test_a_sidecar_loads_and_records_versions(counted):
     assert int(counts.documents.sum()) == 200 and len(counts.documents) > 1
     with np.load(sidecar) as z:
         meta = json.loads(z["meta"].tobytes())
-    assert meta["version"] == 2 and len(meta["digest"]) == 64
+    assert meta["version"] == 3 and meta["paths"] == [os.path.realpath(inputs)] and len(meta["digest"]) == 64
     assert meta["inputs"] == [f"size={os.path.getsize(inputs)} mtime_ns={os.stat(inputs).st_mtime_ns}"]
 
 
@@ -216,3 +216,48 @@ def test_a_changed_text_of_the_same_token_lengths_is_caught_by_the_unit_digest(t
         SourceError, match=r"docs\.jsonl#bytes=0-\d+: its documents' text differs from what `wdsllm count` read"
     ):
         list(wdsllm.loader(source, batch_size=8, num_workers=0))
+
+
+def test_a_sidecar_counted_over_a_relative_path_serves_the_absolute_path(tmp_path, monkeypatch):
+    """#43: it was refused, the message printing identical settings on both sides."""
+    monkeypatch.chdir(tmp_path)
+    _corpus(tmp_path / "docs.jsonl")
+    _, sidecar = _counted(tmp_path, "docs.jsonl")
+    absolute = str(tmp_path / "docs.jsonl")
+    assert int(_load(absolute, sidecar).documents.sum()) == 200
+    (tmp_path / "sub").mkdir()
+    assert int(_load("sub/../docs.jsonl", sidecar).documents.sum()) == 200
+    source = RawTextSource(absolute, tokenizer=str(GPT2), counts=sidecar, unit_bytes=2000)
+    loader = wdsllm.loader(source, batch_size=8, num_workers=0)
+    assert sum(len(b["docs"]) for b in loader) == 200 and len(loader) == 25
+
+
+def test_a_sidecar_of_other_inputs_or_settings_names_what_differs(counted, tmp_path):
+    inputs, sidecar = counted
+    with pytest.raises(
+        ConfigError, match=r"counts other inputs or settings: eos_id differs \(counted: 50256; here: None\)"
+    ):
+        load_counts(sidecar, open_raw(inputs, tokenizer=str(GPT2), unit_bytes=2000, eos=False))
+    with pytest.raises(ConfigError, match=r"it counts \d+ units, the source has 1 \(another unit_bytes\?\)"):
+        load_counts(sidecar, open_raw(inputs, tokenizer=str(GPT2)))
+    _corpus(tmp_path / "other.jsonl")
+    other = str(tmp_path / "other.jsonl")
+    with pytest.raises(ConfigError, match=rf"input file 0 differs \(counted: '{inputs}'; here: '{other}'\)"):
+        _load(other, sidecar)
+
+
+def test_a_version_2_sidecar_still_loads_with_the_paths_it_was_given(tmp_path, monkeypatch):
+    import wdsllm.load.rawcount as rawcount
+
+    monkeypatch.chdir(tmp_path)
+    _corpus(tmp_path / "docs.jsonl")
+    monkeypatch.setattr(rawcount, "COUNTS_VERSION", 2)
+    _, sidecar = _counted(tmp_path, "docs.jsonl")
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    assert int(_load("docs.jsonl", sidecar).documents.sum()) == 200
+    absolute = str(tmp_path / "docs.jsonl")
+    with pytest.raises(
+        ConfigError, match=r"unit 0 differs \(counted: 'docs.jsonl#bytes=0-\d+'; here: '/.*before version 3"
+    ):
+        _load(absolute, sidecar)

@@ -20,6 +20,7 @@ BAD_LINES = [
     (b'{"text": ["a", "list"]}', "missing_field", "text field 'text' is not a string (list)"),
     (b'{"text": null}', "missing_field", "text field 'text' is not a string (null)"),
     (b'{"text": "caf\xe9"}', "decode_error", "invalid UTF-8"),
+    (b'{"text": "a \\ud800 b"}', "decode_error", "text field 'text' holds a lone surrogate (U+D800) at character 2"),
 ]
 
 
@@ -38,12 +39,17 @@ def test_bad_line_stops_with_file_and_line(tmp_path, bad, reason, message):
     assert not list((tmp_path / "out").glob("*.tar"))
 
 
-def test_bad_input_stops_the_command_line_with_file_and_line(tmp_path):
-    path = corpus_with(tmp_path, b"{not json")
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [(b"{not json", "invalid JSON"), (b'{"text": "\\udc80"}', "text field 'text' holds a lone surrogate (U+DC80)")],
+    ids=["invalid-json", "lone-surrogate"],
+)
+def test_bad_input_stops_the_command_line_with_file_and_line(tmp_path, bad, message):
+    path = corpus_with(tmp_path, bad)
     result = cli("pack", path, "-o", tmp_path / "out", "-t", GPT2, "-j", "1", check=False)
     assert result.returncode == 1
-    assert f"Error: {path}:3: invalid JSON" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert f"Error: {path}:3: {message}" in result.stderr
+    assert "Traceback" not in result.stderr and "a bug in wdsllm" not in result.stderr
 
 
 def test_on_error_skip_counts_and_lists_every_bad_line(tmp_path):
@@ -51,17 +57,17 @@ def test_on_error_skip_counts_and_lists_every_bad_line(tmp_path):
     path = jsonl(tmp_path / "in.jsonl", lines)
     result = cli("pack", path, "-o", tmp_path / "out", "-t", GPT2, "-j", "1", "--on-error", "skip")
     assert "packed 2 documents" in result.stdout
-    assert "skipped 7: decode_error 1, empty 2, invalid_json 1, missing_field 3" in result.stdout
+    assert "skipped 8: decode_error 2, empty 2, invalid_json 1, missing_field 3" in result.stdout
     assert f"{path}:2: invalid_json" in result.stdout and f"{path}:6: decode_error" in result.stdout
     index = load_index(tmp_path / "out")
-    assert index.skipped["counts"] == {"decode_error": 1, "empty": 2, "invalid_json": 1, "missing_field": 3}
-    assert index.skipped["total"] == 7 and index.skipped["records_truncated"] is False
+    assert index.skipped["counts"] == {"decode_error": 2, "empty": 2, "invalid_json": 1, "missing_field": 3}
+    assert index.skipped["total"] == 8 and index.skipped["records_truncated"] is False
     records = index.skipped["records"]
     assert [(r["file"], r["line"], r["reason"]) for r in records] == [
         (str(path), n, reason) for n, (_, reason, _) in enumerate(BAD_LINES, 2)
     ]
     assert all(r["detail"] for r in records)
-    assert index.inputs[0]["documents"] == 2 and index.inputs[0]["skipped"] == 7
+    assert index.inputs[0]["documents"] == 2 and index.inputs[0]["skipped"] == 8
     assert len(documents(tmp_path / "out")) == 2
 
 

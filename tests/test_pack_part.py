@@ -7,11 +7,13 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import pytest
 from cluster_helpers import GPT2, SMALL, documents_by_origin, local_pack, source_records, visible_files
-from pack_helpers import cached, dataset_files, load_index, pack_api
+from pack_helpers import cached, cli, dataset_files, groups, load_index, pack_api
 
 import wdsllm.pack.lock as lock_module
 import wdsllm.pack.part as part_module
@@ -89,11 +91,67 @@ def test_a_preempted_part_continues_from_its_cursor(tmp_path, caplog, shape):
     assert dataset_files(cut) == dataset_files(tmp_path / "whole" / "part-00000")
 
 
-def test_a_committed_part_is_returned_without_reading_records(tmp_path):
+def blocks(records: list[dict], n: int) -> list[list[dict]]:
+    """Contiguous blocks, as Ray splits a dataset: another n moves every boundary."""
+    size = -(-len(records) // n)
+    return [records[i : i + size] for i in range(0, len(records), size)]
+
+
+def test_a_committed_part_is_reused_only_for_the_same_records_which_are_read_not_tokenized(tmp_path, monkeypatch):
     _, records = source_records(N)
     first = pack_part(records[:300], 2, str(tmp_path), options())
-    again = pack_part(preempted_after(records, 0), 2, str(tmp_path), options())
-    assert again == first
+    before = dataset_files(tmp_path / "part-00002")
+    monkeypatch.setattr(part_module, "encode_parsed", lambda *a, **kw: pytest.fail("a committed part was tokenized"))
+    assert pack_part(iter(records[:300]), 2, str(tmp_path), options()) == first
+    others = {
+        "fewer": records[:299],
+        "more": records[:301],
+        "shifted": records[1:301],
+        "reordered": records[299::-1],
+        "edited": [*records[:299], {**records[299], "text": "changed"}],
+    }
+    for name, other in others.items():
+        with pytest.raises(PackError, match=r"part-00002 holds other input than this task's \(300 records") as refused:
+            pack_part(other, 2, str(tmp_path), options())
+        assert f"this task: {len(other)} records" in str(refused.value), name
+        assert "remove every part-*/" in str(refused.value)
+    assert dataset_files(tmp_path / "part-00002") == before
+
+
+def test_a_rerun_split_otherwise_reuses_nothing_it_does_not_hold_and_merges_no_document_twice(tmp_path):
+    """#43: a re-run with another number of blocks (Ray's default follows the cluster's size) found
+    parts of the first run and returned them without reading its rows: documents were packed twice."""
+    name, records = source_records(N)
+    records, opts = records[:1200], options(sources=[name])
+    for i, block in enumerate(blocks(records, 2)):
+        pack_part(block, i, str(tmp_path / "two"), opts)
+    for i, block in enumerate(blocks(records, 4)[:2]):  # tasks 0 and 1 of four find parts of two
+        with pytest.raises(PackError, match=rf"part-0000{i} holds other input than this task's \(600 records"):
+            pack_part(block, i, str(tmp_path / "two"), opts)
+    for i, block in enumerate(blocks(records, 4)):
+        pack_part(block, i, str(tmp_path / "four"), opts)
+    for i, block in enumerate(blocks(records, 2)):  # the reverse change: tasks of two find parts of four
+        with pytest.raises(PackError, match=r"300 records.*this task: 600 records"):
+            pack_part(block, i, str(tmp_path / "four"), opts)
+    manifests = [pack_part(block, i, str(tmp_path / "two"), opts) for i, block in enumerate(blocks(records, 2))]
+    assert [m.resumed_shards for m in manifests] == [0, 0]  # the same split: both parts reused as they are
+    merge([str(tmp_path / "two")], str(tmp_path / "two"))
+    merge([str(tmp_path / "four")], str(tmp_path / "four"))
+    assert documents_by_origin(tmp_path / "two") == documents_by_origin(tmp_path / "four")
+    assert len(documents_by_origin(tmp_path / "two")) == 1200
+
+
+def test_an_interrupted_part_continues_only_over_the_records_it_packed(tmp_path):
+    name, records = source_records(N)
+    opts = options(sources=[name])
+    with pytest.raises(Preempted):
+        pack_part(preempted_after(records[:1000], 600), 0, str(tmp_path), opts)
+    journal = sorted((tmp_path / "part-00000").glob(".pack-*"))
+    with pytest.raises(PackError, match=r"part-00000 \(an interrupted attempt's shards\) holds other input"):
+        pack_part(records[500:1500], 0, str(tmp_path), opts)
+    assert sorted((tmp_path / "part-00000").glob(".pack-*")) == journal  # refused, nothing changed
+    resumed = pack_part(records[:1000], 0, str(tmp_path), opts)
+    assert resumed.resumed_shards > 0 and resumed.documents == 1000
 
 
 def test_a_part_of_other_options_is_replaced(tmp_path):
@@ -166,6 +224,115 @@ def test_part_errors_are_wdsllm_errors(tmp_path):
         pack_part([], -1, str(tmp_path), options())
 
 
+@pytest.mark.parametrize(
+    ("part_id", "message"),
+    [
+        (2**64, "part_id must be from 0 to 9,223,372,036,854,775,807, not 18,446,744,073,709,551,616"),
+        (-1, "part_id must be from 0"),
+        (True, r"part_id must be an integer, not True \(bool\)"),
+        (1.0, r"part_id must be an integer, not 1.0 \(float\)"),
+        ("3", r"part_id must be an integer, not '3' \(str\)"),
+        (4, r"part_id 4 is not one of the dataset's 4 parts \(0 to 3\)"),
+    ],
+)
+def test_a_part_id_that_names_no_part_is_refused_before_anything_is_written(tmp_path, part_id, message):
+    with pytest.raises(PackError, match=message):
+        pack_part([{"text": "a document"}], part_id, str(tmp_path / "out"), options(parts=4))
+    assert not (tmp_path / "out").exists()
+
+
+def test_part_ids_of_ten_thousand_and_more_verify_once_merged(tmp_path):
+    """#43: keys are TTTT-GGGGGGGGG with as many digits as the part id needs, and verify takes them."""
+    from wdsllm.format.verify import verify
+
+    ids = [9_999, 10_000, 123_456_789, 2**63 - 1]
+    for part_id in ids:
+        pack_part([{"text": f"document of part {part_id}"}], np.int64(part_id), str(tmp_path), options())
+    merge([str(tmp_path)], str(tmp_path))
+    report = verify(str(tmp_path))
+    assert report.ok, report.errors[:3]
+    keys = [g.key for g in groups(tmp_path)]
+    assert keys == [f"{part_id:04d}-000000000" for part_id in ids]
+
+
+class Fields(Mapping):
+    """A mapping that is not a dict (what a Spark Row's asDict or a user's own record class may give)."""
+
+    def __init__(self, **fields) -> None:
+        self.fields = fields
+
+    def __getitem__(self, key):
+        return self.fields[key]
+
+    def __iter__(self):
+        return iter(self.fields)
+
+    def __len__(self) -> int:
+        return len(self.fields)
+
+
+def test_records_that_are_not_mappings_or_hold_lone_surrogates_are_named_or_skipped(tmp_path):
+    records = [
+        {"text": "fine"},
+        "a string",
+        Fields(text="a mapping that is not a dict"),
+        None,
+        {"text": "a lone \ud800 surrogate"},
+        {"meta": Fields(body="nested in a mapping")},
+        42,
+    ]
+    refused = {
+        1: r"the record is not a mapping of fields \(str 'a string'\)",
+        3: r"the record is not a mapping of fields \(NoneType None\)",
+        4: r"text field 'text' holds a lone surrogate \(U\+D800\) at character 7",
+        6: r"the record is not a mapping of fields \(int 42\)",
+    }
+    for at, message in refused.items():
+        with pytest.raises(SourceError, match=rf"part-00007: record 3: {message}"):
+            pack_part([records[0], records[2], records[at]], 7, str(tmp_path / f"r{at}"), options())
+    manifest = pack_part(records, 7, str(tmp_path / "skip"), options(on_error="skip"))
+    assert (manifest.documents, manifest.skipped) == (2, 5)  # record 6 has no 'text' field
+    counts = load_index(tmp_path / "skip" / "part-00007").skipped["counts"]
+    assert counts == {"decode_error": 1, "missing_field": 4}
+    nested = pack_part(records[5:6], 0, str(tmp_path / "nested"), options(text_field="meta.body"))
+    assert nested.documents == 1
+
+
+def test_merge_in_place_with_allow_partial_leaves_unfinished_parts_where_they_are(tmp_path):
+    _, records = source_records(N)
+    for i in range(3):
+        pack_part(records[i * 100 : (i + 1) * 100], i, str(tmp_path), options(parts=3))
+    with pytest.raises(Preempted):
+        pack_part(preempted_after(records[100:200], 50), 1, str(tmp_path / "cut"), options(parts=3))
+    shutil.rmtree(tmp_path / "part-00001")
+    (tmp_path / "cut" / "part-00001").rename(tmp_path / "part-00001")
+    unfinished = visible_files(tmp_path / "part-00001")
+    with pytest.raises(MergeError, match="part-00001 has no index.json"):
+        merge([str(tmp_path)], str(tmp_path))
+    merged = cli("merge", tmp_path, "-o", tmp_path, "--allow-partial")
+    assert "merged 2 tasks (moved)" in merged.stdout and "200 documents" in merged.stdout
+    assert visible_files(tmp_path / "part-00001") == unfinished  # left where it was, whole
+    from wdsllm.format.verify import verify
+
+    assert verify(str(tmp_path)).ok
+
+
+def test_merge_into_a_directory_of_finished_parts_it_leaves_out_names_them_and_never_drops_them(tmp_path):
+    """#43: the advice was --overwrite, which deletes finished parts."""
+    _, records = source_records(N)
+    for i in range(3):
+        pack_part(records[i * 100 : (i + 1) * 100], i, str(tmp_path), options())
+    kept = visible_files(tmp_path / "part-00002")
+    some = [str(tmp_path / "part-00000"), str(tmp_path / "part-00001")]
+    for overwrite in (False, True):
+        with pytest.raises(MergeError, match=r"holds finished parts that this merge leaves out \(part-00002\)") as err:
+            merge(some, str(tmp_path), overwrite=overwrite)
+        assert "pass --overwrite" not in str(err.value) and f"wdsllm merge {tmp_path} -o {tmp_path}" in str(err.value)
+    assert visible_files(tmp_path / "part-00002") == kept
+    index, _ = merge([str(tmp_path)], str(tmp_path))
+    assert index.documents == 300
+
+
 def test_parts_of_input_files_merge_into_the_local_pack(tmp_path, caplog, monkeypatch):
     name, _ = source_records(N)
     opts = options(sources=[name])
@@ -173,6 +340,7 @@ def test_parts_of_input_files_merge_into_the_local_pack(tmp_path, caplog, monkey
         pack_part_files([name], 0, str(tmp_path / "x"), options())
     whole = pack_part_files([name], 0, str(tmp_path / "whole"), opts)
     assert whole.documents == N and whole.sources[name]["documents"] == N
+    assert pack_part_files([name], 0, str(tmp_path / "whole"), opts) == whole  # it holds these files: reused
     # a preempted attempt (stopped after 10 chunks), then one that continues where it stopped
     real, calls = part_module.encode_parsed, []
 
@@ -241,15 +409,13 @@ def test_a_duplicate_attempt_waits_for_the_part_and_finds_it_committed(tmp_path,
     monkeypatch.setattr(part_module, "LOCK_POLL_S", 0.05)
     running = OutputLock(storage.Output(part_url(str(tmp_path), 3)), "pack part").acquire()  # another attempt
     found = {}
-    duplicate = threading.Thread(
-        target=lambda: found.update(m=pack_part(preempted_after(records, 0), 3, str(tmp_path), options()))
-    )
+    duplicate = threading.Thread(target=lambda: found.update(m=pack_part(records[:100], 3, str(tmp_path), options())))
     duplicate.start()
     time.sleep(0.3)
     assert duplicate.is_alive()  # waiting for the running attempt, not refused
     running.release()
     duplicate.join(30)
-    assert found["m"] == first  # the committed part, without a record read
+    assert found["m"] == first  # the committed part, its records read again, none tokenized
     monkeypatch.setattr(part_module, "LOCK_WAIT_S", 0.2)
     held = pytest.raises(PackError, match=r"being written by another .* \(waited 0 s for it\)")
     with OutputLock(storage.Output(part_url(str(tmp_path), 3)), "pack part"), held:

@@ -18,6 +18,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # clients (`cloud`), all at the pinned torch: tools/constraints.txt keeps any of them from pulling
   # another torch, and keeps pip from backtracking over the boto3/botocore/aiobotocore versions
   .venv/bin/python -m pip install --quiet -c tools/constraints.txt -e ".[torch,test,cloud,plot]"
+  # torchtitan (the `torchtitan` extra), without its dependencies: its pin datasets<4.8 asks for an fsspec
+  # older than the cloud stack's; what it imports comes with the test extra (pyproject.toml)
+  if .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    .venv/bin/python -m pip install --quiet --no-deps "torchtitan==0.3.0"
+  fi
   if command -v npm >/dev/null 2>&1 && command -v node >/dev/null 2>&1; then
     npm install --silent --no-audit --no-fund --prefix .venv azurite@3 >/dev/null 2>&1 \
       || echo "setup.sh: npm install azurite failed; the az:// tests will skip" >&2

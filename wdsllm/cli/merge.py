@@ -20,8 +20,12 @@ from .output import ProgressLine, bar, echo, fail, plural
     help="The merged dataset: a directory or s3://bucket/prefix/ (may be the parts' parent).",
 )
 @click.option("--copy", is_flag=True, help="Copy the shards and keep the parts (default: move them).")
-@click.option("--overwrite", is_flag=True, help="Replace a non-empty output.")
-@click.option("--allow-partial", is_flag=True, help="Merge even if some tasks of the pack are missing or unfinished.")
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty output (never the parts in it).")
+@click.option(
+    "--allow-partial",
+    is_flag=True,
+    help="Merge even if some tasks of the pack are missing or unfinished (unfinished ones stay where they are).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress line and no summary.")
 @click.pass_context
 def merge(ctx, parts, output, copy, overwrite, allow_partial, quiet):

@@ -27,7 +27,9 @@ from ..format import tar as tario
 from .index import read_index_bytes
 from .side import SideArray
 
-KEY_RE = re.compile(r"^\d{4}-\d{9}$")
+#: ``group_key``: at least four digits of task (part) index and nine of group counter, more when
+#: the number needs them (a part id of 10,000 or more, a task of a billion groups)
+KEY_RE = re.compile(r"^(?:\d{4}|[1-9]\d{4,})-(?:\d{9}|[1-9]\d{9,})$")
 MAX_ERRORS_PER_SHARD = 20
 
 
@@ -180,7 +182,7 @@ def _check_sample(check: ShardCheck, raw: tario.RawSample, index: fmt.Index, dat
     check.samples += 1
     check.keys.append(raw.key)
     if not KEY_RE.match(raw.key):
-        check.fail(f"{where}: key is not TTTT-GGGGGGGGG")
+        check.fail(f"{where}: key is not TTTT-GGGGGGGGG (task index and group counter, at least 4 and 9 digits)")
     if group.tokens.dtype != np.dtype(index.dtype):
         check.fail(f"{where}: tokens are {group.tokens.dtype}, the index says {index.dtype}")
     if len(group.tokens) and int(group.tokens.max()) >= index.tokenizer.vocab_size:

@@ -7,27 +7,32 @@ Every compressed input (`.gz`, `.bz2`, `.xz`, `.zst`) is read through a :class:`
   :class:`ZstdFrames` follows the frame and block headers as the compressed bytes pass (never the
   payloads: a few integer operations per block of up to 128 KiB) and says whether the input ended
   at a frame boundary.
-- **What came before the damage is handed on first.** The decompressor is asked for at most
-  :data:`PIECE` bytes at a time, and an error is raised on the read after the bytes already
-  decompressed, so at most one piece of text before the point of detection is lost. Where the
-  format checks its data only at the end of a block or member (gzip's CRC per member, bz2's per
-  900 KB block, xz's and zstd's optional per-block/frame checks), the bytes decompressed just
-  before a *changed* (not truncated) byte may already differ from the original: docs/reliability.md.
+- **What came before the damage is handed on first, all of it.** gzip, bz2 and xz are read by
+  a :class:`StreamReader` over the standard library's incremental decompressors, which hands on
+  every byte a decompressor gave before it ran out of input or failed (the file objects of
+  ``gzip``, ``bz2`` and ``lzma`` drop what the failing read had decompressed), and an error is
+  raised on the read after them: a document fully decompressed before the break is never lost.
+  Where the format checks its data only at the end of a block or member (gzip's CRC per member,
+  bz2's per 900 KB block, xz's and zstd's optional per-block/frame checks), the bytes decompressed
+  just before a *changed* (not truncated) byte may already differ from the original:
+  docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import bz2
-import gzip
 import lzma
 import zlib
-from typing import BinaryIO
+from collections.abc import Callable
+from typing import BinaryIO, Protocol
 
 from ..errors import DamagedInputError, SourceError
 from ..storage.versions import VersionChangedError
 
-#: decompressed bytes asked of a decompressor at a time: what a damaged stream may lose before its break
+#: decompressed bytes asked of a decompressor at a time
 PIECE = 64 << 10
+#: compressed bytes read from the input at a time
+RAW_BLOCK = 64 << 10
 
 #: exceptions by which a decompressor (or the bytes under it) says the stream is damaged
 DAMAGE = (OSError, EOFError, lzma.LZMAError, zlib.error, ValueError)
@@ -124,6 +129,125 @@ class _FramedSource:
         return data
 
 
+class Decompressor(Protocol):
+    """One compressed stream's incremental decompressor: ``bz2.BZ2Decompressor``,
+    ``lzma.LZMADecompressor``, or :class:`GzipMember`."""
+
+    @property
+    def eof(self) -> bool: ...
+
+    @property
+    def unused_data(self) -> bytes: ...
+
+    @property
+    def needs_input(self) -> bool: ...
+
+    def decompress(self, data: bytes, max_length: int = -1) -> bytes: ...
+
+
+class GzipMember:
+    """One gzip member, through zlib (which checks its header, CRC and size), with the interface of
+    bz2's and lzma's decompressors: the input a bounded call left unread is kept here."""
+
+    def __init__(self) -> None:
+        self._zlib = zlib.decompressobj(wbits=31)
+        self._tail = b""
+
+    @property
+    def eof(self) -> bool:
+        return self._zlib.eof
+
+    @property
+    def unused_data(self) -> bytes:
+        return self._zlib.unused_data
+
+    @property
+    def needs_input(self) -> bool:
+        return not self._tail
+
+    def decompress(self, data: bytes, max_length: int = -1) -> bytes:
+        if self._tail:
+            data = self._tail + data
+        out = self._zlib.decompress(data, max(max_length, 0))
+        self._tail = self._zlib.unconsumed_tail
+        return out
+
+
+class StreamReader:
+    """The decompressed bytes of concatenated compressed streams, as the file objects of ``gzip``,
+    ``bz2`` and ``lzma`` read them (gzip: ``zero_padding`` between and after members, any other
+    byte starts a member; bz2 and xz: bytes after a stream that start none, as ``trailing_error``
+    from their first decompression says, end the input), except that a read returns whatever the
+    decompressor gave before its input ended or it failed: only a read that got nothing raises
+    (``EOFError`` for a stream cut short)."""
+
+    def __init__(
+        self,
+        raw: BinaryIO,
+        factory: Callable[[], Decompressor],
+        *,
+        trailing_error: type[Exception] | None = None,
+        zero_padding: bool = False,
+    ) -> None:
+        self._raw = raw
+        self._factory = factory
+        self._trailing_error = trailing_error
+        self._padded = zero_padding
+        self._decompressor: Decompressor | None = factory()
+        self._pending = b""  # compressed bytes the last stream left over, for the next one
+        self._following = False  # the current stream follows another and has not been fed yet
+        self._started = False  # whether the input gave any byte
+
+    def read(self, n: int = -1) -> bytes:
+        want = n if n is not None and n > 0 else PIECE
+        while self._decompressor is not None:
+            if self._decompressor.eof:
+                self._next_stream()
+                continue
+            data = self._input() if self._decompressor.needs_input else b""
+            try:
+                out = self._decompressor.decompress(data, want)
+            except Exception as exc:
+                trailing = self._trailing_error is not None and isinstance(exc, self._trailing_error)
+                if not (trailing and self._following):
+                    raise
+                self._decompressor = None  # bytes after the last stream that start none
+                break
+            self._following = False
+            if out:
+                return out
+            if not data and self._decompressor.needs_input:
+                if self._started:
+                    raise EOFError("compressed file ended before the end-of-stream marker was reached")
+                self._decompressor = None  # an empty input: no stream at all, as the file objects read it
+        return b""
+
+    def _input(self) -> bytes:
+        if self._pending:
+            data, self._pending = self._pending, b""
+            return data
+        data = self._raw.read(RAW_BLOCK)
+        self._started = self._started or bool(data)
+        return data
+
+    def _next_stream(self) -> None:
+        """Start the stream after the one that ended, or end the input."""
+        rest = self._decompressor.unused_data or self._input()
+        if self._padded:
+            while rest and not rest.strip(b"\x00"):
+                rest = self._input()
+            rest = rest.lstrip(b"\x00")
+        if not rest:
+            self._decompressor = None
+            return
+        self._pending = rest
+        self._decompressor = self._factory()
+        self._following = True
+
+    def close(self) -> None:
+        self._decompressor = None
+
+
 class CheckedStream:
     """A decompressed stream whose damage raises :class:`DamagedInputError` after the bytes that
     came before it (see the module's docstring)."""
@@ -187,11 +311,11 @@ def decompressing(raw: BinaryIO, compression: str | None) -> BinaryIO:
     if compression is None:
         return raw
     if compression == "gz":
-        return CheckedStream(gzip.GzipFile(fileobj=raw, mode="rb"), raw, "gzip")
+        return CheckedStream(StreamReader(raw, GzipMember, zero_padding=True), raw, "gzip")
     if compression == "bz2":
-        return CheckedStream(bz2.BZ2File(raw, "rb"), raw, "bz2")
+        return CheckedStream(StreamReader(raw, bz2.BZ2Decompressor, trailing_error=OSError), raw, "bz2")
     if compression == "xz":
-        return CheckedStream(lzma.LZMAFile(raw, "rb"), raw, "xz")
+        return CheckedStream(StreamReader(raw, lzma.LZMADecompressor, trailing_error=lzma.LZMAError), raw, "xz")
     if compression == "zst":
         import zstandard
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .sources import ParsedChunk, ParseOptions, Skip, add_text, json_field, not_text, settle
+from .sources import ParsedChunk, ParseOptions, Skip, add_text, json_field, lone_surrogate, not_text, settle
 
 
 @dataclass
@@ -65,6 +65,10 @@ class RecordChunk:
                         message = f"text field {opts.text_field!r} of the .json member is {problem}"
                         detail = f"{opts.text_field!r} {problem}"
                         out.skips.append(Skip(self.file_index, line, "missing_field", detail, message, key=key))
+                        continue
+                    bad = lone_surrogate(self.file_index, line, text, opts.text_field, key)
+                    if bad is not None:
+                        out.skips.append(bad)
                         continue
                     add_text(out, line, text, key)
                     continue

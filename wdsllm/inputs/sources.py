@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol
 
@@ -430,12 +430,25 @@ _MISSING = object()
 
 
 def json_field(obj: Any, path: list[str]) -> Any:
-    """The value at a dotted path of a JSON object, or :data:`_MISSING`."""
+    """The value at a dotted path of a JSON object (or any mapping), or :data:`_MISSING`."""
     for part in path:
-        if not isinstance(obj, dict) or part not in obj:
+        if not isinstance(obj, Mapping) or part not in obj:
             return _MISSING
         obj = obj[part]
     return obj
+
+
+def lone_surrogate(file_index: int, line: int, text: str, text_field: str, key: str | None = None) -> Skip | None:
+    """A ``decode_error`` skip for text that is not Unicode a tokenizer takes: a lone surrogate,
+    which a JSON escape (``"\\ud800"``) or a caller's string may hold; None for any other text."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as exc:
+        problem = f"a lone surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}"
+    return Skip(file_index, line, "decode_error", problem, f"text field {text_field!r} holds {problem}", key=key)
 
 
 def add_text(out: ParsedChunk, line: int, text: str, key: str | None = None) -> None:

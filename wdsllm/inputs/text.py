@@ -37,6 +37,7 @@ from .sources import (
     close_input,
     is_read_error,
     json_field,
+    lone_surrogate,
     not_text,
     open_decompressed,
     settle,
@@ -435,6 +436,10 @@ def parse_chunk(chunk: TextChunk, opts: ParseOptions, display: str) -> ParsedChu
                 problem = not_text(text)
                 message = f"text field {text_field!r} is {problem}"
                 out.skips.append(Skip(file_index, number, "missing_field", f"{text_field!r} {problem}", message))
+                continue
+            bad = lone_surrogate(file_index, number, text, text_field)
+            if bad is not None:
+                out.skips.append(bad)
                 continue
             add_text(out, number, text)
         return settle(out, opts, display, "line")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,7 +285,7 @@ def _value(node, obj: Any) -> Any:
     if isinstance(node, Literal):
         return node.value
     for part in node.path:
-        if not isinstance(obj, dict) or part not in obj:
+        if not isinstance(obj, Mapping) or part not in obj:
             return _MISSING
         obj = obj[part]
     return obj

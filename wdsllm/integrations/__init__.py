@@ -5,7 +5,8 @@ Each module imports its library when imported itself, never from ``import wdsllm
 - :mod:`wdsllm.integrations.hf`: a ``transformers.Trainer`` that takes a ``wdsllm.loader`` as it
   is (no second batching, no second sharding, resume from the loader's own state);
 - :mod:`wdsllm.integrations.accelerate`: ``prepare(accelerator, loader)`` for Accelerate loops;
-- :mod:`wdsllm.integrations.lightning`: a callback that keeps the loader's epoch in step.
+- :mod:`wdsllm.integrations.lightning`: a callback that keeps the loader's epoch in step;
+- :mod:`wdsllm.integrations.torchtitan`: a data loader torchtitan's trainer builds from its config.
 
 :func:`model_inputs` is shared by all of them: a batch as keyword arguments of a Hugging Face
 model. No torch here.

@@ -17,7 +17,9 @@
 :class:`PackWriter` packs each rank's documents into ``OUT/part-NNNNN/`` (the rank's number) with
 :func:`wdsllm.pack.part.pack_part`. datatrove marks a rank complete after its pipeline returns,
 which is after the part's manifest is written; a relaunch skips the completed ranks and reruns the
-others, and a rerun rank continues its part from the last shard it committed. :class:`MergeParts`
+others, and a rerun rank continues its part from the last shard it committed, once it has checked
+that the documents before that point are the ones the part holds (a rank given other documents
+is refused by name: :mod:`wdsllm.pack.rows`). :class:`MergeParts`
 (or ``wdsllm merge OUT -o OUT``) joins the parts; it names any rank whose part is missing.
 """
 

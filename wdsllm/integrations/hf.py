@@ -96,7 +96,7 @@ class Trainer(transformers.Trainer):
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, STATE_FILE.format(rank=self.args.process_index))
         with open(path + ".tmp", "w") as f:
-            json.dump(self.train_loader.state_dict(), f)
+            json.dump(self.train_loader.state_dict(kept_per_rank=True), f)  # a file per rank
         os.replace(path + ".tmp", path)
 
     def _load_loader_state(self, checkpoint: str) -> None:

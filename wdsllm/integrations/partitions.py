@@ -9,7 +9,10 @@
 
 Partition ``i`` becomes ``OUT/part-NNNNN/`` (``i``'s number) through
 :func:`wdsllm.pack.part.pack_part`, so a retried partition task continues or finds its part, as a
-Ray write task does. Imports neither engine: the functions are what the engines call.
+Ray write task does, and a re-run with another partitioning is refused by the first partition that
+finds a part of other rows. Pass ``parts=`` (the number of partitions) to have merge name any
+missing part and refuse parts of a run with another number. Imports neither engine: the functions
+are what the engines call.
 """
 
 from __future__ import annotations

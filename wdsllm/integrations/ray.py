@@ -11,8 +11,13 @@ them, so no document is written twice or lost. ``on_write_complete`` merges the 
 (set ``merge=False`` to run ``wdsllm merge`` yourself). A task holds one chunk of text and one open
 shard, whatever its blocks' size.
 
-For byte-identical reruns, Ray must hand the same rows to the same task index in the same order:
-set ``ray.data.DataContext.get_current().execution_options.preserve_order = True``.
+A part is tied to the rows it holds (their digest is in its manifest): a task reuses a part only
+when it holds exactly the task's rows, in order. A re-run (after a driver crash) that splits the
+rows otherwise, such as with another number of blocks (Ray's default follows the cluster's size),
+is refused by the first task that finds a part of other rows, naming it: never a document packed
+twice nor one lost. For a re-run to reuse the parts (and give byte-identical shards), Ray must
+hand the same rows to the same task index in the same order: set ``override_num_blocks`` and
+``ray.data.DataContext.get_current().execution_options.preserve_order = True``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@
 Labels follow the Hugging Face convention: ``labels`` is aligned with ``input_ids`` and the model
 shifts it (position t predicts labels[t+1]). -100 marks what must not be predicted: padding, and
 with ``boundaries`` the first token of each document in a packed row, which would otherwise be
-predicted from the end of the previous document.
+predicted from the end of the previous document. With next-token labels (``shift_labels=True``)
+the batch carries ``shift_labels`` instead, ``shift_labels[t] = labels[t + 1]``: a row of rows mode
+is read with one token more than it hands out (``Config.row_len``), whose last token is only a
+label, so every position has its label; a padded document's last position predicts nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +44,12 @@ class CollateOptions:
     docs: bool = True  # a `docs` tensor: the identity of every document (docs) or of a row's documents (rows)
     mixing: Any = None  # a mixture's mixplan.Mixing: a `sources` tensor aligned with `docs`
     rows: bool = False  # batches are rows of a fixed length (collate_rows), else documents
+    next_token: bool = False  # ``shift_labels`` in place of ``labels``; rows hand out seq_len - 1 positions
+
+    @property
+    def width(self) -> int | None:
+        """Positions of a row of rows mode as handed out: the row, less the token that is only a label."""
+        return self.seq_len - 1 if self.next_token and self.seq_len else self.seq_len
 
     @classmethod
     def for_config(cls, cfg: Config, catalog: Source) -> CollateOptions:
@@ -52,7 +61,7 @@ class CollateOptions:
                 tok.pad_id if tok and tok.pad_id is not None else (tok.eos_id if tok and tok.eos_id is not None else 0)
             )
         mode = cfg.mode
-        seq_len = cfg.seq_len if mode.rows else (catalog.index.seq_len if catalog.index else None)
+        seq_len = cfg.row_len if mode.rows else (catalog.index.seq_len if catalog.index else None)
         max_seg = cfg.max_segments
         if max_seg is None:
             if catalog.mode == "packed" and catalog.index is not None:
@@ -68,6 +77,7 @@ class CollateOptions:
             docs=cfg.docs,
             mixing=catalog.mixing,
             rows=cfg.rows_out(catalog),
+            next_token=cfg.shift_labels,
         )
 
 
@@ -145,7 +155,26 @@ def assemble(items: Block, epoch: int, opts: CollateOptions) -> dict:
     """A batch as a training step takes it: the collated tensors and the data epoch the batch
     belongs to. The one place a batch dict is made."""
     out = collate_rows(items, opts) if opts.rows else collate_docs(items, opts)
+    if opts.next_token:
+        out = next_token_labels(out, opts)
     out["epoch"] = epoch
+    return out
+
+
+def next_token_labels(out: dict, opts: CollateOptions) -> dict:
+    """``labels`` as ``shift_labels``, what each position predicts; a row of rows mode loses the
+    position of its last token, which is only the label of the one before it (its boundaries were
+    made for the shorter row: ``collate_rows``)."""
+    labels = out.pop("labels")
+    if opts.rows:
+        width = opts.width
+        out["input_ids"] = out["input_ids"][:, :width].contiguous()
+        out["shift_labels"] = labels[:, 1:].contiguous()
+        out["lengths"] = out["lengths"].clamp(max=width)
+        return out
+    shift = torch.full_like(labels, IGNORE_INDEX)
+    shift[:, :-1] = labels[:, 1:]
+    out["shift_labels"] = shift
     return out
 
 
@@ -212,19 +241,29 @@ def collate_rows(items: Block, opts: CollateOptions) -> dict:
             out["sources"] = torch.from_numpy(opts.mixing.sources_of_ids(docs).astype(np.int64))
     if opts.boundaries:
         seg_counts, src = items.segments()  # the batch's segments in row order
-        most = int(seg_counts.max()) if n else 1
-        max_seg = opts.max_segments or most
-        if most > max_seg:
-            raise ConfigError(f"a row holds {most} documents, more than max_segments={max_seg}; raise max_segments")
         row_of_seg = np.repeat(np.arange(n), seg_counts)
         starts = items.seg_starts[src]
-        out.update(_boundaries(starts, row_of_seg, n, seq_len, max_seg, lengths))
         doc_first = starts > 0  # a segment at a row's start continues or starts unseen context; label 0 is never used
         if labels is input_ids:
             labels = labels.clone()
             out["labels"] = labels
         labels[row_of_seg[doc_first], torch.from_numpy(starts[doc_first].astype(np.int64))] = IGNORE_INDEX
+        out.update(_row_boundaries(starts, row_of_seg, n, opts, lengths))
     return out
+
+
+def _row_boundaries(starts: np.ndarray, row_of_seg: np.ndarray, n: int, opts: CollateOptions, lengths) -> dict:
+    """The boundaries of the rows as handed out (``opts.width`` positions: a segment that starts
+    at a next-token row's last token is only a label)."""
+    width = opts.width
+    if width != opts.seq_len:
+        keep = starts < width
+        starts, row_of_seg, lengths = starts[keep], row_of_seg[keep], np.minimum(lengths, width)
+    most = int(np.bincount(row_of_seg, minlength=n).max()) if n else 1
+    max_seg = opts.max_segments or most
+    if most > max_seg:
+        raise ConfigError(f"a row holds {most} documents, more than max_segments={max_seg}; raise max_segments")
+    return _boundaries(starts, row_of_seg, n, width, max_seg, lengths)
 
 
 def row_docs(items: Block) -> np.ndarray:

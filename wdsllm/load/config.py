@@ -17,7 +17,7 @@ from .batching import COUNT_BY_ITEMS, Batcher, BatchingMode, mode_of
 from .options import BatchOptions, OrderOptions, ReadingOptions
 from .read import ReadOptions
 from .sources.protocol import Source
-from .stream import StreamSpec
+from .stream import StreamSpec, has_lengths
 
 DEFAULT_DOC_BUFFER = 10_000
 DEFAULT_ROW_BUFFER_TOKENS = 1 << 22
@@ -49,16 +49,58 @@ class Config(OrderOptions, BatchOptions):
         return self.batch_size is None and self.batching == "fixed"
 
     @property
+    def row_len(self) -> int | None:
+        """The tokens a row of pack or concat is read with: ``seq_len``, and one more with next-token
+        labels (the last token is only the label of the one before it)."""
+        return self.seq_len + 1 if self.shift_labels and self.seq_len else self.seq_len
+
+    @property
     def infinite(self) -> bool:
         """Whether the stream never ends: endless epochs, resampling, or a fixed steps_per_epoch
         (whose loop continues into the next epoch's data)."""
         return self.epochs is None or self.resample or self.steps_per_epoch is not None
 
     def keeps_equal_batches(self, world: int) -> bool:
-        """Whether ranks stop at the same batch count: the option, or its default (with more than
-        one rank), for a finite stream; an endless one has no count to make equal."""
+        """Whether ranks stop every epoch at the same batch count: the option, or its default (with
+        more than one rank); a resampled stream has no epochs to count."""
         equal = self.equal_batches if self.equal_batches is not None else world > 1
-        return equal and not self.infinite
+        return equal and not self.resample
+
+    def endless_by_epochs(self, world: int) -> bool:
+        """Whether the loader's endless stream is whole epochs, one pass after another, each cut to
+        the equal-batches count as a finite epoch is (so its state resumes, on another rank or
+        layout too, wherever a finite one does); else each worker streams on across epochs."""
+        return self.infinite and self.keeps_equal_batches(world)
+
+    def can_count(self, catalog: Source) -> bool:
+        """Whether the index counts an epoch's batches before reading (what equal batches, len()
+        and an elastic resume need): item counts per shard, and lengths where the mode needs them."""
+        if catalog.items_per_shard is None:
+            return False
+        return self.make_batcher().count_by == COUNT_BY_ITEMS or has_lengths(catalog)
+
+    def one_state_for_all(self, catalog: Source, world: int) -> bool:
+        """Whether any rank's state resumes every rank (a checkpointer may keep one copy for all):
+        ranks yield equal counts that the index can count, which turn one rank's position into
+        another's; else a state mid-epoch is its own rank's."""
+        return world == 1 or (self.keeps_equal_batches(world) and self.can_count(catalog))
+
+    def check_equal_batches(self, catalog: Source, world: int) -> None:
+        """Refuse ``equal_batches=True`` where it cannot be honoured, rather than ignore it."""
+        if not self.equal_batches or world == 1:
+            return
+        if self.resample:
+            raise ConfigError(
+                "equal_batches=True cannot be honoured with resample=True: a resampled stream draws shards forever "
+                "and has no epochs whose batches could be counted; pass steps_per_epoch= to give every rank the "
+                "same number of steps per loop"
+            )
+        if not self.can_count(catalog):
+            raise ConfigError(
+                "equal_batches=True cannot be honoured: the batches of an epoch cannot be counted before reading "
+                "(shards without an index.json with lengths, or raw text without a count sidecar); use an index "
+                "(wdsllm pack) or `wdsllm count`, or pass steps_per_epoch="
+            )
 
     def share_unit(self, mode: str) -> int:
         """Items a worker's share is planned in: a full batch where a batch is a number of items
@@ -93,8 +135,12 @@ class Config(OrderOptions, BatchOptions):
             raise ConfigError("resample needs at least one shard")
 
     def resolved(self, catalog: Source) -> Config:
-        """Defaults that depend on the dataset filled in (the shuffle buffer is counted in items,
-        and a packed row is thousands of tokens, so rows get a smaller count)."""
+        """Defaults that depend on the dataset filled in: the shuffle buffer (counted in items,
+        and a packed row is thousands of tokens, so rows get a smaller count), and an endless
+        stream's equal batches, off by default where the epochs cannot be counted (its workers then
+        stream on across epochs)."""
+        if self.infinite and self.equal_batches is None and not self.resample and not self.can_count(catalog):
+            return replace(self, equal_batches=False).resolved(catalog)
         if self.shuffle_buffer is not None:
             return self
         if catalog.mode == "packed" and catalog.index is not None and catalog.index.seq_len:
@@ -107,7 +153,7 @@ class Config(OrderOptions, BatchOptions):
         """What decides the stream of (rank, worker) in ``epoch``."""
         max_len, max_len_mode = self.max_len, self.max_len_mode
         if self.mode.pieces_at_seq_len:  # longer documents become seq_len pieces, all kept
-            max_len = self.seq_len if max_len is None else min(max_len, self.seq_len)
+            max_len = self.row_len if max_len is None else min(max_len, self.row_len)
             max_len_mode = "split"
         return StreamSpec(
             seed=self.seed,

@@ -231,7 +231,7 @@ class EpochCounts:
         index cannot count."""
         workers = max(1, workers)
         batcher = cfg.make_batcher()
-        if catalog.items_per_shard is None or (batcher.count_by != COUNT_BY_ITEMS and not has_lengths(catalog)):
+        if not cfg.can_count(catalog):
             return None
         if plan is None:
             plan = catalog.default_plan(epoch)
@@ -259,7 +259,7 @@ class EpochCounts:
             exact = _handed_table(batcher, items, hands, cfg.batch_size or 1, lambda n: n)
             return cls(exact, exact)
         if batcher.count_by == COUNT_BY_TOKENS and tokens is not None:
-            exact = _handed_table(batcher, tokens, hands, cfg.batch_size * cfg.seq_len, _Tokens)
+            exact = _handed_table(batcher, tokens, hands, cfg.batch_size * cfg.row_len, _Tokens)
             return cls(exact, None, _Background(lambda: _checked(check, exact)))
         bound = _lower_bound(catalog, cfg, batcher, items, tokens, hands)
         # the cache file's name is made here, not in the thread: a fork while the thread holds a

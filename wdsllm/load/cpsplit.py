@@ -60,9 +60,11 @@ def shifted(labels: torch.Tensor) -> torch.Tensor:
 
 
 def full_view(batch: dict) -> dict:
-    """The whole batch as every CP rank sees it before its cut: labels shifted, true positions."""
+    """The whole batch as every CP rank sees it before its cut: labels shifted (unless the batch
+    has next-token labels already: ``shift_labels=True``), true positions."""
     out = dict(batch)
-    out["shift_labels"] = shifted(out.pop("labels"))
+    if "labels" in out:
+        out["shift_labels"] = shifted(out.pop("labels"))
     if "position_ids" not in out:
         n, length = out["input_ids"].shape
         out["position_ids"] = torch.arange(length, dtype=torch.long).expand(n, length)

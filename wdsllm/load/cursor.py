@@ -190,6 +190,7 @@ class Cursor:
         self.new_pass()
         self.order = None
         self.epoch = st.epoch
+        self.steps = st.steps  # a steps_per_epoch loop's steps so far (0 in a finite state)
         self.completed = None
         self.restored = None
         if st.in_epoch and active is not None:
@@ -228,6 +229,12 @@ class Here:
             **position,
         )
 
+    def rank_specific(self, st: statemod.LoaderState) -> bool:
+        """Whether only the saving rank can resume from ``st``: it stands inside an epoch whose
+        ranks yield different numbers of batches, or whose counts (which turn one rank's position
+        into another's) the index cannot give."""
+        return st.in_epoch and not self.cfg.one_state_for_all(self.catalog, st.world_size)
+
     def worker_counts(self, epoch: int, world: int, workers: int, plan: EpochPlan | None) -> np.ndarray:
         """Every (rank, worker)'s batches in ``epoch`` of a ``world`` x ``workers`` layout."""
         counts = batch_counts(self.catalog, self.cfg, epoch, world, workers, plan)
@@ -256,9 +263,23 @@ def check_fits(st: statemod.LoaderState, here: Here, *, exact_order: bool) -> No
             f"({st.world_size} when saved, {here.world} now): an elastic resume would move them; "
             "write the points as at_tokens / at_items to resume with another world size"
         )
+    by_epochs = here.cfg.endless_by_epochs(here.world)
+    if st.infinite and here.cfg.infinite and st.equal_batches != by_epochs:
+        raise StateError(
+            "the state is from an endless loader whose "
+            + (
+                "epochs ran whole with equal batches; this one streams on across epochs: pass equal_batches=True"
+                if st.equal_batches
+                else "workers streamed on across epochs (equal_batches off, or saved by a wdsllm before state version "
+                "6); this one runs whole epochs with equal batches: pass equal_batches=False to resume it"
+            )
+        )
     statemod.check_positions(st, here.catalog, here.cfg, exact_order=exact_order)
-    if st.workers and not same_layout and here.cfg.infinite:
-        raise StateError("resuming an endless stream with another world size or worker count is not supported")
+    if st.workers and not same_layout and here.cfg.infinite and not by_epochs:
+        raise StateError(
+            "resuming an endless stream with another world size or worker count needs equal batches "
+            "(equal_batches=True, the default with several ranks): its workers streamed on across epochs"
+        )
     if st.workers and same_layout and st.rank != here.rank and not st.equal_batches:
         raise StateError(
             f"this state is rank {st.rank}'s and ranks yielded different numbers of batches; load each rank's own state"
@@ -286,7 +307,8 @@ def restore(cursor: Cursor, st: statemod.LoaderState, here: Here) -> None:
         counts = here.worker_counts(st.epoch, here.world, here.workers, source.plan_for(st.epoch))[here.rank]
         positions = positions_of_share(st.epoch, counts, st.yielded)
     served = {w: (p[0], p[1] - lost_batches(p[2])) for w, p in positions.items()}  # batches of holes only: never sent
-    turn = st.turn if here.cfg.infinite else turn_after(served, here.workers)
+    streamed = here.cfg.infinite and not here.cfg.endless_by_epochs(here.world)
+    turn = st.turn if streamed else turn_after(served, here.workers)
     source.resume_from(positions)
     cursor.set(st, turn, list(range(here.workers)))
 

@@ -141,12 +141,14 @@ class EpochSource(IterableDataset):
     and the batch limits that depend on them are recomputed when they change.
     """
 
-    def __init__(self, catalog: Source, cfg: Config, rank: int, world: int):
+    def __init__(self, catalog: Source, cfg: Config, rank: int, world: int, passes: bool = False):
         super().__init__()
         self.catalog = catalog
         self.cfg = cfg
         self.rank = rank
         self.world = world
+        #: the loader's iterations are passes that an endless stream of whole epochs runs one at a time
+        self.passes = passes
         self._epoch = mp.get_context().Value("q", 0, lock=False)
         self._resume: dict[int, WorkerPosition] = {}  # worker -> position for the next iteration
         self._plans: dict[int, EpochPlan] = {}  # epoch -> the plan that replaces its normal one
@@ -170,6 +172,12 @@ class EpochSource(IterableDataset):
 
     def resume_from(self, positions: dict[int, WorkerPosition]) -> None:
         self._resume = {int(w): tuple(p) for w, p in positions.items()}
+
+    @property
+    def one_epoch_a_pass(self) -> bool:
+        """Whether an iteration reads one epoch: a finite stream, or the loader's endless stream of
+        whole epochs (``Config.endless_by_epochs``); else each worker streams on across epochs."""
+        return not self.cfg.infinite or (self.passes and self.cfg.endless_by_epochs(self.world))
 
     def set_world(self, rank: int, world: int) -> None:
         """Another rank and world size (found again once the process group was up)."""
@@ -232,7 +240,7 @@ class EpochSource(IterableDataset):
         # (0 workers, persistent workers); a fresh DataLoader worker ends with its epoch
         passes = self._passes.get((worker, workers), 0)
         self._passes[(worker, workers)] = passes + 1
-        warm = cfg.infinite or passes > 0
+        warm = not self.one_epoch_a_pass or passes > 0
         while True:
             limits = self.limits(epoch, workers)
             yield EpochTask(
@@ -243,7 +251,7 @@ class EpochSource(IterableDataset):
                 hint=hint,
                 following=cfg.spec(epoch + 1, self.rank, self.world, worker, workers) if warm else None,
             )
-            if not cfg.infinite:
+            if self.one_epoch_a_pass:
                 break
             epoch += 1
             first_batch, hint = 0, None
@@ -700,13 +708,15 @@ def build_pipeline(
     bundle: int = 0,
     ring: RingHolder | None = None,
     implicit_world: bool = False,
+    passes: bool = False,
 ) -> WdsPipeline:
     cfg.check(catalog)
     catalog.side_cache = read.cache  # remote lengths.npy and groups.npy: fetched once per node, mapped
     catalog.bind(cfg, world)  # a mixture: its seed, stratified groups, the units of a step
+    cfg.check_equal_batches(catalog, world)
     # Packed shards: what each row holds is worked out only as far as the batches show it.
     read = replace(read, row_docs=cfg.docs, segments=cfg.boundaries)
-    source = EpochSource(catalog, cfg, rank, world)
+    source = EpochSource(catalog, cfg, rank, world, passes)
     stages = [source, wds.filters.pipelinefilter(_epoch_batches)(catalog, cfg, read, end_marker, shared=bool(bundle))]
     if bundle:
         stages.append(wds.filters.pipelinefilter(_bundle)(bundle, BUNDLE_TOKENS))

@@ -145,8 +145,9 @@ def _dp_dims(mesh: Any, dp: str | tuple[str, ...] | None) -> tuple[str, ...]:
     if dp is None:
         if len(names) > 1:
             raise ConfigError(
-                f"the mesh has dims {names}: say which split the data (dp=('dp_replicate', 'dp_shard') or dp='dp'); "
-                "the others are replica dims whose peers get the same batches"
+                f"the mesh has dims {names}: say which split the data (dp='batch' on torchtitan's data-loading mesh, "
+                "dp=('dp_replicate', 'dp_shard') or dp='dp'); the others are replica dims whose peers get the same "
+                "batches"
             )
         return names
     dims = (dp,) if isinstance(dp, str) else tuple(dp)
@@ -214,6 +215,45 @@ def _product(sizes: Any) -> int:
     return out
 
 
+#: where a 1-D mesh is wrong, the recipe that is right
+_MESH_RECIPE = (
+    "pass the whole mesh and name its data-parallel dims (torchtitan: the data-loading mesh "
+    "parallel_dims.get_optional_mesh(['pp', 'batch', 'cp', 'tp'], include_singleton_axes=True) with dp='batch'; "
+    "docs/parallel.md, 'A DeviceMesh (torchtitan style)')"
+)
+
+
+def _made_from(mesh: Any) -> list[str]:
+    """The tensor, context and pipeline parallel dims of more than one rank that were unflattened
+    from ``mesh``'s root (torchtitan's ParallelDims makes them from its 1-D ``world`` mesh); read from
+    torch's registry of the root's groups, where this torch keeps one (else none are known)."""
+    try:
+        groups = list(mesh._get_root_mesh()._pg_registry.values())
+        descs = {(g.group_desc, g.size()) for g in groups}
+    except AttributeError:  # a torch without the registry: nothing to go by
+        return []
+    return sorted({d.removeprefix("mesh_") for d, size in descs if d in ("mesh_tp", "mesh_cp", "mesh_pp") and size > 1})
+
+
+def _refuse_partial_mesh(dist: Any, mesh: Any, names: tuple[str, ...]) -> None:
+    """A 1-D mesh splits the data by its one dim, which is right only where its ranks are every
+    rank and every one data-parallel: refuse one smaller than the process group (where the other
+    ranks stand is unknown), or one whose root tensor, context or pipeline groups were made from."""
+    size, world = mesh.size(), dist.get_world_size()
+    if size < world:
+        raise ConfigError(
+            f"the 1-D mesh {names} holds {size} of the process group's {world} ranks: the loader cannot tell the "
+            f"peers that must share batches from the ranks that split the data; {_MESH_RECIPE}"
+        )
+    peers = _made_from(mesh)
+    if peers:
+        raise ConfigError(
+            f"the 1-D mesh {names} holds every rank, but {', '.join(peers)} groups were made from it (torchtitan's "
+            f"world mesh): its ranks are not all data-parallel, and peers would get different documents; "
+            + _MESH_RECIPE
+        )
+
+
 def _from_mesh(opts: LayoutOptions) -> Layout:
     mesh = opts.mesh
     dist = _dist()
@@ -221,6 +261,8 @@ def _from_mesh(opts: LayoutOptions) -> Layout:
         raise ConfigError("mesh= needs torch.distributed initialised (the mesh's process groups)")
     names = tuple(mesh.mesh_dim_names or ())
     dp = _dp_dims(mesh, opts.dp)
+    if len(names) == 1:
+        _refuse_partial_mesh(dist, mesh, names)
     for role, dim in (("cp", opts.cp), ("pp", opts.pp)):
         if dim is not None and (dim not in names or dim in dp):
             raise ConfigError(f"{role}={dim!r} must name a non-data-parallel dim of the mesh {names}")

@@ -117,7 +117,7 @@ class Loader(SteeringMethods):
         self.collate_options = CollateOptions.for_config(self.cfg, self.catalog)
         if self.layout.cp is not None:
             opts = self.collate_options
-            check_row_length(self.layout.cp, seq_len=opts.seq_len, multiple=opts.pad_to_multiple_of, rows=opts.rows)
+            check_row_length(self.layout.cp, seq_len=opts.width, multiple=opts.pad_to_multiple_of, rows=opts.rows)
         #: the schedule in planned steps, the run's changes, where the run stands (steering.md)
         self.steering = self._steerer()
         identity = {"dataset": self.catalog.fingerprint()}
@@ -126,6 +126,8 @@ class Loader(SteeringMethods):
         self._mix = MixTally(self.catalog) if self.catalog.mixing is not None else None
         self.cursor = Cursor(self.workers)
         self._stream: Iterator | None = None  # the endless stream of an infinite loader
+        self._pass: Iterator | None = None  # the epoch in progress of an endless stream of whole epochs
+        self._warned_per_rank = False  # a rank's own state was saved and said so (state_dict)
         self._started = False  # whether any iteration has begun (rank and world are then fixed)
         self._total = EpochTotal()
         #: the equal-batches decision of the current epoch: dropped batches of this rank etc.
@@ -149,6 +151,7 @@ class Loader(SteeringMethods):
             end_marker=True,
             bundle=BUNDLE_BATCHES if self._transport.bundled else 0,
             ring=self._transport.ring,
+            passes=True,
         )
         self.source = self.pipeline.source
         #: what loaded states and batch counts are checked against
@@ -254,6 +257,9 @@ class Loader(SteeringMethods):
         """
         self._settle_epoch()
         cursor = self.cursor
+        if self._pass is not None:  # an endless stream of whole epochs runs on: its epochs are its own
+            log.debug("set_epoch(%d) while the endless stream is in epoch %d: the stream goes on", epoch, cursor.epoch)
+            return
         if cursor.restored is not None and int(epoch) != cursor.epoch:
             log.warning("set_epoch(%d) after load_state_dict: the restored epoch %d is abandoned", epoch, cursor.epoch)
             self._drop_resume()
@@ -282,6 +288,22 @@ class Loader(SteeringMethods):
     @property
     def infinite(self) -> bool:
         return self.cfg.infinite
+
+    @property
+    def one_state_for_all(self) -> bool:
+        """Whether any data-parallel rank's state resumes every rank, so a checkpointer may keep one
+        copy for all (``Config.one_state_for_all``); else keep each rank's own."""
+        return self.cfg.one_state_for_all(self.catalog, self.world_size)
+
+    @property
+    def _by_epochs(self) -> bool:
+        """Whether this endless loader runs whole epochs one after another (``Config.endless_by_epochs``)."""
+        return self.cfg.endless_by_epochs(self.world_size)
+
+    @property
+    def _streamed(self) -> bool:
+        """Whether this loader's workers stream on across epochs (an endless stream without equal batches)."""
+        return self.infinite and not self._by_epochs
 
     def at_end_of_pass(self) -> bool:
         """Whether the batch just handed out was the last of this pass (the epoch's, or the
@@ -366,9 +388,10 @@ class Loader(SteeringMethods):
         what storage started for it (``storage.release``). Also on ``with`` exit and collection."""
         from .. import storage
 
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            stream.close()
+        for stream in (self._stream, self._pass):
+            if stream is not None:
+                stream.close()
+        self._stream = self._pass = None
         self._transport.close()
         self.observer.close()
         storage.release(id(self.catalog))
@@ -390,7 +413,10 @@ class Loader(SteeringMethods):
         self._settle_world()
         self._settle_epoch()
         self._started = True
-        own = self._iter_infinite() if self.infinite else self._iter_epoch()
+        if self._by_epochs:
+            own = self._iter_passes()
+        else:
+            own = self._iter_infinite() if self.infinite else self._iter_epoch()
         if not self.layout.alone:
             own = self._replicas.batches(own, self._progress, self._follow)
         return timed(own, self.observer)
@@ -407,7 +433,7 @@ class Loader(SteeringMethods):
         cursor = self.cursor
         cursor.restored = None
         cursor.epoch, cursor.yielded, cursor.completed = progress
-        if not ended and not self.infinite and self._epoch_done(cursor.yielded):
+        if not ended and not self._streamed and self._epoch_done(cursor.yielded):
             cursor.finish(cursor.epoch)
 
     def _begin(self) -> RoundRobin:
@@ -556,6 +582,32 @@ class Loader(SteeringMethods):
             yield self._hand_out_group(group)
         cursor.steps = 0
 
+    def _iter_passes(self) -> Iterator[dict]:
+        """An endless stream of whole epochs (``Config.endless_by_epochs``): each a finite pass
+        with the finite run's equal batch counts, the next epoch after it. A ``steps_per_epoch``
+        loop ends after its steps; the next loop goes on in the same pass."""
+        cursor = self.cursor
+        steps = self.cfg.steps_per_epoch
+        empty = 0  # passes in a row that yielded nothing: an epoch with no batch would loop forever
+        while steps is None or cursor.steps < steps:
+            if self._pass is None:
+                self._pass = self._iter_epoch()
+            batch = next(self._pass, None)
+            if batch is None:
+                self._pass = None
+                cursor.epoch = (cursor.completed if cursor.completed is not None else cursor.epoch) + 1
+                empty += 1
+                if empty > 1:
+                    raise ConfigError(
+                        f"epoch {cursor.epoch - 1} yields no batch on rank {self.rank}: an endless stream of such "
+                        "epochs would never yield (fewer items than ranks x batch_size?)"
+                    )
+                continue
+            empty = 0
+            cursor.steps += 1
+            yield batch
+        cursor.steps = 0
+
     def _drop_resume(self) -> None:
         """Forget a restored position once it has been used (or abandoned): later epochs start
         fresh, and persistent workers, which hold a copy of it, are restarted once."""
@@ -581,20 +633,36 @@ class Loader(SteeringMethods):
         return self.observer.metrics(self.stats.skipped_shards, self.world_size)
 
     # -- state ----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, str]:
-        """Where this rank's stream stands, as ``{"format": "wdsllm.loader/5", "state": JSON}``:
+    def state_dict(self, *, kept_per_rank: bool = False) -> dict[str, str]:
+        """Where this rank's stream stands, as ``{"format": "wdsllm.loader/6", "state": JSON}``:
         two strings that every checkpointer keeps whole (see docs/loader.md and state.py). Replica
         peers (docs/parallel.md) hold one state: compared at save, or the reader's under broadcast
-        (a collective over the replica group: every peer calls it at the same step)."""
-        return self._replicas.state(self._own_state)
+        (a collective over the replica group: every peer calls it at the same step).
+
+        A state that only this rank can resume from (ranks yield different numbers of batches) is
+        a warning, once, unless ``kept_per_rank`` says the caller keeps every rank's state apart:
+        a checkpointer that keeps one copy for all ranks would lose the others'."""
+        sealed = self._replicas.state(self._own_state)
+        warn = not kept_per_rank and not self._warned_per_rank
+        if warn and self.here.rank_specific(statemod.LoaderState.load(sealed)):
+            self._warned_per_rank = True
+            log.warning(
+                "rank %d's loader state holds a position only this rank can resume from (ranks yield different "
+                "numbers of batches: equal_batches is off, or the batches cannot be counted before reading): keep "
+                "each rank's state apart (torch.save per rank, a key per rank); a checkpointer that keeps one copy "
+                "for every rank, as torch.distributed.checkpoint does under one key, loses the other ranks' "
+                "(docs/loader.md, 'Checkpoints and resumption')",
+                self.rank,
+            )
+        return sealed
 
     def _own_state(self) -> dict[str, str]:
         self._settle_epoch()
         cursor = self.cursor
         if cursor.restored is not None:
             return cursor.restored.state.sealed()
-        in_epoch = cursor.order is not None or (self.infinite and self._stream is not None)
-        if in_epoch and not self.infinite and cursor.yielded and self._epoch_done(cursor.yielded):
+        in_epoch = cursor.order is not None or (self._streamed and self._stream is not None)
+        if in_epoch and not self._streamed and cursor.yielded and self._epoch_done(cursor.yielded):
             # The last batch is out: a resume starts the next epoch, not an empty rest of this one.
             in_epoch = False
             cursor.completed = cursor.epoch
@@ -623,7 +691,7 @@ class Loader(SteeringMethods):
             raise
         # The state fits: from here on nothing is refused.
         self._total.forget()
-        self._stream = None
+        self._stream = self._pass = None
         self._transport.forget()
         restore(self.cursor, st, self.here)
         same_layout = (st.world_size, st.num_workers) == (self.world_size, self.workers)

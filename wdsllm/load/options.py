@@ -125,6 +125,12 @@ class BatchOptions(Options):
     pad_id: int | None = option(None, "padding value of input_ids", low=0, shown="tokenizer's pad, else EOS, else 0")
     pad_to_multiple_of: int | None = option(None, "round the padded length up", low=1)
     boundaries: bool = option(False, "packed rows: position_ids, cu_seqlens, max_seqlen, boundary labels")
+    shift_labels: bool = option(
+        False,
+        "next-token labels: `shift_labels` (the token each position predicts, -100 where none) in place of `labels`;"
+        " pack and concat read rows of seq_len + 1 tokens (a packed dataset's rows give its seq_len - 1 positions),"
+        " so no row's last position loses its label",
+    )
     max_segments: int | None = option(
         None, "documents per row that cu_seqlens is padded for", low=1, shown="the index's, else seq_len"
     )

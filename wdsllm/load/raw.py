@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,16 +100,23 @@ class RawSource(OneDataset):
             h.update(f"{inp.identity}|".encode())
         return h.hexdigest()[:16]
 
-    def units_fingerprint(self) -> str:
+    def units_fingerprint(self, resolved: bool = False) -> str:
         """The units (files, sizes, ranges) and what decides their tokens: a sidecar made for
-        other inputs or another tokenizer is refused (its inputs' versions it checks itself)."""
+        other inputs or another tokenizer is refused (its inputs' versions it checks itself).
+        ``resolved``: local files named by their resolved paths (a count sidecar's, from version
+        3, so that a relative and an absolute path to a file agree); the loader's state keeps
+        the paths as given, as states saved before did."""
         h = hashlib.sha256()
         h.update(json.dumps(self.text.identity(), sort_keys=True).encode())
-        for inp in self.inputs:
-            h.update(f"{inp.path}|{inp.kind}|{inp.compression}|{inp.size}|".encode())
+        for inp, path in zip(self.inputs, self.input_paths(resolved)):
+            h.update(f"{path}|{inp.kind}|{inp.compression}|{inp.size}|".encode())
         for u in self.units:
             h.update(f"{u.input.index}:{u.unit}:{u.start}:{u.stop}|".encode())
         return h.hexdigest()[:16]
+
+    def input_paths(self, resolved: bool = True) -> list[str]:
+        """Each input's path: a local file's resolved (absolute, links followed) when ``resolved``."""
+        return [_resolved(i.path) if resolved else i.path for i in self.inputs]
 
     def tokenizer_json(self) -> str:
         """The tokenizer the text is tokenized with."""
@@ -168,6 +176,10 @@ class RawSource(OneDataset):
     ) -> Iterator[Block]:
         """The slice's documents, tokenized (``rawread.read_unit``)."""
         return read_unit(self, sl.shard, sl.start, sl.stop, sl.stride, skip, stats)
+
+
+def _resolved(path: str) -> str:
+    return os.path.realpath(storage.local_path(path)) if storage.scheme_of(path) == "file" else path
 
 
 def unit_name(part: Part) -> str:

@@ -3,14 +3,16 @@ document's length, so that a raw source plans, counts and resumes as a packed da
 
 The sidecar is one ``.npz`` (numpy arrays only, read without pickle): ``documents``, ``tokens``
 (int64 per unit), ``lengths`` (uint32 per document, unit after unit) and ``meta`` (JSON: the
-version, the source's ``units_fingerprint``, the units' names, and from version 2 each input's identity,
-each unit's ``unit_digests`` (xxh3 of its parsed texts, compared when a unit is read to its end)
-and a sha256 ``digest`` of the meta and the arrays). The fingerprint covers the input files (paths and
-sizes), the units and what decides the tokens (tokenizer sha256, BOS/EOS, text field, split,
-where, max_doc_bytes), so a sidecar of other inputs or settings is refused, never used; the
-identities (size and mtime locally, the listed ETag/generation remotely) refuse inputs rewritten
-since they were counted, and the digest a sidecar edited or damaged since it was written. Version 1
-sidecars (no digest, no identities) still load, with a warning, their counts checked to add up.
+version, the source's ``units_fingerprint``, the units' names, from version 2 each input's
+identity, each unit's ``unit_digests`` (xxh3 of its parsed texts, compared when a unit is read to
+its end) and a sha256 ``digest`` of the meta and the arrays, from version 3 each input's resolved
+``paths``). The fingerprint covers the input files (their paths, resolved from version 3 so that a
+relative and an absolute path to one file agree, and sizes), the units and what decides the tokens
+(tokenizer sha256, BOS/EOS, text field, split, where, max_doc_bytes), so a sidecar of other inputs
+or settings is refused, naming what differs, never used; the identities (size and mtime locally,
+the listed ETag/generation remotely) refuse inputs rewritten since they were counted, and the
+digest a sidecar edited or damaged since it was written. Version 1 sidecars (no digest, no
+identities) still load, with a warning, their counts checked to add up.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import os
 import zipfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,9 +41,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: 2: a digest of its own (meta and arrays), and each input's version (size and mtime, or ETag/generation)
-COUNTS_VERSION = 2
-READABLE_COUNTS_VERSIONS = (1, 2)
+#: 2: a digest of its own (meta and arrays), and each input's version (size and mtime, or ETag/generation);
+#: 3: the fingerprint names local inputs by their resolved paths, which ``paths`` lists
+COUNTS_VERSION = 3
+READABLE_COUNTS_VERSIONS = (1, 2, 3)
 _ARRAYS = ("documents", "tokens", "lengths")
 #: the meta of a sidecar: the units' names and the inputs' versions, never more than this
 MAX_META_BYTES = 256 << 20
@@ -77,7 +80,8 @@ def count_raw(
     tokens = np.array([int(x.sum(dtype=np.int64)) for x in lengths], np.int64)
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.uint32)
     digests = tuple(r[2] for r in results)
-    return RawCounts(catalog.units_fingerprint(), documents, tokens, all_lengths, sum(r[1] for r in results), digests)
+    fingerprint = catalog.units_fingerprint(resolved=COUNTS_VERSION >= 3)
+    return RawCounts(fingerprint, documents, tokens, all_lengths, sum(r[1] for r in results), digests)
 
 
 def _gather(
@@ -104,6 +108,7 @@ def save_counts(counts: RawCounts, catalog: RawSource, path: str) -> None:
         "units": list(catalog.urls),
         "skipped": counts.skipped,
         "identity": catalog.text.identity(),
+        "paths": [storage.redact(path) for path in catalog.input_paths(resolved=True)],
         "inputs": [inp.identity for inp in catalog.inputs],
         "unit_digests": list(counts.unit_digests) if counts.unit_digests is not None else None,
     }
@@ -137,7 +142,8 @@ def _read_sidecar(data: bytes, where: str) -> tuple[dict, dict[str, np.ndarray]]
         meta = parse_json(meta_bytes.tobytes(), f"{where} (meta)", MAX_META_BYTES)
     except ConfigError:
         raise
-    except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile, FormatError) as exc:
+    except (ValueError, KeyError, OSError, EOFError, NotImplementedError, zipfile.BadZipFile, FormatError) as exc:
+        # NotImplementedError: a zip header naming a compression method zipfile lacks (a flipped bit)
         raise ConfigError(f"{where}: not a wdsllm count sidecar, or a damaged one ({str(exc)[:200]})") from None
     if not isinstance(meta, dict) or meta.get("version") not in READABLE_COUNTS_VERSIONS:
         version = meta.get("version") if isinstance(meta, dict) else None
@@ -209,11 +215,11 @@ def load_counts(path: str, catalog: RawSource) -> RawCounts:
     _check_sealed(meta, arrays, where)
     _check_counts(meta, arrays, where)
     documents = arrays["documents"]
-    if meta["fingerprint"] != catalog.units_fingerprint() or len(documents) != len(catalog.units):
+    resolved = meta["version"] >= 3  # earlier sidecars name their inputs by the paths they were given
+    if meta["fingerprint"] != catalog.units_fingerprint(resolved) or len(documents) != len(catalog.units):
         raise ConfigError(
-            f"{where} counts other inputs or settings (its tokens: {_describe(meta.get('identity'))}; "
-            f"here: {_describe(catalog.text.identity())}, {len(catalog.units)} units against {len(documents)}): "
-            "run `wdsllm count` again with the loader's inputs, tokenizer and options"
+            f"{where} counts other inputs or settings: {_what_differs(meta, catalog, len(documents))}; run "
+            "`wdsllm count` again with the loader's inputs, tokenizer and options"
         )
     _check_inputs(meta, catalog, where)
     digests = meta.get("unit_digests")
@@ -231,7 +237,24 @@ def load_counts(path: str, catalog: RawSource) -> RawCounts:
     )
 
 
-def _describe(identity: Any) -> str:
-    if not isinstance(identity, dict):
-        return "unknown"
-    return ", ".join(f"{k}={str(v)[:16]}" for k, v in sorted(identity.items()))
+def _what_differs(meta: dict, catalog: RawSource, units: int) -> str:
+    """The first thing a sidecar's fingerprint covers in which it and the source differ, with both
+    values: the settings that decide the tokens, the input paths, the units, else the files."""
+    counted, here = meta.get("identity"), catalog.text.identity()
+    if isinstance(counted, dict):
+        for key in sorted(set(counted) | set(here)):
+            if counted.get(key) != here.get(key):
+                return f"{key} differs (counted: {counted.get(key)!r:.60}; here: {here.get(key)!r:.60})"
+    resolved = meta["version"] >= 3
+    paths = meta.get("paths") if resolved else meta.get("units")
+    ours = [storage.redact(p) for p in catalog.input_paths(True)] if resolved else list(catalog.urls)
+    if isinstance(paths, list) and paths != ours:
+        what = "input files" if resolved else "units"
+        if len(paths) != len(ours):
+            return f"it counts {len(paths)} {what}, the source has {len(ours)}"
+        i = next(i for i, (a, b) in enumerate(zip(paths, ours)) if a != b)
+        note = "" if resolved else " (a sidecar before version 3 compares paths as they were given)"
+        return f"{what[:-1]} {i} differs (counted: {paths[i]!r:.120}; here: {ours[i]!r:.120}){note}"
+    if units != len(catalog.units):
+        return f"it counts {units} units, the source has {len(catalog.units)} (another unit_bytes?)"
+    return "the units' byte ranges, or the input files' kinds or sizes, differ (another unit_bytes?)"

@@ -44,10 +44,9 @@ def settings_fingerprint(cfg: Config) -> str:
     # equal_batches only caps how many batches come out, not which, and docs only what a batch
     # carries: a resume may change either
     fields = {k: v for k, v in asdict(cfg).items() if k not in ("equal_batches", "docs")}
-    if fields.get("uneven") == "drop":  # the default: the states saved before it existed still fit
-        del fields["uneven"]
-    if fields.get("schedule") is None:  # the same for a loader without a schedule
-        fields.pop("schedule", None)
+    for name, default in (("uneven", "drop"), ("shift_labels", False), ("schedule", None)):
+        if name in fields and fields[name] == default:  # the default: states saved before the option still fit
+            del fields[name]
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

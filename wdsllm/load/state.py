@@ -4,7 +4,7 @@ A state travels through checkpointers that each keep a different subset of a nes
 ``torch.distributed.checkpoint`` fills only the leaves of the *fresh* object's state (a fresh
 loader has no per-worker keys, so they were dropped) and, across ranks, keeps each leaf from
 whichever rank it likes; ``torch.load(weights_only=True)`` refuses anything but plain types. So
-``state_dict()`` returns two strings, ``{"format": "wdsllm.loader/5", "state": "<JSON>"}``: one
+``state_dict()`` returns two strings, ``{"format": "wdsllm.loader/6", "state": "<JSON>"}``: one
 leaf can be neither truncated nor mixed, and every checkpointer keeps strings. The JSON carries a
 digest of itself, so an edited or damaged state is refused rather than trusted.
 
@@ -43,11 +43,13 @@ DATASET_KIND = "wdsllm.dataset"
 #: 1: a plain nested dict (still read); 2: the same fields sealed in one JSON string; 3: the
 #: epoch of an indexed dataset ordered by blocks of shards (``plan.epoch_blocks``); 4: worker
 #: shares in whole batches, and documents split at max_len shared by their pieces; 5: ``tails``, the
-#: batches of the workers' merged tails handed out (``tails.py``; none before, so 0 in older states); 6:
+#: batches of the workers' merged tails handed out (``tails.py``; none before, so 0 in older states); 6: an
+#: endless state with ``equal_batches`` is a position in one epoch of whole epochs run one after another
+#: (``Config.endless_by_epochs``; an older endless state always streamed on across epochs); 7:
 #: ``steering``, the run's planned step and its log of changes (``steer.py``; older states leave the
 #: planned step unknown)
-LOADER_VERSION = 6
-READABLE_LOADER_VERSIONS = (1, 2, 3, 4, 5, 6)
+LOADER_VERSION = 7
+READABLE_LOADER_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 #: 2: blocks of shards, as the loader's 3; 3: whole-batch and piece shares, as the loader's 4; 4: the
 #: epochs of an endless stream hand tails over, as the loader's 5
 DATASET_VERSION = 4
@@ -289,7 +291,7 @@ class LoaderState:
             config=config,
             version=body.get("version", LOADER_VERSION),
             tails=_int(_get(body, "tails"), "tails") if body.get("version", LOADER_VERSION) >= 5 else 0,
-            steering=_steering(body) if body.get("version", LOADER_VERSION) >= 6 else None,
+            steering=_steering(body) if body.get("version", LOADER_VERSION) >= 7 else None,
         )
 
     @property
@@ -479,10 +481,12 @@ def check_positions(st: LoaderState, source: Source, cfg: Config, *, exact_order
         raise StateError(f"{_where('tails')} is {st.tails}, but this loader's workers have no tails to merge")
     if st.plan is not None:
         _check_plan(st, source, cfg)
-    if st.infinite:
+    if cfg.steps_per_epoch is not None and st.steps > cfg.steps_per_epoch:
+        raise StateError(f"{_where('steps')} is {st.steps}, beyond steps_per_epoch={cfg.steps_per_epoch}")
+    if streams_on(st):
         _check_endless(st, source, cfg)
         return
-    if st.steps:
+    if st.steps and not st.infinite:
         raise StateError(f"{_where('steps')} is {st.steps}; a finite loader counts no steps")
     if not st.in_epoch:
         if st.yielded:
@@ -513,6 +517,12 @@ def check_positions(st: LoaderState, source: Source, cfg: Config, *, exact_order
     _check_sum(st, handed)
 
 
+def streams_on(st: LoaderState) -> bool:
+    """Whether the state's workers streamed on across epochs (an endless stream without equal
+    batches), rather than standing in one epoch as a finite pass, or a pass of whole epochs, does."""
+    return st.infinite and not st.equal_batches
+
+
 def _check_sum(st: LoaderState, handed: int) -> None:
     if handed != st.yielded:
         raise StateError(f"the workers' positions add up to {handed} batches, {_where('yielded')} says {st.yielded}")
@@ -534,15 +544,13 @@ def _check_plan(st: LoaderState, source: Source, cfg: Config) -> None:
                     f"{int(counts[r, w])} batches"
                 )
         plan, key = plan.base, key + ".base"
-    if st.infinite:
-        raise StateError(f"{_where('plan')} is set, but an endless stream is never re-planned")
+    if streams_on(st):
+        raise StateError(f"{_where('plan')} is set, but a stream across epochs is never re-planned")
 
 
 def _check_endless(st: LoaderState, source: Source, cfg: Config) -> None:
     """An endless stream's workers never end: the i-th batch came from worker i % W."""
     n = st.num_workers
-    if cfg.steps_per_epoch is not None and st.steps > cfg.steps_per_epoch:
-        raise StateError(f"{_where('steps')} is {st.steps}, beyond steps_per_epoch={cfg.steps_per_epoch}")
     if st.turn != st.yielded % n:
         raise StateError(f"{_where('turn')} is {st.turn}; after {st.yielded} batches it must be {st.yielded % n}")
     if st.active is not None and st.active != list(range(n)):

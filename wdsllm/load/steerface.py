@@ -26,6 +26,11 @@ from .tails import merges_tails
 
 log = logging.getLogger(__name__)
 
+_STREAMED = (
+    "{what} on an endless stream needs its epochs whole, one after another, to say where a planned step is: pass "
+    "equal_batches=True (docs/steering.md)"
+)
+
 
 class SteeringMethods:
     """What a ``Loader`` offers a trainer that steers it (mixed into the loader)."""
@@ -64,8 +69,8 @@ class SteeringMethods:
         the next planned step, is refused. Returns the first planned step it removes
         (``max(start, planned_step)`` when it was recorded)."""
         self._steer_first("skip()", ["skip", start, stop])
-        if self.infinite:
-            raise SteeringError("skip() on an endless stream is not supported yet (docs/steering.md)")
+        if self._streamed:
+            raise SteeringError(_STREAMED.format(what="skip()"))
         if self._epoch_total() is None:
             raise SteeringError("skip() needs the epoch's batch counts: an index, or raw text with a count sidecar")
         recorded, replay = self.steering.log.add_skip(start, stop, self.steering.planned)
@@ -199,8 +204,8 @@ class SteeringMethods:
         """Record ``change`` and re-plan: the rest of the epoch in progress (``now``: the weights
         it takes, where they changed), then every epoch it shapes from the start."""
         steer = self.steering
-        if self.infinite:
-            raise SteeringError(f"{change.kind} on an endless stream is not supported yet (docs/steering.md)")
+        if self._streamed:
+            raise SteeringError(_STREAMED.format(what=f"{change.kind}()"))
         if self._mid_epoch():
             epoch = self.cursor.epoch
             consumed = self._consumed_now(epoch)

@@ -34,7 +34,7 @@ PLAN_NAME = ".merge-plan.json"
 TASK_DIR_PREFIX = "task-"
 PART_DIR_PREFIX = "part-"
 #: Options that legitimately differ between the tasks of one pack (or the parts of one dataset).
-PER_TASK_OPTIONS = ("task_index", "part_id")
+PER_TASK_OPTIONS = ("task_index", "part_id", "holds")
 #: Options compared another way: the tokenizer by its sha256, not by how it was named.
 NOT_COMPARED = (*PER_TASK_OPTIONS, "tokenizer")
 #: the most tasks (or parts) a part may say its dataset has: merge lists the missing ones
@@ -366,19 +366,49 @@ def _protected(out_url: str, parts: list[Part]) -> list[str]:
     return prefixes
 
 
-def _prepare_output(out: storage.Output, parts: list[Part], plan: bytes, overwrite: bool) -> None:
-    """Refuse a non-empty output (or clear it with --overwrite), unless this merge was interrupted."""
+def _prepare_output(out: storage.Output, parts: list[Part], plan: bytes, overwrite: bool, allow_partial: bool) -> None:
+    """Refuse a non-empty output (or clear it with --overwrite), unless this merge was interrupted.
+    Parts in the output that this merge leaves out are never cleared: unfinished ones stay where
+    they are with --allow-partial, and finished ones are refused by name."""
     protected = tuple(_protected(out.url, parts))
     if out.get_bytes(PLAN_NAME) == plan:
         log.info("continuing an interrupted merge into %s", out.url)
         return
     others = [n for n in out.list_names() if not n.startswith(protected)] if protected else out.list_names()
+    unfinished = _parts_left_out(out, others, allow_partial)
+    others = [n for n in others if n.split("/", 1)[0] not in unfinished]
     if others:
         if not overwrite:
             raise MergeError(f"output {out.url} is not empty ({others[0]}, ...); pass --overwrite to replace it")
         for name in others:
             out.delete(name)
     out.put_bytes(PLAN_NAME, plan)
+
+
+def _parts_left_out(out: storage.Output, names: list[str], allow_partial: bool) -> set[str]:
+    """The unfinished parts among ``names`` (the output's names outside the merged parts), which
+    --allow-partial leaves where they are; a finished part left out is refused, with or without
+    --overwrite: its documents would be missing from the dataset, or deleted with it."""
+    dirs = {n.split("/", 1)[0] for n in names if n.startswith((TASK_DIR_PREFIX, PART_DIR_PREFIX)) and "/" in n}
+    finished = sorted(d for d in dirs if f"{d}/{fmt.INDEX_NAME}" in names)
+    unfinished = dirs.difference(finished)
+    if finished:
+        shown = ", ".join(finished[:10]) + (f" and {len(finished) - 10} more" if len(finished) > 10 else "")
+        raise MergeError(
+            f"output {out.url} holds finished parts that this merge leaves out ({shown}): their documents would not "
+            f"be in the dataset, and --overwrite would delete them. Merge them too (wdsllm merge {out.url} -o "
+            f"{out.url} merges every part in it), or, if a run that split its input otherwise left them, remove "
+            "that run's parts and pack them again"
+        )
+    if unfinished and not allow_partial:
+        shown = ", ".join(sorted(unfinished)[:10]) + (
+            f" and {len(unfinished) - 10} more" if len(unfinished) > 10 else ""
+        )
+        raise MergeError(
+            f"output {out.url} holds unfinished parts that this merge leaves out ({shown}); finish them and merge "
+            "them too, or pass --allow-partial to merge without them (they stay where they are)"
+        )
+    return unfinished
 
 
 def _local_path(url: str) -> str | None:
@@ -519,7 +549,7 @@ def merge(
     lock = OutputLock(out, "merge")
     try:
         lock.acquire()
-        _prepare_output(out, parts, _plan_json(moves, copy), overwrite)
+        _prepare_output(out, parts, _plan_json(moves, copy), overwrite, allow_partial)
         sides = _stage_side_files(parts, out)
         try:
             for i, move in enumerate(moves):

@@ -8,12 +8,17 @@ own that ``wdsllm merge`` joins with the others. The call is pure and committing
   an attempt or a worker, so a retried or duplicated attempt writes the same directory;
 - shards are written under temporary names and published whole; the part's ``index.json`` (its
   manifest) is written last: a part with a manifest is complete, one without is not;
-- a part whose manifest matches the options is returned as it is, without reading a record;
+- a part is tied to what it holds (:mod:`.rows`): its manifest records the count and digest of
+  the records it was packed from, and a part whose manifest matches the options is returned as it
+  is only when the attempt's records (read, not tokenized) are the same, in the same order;
 - after every shard a journal record holds the shard's entry and the cursor (the number of
-  records consumed, plus where the shaper stands inside the last document), so an attempt that
-  finds an interrupted part skips the records already packed, without tokenizing them, and
-  continues from there. The result is byte-identical to an uninterrupted part, provided the
-  records come again in the same order (the engines replay a task's input as it was).
+  records consumed, plus where the shaper stands inside the last document) with the digest of the
+  records up to it, so an attempt that finds an interrupted part checks and skips the records
+  already packed, without tokenizing them, and continues from there. The result is
+  byte-identical to an uninterrupted part, provided the records come again in the same order (the
+  engines replay a task's input as it was);
+- a part found holding other records (a run split otherwise left it) is refused by name, never
+  reused and never replaced: that run's other parts would hold some of these records again.
 
 Provenance: with ``sources`` (the dataset's input names, in the order a ``wdsllm pack`` of them
 would take), a record's ``source`` and ``line`` fields give its documents the same provenance as
@@ -30,6 +35,7 @@ import hashlib
 import itertools
 import json
 import logging
+import numbers
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -49,6 +55,7 @@ from ..inputs.sources import (
     add_text,
     expand_inputs,
     json_field,
+    lone_surrogate,
     not_text,
     settle,
     too_long,
@@ -67,6 +74,8 @@ from .job import (
     write_index,
 )
 from .lock import STALE_AFTER, OutputLock
+from .merge import MAX_PARTS
+from .rows import HOLDS, JOURNAL_FIELD, RowsDigest, other_rows
 from .shaping import EncodedChunk, GroupData, Position
 from .tokenizer import Encoder, LoadedTokenizer, load_tokenizer
 from .writer import JOURNAL_START, Counters, ShardSink, read_journal
@@ -83,6 +92,8 @@ LINE_FIELD = "line"
 #: so that a retry on another node takes over the part of an attempt that died there
 LOCK_WAIT_S = STALE_AFTER + 60.0
 LOCK_POLL_S = 5.0
+#: the largest part id: what provenance (int64 file indices, when a part is its own input) holds
+MAX_PART_ID = (1 << 63) - 1
 
 
 def part_name(part_id: int) -> str:
@@ -229,6 +240,24 @@ class PartInput(Protocol):
         """The part index's ``inputs``."""
         ...
 
+    def holds(self) -> dict:
+        """What the part holds (its index's ``holds``), once ``chunks`` has read the input to its end."""
+        ...
+
+    def check_holds(self, holds: Any) -> None:
+        """Refuse a committed part that does not hold this input (``holds``: its index's)."""
+        ...
+
+    def note(self, position: Position | None) -> dict:
+        """What a journal record holds beside its cursor, for a resumed attempt to check
+        (``expect``); positions only grow, so what lies before ``position`` may be forgotten."""
+        ...
+
+    def expect(self, record: dict | None) -> None:
+        """Have ``chunks`` check the input up to the cursor of ``record`` (an interrupted attempt's
+        last journal record) against what the record noted."""
+        ...
+
 
 class RecordInput:
     """Records cut into chunks of about ``chunk_bytes`` of text, parsed as a JSON line is (text
@@ -240,12 +269,15 @@ class RecordInput:
     (source index, line) until its group is written.
     """
 
-    def __init__(self, records: Iterable[Mapping[str, Any]], options: PartOptions, part_id: int) -> None:
+    def __init__(self, records: Iterable[Mapping[str, Any]], options: PartOptions, part_id: int, out: str) -> None:
         self.records = records
         self.options = options
         self.cfg = options.pack
         self.part_id = part_id
         self.name = part_name(part_id)
+        self.out = out
+        self.rows = RowsDigest()
+        self.expected: dict | None = None  # the interrupted attempt's digest at its cursor
         self.sources = {name: i for i, name in enumerate(options.sources)} if options.sources is not None else None
         self.path = self.cfg.text_field.split(".")
         self.where = self.cfg.parse_options().where
@@ -257,10 +289,35 @@ class RecordInput:
             )
 
     def identity(self) -> list:
-        return []
+        return [JOURNAL_FIELD]  # journals note the records' digest (one of an older wdsllm is not resumed)
 
     def display(self) -> dict[int, str]:
         return {self.part_id: self.name}
+
+    def holds(self) -> dict:
+        return self.rows.holds()
+
+    def check_holds(self, holds: Any) -> None:
+        for record in self.records:  # read, never tokenized
+            self.rows.add(record, keep=False)
+        if holds != self.rows.holds():
+            raise other_rows(part_url(self.out, self.part_id), self.out, holds, self.rows.holds())
+
+    def note(self, position: Position | None) -> dict:
+        if position is None:
+            return {}
+        return {JOURNAL_FIELD: {"records": position.line, "sha256": self.rows.through(position.line)}}
+
+    def expect(self, record: dict | None) -> None:
+        self.expected = record.get(JOURNAL_FIELD, {}) if record is not None else None
+
+    def _check_resumed(self, ordinal: int) -> None:
+        """The records up to the interrupted attempt's cursor are the ones it packed."""
+        found = {"records": ordinal, "sha256": self.rows.through(ordinal)}
+        if self.expected != found:
+            url = part_url(self.out, self.part_id)
+            noted = self.expected if self.expected else None
+            raise other_rows(f"{url} (an interrupted attempt's shards)", self.out, noted, found)
 
     def inputs(self, totals: Counters) -> list[dict]:
         return _record_inputs(self.options, self.part_id, totals)
@@ -272,6 +329,9 @@ class RecordInput:
             log.info("%s: skipping %d records already packed", self.name, skip)
         parsed, size, count, ordinal = ParsedChunk(), 0, 0, 0
         for ordinal, record in enumerate(self.records, start=1):
+            self.rows.add(record, keep=ordinal > skip)
+            if ordinal == skip + 1 and position is not None:
+                self._check_resumed(ordinal)
             if ordinal <= skip:
                 continue
             size += self._add(parsed, ordinal, record)
@@ -288,6 +348,10 @@ class RecordInput:
             yield self._encode(parsed, encoder)
 
     def _add(self, out: ParsedChunk, ordinal: int, record: Mapping[str, Any]) -> int:
+        if not isinstance(record, Mapping):  # what a JSON line that is not an object is
+            problem = f"not a mapping of fields ({type(record).__name__} {record!r:.40})"
+            out.skips.append(Skip(self.part_id, ordinal, "missing_field", problem, f"the record is {problem}"))
+            return 0
         if self.where is not None and not self.where.keeps(record):  # before the text, as for a JSON line
             out.tally("filtered", ordinal)
             return 0
@@ -297,6 +361,10 @@ class RecordInput:
             detail = f"{self.cfg.text_field!r} {problem}{self._where(record)}"
             message = f"text field {self.cfg.text_field!r} is {problem}{self._where(record)}"
             out.skips.append(Skip(self.part_id, ordinal, "missing_field", detail, message))
+            return 0
+        bad = lone_surrogate(self.part_id, ordinal, text, self.cfg.text_field)
+        if bad is not None:
+            out.skips.append(replace(bad, message=bad.message + self._where(record)))
             return 0
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > self.cfg.max_doc_bytes:
@@ -330,8 +398,9 @@ class FileInput:
     ``sources``, which must name every one of them: a document's provenance is then its file's
     place in ``sources`` and its line, as in a ``wdsllm pack`` of all of them."""
 
-    def __init__(self, urls: Iterable[str], options: PartOptions, part_id: int) -> None:
+    def __init__(self, urls: Iterable[str], options: PartOptions, part_id: int, out: str) -> None:
         self.cfg = options.pack
+        self.url, self.out = part_url(out, part_id), out
         if options.sources is None:
             raise PackError("packing input files into a part needs sources: every part's input names, in one order")
         where = {name: i for i, name in enumerate(options.sources)}
@@ -348,6 +417,19 @@ class FileInput:
 
     def identity(self) -> list:
         return [(i.display, i.size, _version(i)) for i in self.files]
+
+    def holds(self) -> dict:
+        return {"files": json.loads(json.dumps(self.identity()))}
+
+    def check_holds(self, holds: Any) -> None:
+        if holds != self.holds():
+            raise other_rows(self.url, self.out, holds, self.holds())
+
+    def note(self, position: Position | None) -> dict:
+        return {}  # the journal's fingerprint holds the files' identities
+
+    def expect(self, record: dict | None) -> None:
+        pass
 
     def display(self) -> dict[int, str]:
         return {i.index: i.display for i in self.files}
@@ -442,29 +524,45 @@ class Origins:
 def pack_part(records: Iterable[Mapping[str, Any]], part_id: int, out: str, options: PartOptions) -> PartManifest:
     """Pack ``records`` into ``out/part-NNNNN/`` and return its manifest (see the module's doc).
 
-    An attempt that finds the part committed with the same options returns its manifest without
-    reading ``records``; one that finds an interrupted attempt's journal continues after it;
-    anything else there (another pack's leftovers) is replaced.
+    An attempt that finds the part committed with the same options reads ``records`` (without
+    tokenizing them) and returns its manifest if they are the records it holds; one that finds an
+    interrupted attempt's journal checks the records up to its cursor and continues after it; a
+    part of other records is refused (:func:`.rows.other_rows`); anything else there (another
+    pack's leftovers, a part of other options) is replaced.
     """
-    return _pack_part(lambda: RecordInput(records, options, part_id), part_id, out, options)
+    return _pack_part(lambda part: RecordInput(records, options, part, out), part_id, out, options)
 
 
 def pack_part_files(urls: Iterable[str], part_id: int, out: str, options: PartOptions) -> PartManifest:
     """``pack_part`` of input files (paths, URLs, globs, directories, as ``wdsllm pack`` takes them)
     instead of records: ``options.sources`` names every part's inputs in one order, and merge
     refuses a file packed into two parts. A resumed attempt seeks to the line where it stopped."""
-    return _pack_part(lambda: FileInput(urls, options, part_id), part_id, out, options)
+    return _pack_part(lambda part: FileInput(urls, options, part, out), part_id, out, options)
 
 
-def _pack_part(make_input: Callable[[], PartInput], part_id: int, out: str, options: PartOptions) -> PartManifest:
-    if not isinstance(part_id, int) or part_id < 0:
-        raise PackError(f"part_id must be a non-negative integer, not {part_id!r}")
+def checked_part_id(part_id: Any, parts: int | None = None) -> int:
+    """``part_id`` as an int, refused (before anything is written) unless it can name a part: an
+    integer (not a bool) from 0 to MAX_PART_ID, and below ``parts`` where the dataset has so many."""
+    if isinstance(part_id, bool) or not isinstance(part_id, numbers.Integral):
+        raise PackError(f"part_id must be an integer, not {part_id!r:.40} ({type(part_id).__name__})")
+    if not 0 <= part_id <= MAX_PART_ID:
+        raise PackError(f"part_id must be from 0 to {MAX_PART_ID:,}, not {part_id:,}")
+    if parts is not None and part_id >= parts:
+        raise PackError(f"part_id {part_id:,} is not one of the dataset's {parts:,} parts (0 to {parts - 1:,})")
+    return int(part_id)
+
+
+def _pack_part(make_input: Callable[[int], PartInput], part_id: Any, out: str, options: PartOptions) -> PartManifest:
+    parts = options.parts
+    if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int) or not 0 < parts <= MAX_PARTS):
+        raise PackError(f"parts must be an integer from 1 to {MAX_PARTS:,}, not {parts!r:.40}")
+    part_id = checked_part_id(part_id, parts)
     cfg = options.pack
     _validate(cfg)
     if options.shard_tokens is not None and options.shard_tokens < 1:
         raise PackError("shard_tokens must be positive")
     tok = TOKENIZERS.tokenizer(cfg)
-    source = make_input()
+    source = make_input(part_id)
     url = part_url(out, part_id)
     output = storage.Output(url)
     lock = OutputLock(output, "pack part")
@@ -473,11 +571,13 @@ def _pack_part(make_input: Callable[[], PartInput], part_id: int, out: str, opti
         expected = _expected_options(options, part_id, tok)
         committed = _committed(output, expected, tok)
         if committed is not None:
-            log.info("%s is already complete; kept as it is", url)
+            source.check_holds(committed.options.get(HOLDS))
+            log.info("%s is already complete and holds this task's input; kept as it is", url)
             return PartManifest.of(url, committed)
         journal = _prepare(output, cfg.prefix, _fingerprint(expected, tok, source.identity()))
+        source.expect(journal[-1] if journal else None)
         index = _pack_input(source, part_id, output, options, tok, journal, lock)
-        if index.options != expected:
+        if index.options != {**expected, HOLDS: source.holds()}:
             raise PackError(f"internal: {url} was written with options other than its fingerprint's")
         return PartManifest.of(url, index, resumed_shards=len(journal))
     finally:
@@ -515,11 +615,13 @@ def _fingerprint(expected: dict, tok: LoadedTokenizer, inputs: list) -> str:
 
 
 def _committed(output: storage.Output, expected: dict, tok: LoadedTokenizer) -> fmt.Index | None:
-    """The part's index when it is complete and was packed with these options and tokenizer."""
+    """The part's index when it is complete and was packed with these options and tokenizer
+    (whatever it holds: the input checks that)."""
     if output.get_bytes(fmt.INDEX_NAME) is None:
         return None
     index, _ = fmt.read_index(output.url)
-    if index.options == expected and index.tokenizer.sha256 == tok.sha256:
+    options = {k: v for k, v in index.options.items() if k != HOLDS}
+    if options == expected and index.tokenizer.sha256 == tok.sha256:
         return index
     log.warning("%s holds a part packed with other options; replacing it", output.url)
     return None
@@ -567,13 +669,14 @@ def _pack_input(
         first_group=journal[-1]["next_group"] if journal else 0,
         inputs_display=source.display(),
         seq_len=cfg.seq_len,
+        note=source.note,
     )
     sink.entries = [fmt.ShardEntry(**rec["entry"]) for rec in journal]
     if journal:
         sink.max_row_segments = journal[-1].get("max_row_segments", 0)
         sink.short_rows = journal[-1].get("short_rows", 0)
     shaper = _make_shaper(cfg, dtype, position)
-    writer = GroupWriter(sink, source.origins, options.shard_tokens, lock)
+    writer = GroupWriter(sink, source, options.shard_tokens, lock)
     try:
         for chunk in source.chunks(position, TOKENIZERS.encoder(tok, dtype, bos_id, eos_id)):
             sink.add_skips(chunk.skips, [(chunk.file_index, reason, lines) for reason, lines in chunk.tallies.items()])
@@ -583,17 +686,21 @@ def _pack_input(
     except BaseException:
         sink.abort()
         raise
-    return write_index(output, options.pack, tok, _expected_options(options, part_id, tok), source.inputs, sink)
+    written = {**_expected_options(options, part_id, tok), HOLDS: source.holds()}
+    return write_index(output, options.pack, tok, written, source.inputs, sink)
 
 
 class GroupWriter:
     """Hands groups to the sink with their real provenance, closing a shard before a group would
     take it past ``shard_tokens`` (the sink itself closes shards by bytes and items); the output
-    lock's heartbeat beats with every shard, so that a live attempt's lock never looks abandoned."""
+    lock's heartbeat beats with every shard, so that a live attempt's lock never looks abandoned.
+    After each group the input hears its position (``note``): no later journal record's cursor
+    lies before it."""
 
-    def __init__(self, sink: ShardSink, origins: Origins | None, shard_tokens: int | None, lock: OutputLock) -> None:
+    def __init__(self, sink: ShardSink, source: PartInput, shard_tokens: int | None, lock: OutputLock) -> None:
         self.sink = sink
-        self.origins = origins
+        self.source = source
+        self.origins = source.origins
         self.shard_tokens = shard_tokens
         self.lock = lock
         self.open_tokens = 0  # tokens in the shard the sink has open
@@ -606,6 +713,7 @@ class GroupWriter:
                 self.open_tokens = 0
             shards = len(self.sink.entries)
             self.sink.write(self.origins.translate(group) if self.origins is not None else group)
+            self.source.note(group.position)
             if len(self.sink.entries) != shards:
                 self.open_tokens = size
                 self.lock.refresh()

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -155,8 +155,10 @@ class ShardSink:
         first_group: int = 0,
         inputs_display: dict | None = None,
         seq_len: int | None = None,
+        note: Callable[[Position | None], dict] | None = None,
     ):
         self.seq_len = seq_len
+        self.note = note  # what else a journal record holds, given its cursor
         self.output = output
         self.prefix = prefix
         self.task = task
@@ -308,6 +310,8 @@ class ShardSink:
             "counters": self.pending.to_json(),
             "groups": self._groups,
         }
+        if self.note is not None:
+            record.update(self.note(self._position))
         self.output.put_bytes(journal_record_name(self.number), encode_record(record, lengths))
         self.entries.append(entry)
         self._tar = None

@@ -23,7 +23,7 @@ class BatchingMode:
     """What the loader needs to know of a batching mode besides its Batcher."""
 
     name: str
-    make: Callable[[Any], Batcher]  # the Batcher for a load.config.Config
+    make: Callable[[Any], Batcher]  # the Batcher for a load.config.Config (rows of its ``row_len``)
     docs_only: bool = False  # works on documents: a packed dataset's rows are fixed
     needs_seq_len: bool = False
     uses_window: bool = False
@@ -54,7 +54,7 @@ MODES: dict[str, BatchingMode] = {
         BatchingMode("bucket", _bucket, docs_only=True, uses_window=True, hint_keys=frozenset({"w", "carry", "skip"})),
         BatchingMode(
             "pack",
-            lambda cfg: PackBatcher(cfg.window, cfg.seq_len, cfg.batch_size, cfg.drop_last),
+            lambda cfg: PackBatcher(cfg.window, cfg.row_len, cfg.batch_size, cfg.drop_last),
             docs_only=True,
             needs_seq_len=True,
             uses_window=True,
@@ -65,7 +65,7 @@ MODES: dict[str, BatchingMode] = {
         ),
         BatchingMode(
             "concat",
-            lambda cfg: ConcatBatcher(cfg.seq_len, cfg.batch_size, cfg.drop_last),
+            lambda cfg: ConcatBatcher(cfg.row_len, cfg.batch_size, cfg.drop_last),
             docs_only=True,
             needs_seq_len=True,
             rows=True,
