@@ -279,7 +279,7 @@ def test_a_state_records_the_log_and_an_edited_one_is_refused(tmp_path):
     next(it)
     state = loader.state_dict()
     body = json.loads(state["state"])
-    assert body["version"] == 6 and body["steering"]["log"][0]["start"] == 2
+    assert body["version"] == 7 and body["steering"]["log"][0]["start"] == 2
     body["steering"]["log"][0]["stop"] = 9  # edited, the seal not renewed
     with pytest.raises(StateError, match="digest"):
         make(str(tmp_path), batch_size=4).load_state_dict({"format": state["format"], "state": json.dumps(body)})
@@ -296,7 +296,7 @@ def test_a_state_from_before_steering_loads_and_skip_asks_for_the_planned_step(t
         next(it)
     body = json.loads(loader.state_dict()["state"])
     body.pop("steering")
-    body["version"] = 5
+    body["version"] = 6
     old = seal(body)
     again = make(str(tmp_path), batch_size=4)
     again.load_state_dict(old)
@@ -306,3 +306,42 @@ def test_a_state_from_before_steering_loads_and_skip_asks_for_the_planned_step(t
     assert again.skip(5, 6) == 5
     rest = list(again)
     assert len(rest) == len(loader) - 3 - 1
+
+
+def test_an_endless_stream_of_whole_epochs_takes_schedules_and_skips_and_resumes(tmp_path):
+    write_dataset(tmp_path, [23, 17], seed=9)
+    options = dict(batch_size=2, epochs=None, equal_batches=True, schedule=Schedule(batch_size=[(0, 2), (5, 4)]))
+
+    def steered(workers=0):
+        loader = make(str(tmp_path), workers=workers, **options)
+        loader.skip(3, 6)
+        loader.skip(20, 26)  # across the end of the first epoch
+        return loader
+
+    it = iter(steered())
+    full = [next(it) for _ in range(24)]
+    plain = make(str(tmp_path), batch_size=2, epochs=None, equal_batches=True)
+    pit = iter(plain)
+    micro = [docs_of(next(pit)) for _ in range(70)]
+    # planned steps 0..4 are one batch, then two, a step never across an epoch's end (20 batches):
+    # the last of an epoch is short; steps 3, 4, 5 and 20..25 are skipped
+    steps, i = [], 0
+    while len(steps) < 40:
+        k = 1 if len(steps) < 5 else 2
+        end = (i // 20 + 1) * 20
+        steps.append(micro[i : min(i + k, end)])
+        i = min(i + k, end)
+    want = [sum(step, []) for s, step in enumerate(steps) if not (3 <= s < 6 or 20 <= s < 26)][:24]
+    assert [docs_of(b) for b in full] == want
+    it = iter(steered(workers=2))
+    full = [next(it) for _ in range(24)]
+    for cut in (2, 9, 17):
+        first = steered(workers=2)
+        it = iter(first)
+        got = [next(it) for _ in range(cut)]
+        state = first.state_dict()
+        second = make(str(tmp_path), workers=2, **options)
+        second.load_state_dict(state)
+        it = iter(second)
+        rest = [next(it) for _ in range(24 - cut)]
+        assert all(same(a, b) for a, b in zip(got + rest, full)), cut

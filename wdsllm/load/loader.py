@@ -277,10 +277,16 @@ class Loader(SteeringMethods):
             return
         self._finish_pass(cursor.epoch)
 
+    def _skip_rest(self, epoch: int) -> None:
+        """Count the rest of the epoch as skipped where a skipped range ends it (the planned step
+        moves to the epoch's end)."""
+        target = self.steering.skip_target()
+        if target is not None:
+            self._seek(epoch, target)
+
     def _finish_pass(self, epoch: int) -> None:
         """The pass over ``epoch`` is complete: its generator, if resumed or collected later, does nothing."""
-        if self.steering.skip_target() is not None:  # a skipped range ends the epoch: counted
-            self._seek(epoch, self.steering.skip_target())
+        self._skip_rest(epoch)
         if self.source.resume_positions or self.cursor.restored is not None:
             self._drop_resume()
         self.cursor.finish(epoch)
@@ -634,7 +640,7 @@ class Loader(SteeringMethods):
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self, *, kept_per_rank: bool = False) -> dict[str, str]:
-        """Where this rank's stream stands, as ``{"format": "wdsllm.loader/6", "state": JSON}``:
+        """Where this rank's stream stands, as ``{"format": "wdsllm.loader/7", "state": JSON}``:
         two strings that every checkpointer keeps whole (see docs/loader.md and state.py). Replica
         peers (docs/parallel.md) hold one state: compared at save, or the reader's under broadcast
         (a collective over the replica group: every peer calls it at the same step).
@@ -664,6 +670,7 @@ class Loader(SteeringMethods):
         in_epoch = cursor.order is not None or (self._streamed and self._stream is not None)
         if in_epoch and not self._streamed and cursor.yielded and self._epoch_done(cursor.yielded):
             # The last batch is out: a resume starts the next epoch, not an empty rest of this one.
+            self._skip_rest(cursor.epoch)
             in_epoch = False
             cursor.completed = cursor.epoch
         position = cursor.get(in_epoch)

@@ -4,7 +4,7 @@ A state travels through checkpointers that each keep a different subset of a nes
 ``torch.distributed.checkpoint`` fills only the leaves of the *fresh* object's state (a fresh
 loader has no per-worker keys, so they were dropped) and, across ranks, keeps each leaf from
 whichever rank it likes; ``torch.load(weights_only=True)`` refuses anything but plain types. So
-``state_dict()`` returns two strings, ``{"format": "wdsllm.loader/6", "state": "<JSON>"}``: one
+``state_dict()`` returns two strings, ``{"format": "wdsllm.loader/7", "state": "<JSON>"}``: one
 leaf can be neither truncated nor mixed, and every checkpointer keeps strings. The JSON carries a
 digest of itself, so an edited or damaged state is refused rather than trusted.
 
