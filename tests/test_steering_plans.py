@@ -265,3 +265,40 @@ def test_an_excluded_source_gives_its_weight_to_the_others(two_sources):
     assert sum(len(b["sources"]) for b in got if int(b["epoch"]) == 1) == 240
     with pytest.raises(SteeringError, match="excluded and must weigh 0"):
         loader.set_weights({"a": 0.5, "b": 0.5})
+
+
+# ----------------------------------------------------------------------------------------------
+# a steering file, re-read while the run trains
+
+
+def test_a_steering_file_is_taken_every_n_steps_and_a_bad_edit_keeps_the_settings(two_sources, tmp_path, caplog):
+    mix = wdsllm.Mixture(two_sources, weights={"a": 0.5, "b": 0.5}, unit="items", epoch_items=240)
+    steer = tmp_path / "steer.yaml"
+    steer.write_text("weights: {a: 0.5, b: 0.5}\n")
+    loader = make(mix, batch_size=8, steer_file=str(steer), reload_every=5, epochs=None, equal_batches=True)
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    steer.write_text("weights: {a: 0.9, b: 0.1}\nskip: [[7, 9]]\n")
+    next(it)  # step 4; the file is read again before step 5
+    after = [next(it) for _ in range(4)]
+    assert [c.change.kind for c in loader.steering.log.changes] == ["weights", "skip"]
+    assert loader.planned_step == 5 + 4 + 2  # steps 7 and 8 were skipped
+    share = np.concatenate([b["sources"].numpy() for b in after])
+    assert (share == 0).mean() > 0.8
+    steer.write_text("weights: {a: -1, b: 2}\n")  # refused: the run keeps 0.9 / 0.1
+    with caplog.at_level("ERROR", logger="wdsllm"):
+        for _ in range(5):
+            next(it)
+    assert "was not taken" in caplog.text and "finite number" in caplog.text
+    assert loader.weights_now() == pytest.approx((0.9, 0.1))
+    steer.write_text("weights: {a: 0.9, b: 0.1}\nskip: [[7, 9]]\nexclude: {sources: [b]}\n")
+    assert loader.planned_step == 16
+    rest = [next(it) for _ in range(12)]  # the file is read again at step 20
+    assert len([c for c in loader.steering.log.changes if c.change.kind == "skip"]) == 1  # a replay
+    assert all((b["sources"] == 0).all() for b in rest[4:])
+
+
+def test_reload_every_needs_a_file(one):
+    with pytest.raises(wdsllm.ConfigError, match="steer_file"):
+        make(one, reload_every=3)

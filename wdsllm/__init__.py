@@ -40,6 +40,7 @@ OPTION_RECORDS = (
     "OrderOptions",
     "RawTextSource",
     "ReadingOptions",
+    "SteerOptions",
     "WorkerOptions",
 )
 
@@ -65,6 +66,7 @@ __all__ = [
     "ShardError",
     "SourceError",
     "StateError",
+    "SteerOptions",
     "SteeringError",
     "StorageError",
     "TokenizerError",

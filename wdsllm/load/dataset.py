@@ -773,6 +773,8 @@ def dataset(
         )
     if face.observe.changed():
         raise ConfigError(f"{', '.join(face.observe.changed())}: what wdsllm.loader observes (use wdsllm.loader)")
+    if face.steer.changed():
+        raise ConfigError(f"{', '.join(face.steer.changed())}: what wdsllm.loader steers by (use wdsllm.loader)")
     catalog, batch = open_given(face)
     layout = resolve_layout(face.layout)
     if layout.cp is not None or layout.pp is not None or layout.broadcasts:

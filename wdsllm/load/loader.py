@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import time
 import weakref
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, NotADatasetError, UsageError
+from ..errors import ConfigError, NotADatasetError, SteeringError, UsageError
 from ..observe.observer import Observer, timed
 from . import state as statemod
 from .agree import settings_of
@@ -38,12 +39,14 @@ from .cursor import Cursor, EpochTotal, Here, RoundRobin, check_fits, positions_
 from .dataset import CountedBy, DataStats, EndOfWorker, build_pipeline, dataset_tokenizer, open_given
 from .layout import resolve_layout
 from .mixstats import MixTally
+from .mixture import is_mixture_source
 from .options import (
     BatchOptions,
     LayoutOptions,
     ObserveOptions,
     OrderOptions,
     ReadingOptions,
+    SteerOptions,
     WorkerOptions,
     split_options,
 )
@@ -88,11 +91,12 @@ class Loader(SteeringMethods):
         reading: ReadingOptions | None = None,
         layout: LayoutOptions | None = None,
         observe: ObserveOptions | None = None,
+        steer: SteerOptions | None = None,
         _in_process: bool = False,
         **options: Any,
     ):
         records = {"order": order, "batch": batch, "workers": workers, "reading": reading, "layout": layout}
-        records["observe"] = observe
+        records.update(observe=observe, steer=steer)
         face = split_options(source, records, options, face="wdsllm.loader")
         self.catalog, batch = open_given(face)
         #: rank and world size given, or found (torch.distributed, RANK/WORLD_SIZE); found ones are
@@ -120,6 +124,8 @@ class Loader(SteeringMethods):
             check_row_length(self.layout.cp, seq_len=opts.width, multiple=opts.pad_to_multiple_of, rows=opts.rows)
         #: the schedule in planned steps, the run's changes, where the run stands (steering.md)
         self.steering = self._steerer()
+        self._steer_url = steer_file_of(face)
+        self.steering.reload_every = face.steer.reload_every
         identity = {"dataset": self.catalog.fingerprint()}
         self._replicas = replicas_for(self.layout, settings_of(self.layout, dict(vars(self.cfg)), identity))
         #: a mixture's delivered tokens and items per source (``mix_stats``)
@@ -506,7 +512,7 @@ class Loader(SteeringMethods):
                     break
             else:
                 return
-        for group in steer.steps(batches):
+        for group in steer.steps(batches, self._reload if steer.reload_every else None):
             yield self._hand_out_group(group)
 
     def _seek(self, epoch: int, target: int) -> bool:
@@ -577,8 +583,11 @@ class Loader(SteeringMethods):
             )
         steps = self.cfg.steps_per_epoch
         steer = self.steering
-        if not steer.plain and steer.skip_target() is not None:
-            raise UsageError("skipped steps of an endless stream are not supported yet (docs/steering.md)")
+        if steer.reload_every is not None or steer.log.changes:
+            raise SteeringError(
+                "steering an endless stream needs its epochs whole, one after another, to say where a planned step "
+                "is: pass equal_batches=True (docs/steering.md)"
+            )
         while steps is None or cursor.steps < steps:
             group = list(itertools.islice(self._stream, steer.group_at(steer.planned)))
             if not group:
@@ -705,6 +714,17 @@ class Loader(SteeringMethods):
         self.steering.restore(st.steering, same_layout)
 
 
+def steer_file_of(face: Any) -> str | None:
+    """The steering file a loader re-reads: the one named, else the mixture file it was built from."""
+    given = face.steer.steer_file
+    if given is None and face.steer.reload_every is not None:
+        if isinstance(face.source, (str, os.PathLike)) and is_mixture_source(face.source):
+            given = os.fspath(face.source)
+        else:
+            raise ConfigError("reload_every= re-reads a steering file: pass steer_file= (or build from a mixture file)")
+    return given
+
+
 def loader(
     source: Any,
     *,
@@ -714,6 +734,7 @@ def loader(
     reading: ReadingOptions | None = None,
     layout: LayoutOptions | None = None,
     observe: ObserveOptions | None = None,
+    steer: SteerOptions | None = None,
     **options: Any,
 ) -> Loader:
     """Batches of ``source`` for this rank, with DataLoader workers, ``set_epoch`` and an exact
@@ -721,5 +742,13 @@ def loader(
     ``WorkerOptions``, ``ReadingOptions``, ``LayoutOptions``, ``ObserveOptions``), as keywords
     (``batch_size=32``) or whole (``batch=BatchOptions(...)``); each is described in docs/loader.md."""
     return Loader(
-        source, order=order, batch=batch, workers=workers, reading=reading, layout=layout, observe=observe, **options
+        source,
+        order=order,
+        batch=batch,
+        workers=workers,
+        reading=reading,
+        layout=layout,
+        observe=observe,
+        steer=steer,
+        **options,
     )

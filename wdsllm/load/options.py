@@ -319,6 +319,22 @@ class ObserveOptions(Options):
     watchdog_raise: bool = option(False, "then raise `WorkerStalledError` instead of waiting on")
 
 
+@dataclass(frozen=True)
+class SteerOptions(Options):
+    """Steering from a file an operator edits while the run trains (``wdsllm.loader`` only; docs/steering.md)."""
+
+    KEYWORD: ClassVar[str] = "steer"
+
+    steer_file: str | None = option(
+        None,
+        "a YAML file of weights, skip and exclude re-read every reload_every steps",
+        shown="the mixture file the loader was built from",
+    )
+    reload_every: int | None = option(
+        None, "every N planned steps, rank 0 re-reads steer_file and every rank takes what it says", low=1
+    )
+
+
 #: the records a face takes, in the order the docs list them
 FACE_RECORDS: tuple[type[Options], ...] = (
     OrderOptions,
@@ -327,6 +343,7 @@ FACE_RECORDS: tuple[type[Options], ...] = (
     ReadingOptions,
     LayoutOptions,
     ObserveOptions,
+    SteerOptions,
 )
 #: raw-text fields that the faces still take as keywords (deprecated: pass a RawTextSource)
 RAW_KEYWORDS = tuple(f.name for f in fields(RawTextSource) if f.name not in ("raw", "on_error"))
@@ -343,6 +360,7 @@ class FaceOptions:
     layout: LayoutOptions
     source: Any
     observe: ObserveOptions = field(default_factory=ObserveOptions)
+    steer: SteerOptions = field(default_factory=SteerOptions)
 
     @property
     def explicit_world(self) -> bool:

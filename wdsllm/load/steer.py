@@ -10,7 +10,7 @@ the schedule and the log. No torch.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +77,9 @@ class Steerer:
     unknown: bool = False
     #: a change re-planned the epoch in progress: its pass starts again over the new plan
     restart: bool = False
+    #: every N planned steps the steering file is re-read (``SteerOptions``; None: never)
+    reload_every: int | None = None
+    _reloaded: int = -1  # the planned step it was last re-read at
 
     @classmethod
     def of(cls, schedule: Schedule | None, cfg: Any, rows: bool, seq_len: int | None, world: int) -> Steerer:
@@ -85,21 +88,32 @@ class Steerer:
 
     @property
     def plain(self) -> bool:
-        """Whether every step is one of the loader's batches and nothing is skipped (the fast path)."""
-        return self.phases.trivial and not self.log.changes
+        """Whether every step is one of the loader's batches, nothing is skipped and no file is
+        re-read (the fast path)."""
+        return self.phases.trivial and not self.log.changes and self.reload_every is None
 
     def group_at(self, step: int) -> int:
         return self.phases.group_at(step)
 
-    def steps(self, batches: Iterator[Any]) -> Iterator[list[Any]]:
-        """The loader's batches grouped into steps; stops at the end of ``batches`` or where the
-        next planned step is skipped (``skip_target`` then says where the stream goes)."""
-        while not self.restart and self.log.skip_end(self.planned) is None:
+    def steps(self, batches: Iterator[Any], reload: Callable[[], None] | None = None) -> Iterator[list[Any]]:
+        """The loader's batches grouped into steps; stops at the end of ``batches``, where the next
+        planned step is skipped (``skip_target`` then says where the stream goes) or where a
+        change re-planned the epoch (``restart``). ``reload`` re-reads the steering file where due."""
+        while True:
+            if reload is not None and self.reload_due():
+                self._reloaded = self.planned
+                reload()
+            if self.restart or self.log.skip_end(self.planned) is not None:
+                return
             group = list(itertools.islice(batches, self.group_at(self.planned)))
             if not group:
                 return
             self.planned += 1
             yield group
+
+    def reload_due(self) -> bool:
+        every = self.reload_every
+        return every is not None and self.planned % every == 0 and self._reloaded != self.planned
 
     def skip_target(self) -> int | None:
         return self.log.skip_end(self.planned)

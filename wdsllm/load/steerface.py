@@ -69,6 +69,9 @@ class SteeringMethods:
         the next planned step, is refused. Returns the first planned step it removes
         (``max(start, planned_step)`` when it was recorded)."""
         self._steer_first("skip()", ["skip", start, stop])
+        return self._take_skip(start, stop)
+
+    def _take_skip(self, start: int, stop: int) -> int:
         if self._streamed:
             raise SteeringError(_STREAMED.format(what="skip()"))
         if self._epoch_total() is None:
@@ -92,6 +95,9 @@ class SteeringMethods:
         or would leave nothing to read, is refused; the same one again is a replay."""
         names, shard_ids, items = self._exclusion(sources, shards, docs)
         self._steer_first("exclude()", ["exclude", list(names), list(shard_ids), list(items)])
+        return self._take_exclusion(names, shard_ids, items)
+
+    def _take_exclusion(self, names: tuple[str, ...], shard_ids: tuple[int, ...], items: tuple[int, ...]) -> int:
         steer = self.steering
         change = Exclude(names, shard_ids, items, self._change_epoch())
         for old in steer.log.exclusions:
@@ -167,6 +173,12 @@ class SteeringMethods:
         sets how far; what others had planned beyond waits for a later pass); later epochs' quotas
         follow the new weights. Refused: unknown or missing names, negative, NaN, infinite or
         all-zero weights, weight on an excluded source."""
+        normal = self._checked_weights(weights)
+        self._steer_first("set_weights()", ["set_weights", list(normal)])
+        return self._take_weights(normal)
+
+    def _checked_weights(self, weights: Mapping[str, float]) -> tuple[float, ...]:
+        """Weights by name as the mixture's sources come, normalised, or a ``SteeringError``."""
         catalog = self.catalog
         if catalog.mixing is None:
             raise SteeringError("set_weights() steers a mixture; this loader reads one dataset")
@@ -186,10 +198,67 @@ class SteeringMethods:
         heavy = [n for n, w in zip(names, normal) if w > 0 and n in excluded]
         if heavy:
             raise SteeringError(f"set_weights(): sources {heavy} are excluded and must weigh 0")
-        self._steer_first("set_weights()", ["set_weights", list(normal)])
+        return normal
+
+    def _take_weights(self, normal: tuple[float, ...]) -> int:
         self._apply(Weights(normal, self._change_epoch()), Leaving(weights=normal))
+        names = list(self.catalog.mixture.names)
         log.info("mixture weights from planned step %d: %s", self.steering.planned, dict(zip(names, normal)))
         return self.steering.planned
+
+    def weights_now(self) -> tuple[float, ...] | None:
+        """A mixture's weights in force at the next planned step (None: one dataset)."""
+        if self.catalog.mixing is None:
+            return None
+        changes = self.steering.log.weight_changes
+        if changes:
+            return changes[-1].weights
+        planner = self.catalog.planner
+        at = self.cursor.epoch * planner.epoch
+        return next(w for start, w in reversed(planner.phases()) if start <= at)
+
+    # -- a steering file, re-read while the run trains (steerfile.py) ----------------------------
+    def _reload(self) -> None:
+        """Take what the steering file says now (every rank the same, from rank 0's reading)."""
+        from .steerfile import shared
+
+        url = self._steer_url
+        names = list(self.catalog.mixture.names) if self.catalog.mixing is not None else []
+        status, what = shared(url, names)
+        if status == "error":
+            log.error("steering file %s", what)
+            return
+        try:
+            takes = self._checked_file(what)
+        except SteeringError as exc:
+            log.error("steering file %s was not taken, the run keeps its settings: %s", url, exc)
+            return
+        for take in takes:
+            take()
+
+    def _checked_file(self, what: dict) -> list:
+        """Every entry of a steering file checked before any is taken: what to call, in order."""
+        from .steering import Log
+
+        takes = []
+        if "weights" in what:
+            normal = self._checked_weights(what["weights"])
+            now = self.weights_now()
+            if now is None or max(abs(a - b) for a, b in zip(normal, now)) > 1e-9:
+                takes.append(lambda: self._take_weights(normal))
+        trial = Log(list(self.steering.log.changes))
+        for start, stop in what.get("skip", []):
+            trial.add_skip(start, stop, self.steering.planned)
+            takes.append(lambda a=start, b=stop: self._take_skip(a, b))
+        if "exclude" in what:
+            ex = {k: v for k, v in what["exclude"].items() if v}
+            if ex:
+                names, shard_ids, items = self._exclusion(
+                    ex.get("sources", ()), ex.get("shards", ()), ex.get("docs", ())
+                )
+                self._check_something_left(Exclude(names, shard_ids, items, 0))
+                takes.append(lambda: self._take_exclusion(names, shard_ids, items))
+        return takes
 
     # -- applying a change ----------------------------------------------------------------------
     def _mid_epoch(self) -> bool:
