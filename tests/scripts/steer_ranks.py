@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import wdsllm  # noqa: E402
-from wdsllm.errors import SteeringError  # noqa: E402
+import wdsllm
+from wdsllm.errors import SteeringError
 
 
 def main() -> None:
