@@ -11,6 +11,8 @@ before anything is opened. No torch.
 from __future__ import annotations
 
 import difflib
+import math
+import numbers
 import operator
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,12 +36,18 @@ REPLICAS = ("read", "broadcast")
 
 
 def option(
-    default: Any, doc: str, *, low: int | None = None, choices: tuple | None = None, shown: str | None = None
+    default: Any,
+    doc: str,
+    *,
+    low: int | None = None,
+    above: float | None = None,
+    choices: tuple | None = None,
+    shown: str | None = None,
 ) -> Any:
     """A record field: its default (``shown`` in the docs, if not as written), its one-line doc,
-    and what values it takes (integers of at least ``low``, or one of ``choices``; None wherever
-    the annotation allows it)."""
-    return field(default=default, metadata={"doc": doc, "low": low, "choices": choices, "shown": shown})
+    and what values it takes (integers of at least ``low``, real numbers greater than ``above``,
+    or one of ``choices``; None wherever the annotation allows it)."""
+    return field(default=default, metadata={"doc": doc, "low": low, "above": above, "choices": choices, "shown": shown})
 
 
 def _check_int(where: str, value: Any, low: int) -> None:
@@ -53,6 +61,13 @@ def _check_int(where: str, value: Any, low: int) -> None:
         raise ConfigError(f"{where} must be {'positive' if low == 1 else f'at least {low}'}, not {value!r}")
 
 
+def _check_real(where: str, value: Any, above: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ConfigError(f"{where} must be a number of seconds, not {value!r}")
+    if value <= above:
+        raise ConfigError(f"{where} must be {'positive' if above == 0 else f'more than {above}'}, not {value!r}")
+
+
 class Options:
     """What every option record does: check its fields against their declared bounds."""
 
@@ -64,9 +79,11 @@ class Options:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            low, choices = f.metadata.get("low"), f.metadata.get("choices")
+            low, above, choices = f.metadata.get("low"), f.metadata.get("above"), f.metadata.get("choices")
             if low is not None:
                 _check_int(f.name, value, low)
+            elif above is not None:
+                _check_real(f.name, value, above)
             elif choices is not None and value not in choices:
                 raise ConfigError(f"{f.name} must be one of {', '.join(map(repr, choices))}, not {value!r}")
 
@@ -298,8 +315,8 @@ class ObserveOptions(Options):
     reduce_every: int | None = option(
         None, "every N steps, gather the data wait over the process group (a collective: every rank in step)", low=1
     )
-    watchdog_s: int | None = option(
-        300, "a `next()` waiting this long logs every worker's stack (None: no watchdog)", low=1
+    watchdog_s: float | None = option(
+        300, "a `next()` waiting this many seconds logs every worker's stack (None: no watchdog)", above=0.0
     )
     watchdog_raise: bool = option(False, "then raise `WorkerStalledError` instead of waiting on")
 

@@ -97,38 +97,44 @@ class Observer:
 
     def metrics(self, skipped_shards: Sequence[str] = (), world: int = 1) -> dict[str, float]:
         """Everything measured, flat (docs/observability.md lists the keys); ``world``: the ranks,
-        for a mixture's place in its schedule."""
-        out = {"steps": float(self.wait.total_steps), "data_wait_total_s": self.wait.total_wait}
-        out.update(self.wait.summary().flat())
+        for a mixture's place in its schedule. Cheap enough to ask every step (tools/bench_observe.py)."""
+        wait = self.wait
+        out = {"steps": float(wait.total_steps), "data_wait_total_s": wait.total_wait}
+        out.update(wait.summary().flat())
         out.update(self.reduced)
-        out.update(self._stages())
-        out.update(self._workers())
-        out.update(_stores(store_stats(), skipped_shards))
+        self._stages(out)
+        self._workers(out)
+        stores = store_stats()
+        if stores or skipped_shards:
+            out.update(_stores(stores, skipped_shards))
         if self.drift is not None:
             out.update(self.drift.metrics(world))
         return out
 
-    def _stages(self) -> dict[str, float]:
+    def _stages(self, out: dict[str, float]) -> None:
         totals = self.tally.stage_totals(self._stages_base)
-        out = {f"stage_{stage}_s": seconds for stage, seconds in totals.items()}
-        out["slowest_stage"] = float(STAGE_INDEX[max(stages.STAGES, key=lambda s: totals[s])])
-        return out
+        slowest, most = 0, -1.0
+        for i, (stage, seconds) in enumerate(totals.items()):
+            out[STAGE_KEYS[stage]] = seconds
+            if seconds > most:
+                slowest, most = i, seconds
+        out["slowest_stage"] = float(slowest)
 
-    def _workers(self) -> dict[str, float]:
-        tally, out = self.tally, {}
-        for worker in sorted(set(tally.waits) | set(tally.stages)):
-            out[f"worker_{worker}_wait_s"] = tally.waits.get(worker, 0.0)
-            out[f"worker_{worker}_batch_s"] = tally.stages.get(worker, {}).get("batch", 0.0)
-            major, minor = tally.faults.get(worker, (0, 0))
-            out[f"worker_{worker}_major_faults"] = float(major)
-            out[f"worker_{worker}_minor_faults"] = float(minor)
+    def _workers(self, out: dict[str, float]) -> None:
+        tally = self.tally
+        waits, batches, faults = tally.waits, tally.stages, tally.faults
+        for worker in sorted(waits.keys() | batches.keys()):
+            keys = _worker_keys(worker)
+            out[keys[0]] = waits.get(worker, 0.0)
+            out[keys[1]] = batches[worker]["batch"] if worker in batches else 0.0
+            major, minor = faults.get(worker, (0, 0))
+            out[keys[2]], out[keys[3]] = float(major), float(minor)
             depth = tally.queue_depth(worker)
             if depth is not None:
-                out[f"worker_{worker}_queue"] = float(depth)
+                out[keys[4]] = float(depth)
         slowest = tally.slowest_worker()
         if slowest is not None:
             out["slowest_worker"] = float(slowest)
-        return out
 
     def diagnosis(self, skipped_shards: Sequence[str] = (), world: int = 1) -> str:
         """The metrics in one line for a log: the wait's share, the slowest stage and worker."""
@@ -142,7 +148,29 @@ class Observer:
         return line
 
 
-STAGE_INDEX = {stage: i for i, stage in enumerate(stages.STAGES)}
+STAGE_KEYS = {stage: f"stage_{stage}_s" for stage in stages.STAGES}
+#: each worker's keys (wait, batch, major and minor faults, queue), made once per worker
+_WORKER_KEYS: dict[int, tuple[str, ...]] = {}
+
+
+def _worker_keys(worker: int) -> tuple[str, ...]:
+    keys = _WORKER_KEYS.get(worker)
+    if keys is None:
+        names = ("wait_s", "batch_s", "major_faults", "minor_faults", "queue")
+        keys = _WORKER_KEYS[worker] = tuple(f"worker_{worker}_{name}" for name in names)
+    return keys
+
+
+#: each store's keys (its counters, the receive rate, the shards skipped), made once per store
+_STORE_KEYS: dict[str, tuple[tuple[str, ...], str, str]] = {}
+
+
+def _store_keys(store: str) -> tuple[tuple[str, ...], str, str]:
+    keys = _STORE_KEYS.get(store)
+    if keys is None:
+        named = tuple(f"store/{store}/{name}" for name in STORE_NAMES)
+        keys = _STORE_KEYS[store] = (named, f"store/{store}/bytes_per_s", f"store/{store}/skipped_shards")
+    return keys
 
 
 def _stores(stores: dict[str, dict[str, int]], skipped_shards: Sequence[str]) -> dict[str, float]:
@@ -152,13 +180,14 @@ def _stores(stores: dict[str, dict[str, int]], skipped_shards: Sequence[str]) ->
     for url in skipped_shards:
         skipped[store_key(url)] = skipped.get(store_key(url), 0) + 1
     out = {}
-    for store in sorted(set(stores) | set(skipped)):
-        counts = {**dict.fromkeys(STORE_NAMES, 0), **stores.get(store, {})}
-        for name in STORE_NAMES:
-            out[f"store/{store}/{name}"] = float(counts[name])
-        seconds = counts["fetch_ns"] / 1e9
-        out[f"store/{store}/bytes_per_s"] = counts["received_bytes"] / seconds if seconds > 0 else 0.0
-        out[f"store/{store}/skipped_shards"] = float(skipped.get(store, 0))
+    for store in sorted(stores.keys() | skipped.keys()):
+        counts = stores.get(store, {})
+        named, rate, skips = _store_keys(store)
+        for key, name in zip(named, STORE_NAMES, strict=True):
+            out[key] = float(counts.get(name, 0))
+        seconds = counts.get("fetch_ns", 0) / 1e9
+        out[rate] = counts.get("received_bytes", 0) / seconds if seconds > 0 else 0.0
+        out[skips] = float(skipped.get(store, 0))
     return out
 
 
