@@ -15,6 +15,8 @@ to the caller (not merely prefetched), the round-robin turn, and the rank's batc
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import logging
 import time
@@ -61,6 +63,34 @@ def _note_end(loader: weakref.ref, end: EndOfWorker) -> None:
     live = loader()
     if live is not None:
         live.stats.add(end.stats)
+
+
+class _OpenLoaders:
+    """Loaders with an iterator handed out and not closed, closed at interpreter exit while the
+    modules their iterators' ``finally`` blocks use still exist: an iterator left alive at exit is
+    otherwise finalized after module teardown, where its cleanup fails with "Exception ignored
+    ... 'NoneType' object has no attribute ...", and its workers are left to DataLoader's own."""
+
+    def __init__(self) -> None:
+        self.live: weakref.WeakSet = weakref.WeakSet()
+        atexit.register(self.close_all)
+
+    def add(self, loader: Loader) -> None:
+        self.live.add(loader)
+
+    def discard(self, loader: Loader) -> None:
+        self.live.discard(loader)
+
+    def close_all(self) -> None:
+        for loader in list(self.live):
+            try:
+                loader.close()
+            except Exception as exc:  # at exit: say it, never raise
+                log.debug("closing a loader at exit: %s", exc)
+        self.live.clear()
+
+
+_OPEN = _OpenLoaders()
 
 
 class Loader:
@@ -129,6 +159,8 @@ class Loader:
         self.observer = Observer(face.observe, self._transport.tally, self._mix)
         self.observer.group = self.layout.dp_group  # the wait is reduced across data-parallel ranks
         self._transport.timeout = self.observer.dataloader_timeout()
+        #: the iterators handed out and not finished (``close()`` ends them)
+        self._iterators: weakref.WeakSet = weakref.WeakSet()
 
     def _build(self) -> None:
         self.pipeline = build_pipeline(
@@ -335,16 +367,21 @@ class Loader:
         return out
 
     def close(self) -> None:
-        """Stop what was started for this loader: its DataLoader workers, its endless stream, and
-        what storage started for it (``storage.release``). Also on ``with`` exit and collection."""
+        """Stop what was started for this loader: its iterators (a held one then ends), its
+        DataLoader workers, its endless stream, and what storage started for it
+        (``storage.release``). Also on ``with`` exit, on collection and at interpreter exit."""
         from .. import storage
 
+        for iterator in list(self._iterators):
+            with contextlib.suppress(ValueError):  # running in another thread: it ends with its workers
+                iterator.close()
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
         self._transport.close()
         self.observer.close()
         storage.release(id(self.catalog))
+        _OPEN.discard(self)
 
     def __enter__(self) -> Loader:
         return self
@@ -366,7 +403,10 @@ class Loader:
         own = self._iter_infinite() if self.infinite else self._iter_epoch()
         if not self.layout.alone:
             own = self._replicas.batches(own, self._progress, self._follow)
-        return timed(own, self.observer)
+        iterator = timed(own, self.observer)
+        self._iterators.add(iterator)
+        _OPEN.add(self)
+        return iterator
 
     def _progress(self) -> Progress:
         cursor = self.cursor
