@@ -130,7 +130,7 @@ SLOW_TESTS = frozenset(
         "test_pack_tasks.py::test_eight_tasks_over_three_files_merge_to_the_single_task_pack",
         "test_pack_tasks.py::test_merge_on_s3_in_place",
         "test_parallel_example.py::test_tp_and_cp_layouts_train_each_dp_rank_on_the_same_batches",
-        "test_parallel_layouts.py::test_a_peer_with_another_seed_fails_at_the_first_batch",
+        "test_parallel_layouts.py::test_a_peer_with_another_seed_fails_at_construction",
         "test_parallel_layouts.py::test_a_first_stage_that_fails_tells_its_middle_stage",
         "test_parallel_layouts.py::test_a_reader_that_fails_tells_its_receivers",
         "test_parallel_layouts.py::test_broadcast_over_http_reads_the_shard_bytes_of_the_dp_ranks_alone",

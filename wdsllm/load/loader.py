@@ -29,16 +29,18 @@ import torch
 from ..errors import ConfigError, NotADatasetError, UsageError
 from ..observe.observer import Observer, timed
 from . import state as statemod
-from .agree import settings_of
+from .agree import agree_on_layout
 from .batching import Batch
 from .collate import CollateOptions, assemble
 from .config import Config, reading_options, resolve_world
 from .cpsplit import check_row_length
-from .cursor import Cursor, EpochTotal, Here, RoundRobin, check_fits, restore
+from .cursor import Cursor, EpochTotal, Here, Progress, RoundRobin, check_fits, restore
 from .dataset import CountedBy, DataStats, EndOfWorker, build_pipeline, dataset_tokenizer, open_given
-from .layout import resolve_layout
+from .describe import describe
+from .layout import resolve_layout, world_seat
 from .mixstats import MixTally
 from .options import (
+    AGREE_ALL,
     BatchOptions,
     LayoutOptions,
     ObserveOptions,
@@ -48,7 +50,7 @@ from .options import (
     split_options,
 )
 from .plan import torch_seed
-from .replicas import Progress, replicas_for
+from .replicas import replicas_for
 from .tails import TailMerge, merge_key, merges_tails
 from .transport import WorkerBatches
 
@@ -122,10 +124,6 @@ class Loader:
         #: rank and world size given, or found (torch.distributed, RANK/WORLD_SIZE); found ones are
         #: looked up again when iteration starts, in case the process group came up after this
         self._explicit_world = face.explicit_world
-        #: the parallel layout (layout.py): the data-parallel coordinates are this loader's rank
-        #: and world size; replica peers yield the same batches, cut to a CP slice or a PP stage
-        self.layout = resolve_layout(face.layout)
-        self.rank, self.world_size = self.layout.dp_rank, self.layout.dp_size
         self.cfg = Config.of(face.order, batch).resolved(self.catalog)
         if self.cfg.unbatched:
             raise ConfigError(
@@ -134,6 +132,13 @@ class Loader:
             )
         #: tests (``_in_process``): the workers' streams run here, one after another, in DataLoader's order
         self._transport = WorkerBatches.of(face.workers, self.catalog.reads_remote, in_process=_in_process)
+        #: every setting that shapes this loader's batches or collectives (describe.py): compared
+        #: over the layout's ranks before its first collective, then with every checked batch
+        self.description = describe(face, vars(self.cfg), {"dataset": (AGREE_ALL, self.catalog.fingerprint())})
+        #: the parallel layout (layout.py): the data-parallel coordinates are this loader's rank
+        #: and world size; replica peers yield the same batches, cut to a CP slice or a PP stage
+        self.layout = resolve_layout(face.layout, functools.partial(agree_on_layout, self.description))
+        self.rank, self.world_size = self.layout.dp_rank, self.layout.dp_size
         self.pin_memory = face.workers.pin_memory
         self.read_options = reading_options(face.reading)
         self._tokenizer: Any = None
@@ -142,8 +147,7 @@ class Loader:
         if self.layout.cp is not None:
             opts = self.collate_options
             check_row_length(self.layout.cp, seq_len=opts.seq_len, multiple=opts.pad_to_multiple_of, rows=opts.rows)
-        identity = {"dataset": self.catalog.fingerprint()}
-        self._replicas = replicas_for(self.layout, settings_of(self.layout, dict(vars(self.cfg)), identity))
+        self._replicas = replicas_for(self.layout, self.description.settings())
         #: a mixture's delivered tokens and items per source (``mix_stats``)
         self._mix = MixTally(self.catalog) if self.catalog.mixing is not None else None
         self.cursor = Cursor(self.workers)
@@ -399,6 +403,8 @@ class Loader:
     def __iter__(self) -> Iterator[dict]:
         self._settle_world()
         self._settle_epoch()
+        if not self._started:
+            self._agree_on_reduction()
         self._started = True
         own = self._iter_infinite() if self.infinite else self._iter_epoch()
         if not self.layout.alone:
@@ -408,18 +414,27 @@ class Loader:
         _OPEN.add(self)
         return iterator
 
+    def _agree_on_reduction(self) -> None:
+        """Plain data parallel (the global rank) with ``reduce_every``: the wait's reduction is a
+        collective of the loader too, so the ranks compare their descriptions before the first one
+        (a rank with another ``reduce_every`` or batch count would leave the others waiting)."""
+        if self.layout.roster is not None or self._explicit_world or self.observer.options.reduce_every is None:
+            return
+        import torch.distributed as dist
+
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            agree_on_layout(self.description, world_seat(self.rank, self.world_size))
+
     def _progress(self) -> Progress:
-        cursor = self.cursor
-        return cursor.epoch, cursor.yielded, cursor.completed
+        return self.cursor.progress()
 
     def _follow(self, progress: Progress, ended: bool) -> None:
         """A receiver of a broadcast (or a middle pipeline stage) mirrors its reader's cursor, so
-        that ``epoch``, ``len()`` and ``set_epoch`` answer as the reader's do; it finishes an epoch
-        where the reader's last batch came, as the reader does (``_settle_epoch``) when the trainer
-        asks for no more."""
+        that ``epoch``, ``len()``, ``set_epoch`` and ``state_dict()`` answer as the reader's do;
+        it finishes an epoch where the reader's last batch came, as the reader does
+        (``_settle_epoch``) when the trainer asks for no more."""
         cursor = self.cursor
-        cursor.restored = None
-        cursor.epoch, cursor.yielded, cursor.completed = progress
+        cursor.mirror(progress)
         if not ended and not self.infinite and self._epoch_done(cursor.yielded):
             cursor.finish(cursor.epoch)
 
@@ -513,11 +528,9 @@ class Loader:
     def state_dict(self) -> dict[str, str]:
         """Where this rank's stream stands, as ``{"format": "wdsllm.loader/5", "state": JSON}``:
         two strings that every checkpointer keeps whole (see docs/loader.md and state.py). Replica
-        peers (docs/parallel.md) hold one state: compared at save, or the reader's under broadcast
-        (a collective over the replica group: every peer calls it at the same step)."""
-        return self._replicas.state(self._own_state)
-
-    def _own_state(self) -> dict[str, str]:
+        peers (docs/parallel.md) hold one state, each its own copy (a receiver's is its reader's,
+        mirrored with every batch): no collective, so one rank alone may save
+        (``if rank == 0: save(loader.state_dict())``)."""
         self._settle_epoch()
         cursor = self.cursor
         if cursor.restored is not None:
