@@ -117,6 +117,8 @@ class Loader:
         _in_process: bool = False,
         **options: Any,
     ):
+        #: the iterators handed out and not finished (``close()`` ends them)
+        self._iterators: weakref.WeakSet = weakref.WeakSet()
         records = {"order": order, "batch": batch, "workers": workers, "reading": reading, "layout": layout}
         records["observe"] = observe
         face = split_options(source, records, options, face="wdsllm.loader")
@@ -163,8 +165,6 @@ class Loader:
         self.observer = Observer(face.observe, self._transport.tally, self._mix)
         self.observer.group = self.layout.dp_group  # the wait is reduced across data-parallel ranks
         self._transport.timeout = self.observer.dataloader_timeout()
-        #: the iterators handed out and not finished (``close()`` ends them)
-        self._iterators: weakref.WeakSet = weakref.WeakSet()
 
     def _build(self) -> None:
         self.pipeline = build_pipeline(

@@ -7,13 +7,14 @@ trainer's thread (the data wait, charged to the worker whose batch was awaited),
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import WorkerStalledError
 from ..load.mixstats import MixTally
 from ..load.options import ObserveOptions
-from ..storage.counters import STORE_NAMES, store_key, store_stats
+from ..storage.counters import STORE_NAMES, store_key, store_stats, stores_version
 from . import stages
 from .drift import MixDrift
 from .wait import WaitClock
@@ -40,6 +41,8 @@ class Observer:
         # it was made (the stores' counters are the process's, as storage.stats() is)
         self._stages_base = stages.CLOCK.snapshot()
         self.watchdog: Watchdog | None = None  # started with the first iteration
+        self._stores_key: tuple[int, int] | None = None  # what the stores' figures were made of
+        self._stores_figures: dict[str, float] = {}
 
     def watch(self) -> None:
         """Start the watchdog (once, as iteration starts; before the workers fork, so that they
@@ -101,20 +104,32 @@ class Observer:
         wait = self.wait
         out = {"steps": float(wait.total_steps), "data_wait_total_s": wait.total_wait}
         out.update(wait.summary().flat())
-        out.update(self.reduced)
+        if self.reduced:
+            out.update(self.reduced)
         self._stages(out)
         self._workers(out)
-        stores = store_stats()
-        if stores or skipped_shards:
-            out.update(_stores(stores, skipped_shards))
+        out.update(self._stores(skipped_shards))
         if self.drift is not None:
             out.update(self.drift.metrics(world))
         return out
 
+    def _stores(self, skipped_shards: Sequence[str]) -> dict[str, float]:
+        """The stores' figures, made again only when a counter moved or a shard was skipped
+        (with workers the counters move once per message of up to 16 batches)."""
+        key = (stores_version(), len(skipped_shards))
+        if key != self._stores_key:
+            self._stores_key, self._stores_figures = key, _stores(store_stats(), skipped_shards)
+        return self._stores_figures
+
     def _stages(self, out: dict[str, float]) -> None:
-        totals = self.tally.stage_totals(self._stages_base)
+        """Seconds per stage over the workers and this process (what this process's clock moved
+        since the loader was made, and what its workers reported), and the slowest stage."""
+        now, base, workers = stages.SECONDS, self._stages_base, list(self.tally.stages.values())
         slowest, most = 0, -1.0
-        for i, (stage, seconds) in enumerate(totals.items()):
+        for i, stage in enumerate(stages.STAGES):
+            seconds = now[stage] - base[stage]
+            for mine in workers:
+                seconds += mine[stage]
             out[STAGE_KEYS[stage]] = seconds
             if seconds > most:
                 slowest, most = i, seconds
@@ -173,20 +188,24 @@ def _store_keys(store: str) -> tuple[tuple[str, ...], str, str]:
     return keys
 
 
+#: a store's counters in ``STORE_NAMES`` order (the counters hold every name), and none counted
+_COUNTS = operator.itemgetter(*STORE_NAMES)
+_NONE = dict.fromkeys(STORE_NAMES, 0)
+
+
 def _stores(stores: dict[str, dict[str, int]], skipped_shards: Sequence[str]) -> dict[str, float]:
     """``store/<scheme://host>/<counter>`` for every store asked, with its receive rate and the
     shards of it skipped as unreadable."""
     skipped: dict[str, int] = {}
     for url in skipped_shards:
         skipped[store_key(url)] = skipped.get(store_key(url), 0) + 1
-    out = {}
+    out: dict[str, float] = {}
     for store in sorted(stores.keys() | skipped.keys()):
-        counts = stores.get(store, {})
+        counts = stores.get(store, _NONE)
         named, rate, skips = _store_keys(store)
-        for key, name in zip(named, STORE_NAMES, strict=True):
-            out[key] = float(counts.get(name, 0))
-        seconds = counts.get("fetch_ns", 0) / 1e9
-        out[rate] = counts.get("received_bytes", 0) / seconds if seconds > 0 else 0.0
+        out.update(zip(named, map(float, _COUNTS(counts)), strict=True))
+        seconds = counts["fetch_ns"] / 1e9
+        out[rate] = counts["received_bytes"] / seconds if seconds > 0 else 0.0
         out[skips] = float(skipped.get(store, 0))
     return out
 

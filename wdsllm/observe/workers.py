@@ -54,13 +54,3 @@ class WorkerTally:
             if seconds > most or (seconds == most and slowest is not None and worker < slowest):
                 slowest, most = worker, seconds
         return slowest
-
-    def stage_totals(self, base: dict[str, float]) -> dict[str, float]:
-        """Seconds per stage over the workers and this process (what this process's clock moved
-        since ``base``, a snapshot of it)."""
-        now = stages.SECONDS
-        totals = {stage: now[stage] - base[stage] for stage in stages.STAGES}
-        for mine in self.stages.values():
-            for stage, seconds in mine.items():
-                totals[stage] += seconds
-        return totals
