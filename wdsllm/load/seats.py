@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .describe import Description
+from .layout import Seat
 from .options import AGREE_ALL, AGREE_PEERS
 
 ROLES = ("dp", "replica", "cp", "pp")
@@ -32,8 +33,8 @@ def _at(role: str) -> int:
     return 6 + 3 * ROLES.index(role)
 
 
-def row_of(seat: Any, description: Description, global_rank: int) -> list[int]:
-    """This rank's row (``seat``: a ``layout.Seat``)."""
+def row_of(seat: Seat, description: Description, global_rank: int) -> list[int]:
+    """This rank's row."""
     row = [description.digest(AGREE_ALL), description.digest(AGREE_PEERS), int(seat.problem is not None)]
     row += [global_rank, seat.dp_rank, seat.dp_size]
     for role in ROLES:
