@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import gzip
 import json
+import multiprocessing
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from pack_helpers import GPT2, REPO
+from synth import write_dataset
+
+import wdsllm
 
 LEFT_HALF_READ = """
 import atexit, gc, sys
@@ -51,3 +56,48 @@ def test_a_half_read_raw_loader_and_reader_exit_quietly(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
+
+
+LIVE_ITERATORS_AT_EXIT = """
+import sys
+import wdsllm
+held = []
+for workers, epochs in ((0, 1), (2, 1), (2, None)):
+    loader = wdsllm.loader(sys.argv[1], batch_size=2, num_workers=workers, epochs=epochs)
+    it = iter(loader)
+    next(it)
+    held.append((loader, it))
+"""
+
+
+def test_an_interpreter_that_exits_holding_live_iterators_prints_nothing(tmp_path):
+    """A script that stops after one batch, its loaders and iterators still referenced (without
+    workers, with workers, endless): the exit closes them while the modules exist."""
+    data = tmp_path / "ds"
+    write_dataset(data, [30, 30], seed=2)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(LIVE_ITERATORS_AT_EXIT), str(data)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+
+
+def test_close_with_an_iterator_still_referenced_stops_the_workers(tmp_path):
+    """Local data (workers started afresh for each pass): ``close()`` stops the pass's workers
+    although the trainer still holds its iterator, which then ends."""
+    data = tmp_path / "ds"
+    write_dataset(data, [40, 40], seed=4)
+    before = {p.pid for p in multiprocessing.active_children()}
+    loader = wdsllm.loader(data, batch_size=2, num_workers=2, watchdog_s=None)
+    it = iter(loader)
+    next(it)
+    workers = {p.pid for p in multiprocessing.active_children()} - before
+    assert len(workers) == 2
+    loader.close()
+    assert {p.pid for p in multiprocessing.active_children()} & workers == set(), "close() left workers running"
+    assert all(not Path(f"/proc/{pid}").exists() for pid in workers)
+    assert next(it, None) is None, "a closed loader's iterator ends"

@@ -4,6 +4,7 @@ the store's requests, retries and 503s are counted exactly as the server served 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,23 @@ def test_a_throttled_store_shows_in_the_wait_the_stages_and_the_store(http_serve
     waits = {w: slow[f"worker_{w}_wait_s"] for w in (0, 1)}
     assert slow["slowest_worker"] == max(waits, key=waits.get) and sum(waits.values()) <= slow["data_wait_total_s"]
     assert all(slow[f"worker_{w}_queue"] >= 0 and slow[f"worker_{w}_minor_faults"] >= 0 for w in (0, 1))
+
+
+def test_fetch_time_counts_a_body_read_that_broke_and_the_wait_before_its_retry(http_server):
+    """A body that stalls until the client's read times out, then a retry after a backoff: the
+    stall and the backoff are both time spent on the store (``fetch_ns``), never read time; the
+    whole read's wall time is fetch time within what the bytes themselves took to copy."""
+    payload = http_server.root / "blob.bin"
+    payload.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    http_server.faults.add("*/blob.bin", "stall", bytes=100_000, seconds=3.0)
+    policy = storage.RetryPolicy(attempts=3, base_delay=0.4, timeout=0.5)
+    url = http_server.url_for("blob.bin")
+    storage.reset_stats()
+    began = time.perf_counter()
+    assert storage.read_bytes(url, retry=policy) == payload.read_bytes()
+    wall = time.perf_counter() - began
+    counts = storage.store_stats()[url.split("/blob.bin")[0]]
+    assert counts["retries"] == 1 and counts["requests"] == 2
+    fetch = counts["fetch_ns"] / 1e9
+    assert fetch >= 0.5 + 0.2, f"the stalled read (timeout 0.5 s) and the backoff (>= 0.2 s) count: {fetch:.3f} s"
+    assert fetch <= wall and fetch >= 0.9 * wall, (fetch, wall)

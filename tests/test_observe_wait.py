@@ -9,13 +9,17 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from pack_helpers import cached
 from synth import write_dataset
 
 import wdsllm
+from wdsllm.observe import wait as wait_module
 from wdsllm.observe.wait import WaitClock
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -68,6 +72,47 @@ def test_observe_options_are_the_loaders_only():
         wdsllm.dataset(_data(), batch_size=4, reduce_every=2)
     with pytest.raises(wdsllm.ConfigError, match="watchdog_s must be positive"):
         wdsllm.ObserveOptions(watchdog_s=0)
+
+
+def test_watchdog_seconds_may_be_a_float():
+    assert wdsllm.ObserveOptions(watchdog_s=3.0).watchdog_s == 3.0
+    assert wdsllm.ObserveOptions(watchdog_s=0.25).watchdog_s == 0.25
+    for bad in (0.0, -1.5, float("nan"), float("inf"), "3", True):
+        with pytest.raises(wdsllm.ConfigError, match="watchdog_s must be"):
+            wdsllm.ObserveOptions(watchdog_s=bad)
+    with wdsllm.loader(_data(), batch_size=4, watchdog_s=2.5) as loader:
+        assert sum(1 for _ in loader) == 10
+        assert loader.observer.dataloader_timeout() == 0.0  # no watchdog_raise: DataLoader waits on
+
+
+class _Unwalkable(deque):
+    """A window that a report must not walk (only its newest entry may be read)."""
+
+    def __iter__(self):
+        raise AssertionError("a report walked the whole window")
+
+
+def test_a_report_reads_the_windows_order_statistics_without_walking_it(monkeypatch):
+    """A trainer may ask for the figures every step: the window's p50, p95, max and sums are kept
+    as steps come, so a report reads them off whatever the window (and equals numpy's)."""
+    rng = np.random.default_rng(3)
+    now = [0.0]
+    monkeypatch.setattr(wait_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    clock = WaitClock(window=50)
+    waits, steps = rng.exponential(0.01, 1_000), rng.exponential(0.02, 1_000)
+    for wait, work in zip(waits, steps):
+        clock.entered()
+        now[0] += wait
+        clock.left()
+        now[0] += work
+    clock.waits, clock.steps = _Unwalkable(clock.waits, maxlen=50), _Unwalkable(clock.steps, maxlen=50)
+    summary = clock.summary()
+    window = waits[-50:]
+    assert summary.steps == 50 and summary.last == pytest.approx(window[-1])
+    assert summary.p50 == pytest.approx(np.percentile(window, 50), rel=1e-9)
+    assert summary.p95 == pytest.approx(np.percentile(window, 95), rel=1e-9)
+    assert summary.max == pytest.approx(window.max()) and summary.total == pytest.approx(window.sum())
+    assert summary.share == pytest.approx(window.sum() / (window.sum() + steps[-50:-1].sum() + steps[-51]))
 
 
 def _free_port() -> int:

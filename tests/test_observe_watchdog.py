@@ -102,6 +102,29 @@ def test_watchdog_raise_stops_the_run_with_a_named_error(caplog):
     assert _records(caplog, "the data path is stuck"), "the warning with the stacks came first"
 
 
+def test_close_after_watchdog_raise_leaves_no_stopped_worker():
+    """The stalled worker is still stopped (SIGSTOP) when the error is raised and nobody continues
+    it: ``close()`` continues it (a stopped process never sees DataLoader's SIGTERM) or kills it,
+    and reaps it, although the failed iterator is still referenced."""
+    loader = _loader(watchdog_s=0.5, watchdog_raise=True)
+    batches = iter(loader)
+    next(batches)
+    pids = _worker_pids(loader)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        with pytest.raises(wdsllm.WorkerStalledError):
+            for _ in batches:
+                pass
+        assert Path(f"/proc/{pids[1]}").exists(), "still stopped when the error is raised"
+        loader.close()
+        for pid in pids:
+            assert not Path(f"/proc/{pid}").exists(), f"worker {pid} outlived close()"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):  # the test failed: leave nothing behind
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_no_watchdog_no_thread_and_no_files():
     def watchdogs() -> set[threading.Thread]:  # another test's loader, not yet collected, may hold one
         return {t for t in threading.enumerate() if t.name == "wdsllm-watchdog"}

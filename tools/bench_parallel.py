@@ -56,6 +56,7 @@ def _feed_header(rank: int, steps: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from wdsllm.load.cursor import Progress
     from wdsllm.load.layout import ReplicaGroup
     from wdsllm.load.replicas import Wire
 
@@ -63,8 +64,9 @@ def _feed_header(rank: int, steps: int) -> dict:
     dist.barrier()
     cpu, wall = time.process_time(), time.perf_counter()
     for step in range(steps):
-        if rank == 0:
-            wire.send({"epoch": 0}, (0, step + 1, None))
+        if rank == 0:  # the progress of a reader with 2 workers, as a middle stage mirrors it
+            positions = {0: (0, step // 2 + 1, None), 1: (0, (step + 1) // 2, None)}
+            wire.send({"epoch": 0}, Progress(0, step + 1, None, 0, 0, positions, step % 2, [0, 1]))
         else:
             wire.receive()
     return {"cpu": (time.process_time() - cpu) / steps, "wall": (time.perf_counter() - wall) / steps}
@@ -75,7 +77,7 @@ def _peer(rank: int, port: int, data: str, batches: int, results, feed_only: boo
     import torch.distributed as dist
 
     import wdsllm
-    from wdsllm.load.agree import Agreement, settings_of
+    from wdsllm.load.agree import Agreement
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     torch.set_num_threads(1)  # as in every measuring process (docs/benchmarks.md)
@@ -94,7 +96,7 @@ def _peer(rank: int, port: int, data: str, batches: int, results, feed_only: boo
             dist.barrier()
             out[(shape, mode)] = {"cpu": cpu / len(got), "wall": wall / len(got)}
             loader.close()
-        agreement = Agreement(loader.layout, settings_of(loader.layout, {"seed": 1}, {}))
+        agreement = Agreement(loader.layout, loader.description.settings())
         dist.barrier()
         cpu, wall = time.process_time(), time.perf_counter()
         for batch in got:

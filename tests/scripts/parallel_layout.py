@@ -4,7 +4,7 @@ one epoch; every rank reports its coordinates and, per step, what it yielded.
 Each step does an all_reduce over the whole world, as a training step's collectives would: a rank
 with fewer steps than the others would leave them waiting (the test's timeout makes that a
 failure). ``--other-seed-at DIM`` builds the peers at coordinate 1 of that dim with another seed:
-they must all raise ReplicaMismatchError at the first batch, which is reported, not a hang.
+they must all raise ReplicaMismatchError at construction, which is reported, not a hang.
 """
 
 import argparse
@@ -82,7 +82,16 @@ def main() -> None:
     seed = 7 + (1 if args.other_seed_at and coords.get(args.other_seed_at) == 1 else 0)
     kw = {"batch_size": 3, "pad_to_multiple_of": 4, "seed": seed, "shuffle_buffer": 16, "num_workers": args.workers}
     kw["agree_every"] = args.agree_every
-    loader = wdsllm.loader(args.data, replicas=args.replicas, **layout, **kw)
+    try:
+        loader = wdsllm.loader(args.data, replicas=args.replicas, **layout, **kw)
+    except wdsllm.ReplicaMismatchError as exc:  # settings compared at construction: every rank raises
+        report = {"coords": coords, "steps": [], "error": {"type": type(exc).__name__, "message": str(exc)}}
+        report["error"]["step"] = "construction"
+        with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
+            json.dump(report, f)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if args.resume and args.dcp:
         dcp.load({"dataloader": loader}, checkpoint_id=args.resume)
     elif args.resume:

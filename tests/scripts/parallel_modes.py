@@ -2,7 +2,8 @@
 (a dp1 x tp2 mesh) read every batching mode, packed rows, a mixture and raw text, with
 ``replicas="read"`` and ``"broadcast"``; each reports, per case, the digests of every batch of an
 epoch, and of a run saved after 2 batches and resumed in a new loader (with the number of
-agreement checks the resumed loader made); and the error of peers that save at different steps."""
+agreement checks the resumed loader made); and the error of peers that saved at different steps
+and resumed."""
 
 import argparse
 import functools
@@ -35,12 +36,16 @@ def digests(batches) -> list[str]:
     return [json.dumps(field_digests({k: v for k, v in b.items() if k != "epoch"})) for b in batches]
 
 
-def _state_mismatch(docs: str, mesh) -> str | None:
-    """Tensor peer r stops after 2 + r batches, then both save: the states differ (the error)."""
-    loader = wdsllm.loader(docs, mesh=mesh, dp="dp", batch_size=3, seed=3)
+def _saved_at_different_steps(docs: str, mesh) -> str | None:
+    """Tensor peer r saves after 2 + r batches (no collective: each its own state), then each
+    resumes from its own: the resumed pass's first batch differs (the error every peer raises)."""
+    make = functools.partial(wdsllm.loader, docs, mesh=mesh, dp="dp", batch_size=3, seed=3)
+    loader = make()
     list(islice(iter(loader), 2 + mesh.get_local_rank("tp")))
+    resumed = make()
+    resumed.load_state_dict(loader.state_dict())
     try:
-        loader.state_dict()
+        next(iter(resumed))
     except wdsllm.ReplicaMismatchError as exc:
         return str(exc)
     return None
@@ -66,7 +71,7 @@ def main() -> None:
             rest = digests(resumed)
             checks = resumed._replicas.agreement.checks
             report[f"{name}/{mode}"] = {"full": full, "resumed": head + rest, "checks": checks}
-    report["state_mismatch"] = _state_mismatch(args.docs, mesh)
+    report["state_mismatch"] = _saved_at_different_steps(args.docs, mesh)
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(report, f)
     dist.barrier()

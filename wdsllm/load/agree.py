@@ -1,27 +1,44 @@
-"""A check that replica peers agree: a 64-bit digest of the batch, all-gathered over the group.
+"""That replica peers agree: once on their description at construction, then on their batches.
 
-Peers that must yield the same batches (tensor, context and pipeline parallel peers of one
-data-parallel rank) compare a digest of (the settings that decide the batches, the batch's
-fields) on the first batch of every pass (an epoch, a resume) and every N steps if asked. The
-common case costs one hash of the batch and one all-gather of one int64. Only when digests
-differ do the peers exchange their per-field digests and settings, so that the error names each
-peer's mesh coordinates and the first field that differs. Every peer takes part in the same
-collectives at the same steps, and every peer raises, so a disagreement never leaves one peer
-waiting on another: peers built with another seed, batching or source fail at the first batch.
+At construction, before the loader's first collective (``agree_on_layout``): every rank of the
+layout sends one row of integers (``seats.row_of``: the digests of its description, ``describe.py``,
+and the groups it is in) in one all-gather; every rank reaches the same verdict from the table, so
+a rank built with another worker count, ``agree_every``, ``replicas`` mode, ``cp_split``, dims
+named in another order, or groups that do not fit together fails at once on every rank, never
+with a hang or silently other batches. Only then are the descriptions themselves exchanged, to
+name the setting that differs and the coordinates of the ranks on each side.
+
+Then on batches (``Agreement``): peers that must yield the same batches (tensor, context and
+pipeline parallel peers of one data-parallel rank) compare a digest of (their settings, the
+batch's fields) on the first batch of every pass (an epoch, a resume) and every N steps if
+asked. The common case costs one hash of the batch and one all-gather of one int64. Only when
+digests differ do the peers exchange their per-field digests and settings, so that the error
+names each peer's mesh coordinates and the first field that differs. Every peer takes part in
+the same collectives at the same steps, and every peer raises, so a disagreement never leaves
+one peer waiting on another.
+
+A collective that fails because a peer is gone (its process died: gloo reports a closed
+connection, NCCL a timeout) is a ``ReplicaError`` naming the peers it waited on
+(``collective``), not the backend's error alone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import ReplicaMismatchError
-from .layout import Layout
+from ..errors import ConfigError, ReplicaError, ReplicaMismatchError, WdsllmError
+from .describe import Description, first_difference
+from .layout import Layout, Seat
+from .options import AGREE_ALL, AGREE_PEERS
+from .seats import DP_RANK, REFUSED, Roster, disagree, problems, row_of
 
 
 def _tensor_digest(value: torch.Tensor) -> bytes:
@@ -64,15 +81,6 @@ def digest_of(settings: dict[str, str], fields: dict[str, str]) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
 
-def settings_of(layout: Layout, config: dict[str, Any], identity: dict[str, str]) -> dict[str, str]:
-    """The settings replica peers must share, as strings: the batch settings, the dataset and the
-    data-parallel coordinates (peers of one group split no data between them)."""
-    out = {k: repr(v) for k, v in sorted(config.items())}
-    out.update(identity)
-    out["dp_rank"], out["dp_size"] = str(layout.dp_rank), str(layout.dp_size)
-    return out
-
-
 def _first_difference(peers: list[Facts]) -> str:
     base = peers[0]
     for other in peers[1:]:
@@ -86,6 +94,96 @@ def _first_difference(peers: list[Facts]) -> str:
                 a, b = base.fields.get(key), other.fields.get(key)
                 return f"field {key!r} (digest {a} at {base.where}, {b} at {other.where})"
     return "no field (the digests differ in what they cover)"
+
+
+@contextmanager
+def collective(what: str, suspects: Callable[[], str]) -> Iterator[None]:
+    """Around a collective over peers: the backend's error, when a peer is gone or broke the
+    collective, as a ``ReplicaError`` naming ``what`` was done and the peers it waited on."""
+    try:
+        yield
+    except WdsllmError:
+        raise
+    except RuntimeError as exc:  # torch.distributed's errors (DistBackendError, ...) are RuntimeErrors
+        raise ReplicaError(
+            f"{what} failed: a peer is gone or broke off ({suspects()}); the backend said: {exc}"
+        ) from exc
+
+
+def peer_names(layout: Layout, role: str = "replica") -> str:
+    """The coordinates of this process's peers in its group of ``role``, for messages."""
+    import torch.distributed as dist
+
+    roster = layout.roster
+    if roster is None:
+        return f"the peers of {layout.where()}"
+    me = dist.get_rank()
+    return "; ".join(roster.where(g) for g in roster.peers(role, me) if g != me) or "none"
+
+
+def _device_of(group: Any) -> torch.device:
+    """Where collectives over ``group`` put their tensors (NCCL: this rank's GPU)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree_on_layout(description: Description, seat: Seat, group: Any = None) -> Roster:
+    """Compare every rank's seat and description over ``group`` (None: the world) in one
+    all-gather, before any other collective of the loader; raise the same error on every rank
+    where a rank refused its layout (``ConfigError``), the descriptions differ
+    (``ReplicaMismatchError``: the setting, and the coordinates on each side) or the groups do not
+    fit together (``ConfigError``). The roster names each rank by its coordinates."""
+    import torch.distributed as dist
+
+    description = description.with_facts(seat.facts)
+    mine = torch.tensor(row_of(seat, description, dist.get_rank()), dtype=torch.int64, device=_device_of(group))
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    with collective("comparing the layout's settings at construction", lambda: "the ranks of the layout"):
+        dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered).cpu().numpy()
+    roster = Roster(table, seat.mesh)
+    refused = bool(table[:, REFUSED].any())
+    if refused or any(disagree(table)):
+        _raise_difference(description, seat, group, roster, refused)
+    found = problems(roster)
+    if found:
+        raise ConfigError(f"the layout's groups do not fit together: {'; '.join(found)} (docs/parallel.md)")
+    return roster
+
+
+def _raise_difference(description: Description, seat: Seat, group: Any, roster: Roster, refused: bool) -> None:
+    """Exchange what each rank said (only now: the common case sends the digests alone) and
+    raise, naming the first difference and where each side is."""
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    told: list[Any] = [None] * dist.get_world_size(group)
+    with collective("naming what differs between the ranks", lambda: "the ranks of the layout"):
+        dist.all_gather_object(told, (roster.where(me), description, seat.problem), group=group)
+    if refused:
+        said = "; ".join(f"{where}: {problem}" for where, _, problem in told if problem is not None)
+        raise ConfigError(f"a rank refused its layout, so every rank stops: {said}")
+    found = first_difference([(w, d) for w, d, _ in told], AGREE_ALL)
+    if found is not None:
+        raise ReplicaMismatchError(
+            f"the ranks of this layout differ in setting {found[0]!r}: {found[1]}. Every rank (data-parallel ranks "
+            "and their replica peers) must be built with the same settings (docs/parallel.md)"
+        )
+    by_dp: dict[int, list[tuple[str, Description]]] = {}
+    for row, (where, d, _) in zip(roster.table, told, strict=True):
+        by_dp.setdefault(int(row[DP_RANK]), []).append((where, d))
+    for dp_rank, peers in sorted(by_dp.items()):
+        found = first_difference(peers, AGREE_PEERS)
+        if found is not None:
+            raise ReplicaMismatchError(
+                f"replica peers of data-parallel coordinate {dp_rank} differ in setting {found[0]!r}: {found[1]}. "
+                "Replica peers (tensor, context, pipeline parallel) must be built with the same source and settings "
+                "(docs/parallel.md)"
+            )
+    raise ReplicaMismatchError("the ranks' descriptions differ in what their digests cover")  # not reached
 
 
 class Agreement:
@@ -118,27 +216,20 @@ class Agreement:
         mine = torch.tensor([digest_of(self.settings, fields)], dtype=torch.int64, device=self.device)
         group = self.layout.replicas.group
         gathered = [torch.empty_like(mine) for _ in range(self.layout.replicas.size)]
-        dist.all_gather(gathered, mine, group=group)
+        suspects = lambda: peer_names(self.layout)  # noqa: E731 - asked only when it failed
+        with collective(f"comparing {what} with the replica peers ({where})", suspects):
+            dist.all_gather(gathered, mine, group=group)
         self.checks += 1
         if len({int(t.item()) for t in gathered}) == 1:
             return
         peers: list[Any] = [None] * self.layout.replicas.size
-        dist.all_gather_object(peers, Facts(self.layout.where(), self.settings, fields), group=group)
+        with collective(f"naming what differs between the replica peers ({where})", suspects):
+            dist.all_gather_object(peers, Facts(self.layout.where(), self.settings, fields), group=group)
         raise ReplicaMismatchError(
             f"replica peers yield different {what} ({where}): the first difference is {_first_difference(peers)}; "
             f"peers: {', '.join(p.where for p in peers)}. Replica peers (tensor, context, pipeline parallel) must be "
             "built with the same source and settings (docs/parallel.md)"
         )
 
-    def check_state(self, sealed: dict[str, str]) -> None:
-        """The saved states of replica peers are identical (one state per data-parallel
-        coordinate): the state's fields take the batch fields' place in the check."""
-        try:
-            fields = json.loads(sealed["state"])
-        except (KeyError, TypeError, ValueError):
-            fields = dict(sealed)
-        fields.pop("digest", None)  # the seal of the other fields, which name the difference
-        self.check({k: fields[k] for k in sorted(fields)}, "at state_dict()", "states")
 
-
-__all__ = ["Agreement", "digest_of", "field_digests", "settings_of"]
+__all__ = ["Agreement", "agree_on_layout", "collective", "digest_of", "field_digests", "peer_names"]

@@ -17,7 +17,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -93,6 +93,22 @@ def positions_of_share(epoch: int, counts: Any, yielded: int) -> dict[int, Worke
     return {w: (epoch, int(share[w]), None) for w in range(len(share))}
 
 
+class Progress(NamedTuple):
+    """A reader's cursor after a batch (or at its pass's end): what a peer that receives its
+    batches (a broadcast's receivers, a pipeline's middle stages) mirrors, so that its
+    ``len()``, ``epoch``, ``set_epoch`` and ``state_dict()`` answer as the reader's do without
+    asking it. ``turn`` is None between passes."""
+
+    epoch: int
+    yielded: int
+    completed: int | None
+    steps: int
+    tails: int
+    positions: dict[int, WorkerPosition]
+    turn: int | None
+    active: list[int] | None
+
+
 @dataclass
 class Restored:
     """A loaded position that no pass has begun from yet (or a skipped range's end: ``_Sought``)."""
@@ -166,6 +182,24 @@ class Cursor:
         self.completed = epoch
         if self.auto_epoch:
             self.epoch = epoch + 1
+
+    def progress(self) -> Progress:
+        order = self.order
+        turn, active = (order.turn, list(order.active)) if order is not None else (None, None)
+        return Progress(
+            self.epoch, self.yielded, self.completed, self.steps, self.tails, dict(self.positions), turn, active
+        )
+
+    def mirror(self, progress: Progress) -> None:
+        """Stand where a reader's cursor stands (``progress``): a receiver's own pass, if any,
+        and any restored position are its reader's."""
+        self.restored = None
+        self.epoch, self.yielded, self.completed = progress.epoch, progress.yielded, progress.completed
+        self.steps, self.tails, self.positions = progress.steps, progress.tails, dict(progress.positions)
+        if progress.turn is None:
+            self.order = None
+        else:
+            self.order = RoundRobin(self.workers, progress.turn, progress.active)
 
     def get(self, in_epoch: bool) -> dict[str, Any]:
         """The position fields of the state dict (``state.LoaderState``); between epochs, the

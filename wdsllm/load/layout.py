@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from ..errors import ConfigError
 from .config import resolve_world
-from .options import LayoutOptions
+from .options import AGREE_ALL, AGREE_PEERS, LayoutOptions
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,9 @@ class Layout:
     #: the process group of the data-parallel ranks where the world holds other ranks too (None:
     #: the default group is the data-parallel one): what a reduction across DP ranks runs over
     dp_group: Any = None
+    #: every rank's seat as compared at construction (``seats.Roster``: names a peer by its
+    #: coordinates), or None where nothing was compared
+    roster: Any = None
 
     def where(self) -> str:
         """This process's coordinates, as messages name them."""
@@ -154,6 +157,8 @@ def _dp_dims(mesh: Any, dp: str | tuple[str, ...] | None) -> tuple[str, ...]:
     unknown = [d for d in dims if d not in names]
     if unknown or not dims:
         raise ConfigError(f"dp={dp!r} names no dim of the mesh, whose dims are {names}")
+    if len(set(dims)) < len(dims):
+        raise ConfigError(f"dp={dp!r} names a dim twice")
     return dims
 
 
@@ -254,11 +259,52 @@ def _refuse_partial_mesh(dist: Any, mesh: Any, names: tuple[str, ...]) -> None:
         )
 
 
-def _from_mesh(opts: LayoutOptions) -> Layout:
+@dataclass(frozen=True)
+class Seat:
+    """Where this process sits, known before the loader makes any process group: what the ranks
+    compare before the first collective (``agree.agree_on_layout``). ``facts``: the layout's
+    entries of the loader's description (the dims named and their order, the sizes); ``groups``:
+    each group this process is in, by role (``dp``, ``replica``, ``cp``, ``pp``), as (the global
+    rank of its rank 0, this process's rank in it, its size); ``problem``: what this process
+    refused, which every rank then raises."""
+
+    dp_rank: int
+    dp_size: int
+    coords: tuple[tuple[str, int], ...]
+    facts: dict[str, tuple[str, Any]]
+    groups: dict[str, tuple[int, int, int]]
+    #: the mesh (its coordinates name the other ranks in messages), or None
+    mesh: Any = None
+    problem: str | None = None
+
+    @classmethod
+    def refused(cls, problem: str) -> Seat:
+        return cls(-1, 0, (), {}, {}, None, problem)
+
+
+class Agree(Protocol):
+    """What the loader checks once every rank knows its seat, before any process group is made:
+    that the ranks agree (raising on every rank where they do not); it returns the roster that
+    names each peer, or None."""
+
+    def __call__(self, seat: Seat, group: Any) -> Any: ...
+
+
+def _members(mesh: Any, coord: dict[str, int], free: tuple[str, ...]) -> list[int]:
+    """The global ranks that share this process's coordinate on every dim not in ``free``."""
+    names = tuple(mesh.mesh_dim_names)
+    index = tuple(slice(None) if n in free else coord[n] for n in names)
+    return sorted(int(g) for g in mesh.mesh[index].flatten().tolist())
+
+
+def _placed(members: list[int], me: int) -> tuple[int, int, int]:
+    """(rank 0's global rank, this process's rank, size) of a group of ``members`` (a process
+    group orders its ranks by global rank)."""
+    return members[0], members.index(me), len(members)
+
+
+def _mesh_seat(opts: LayoutOptions, dist: Any) -> Seat:
     mesh = opts.mesh
-    dist = _dist()
-    if dist is None:
-        raise ConfigError("mesh= needs torch.distributed initialised (the mesh's process groups)")
     names = tuple(mesh.mesh_dim_names or ())
     dp = _dp_dims(mesh, opts.dp)
     if len(names) == 1:
@@ -266,10 +312,27 @@ def _from_mesh(opts: LayoutOptions) -> Layout:
     for role, dim in (("cp", opts.cp), ("pp", opts.pp)):
         if dim is not None and (dim not in names or dim in dp):
             raise ConfigError(f"{role}={dim!r} must name a non-data-parallel dim of the mesh {names}")
-    coord = dict(zip(names, mesh.get_coordinate(), strict=True))
+    coord = dict(zip(names, (int(c) for c in mesh.get_coordinate()), strict=True))
     dp_rank, dp_size = 0, 1
     for d in dp:  # row-major over the DP dims, in the order given
         dp_rank, dp_size = dp_rank * mesh.size(names.index(d)) + coord[d], dp_size * mesh.size(names.index(d))
+    me = dist.get_rank()
+    replica_dims = tuple(d for d in names if d not in dp)
+    groups = {"dp": _placed(_members(mesh, coord, dp), me), "replica": _placed(_members(mesh, coord, replica_dims), me)}
+    for role, dim in (("cp", opts.cp), ("pp", opts.pp)):
+        if dim is not None:
+            groups[role] = _placed(_members(mesh, coord, (dim,)), me)
+    shape = " ".join(f"{n}={mesh.size(i)}" for i, n in enumerate(names))
+    facts = {"dp": (AGREE_ALL, dp), "mesh": (AGREE_ALL, shape), "dp_size": (AGREE_ALL, dp_size)}
+    facts["dp_rank"] = (AGREE_PEERS, dp_rank)
+    return Seat(dp_rank, dp_size, tuple(coord.items()), facts, groups, mesh)
+
+
+def _mesh_layout(opts: LayoutOptions, dist: Any, seat: Seat, roster: Any) -> Layout:
+    """The layout of a seat on a mesh: the groups it needs, made by every rank together."""
+    mesh, coord = opts.mesh, dict(seat.coords)
+    names = tuple(mesh.mesh_dim_names)
+    dp = seat.facts["dp"][1]
     cp = CpSlice(coord[opts.cp], mesh.size(names.index(opts.cp)), opts.cp_split) if opts.cp else None
     pp = None
     if opts.pp:
@@ -277,42 +340,67 @@ def _from_mesh(opts: LayoutOptions) -> Layout:
         pp = PpStage(coord[opts.pp], mesh.size(names.index(opts.pp)), feed)
     replica_dims = tuple(d for d in names if d not in dp)
     return Layout(
-        dp_rank,
-        dp_size,
+        seat.dp_rank,
+        seat.dp_size,
         explicit=True,
-        coords=tuple((n, int(coord[n])) for n in names),
+        coords=seat.coords,
         replicas=_replica_group(dist, mesh, replica_dims),
         cp=cp,
         pp=pp,
         mode=opts.replicas,
         agree_every=opts.agree_every,
         dp_group=_dims_group(dist, mesh, dp) if replica_dims else None,
+        roster=roster,
     )
 
 
-def _from_groups(opts: LayoutOptions) -> Layout:
-    dist = _dist()
-    if dist is None:
-        raise ConfigError("dp_group= needs torch.distributed initialised")
+def _group_place(dist: Any, group: Any) -> tuple[int, int, int]:
+    return dist.get_global_rank(group, 0), group.rank(), group.size()
+
+
+def _groups_seat(opts: LayoutOptions, dist: Any) -> Seat:
     dp_rank, dp_size = opts.dp_group.rank(), opts.dp_group.size()
-    replicas = None
-    if opts.replica_group is not None:
-        g = opts.replica_group
-        replicas = ReplicaGroup(g, g.rank(), g.size(), dist.get_global_rank(g, 0))
-    elif dp_size < dist.get_world_size():
+    if opts.replica_group is None and dp_size < dist.get_world_size():
         raise ConfigError(
             f"dp_group has {dp_size} of the {dist.get_world_size()} ranks: pass replica_group= (the peers that must "
             "yield the same batches, e.g. Megatron's tensor x context x pipeline peers)"
         )
+    groups = {"dp": _group_place(dist, opts.dp_group), "replica": (dist.get_rank(), 0, 1)}
+    for role, group in (("replica", opts.replica_group), ("cp", opts.cp_group), ("pp", opts.pp_group)):
+        if group is not None:
+            groups[role] = _group_place(dist, group)
+    facts = {"dp_size": (AGREE_ALL, dp_size), "dp_rank": (AGREE_PEERS, dp_rank)}
+    for role in ("replica", "cp", "pp"):
+        facts[f"{role}_size"] = (AGREE_ALL, groups[role][2] if role in groups else None)
+    return Seat(dp_rank, dp_size, (("dp", dp_rank), ("replica", groups["replica"][1])), facts, groups)
+
+
+def _groups_layout(opts: LayoutOptions, dist: Any, seat: Seat, roster: Any) -> Layout:
+    """The layout of a seat in Megatron-style groups (a pipeline's feed, made by every rank)."""
+    replicas = None
+    if opts.replica_group is not None:
+        g = opts.replica_group
+        replicas = ReplicaGroup(g, g.rank(), g.size(), dist.get_global_rank(g, 0))
     cp = CpSlice(opts.cp_group.rank(), opts.cp_group.size(), opts.cp_split) if opts.cp_group is not None else None
     pp = None
     if opts.pp_group is not None:
         g = opts.pp_group
         feed = _feed(dist, _group_pipelines(dist, g)) if opts.replicas == "read" and g.size() >= 3 else None
         pp = PpStage(g.rank(), g.size(), feed)
-    coords = (("dp", dp_rank), ("replica", replicas.rank if replicas else 0))
-    dp_group = opts.dp_group if dp_size < dist.get_world_size() else None
-    return Layout(dp_rank, dp_size, True, coords, replicas, cp, pp, opts.replicas, opts.agree_every, dp_group)
+    dp_group = opts.dp_group if seat.dp_size < dist.get_world_size() else None
+    return Layout(
+        seat.dp_rank,
+        seat.dp_size,
+        True,
+        seat.coords,
+        replicas,
+        cp,
+        pp,
+        opts.replicas,
+        opts.agree_every,
+        dp_group,
+        roster,
+    )
 
 
 def _refuse_current_mesh() -> None:
@@ -360,15 +448,49 @@ def _from_rank(opts: LayoutOptions) -> Layout:
     return Layout(rank, world, opts.rank is not None, (), None, cp, pp, opts.replicas, opts.agree_every)
 
 
-def resolve_layout(opts: LayoutOptions) -> Layout:
-    """The layout ``opts`` describes (see the module's docstring for the three ways)."""
-    _check_pairs(opts)
-    if opts.mesh is None and opts.dp_group is None:
-        return _from_rank(opts)
+def world_seat(rank: int, world: int) -> Seat:
+    """The seat of a data-parallel rank of the whole world (plain DDP: no replica peers)."""
+    facts = {"dp_size": (AGREE_ALL, world), "dp_rank": (AGREE_PEERS, rank)}
+    return Seat(rank, world, (("dp", rank),), facts, {"dp": (0, rank, world), "replica": (rank, 0, 1)})
+
+
+def _refuse_hand(opts: LayoutOptions) -> None:
     hand = [n for n in ("cp_rank", "pp_stage") if getattr(opts, n) is not None]
     if hand:
         raise ConfigError(f"{', '.join(hand)} are for layouts without a mesh or groups; name the dim or group")
-    return _from_mesh(opts) if opts.mesh is not None else _from_groups(opts)
 
 
-__all__ = ["CpSlice", "Layout", "PpStage", "ReplicaGroup", "resolve_layout"]
+def _agreeing_group(dist: Any, opts: LayoutOptions) -> Any:
+    """The group whose ranks compare their seats: the world, or a mesh's own ranks where the mesh
+    holds fewer (made by those ranks alone)."""
+    if opts.mesh is None or opts.mesh.mesh.numel() == dist.get_world_size():
+        return None
+    return dist.new_group(sorted(opts.mesh.mesh.flatten().tolist()), use_local_synchronization=True)
+
+
+def resolve_layout(opts: LayoutOptions, agree: Agree | None = None) -> Layout:
+    """The layout ``opts`` describes (see the module's docstring for the three ways). With a mesh
+    or groups, ``agree`` is called with this process's seat before any process group is made,
+    on every rank, also where this process refused its layout (each rank then raises)."""
+    if opts.mesh is None and opts.dp_group is None:
+        _check_pairs(opts)
+        return _from_rank(opts)
+    dist = _dist()
+    if dist is None:
+        given = "mesh=" if opts.mesh is not None else "dp_group="
+        raise ConfigError(f"{given} needs torch.distributed initialised (the process groups of the layout)")
+    try:
+        _check_pairs(opts)
+        _refuse_hand(opts)
+        seat = _mesh_seat(opts, dist) if opts.mesh is not None else _groups_seat(opts, dist)
+    except ConfigError as exc:
+        if agree is None:
+            raise
+        seat = Seat.refused(str(exc))
+    roster = agree(seat, _agreeing_group(dist, opts)) if agree is not None else None
+    if opts.mesh is not None:
+        return _mesh_layout(opts, dist, seat, roster)
+    return _groups_layout(opts, dist, seat, roster)
+
+
+__all__ = ["Agree", "CpSlice", "Layout", "PpStage", "ReplicaGroup", "Seat", "resolve_layout", "world_seat"]

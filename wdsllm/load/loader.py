@@ -15,6 +15,8 @@ to the caller (not merely prefetched), the round-robin turn, and the rank's batc
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import itertools
 import logging
@@ -29,18 +31,30 @@ import torch
 from ..errors import ConfigError, NotADatasetError, SteeringError, UsageError
 from ..observe.observer import Observer, timed
 from . import state as statemod
-from .agree import settings_of
+from .agree import agree_on_layout
 from .batching import Batch
 from .block import concat_blocks
 from .collate import CollateOptions, assemble
 from .config import Config, reading_options, resolve_world
 from .cpsplit import check_row_length
-from .cursor import Cursor, EpochTotal, Here, RoundRobin, check_fits, positions_of_share, restore, turn_after
+from .cursor import (
+    Cursor,
+    EpochTotal,
+    Here,
+    Progress,
+    RoundRobin,
+    check_fits,
+    positions_of_share,
+    restore,
+    turn_after,
+)
 from .dataset import CountedBy, DataStats, EndOfWorker, build_pipeline, dataset_tokenizer, open_given
-from .layout import resolve_layout
+from .describe import describe
+from .layout import resolve_layout, world_seat
 from .mixstats import MixTally
 from .mixture import is_mixture_source
 from .options import (
+    AGREE_ALL,
     BatchOptions,
     LayoutOptions,
     ObserveOptions,
@@ -51,7 +65,7 @@ from .options import (
     split_options,
 )
 from .plan import torch_seed
-from .replicas import Progress, replicas_for
+from .replicas import replicas_for
 from .steer import Steerer
 from .steerface import SteeringMethods
 from .steering import Log
@@ -70,6 +84,34 @@ def _note_end(loader: weakref.ref, end: EndOfWorker) -> None:
     live = loader()
     if live is not None:
         live.stats.add(end.stats)
+
+
+class _OpenLoaders:
+    """Loaders with an iterator handed out and not closed, closed at interpreter exit while the
+    modules their iterators' ``finally`` blocks use still exist: an iterator left alive at exit is
+    otherwise finalized after module teardown, where its cleanup fails with "Exception ignored
+    ... 'NoneType' object has no attribute ...", and its workers are left to DataLoader's own."""
+
+    def __init__(self) -> None:
+        self.live: weakref.WeakSet = weakref.WeakSet()
+        atexit.register(self.close_all)
+
+    def add(self, loader: Loader) -> None:
+        self.live.add(loader)
+
+    def discard(self, loader: Loader) -> None:
+        self.live.discard(loader)
+
+    def close_all(self) -> None:
+        for loader in list(self.live):
+            try:
+                loader.close()
+            except Exception as exc:  # at exit: say it, never raise
+                log.debug("closing a loader at exit: %s", exc)
+        self.live.clear()
+
+
+_OPEN = _OpenLoaders()
 
 
 class Loader(SteeringMethods):
@@ -95,6 +137,8 @@ class Loader(SteeringMethods):
         _in_process: bool = False,
         **options: Any,
     ):
+        #: the iterators handed out and not finished (``close()`` ends them)
+        self._iterators: weakref.WeakSet = weakref.WeakSet()
         records = {"order": order, "batch": batch, "workers": workers, "reading": reading, "layout": layout}
         records.update(observe=observe, steer=steer)
         face = split_options(source, records, options, face="wdsllm.loader")
@@ -102,10 +146,6 @@ class Loader(SteeringMethods):
         #: rank and world size given, or found (torch.distributed, RANK/WORLD_SIZE); found ones are
         #: looked up again when iteration starts, in case the process group came up after this
         self._explicit_world = face.explicit_world
-        #: the parallel layout (layout.py): the data-parallel coordinates are this loader's rank
-        #: and world size; replica peers yield the same batches, cut to a CP slice or a PP stage
-        self.layout = resolve_layout(face.layout)
-        self.rank, self.world_size = self.layout.dp_rank, self.layout.dp_size
         self.cfg = Config.of(face.order, batch).resolved(self.catalog)
         if self.cfg.unbatched:
             raise ConfigError(
@@ -114,6 +154,13 @@ class Loader(SteeringMethods):
             )
         #: tests (``_in_process``): the workers' streams run here, one after another, in DataLoader's order
         self._transport = WorkerBatches.of(face.workers, self.catalog.reads_remote, in_process=_in_process)
+        #: every setting that shapes this loader's batches or collectives (describe.py): compared
+        #: over the layout's ranks before its first collective, then with every checked batch
+        self.description = describe(face, vars(self.cfg), {"dataset": (AGREE_ALL, self.catalog.fingerprint())})
+        #: the parallel layout (layout.py): the data-parallel coordinates are this loader's rank
+        #: and world size; replica peers yield the same batches, cut to a CP slice or a PP stage
+        self.layout = resolve_layout(face.layout, functools.partial(agree_on_layout, self.description))
+        self.rank, self.world_size = self.layout.dp_rank, self.layout.dp_size
         self.pin_memory = face.workers.pin_memory
         self.read_options = reading_options(face.reading)
         self._tokenizer: Any = None
@@ -126,8 +173,7 @@ class Loader(SteeringMethods):
         self.steering = self._steerer()
         self._steer_url = steer_file_of(face)
         self.steering.reload_every = face.steer.reload_every
-        identity = {"dataset": self.catalog.fingerprint()}
-        self._replicas = replicas_for(self.layout, settings_of(self.layout, dict(vars(self.cfg)), identity))
+        self._replicas = replicas_for(self.layout, self.description.settings())
         #: a mixture's delivered tokens and items per source (``mix_stats``)
         self._mix = MixTally(self.catalog) if self.catalog.mixing is not None else None
         self.cursor = Cursor(self.workers)
@@ -396,10 +442,14 @@ class Loader(SteeringMethods):
         return out
 
     def close(self) -> None:
-        """Stop what was started for this loader: its DataLoader workers, its endless stream, and
-        what storage started for it (``storage.release``). Also on ``with`` exit and collection."""
+        """Stop what was started for this loader: its iterators (a held one then ends), its
+        DataLoader workers, its endless stream, and what storage started for it
+        (``storage.release``). Also on ``with`` exit, on collection and at interpreter exit."""
         from .. import storage
 
+        for iterator in list(self._iterators):
+            with contextlib.suppress(ValueError):  # running in another thread: it ends with its workers
+                iterator.close()
         for stream in (self._stream, self._pass):
             if stream is not None:
                 stream.close()
@@ -407,6 +457,7 @@ class Loader(SteeringMethods):
         self._transport.close()
         self.observer.close()
         storage.release(id(self.catalog))
+        _OPEN.discard(self)
 
     def __enter__(self) -> Loader:
         return self
@@ -424,6 +475,8 @@ class Loader(SteeringMethods):
     def __iter__(self) -> Iterator[dict]:
         self._settle_world()
         self._settle_epoch()
+        if not self._started:
+            self._agree_on_reduction()
         self._started = True
         if self._by_epochs:
             own = self._iter_passes()
@@ -431,20 +484,32 @@ class Loader(SteeringMethods):
             own = self._iter_infinite() if self.infinite else self._iter_epoch()
         if not self.layout.alone:
             own = self._replicas.batches(own, self._progress, self._follow)
-        return timed(own, self.observer)
+        iterator = timed(own, self.observer)
+        self._iterators.add(iterator)
+        _OPEN.add(self)
+        return iterator
+
+    def _agree_on_reduction(self) -> None:
+        """Plain data parallel (the global rank) with ``reduce_every``: the wait's reduction is a
+        collective of the loader too, so the ranks compare their descriptions before the first one
+        (a rank with another ``reduce_every`` or batch count would leave the others waiting)."""
+        if self.layout.roster is not None or self._explicit_world or self.observer.options.reduce_every is None:
+            return
+        import torch.distributed as dist
+
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            agree_on_layout(self.description, world_seat(self.rank, self.world_size))
 
     def _progress(self) -> Progress:
-        cursor = self.cursor
-        return cursor.epoch, cursor.yielded, cursor.completed
+        return self.cursor.progress()
 
     def _follow(self, progress: Progress, ended: bool) -> None:
         """A receiver of a broadcast (or a middle pipeline stage) mirrors its reader's cursor, so
-        that ``epoch``, ``len()`` and ``set_epoch`` answer as the reader's do; it finishes an epoch
-        where the reader's last batch came, as the reader does (``_settle_epoch``) when the trainer
-        asks for no more."""
+        that ``epoch``, ``len()``, ``set_epoch`` and ``state_dict()`` answer as the reader's do;
+        it finishes an epoch where the reader's last batch came, as the reader does
+        (``_settle_epoch``) when the trainer asks for no more."""
         cursor = self.cursor
-        cursor.restored = None
-        cursor.epoch, cursor.yielded, cursor.completed = progress
+        cursor.mirror(progress)
         if not ended and not self._streamed and self._epoch_done(cursor.yielded):
             cursor.finish(cursor.epoch)
 
@@ -651,13 +716,14 @@ class Loader(SteeringMethods):
     def state_dict(self, *, kept_per_rank: bool = False) -> dict[str, str]:
         """Where this rank's stream stands, as ``{"format": "wdsllm.loader/7", "state": JSON}``:
         two strings that every checkpointer keeps whole (see docs/loader.md and state.py). Replica
-        peers (docs/parallel.md) hold one state: compared at save, or the reader's under broadcast
-        (a collective over the replica group: every peer calls it at the same step).
+        peers (docs/parallel.md) hold one state, each its own copy (a receiver's is its reader's,
+        mirrored with every batch): no collective, so one rank alone may save
+        (``if rank == 0: save(loader.state_dict())``).
 
         A state that only this rank can resume from (ranks yield different numbers of batches) is
         a warning, once, unless ``kept_per_rank`` says the caller keeps every rank's state apart:
         a checkpointer that keeps one copy for all ranks would lose the others'."""
-        sealed = self._replicas.state(self._own_state)
+        sealed = self._own_state()
         warn = not kept_per_rank and not self._warned_per_rank
         if warn and self.here.rank_specific(statemod.LoaderState.load(sealed)):
             self._warned_per_rank = True

@@ -60,13 +60,20 @@ class MixTally:
         return out
 
 
+def phase_at(phases: list[tuple[int, tuple[float, ...]]], position: int) -> int:
+    """Which of ``phases`` (``MixPlanner.phases()``) is in force at ``position`` units of the run."""
+    return max(0, bisect.bisect_right([start for start, _ in phases], position) - 1)
+
+
+def normalised(weights: tuple[float, ...]) -> list[float]:
+    total = sum(weights) or 1
+    return [w / total for w in weights]
+
+
 def phase_weights(planner: MixPlanner, position: int) -> list[float]:
     """The weights (normalised) of the schedule's phase in force at ``position`` units of the run."""
     phases = planner.phases()
-    starts = [start for start, _ in phases]
-    weights = phases[max(0, bisect.bisect_right(starts, position) - 1)][1]
-    total = sum(weights) or 1
-    return [w / total for w in weights]
+    return normalised(phases[phase_at(phases, position)][1])
 
 
 def _weights_at(planner: MixPlanner, epoch: int) -> list[float]:

@@ -11,6 +11,8 @@ before anything is opened. No torch.
 from __future__ import annotations
 
 import difflib
+import math
+import numbers
 import operator
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -34,13 +36,29 @@ CP_SPLITS = ("zigzag", "contiguous")
 REPLICAS = ("read", "broadcast")
 
 
+#: who must give an option the same value (``option(agree=...)``, compared over the process group
+#: before a loader's first collective: ``describe.py``): every rank of the layout (the default: a
+#: new option is compared unless it says why not), the replica peers of one data-parallel
+#: coordinate only, or nobody (it changes neither the batches nor the collectives)
+AGREE_ALL, AGREE_PEERS, AGREE_NONE = "all", "peers", "none"
+
+
 def option(
-    default: Any, doc: str, *, low: int | None = None, choices: tuple | None = None, shown: str | None = None
+    default: Any,
+    doc: str,
+    *,
+    low: int | None = None,
+    above: float | None = None,
+    choices: tuple | None = None,
+    shown: str | None = None,
+    agree: str = AGREE_ALL,
 ) -> Any:
     """A record field: its default (``shown`` in the docs, if not as written), its one-line doc,
-    and what values it takes (integers of at least ``low``, or one of ``choices``; None wherever
-    the annotation allows it)."""
-    return field(default=default, metadata={"doc": doc, "low": low, "choices": choices, "shown": shown})
+    what values it takes (integers of at least ``low``, real numbers greater than ``above``, or
+    one of ``choices``; None wherever the annotation allows it), and which ranks must agree on it
+    (``agree``: ``AGREE_ALL``, ``AGREE_PEERS`` or ``AGREE_NONE``)."""
+    meta = {"doc": doc, "low": low, "above": above, "choices": choices, "shown": shown, "agree": agree}
+    return field(default=default, metadata=meta)
 
 
 def _check_int(where: str, value: Any, low: int) -> None:
@@ -54,6 +72,13 @@ def _check_int(where: str, value: Any, low: int) -> None:
         raise ConfigError(f"{where} must be {'positive' if low == 1 else f'at least {low}'}, not {value!r}")
 
 
+def _check_real(where: str, value: Any, above: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ConfigError(f"{where} must be a number of seconds, not {value!r}")
+    if value <= above:
+        raise ConfigError(f"{where} must be {'positive' if above == 0 else f'more than {above}'}, not {value!r}")
+
+
 class Options:
     """What every option record does: check its fields against their declared bounds."""
 
@@ -65,9 +90,11 @@ class Options:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            low, choices = f.metadata.get("low"), f.metadata.get("choices")
+            low, above, choices = f.metadata.get("low"), f.metadata.get("above"), f.metadata.get("choices")
             if low is not None:
                 _check_int(f.name, value, low)
+            elif above is not None:
+                _check_real(f.name, value, above)
             elif choices is not None and value not in choices:
                 raise ConfigError(f"{f.name} must be one of {', '.join(map(repr, choices))}, not {value!r}")
 
@@ -159,12 +186,14 @@ class WorkerOptions(Options):
     KEYWORD: ClassVar[str] = "workers"
 
     num_workers: int = option(0, "DataLoader worker processes (0: read in this process)", low=0)
-    prefetch_factor: int | None = option(2, "bundles of batches each worker prepares ahead", low=1)
+    prefetch_factor: int | None = option(2, "bundles of batches each worker prepares ahead", low=1, agree=AGREE_NONE)
     persistent_workers: bool | None = option(
-        None, "keep workers between epochs", shown="True where any shard is remote"
+        None, "keep workers between epochs", shown="True where any shard is remote", agree=AGREE_NONE
     )
-    pin_memory: bool = option(False, "batches in pinned memory (with CUDA)")
-    multiprocessing_context: str | None = option(None, "how workers start, as in DataLoader (default: fork on Linux)")
+    pin_memory: bool = option(False, "batches in pinned memory (with CUDA)", agree=AGREE_NONE)
+    multiprocessing_context: str | None = option(
+        None, "how workers start, as in DataLoader (default: fork on Linux)", agree=AGREE_NONE
+    )
 
 
 @dataclass(frozen=True)
@@ -173,9 +202,11 @@ class ReadingOptions(Options):
 
     KEYWORD: ClassVar[str] = "reading"
 
-    retry: RetryPolicy | None = option(None, "a storage.RetryPolicy for remote reads", shown="RetryPolicy()")  # noqa: RUF009
-    cache_dir: str | None = option(None, "keep remote shards and side files here (see remote.md)")
-    cache_size: int = option(64 << 30, "bytes the cache may hold", low=0, shown="64 GiB")
+    retry: RetryPolicy | None = option(  # noqa: RUF009
+        None, "a storage.RetryPolicy for remote reads", shown="RetryPolicy()", agree=AGREE_NONE
+    )
+    cache_dir: str | None = option(None, "keep remote shards and side files here (see remote.md)", agree=AGREE_NONE)
+    cache_size: int = option(64 << 30, "bytes the cache may hold", low=0, shown="64 GiB", agree=AGREE_NONE)
     on_error: str = option("raise", '"raise", or "skip" unreadable shards and bad documents (counted)')
     check_groups: bool = option(True, "check every group against its checksum (reliability.md)")
     fetch_process: bool | None = option(
@@ -183,6 +214,7 @@ class ReadingOptions(Options):
         "a fetch process (a spawned interpreter, never a fork of this one) downloads remote shards so that"
         ' receiving does not take this process\'s GIL; stopped by `close()` (remote.md, "The fetch process")',
         shown="True with num_workers=0",
+        agree=AGREE_NONE,
     )
 
     def __post_init__(self) -> None:
@@ -197,19 +229,35 @@ class LayoutOptions(Options):
 
     KEYWORD: ClassVar[str] = "layout"
 
-    rank: int | None = option(None, "this process's data-parallel rank", low=0)
-    world_size: int | None = option(None, "the number of data-parallel ranks", low=1)
-    mesh: DeviceMesh | None = option(None, "a DeviceMesh: its `dp` dims split the data, the others replicate")  # noqa: RUF009
+    # A coordinate differs from rank to rank, and a mesh or group is compared by what it holds:
+    # the layout's facts (``layout.Seat``) go into the description in their place.
+    rank: int | None = option(None, "this process's data-parallel rank", low=0, agree=AGREE_NONE)
+    world_size: int | None = option(None, "the number of data-parallel ranks", low=1, agree=AGREE_NONE)
+    mesh: DeviceMesh | None = option(  # noqa: RUF009
+        None, "a DeviceMesh: its `dp` dims split the data, the others replicate", agree=AGREE_NONE
+    )
     dp: str | tuple[str, ...] | None = option(None, "the mesh's data-parallel dim names", shown="a 1-D mesh's dim")
     cp: str | None = option(None, "the mesh's context-parallel dim: each peer gets its slice of every row")
     pp: str | None = option(None, "the mesh's pipeline dim: the stage is the coordinate on it")
-    dp_group: ProcessGroup | None = option(None, "without a mesh: the data-parallel group (Megatron style)")  # noqa: RUF009
-    replica_group: ProcessGroup | None = option(None, "with dp_group: the peers that yield the same batches")  # noqa: RUF009
-    cp_group: ProcessGroup | None = option(None, "with dp_group: the context-parallel group (rank: the slice)")  # noqa: RUF009
-    pp_group: ProcessGroup | None = option(None, "with dp_group: the pipeline group (rank: the stage)")  # noqa: RUF009
-    cp_rank: int | None = option(None, "without a mesh or groups: this process's context-parallel rank", low=0)
+    dp_group: ProcessGroup | None = option(  # noqa: RUF009
+        None, "without a mesh: the data-parallel group (Megatron style)", agree=AGREE_NONE
+    )
+    replica_group: ProcessGroup | None = option(  # noqa: RUF009
+        None, "with dp_group: the peers that yield the same batches", agree=AGREE_NONE
+    )
+    cp_group: ProcessGroup | None = option(  # noqa: RUF009
+        None, "with dp_group: the context-parallel group (rank: the slice)", agree=AGREE_NONE
+    )
+    pp_group: ProcessGroup | None = option(  # noqa: RUF009
+        None, "with dp_group: the pipeline group (rank: the stage)", agree=AGREE_NONE
+    )
+    cp_rank: int | None = option(
+        None, "without a mesh or groups: this process's context-parallel rank", low=0, agree=AGREE_NONE
+    )
     cp_size: int | None = option(None, "without a mesh or groups: the context-parallel size", low=1)
-    pp_stage: int | None = option(None, "without a mesh or groups: this process's pipeline stage", low=0)
+    pp_stage: int | None = option(
+        None, "without a mesh or groups: this process's pipeline stage", low=0, agree=AGREE_NONE
+    )
     pp_stages: int | None = option(None, "without a mesh or groups: the number of pipeline stages", low=1)
     cp_split: str = option(
         "zigzag", '"zigzag" (2 x CP chunks, rank r takes r and 2CP-1-r) or "contiguous"', choices=CP_SPLITS
@@ -309,14 +357,19 @@ class ObserveOptions(Options):
 
     KEYWORD: ClassVar[str] = "observe"
 
-    wait_window: int = option(100, "steps over which `metrics()` reports the data wait (p50, p95, max, share)", low=1)
+    wait_window: int = option(
+        100, "steps over which `metrics()` reports the data wait (p50, p95, max, share)", low=1, agree=AGREE_NONE
+    )
     reduce_every: int | None = option(
         None, "every N steps, gather the data wait over the process group (a collective: every rank in step)", low=1
     )
-    watchdog_s: int | None = option(
-        300, "a `next()` waiting this long logs every worker's stack (None: no watchdog)", low=1
+    watchdog_s: float | None = option(
+        300,
+        "a `next()` waiting this many seconds logs every worker's stack (None: no watchdog)",
+        above=0.0,
+        agree=AGREE_NONE,
     )
-    watchdog_raise: bool = option(False, "then raise `WorkerStalledError` instead of waiting on")
+    watchdog_raise: bool = option(False, "then raise `WorkerStalledError` instead of waiting on", agree=AGREE_NONE)
 
 
 @dataclass(frozen=True)

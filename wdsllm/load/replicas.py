@@ -29,9 +29,10 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from ..errors import ReplicaError
-from .agree import Agreement, field_digests
+from .agree import Agreement, collective, field_digests, peer_names
 from .collate import HF_CU_SEQ_LENS, HF_MAX_LENGTH, IGNORE_INDEX
 from .cpsplit import RANGES_KEY, cp_slice
+from .cursor import Progress
 from .layout import Layout, PpStage, ReplicaGroup
 
 #: what a pipeline's first stage takes (the model's inputs) and its last (the loss's)
@@ -43,10 +44,6 @@ LABEL_KEYS = frozenset({"labels", "shift_labels"})
 #: what the batch says of itself, kept where any data is (not on middle stages)
 META_KEYS = frozenset({"lengths", "docs", "sources", "rows"})
 LOSS_MASK = "loss_mask"
-
-#: (epoch, batches handed out in it, the last epoch completed): the reader's cursor after a batch
-#: (or at its pass's end), which receivers mirror
-Progress = tuple[int, int, "int | None"]
 
 
 def stage_view(batch: dict, pp: PpStage | None) -> dict:
@@ -74,11 +71,8 @@ class Replicas(Protocol):
         self, own: Iterator[dict], progress: Callable[[], Progress], follow: Callable[[Progress, bool], None]
     ) -> Iterator[dict]:
         """This process's batches: from ``own`` (a lazy iterator, never started by a receiver),
-        checked and cut to this process's view."""
-        ...
-
-    def state(self, own: Callable[[], dict[str, str]]) -> dict[str, str]:
-        """The replica group's one state, checked (or sent) at save."""
+        checked and cut to this process's view; a receiver mirrors its reader's ``progress``
+        (``follow``), so that its own state is the reader's and no state is asked over the wire."""
         ...
 
 
@@ -126,6 +120,8 @@ class ReadReplicas(_View):
         #: the first stage's wire to its middle stages (None: this process has no part in one)
         self.feed = Wire(pp.feed, self.device) if pp is not None and pp.feed is not None else None
         self.middle = PpStage(1, pp.stages) if pp is not None else None  # what a middle stage takes
+        if self.feed is not None:
+            self.feed.suspects = lambda: _feed_peers(layout)
 
     def batches(
         self, own: Iterator[dict], progress: Callable[[], Progress], follow: Callable[[Progress, bool], None]
@@ -151,14 +147,12 @@ class ReadReplicas(_View):
                 self.check_fields(step, view, digests)
             yield view
 
-    def state(self, own: Callable[[], dict[str, str]]) -> dict[str, str]:
-        if self.feed is None:
-            sealed = own()
-        else:  # a middle stage holds its first stage's state, as a broadcast's receiver does
-            sealed = self.feed.share(own() if self.layout.pp.first else None)
-        if self.agreement.active:
-            self.agreement.check_state(sealed)
-        return sealed
+
+def _feed_peers(layout: Layout) -> str:
+    """Who a pipeline's first stage and middle stages wait on: the first stage (the reader)."""
+    feed = layout.pp.feed
+    roster = layout.roster
+    return f"its first stage {roster.where(feed.leader) if roster is not None else feed.leader}"
 
 
 # -- the wire: a batch as a header and one buffer per dtype --------------------------------------
@@ -199,17 +193,25 @@ class Wire:
     """Batches from a group's leader to its peers (``torch.distributed`` collectives): a replica
     group's, or a pipeline's first stage's to its middle stages."""
 
-    def __init__(self, peers: ReplicaGroup, device: torch.device):
+    def __init__(self, peers: ReplicaGroup, device: torch.device, suspects: Callable[[], str] | None = None):
         self.group = peers.group
         self.leader = peers.leader
         self.device = device
+        self.is_leader = peers.is_leader
+        #: who this end waits on, for the error when a peer is gone
+        self.suspects = suspects or (lambda: "the peers of this group")
+
+    def _collective(self) -> Any:
+        what = "sending batches to the replica peers" if self.is_leader else "receiving the reader's batches"
+        return collective(what, self.suspects)
 
     def share(self, message: Any) -> Any:
         """``message`` (any picklable value) from the leader, on every peer."""
         import torch.distributed as dist
 
         box = [message]
-        dist.broadcast_object_list(box, src=self.leader, group=self.group, device=self.device)
+        with self._collective():
+            dist.broadcast_object_list(box, src=self.leader, group=self.group, device=self.device)
         return box[0]
 
     def send(self, batch: dict, progress: Progress, digests: dict[str, str] | None = None) -> None:
@@ -219,7 +221,8 @@ class Wire:
         self.share(header)
         for indices in _by_dtype([str(t.dtype) for t in tensors]).values():
             flat = torch.cat([tensors[i].reshape(-1) for i in indices]).to(self.device)
-            dist.broadcast(flat, src=self.leader, group=self.group)
+            with self._collective():
+                dist.broadcast(flat, src=self.leader, group=self.group)
 
     def send_end(self, progress: Progress) -> None:
         self.share({"kind": "end", "progress": progress})
@@ -242,7 +245,8 @@ class Wire:
             dtype = getattr(torch, specs[indices[0]][1][0])
             sizes = [_numel(specs[i][1][1]) for i in indices]
             flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
-            dist.broadcast(flat, src=self.leader, group=self.group)
+            with self._collective():
+                dist.broadcast(flat, src=self.leader, group=self.group)
             for i, part in zip(indices, flat.split(sizes), strict=True):
                 key, (_, shape) = specs[i]
                 received[key] = part.view(shape)
@@ -307,7 +311,7 @@ class BroadcastReplicas(_View):
 
     def __init__(self, layout: Layout, settings: dict[str, str]):
         super().__init__(layout, settings)
-        self.wire = Wire(layout.replicas, self.device)
+        self.wire = Wire(layout.replicas, self.device, lambda: _wire_peers(layout))
 
     def batches(
         self, own: Iterator[dict], progress: Callable[[], Progress], follow: Callable[[Progress, bool], None]
@@ -324,8 +328,13 @@ class BroadcastReplicas(_View):
         for step, batch, _ in _received(self.wire, follow):
             yield self.checked(step, batch)
 
-    def state(self, own: Callable[[], dict[str, str]]) -> dict[str, str]:
-        return self.wire.share(own() if self.layout.replicas.is_leader else None)
+
+def _wire_peers(layout: Layout) -> str:
+    """Who a broadcast's end waits on: the receivers its reader sends to, or a receiver's reader."""
+    if layout.replicas.is_leader:
+        return f"its receivers {peer_names(layout)}"
+    roster = layout.roster
+    return f"its reader {roster.where(layout.replicas.leader) if roster is not None else layout.replicas.leader}"
 
 
 def replicas_for(layout: Layout, settings: dict[str, str]) -> Replicas:

@@ -16,9 +16,11 @@ the DataLoader's queue.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
+import signal
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -34,6 +36,7 @@ from ..errors import ConfigError, WdsllmError
 from ..observe import stages
 from ..observe.board import WorkerBoard
 from ..observe.report import Reporter, WorkerReport, timed_stream
+from ..observe.watchdog import process_state
 from ..observe.workers import WorkerTally
 from .batching import Batch
 
@@ -226,6 +229,10 @@ class WorkerBatches:
         #: DataLoader's wait for one message before it raises (0: forever; the watchdog's raise)
         self.timeout = 0.0
         self.dataloader: Any = None
+        #: every DataLoader iterator started and the worker processes it started: what ``close()``
+        #: stops, whoever still holds an iterator (a trainer's ``it = iter(loader)``)
+        self._iterators: weakref.WeakSet = weakref.WeakSet()
+        self._processes: dict[int, Any] = {}
         #: what DataLoader draws its workers' base seed from (never torch's global RNG, which a
         #: trainer restores from its checkpoint and expects untouched: dropout, init)
         self.generator = torch.Generator()
@@ -248,11 +255,32 @@ class WorkerBatches:
         return self.num_workers > 0 and not self.in_process
 
     def close(self) -> None:
-        """Stop the workers kept between passes (a pass's fresh workers stop with its iterator)."""
-        dataloader, self.dataloader = self.dataloader, None
-        workers = None if dataloader is None else dataloader._iterator
-        if workers is not None:
-            workers._shutdown_workers()
+        """Stop every worker this transport started, kept between passes or a pass's own, also
+        while an iterator over them is still held: a worker stopped by a signal (SIGSTOP) is
+        continued first, for a stopped process never sees the SIGTERM that DataLoader sends; one
+        that still does not exit is killed."""
+        self.dataloader = None
+        processes, self._processes = list(self._processes.values()), {}
+        iterators = list(self._iterators)
+        self._iterators = weakref.WeakSet()
+        for process in processes:
+            if process.pid is not None and process_state(process.pid) == "T":
+                with contextlib.suppress(OSError):  # it exited meanwhile
+                    os.kill(process.pid, signal.SIGCONT)
+        for iterator in iterators:
+            iterator._shutdown_workers()
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=5)
+
+    def _started(self, iterator: Any) -> Any:
+        """Note a DataLoader iterator and its workers (kept workers: the same ones again)."""
+        self._iterators.add(iterator)
+        self._processes = {pid: p for pid, p in self._processes.items() if p.is_alive()}  # earlier passes' ended
+        for process in iterator._workers:
+            self._processes.setdefault(process.pid, process)
+        return iterator
 
     def forget(self) -> None:
         """The next pass starts workers afresh (a new plan or position to ship to them)."""
@@ -285,7 +313,7 @@ class WorkerBatches:
                 generator=self.generator,
                 timeout=self.timeout,
             )
-        return _arrivals(iter(self.dataloader), self.tally)
+        return _arrivals(self._started(iter(self.dataloader)), self.tally)
 
 
 def _interleave(streams: list) -> Iterator:

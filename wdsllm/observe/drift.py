@@ -7,6 +7,10 @@ by the units of each step (the phase in force at each step's position in the run
 interleaves its sources in rounds of one shuffle block in a fixed even pattern, so a window of
 whole rounds of an unscheduled mixture has no drift; at a schedule point the drift follows the
 new weights as the window fills with the new phase.
+
+The window's sums are kept as steps enter and leave it, in integers (units per source, and units
+per phase): a report costs the same whatever the window, and a window of whole rounds gives a
+drift of exactly 0. A step's phase is found when a report first asks (it needs the world size).
 """
 
 from __future__ import annotations
@@ -15,7 +19,18 @@ from collections import deque
 
 import numpy as np
 
-from ..load.mixstats import MixTally, phase_weights
+from ..load.mixstats import MixTally, normalised, phase_at, phase_weights
+
+
+class _Step:
+    """One step in the window: its units per source, their sum, where the run stood before it,
+    and its phase once a report placed it."""
+
+    __slots__ = ("before", "epoch", "phase", "total", "units")
+
+    def __init__(self, units: np.ndarray, epoch: int, before: int):
+        self.units, self.total, self.epoch, self.before = units, int(units.sum()), epoch, before
+        self.phase: int | None = None
 
 
 class MixDrift:
@@ -24,9 +39,12 @@ class MixDrift:
     def __init__(self, tally: MixTally, window: int):
         self.tally = tally
         self.unit = 0 if tally.source.mixture.unit == "tokens" else 1
-        #: (units per source, epoch, units of this rank's epoch before the step)
-        self.steps: deque[tuple[np.ndarray, int, int]] = deque(maxlen=window)
+        self.window = window
+        self.steps: deque[_Step] = deque(maxlen=window)
         self._seen = tally.total[:, self.unit].copy()
+        self._realized = np.zeros(len(self._seen), np.int64)  # the window's units per source
+        self._phase_units: dict[int, int] = {}  # the window's units per phase (placed steps)
+        self._world: int | None = None  # the world size the steps were placed for
 
     def stepped(self) -> None:
         """After the loader counted a batch: what it added, per source."""
@@ -34,23 +52,41 @@ class MixDrift:
         units = now - self._seen
         self._seen = now.copy()
         before = int(self.tally.this_epoch[:, self.unit].sum() - units.sum())
-        self.steps.append((units, self.tally.epoch or 0, before))
+        if len(self.steps) == self.window:
+            oldest = self.steps[0]
+            self._realized -= oldest.units
+            if oldest.phase is not None:
+                self._phase_units[oldest.phase] -= oldest.total
+        self.steps.append(_Step(units, self.tally.epoch or 0, before))
+        self._realized += units
+
+    def _place(self, world: int) -> None:
+        """The phase of each step not placed yet (all of them when the world size changed)."""
+        if world != self._world:
+            self._world, self._phase_units = world, {}
+            for step in self.steps:
+                step.phase = None
+        planner = self.tally.source.mix_planner()
+        phases = planner.phases()
+        for step in reversed(self.steps):  # placed steps are the older ones
+            if step.phase is not None:
+                break
+            # ranks stay in step (equal batches): the run's position is this rank's units times world
+            step.phase = phase_at(phases, step.epoch * planner.epoch + step.before * max(1, world))
+            self._phase_units[step.phase] = self._phase_units.get(step.phase, 0) + step.total
 
     def drift(self, world: int) -> np.ndarray:
         """Each source's share of the window's units less its scheduled share (0 for an empty window)."""
-        k = self.tally.total.shape[0]
-        realized, target = np.zeros(k), np.zeros(k)
-        planner = self.tally.source.mix_planner()
-        for units, epoch, before in self.steps:
-            total = int(units.sum())
-            if not total:
-                continue
-            # ranks stay in step (equal batches): the run's position is this rank's units times world
-            position = epoch * planner.epoch + before * max(1, world)
-            realized += units
-            target += total * np.asarray(phase_weights(planner, position))
-        whole = realized.sum()
-        return (realized - target) / whole if whole else np.zeros(k)
+        self._place(world)
+        whole = int(self._realized.sum())
+        if not whole:
+            return np.zeros(len(self._realized))
+        phases = self.tally.source.mix_planner().phases()
+        target = np.zeros(len(self._realized))
+        for phase, units in self._phase_units.items():
+            if units:
+                target += units * np.asarray(normalised(phases[phase][1]))
+        return (self._realized - target) / whole
 
     def metrics(self, world: int) -> dict[str, float]:
         drift = self.drift(world)

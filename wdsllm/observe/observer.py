@@ -7,13 +7,14 @@ trainer's thread (the data wait, charged to the worker whose batch was awaited),
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import WorkerStalledError
 from ..load.mixstats import MixTally
 from ..load.options import ObserveOptions
-from ..storage.counters import STORE_NAMES, store_key, store_stats
+from ..storage.counters import STORE_NAMES, store_key, store_stats, stores_version
 from . import stages
 from .drift import MixDrift
 from .wait import WaitClock
@@ -40,6 +41,8 @@ class Observer:
         # it was made (the stores' counters are the process's, as storage.stats() is)
         self._stages_base = stages.CLOCK.snapshot()
         self.watchdog: Watchdog | None = None  # started with the first iteration
+        self._stores_key: tuple[int, int] | None = None  # what the stores' figures were made of
+        self._stores_figures: dict[str, float] = {}
 
     def watch(self) -> None:
         """Start the watchdog (once, as iteration starts; before the workers fork, so that they
@@ -97,38 +100,56 @@ class Observer:
 
     def metrics(self, skipped_shards: Sequence[str] = (), world: int = 1) -> dict[str, float]:
         """Everything measured, flat (docs/observability.md lists the keys); ``world``: the ranks,
-        for a mixture's place in its schedule."""
-        out = {"steps": float(self.wait.total_steps), "data_wait_total_s": self.wait.total_wait}
-        out.update(self.wait.summary().flat())
-        out.update(self.reduced)
-        out.update(self._stages())
-        out.update(self._workers())
-        out.update(_stores(store_stats(), skipped_shards))
+        for a mixture's place in its schedule. Cheap enough to ask every step (tools/bench_observe.py)."""
+        wait = self.wait
+        out = {"steps": float(wait.total_steps), "data_wait_total_s": wait.total_wait}
+        out.update(wait.summary().flat())
+        if self.reduced:
+            out.update(self.reduced)
+        self._stages(out)
+        self._workers(out)
+        out.update(self._stores(skipped_shards))
         if self.drift is not None:
             out.update(self.drift.metrics(world))
         return out
 
-    def _stages(self) -> dict[str, float]:
-        totals = self.tally.stage_totals(self._stages_base)
-        out = {f"stage_{stage}_s": seconds for stage, seconds in totals.items()}
-        out["slowest_stage"] = float(STAGE_INDEX[max(stages.STAGES, key=lambda s: totals[s])])
-        return out
+    def _stores(self, skipped_shards: Sequence[str]) -> dict[str, float]:
+        """The stores' figures, made again only when a counter moved or a shard was skipped
+        (with workers the counters move once per message of up to 16 batches)."""
+        key = (stores_version(), len(skipped_shards))
+        if key != self._stores_key:
+            self._stores_key, self._stores_figures = key, _stores(store_stats(), skipped_shards)
+        return self._stores_figures
 
-    def _workers(self) -> dict[str, float]:
-        tally, out = self.tally, {}
-        for worker in sorted(set(tally.waits) | set(tally.stages)):
-            out[f"worker_{worker}_wait_s"] = tally.waits.get(worker, 0.0)
-            out[f"worker_{worker}_batch_s"] = tally.stages.get(worker, {}).get("batch", 0.0)
-            major, minor = tally.faults.get(worker, (0, 0))
-            out[f"worker_{worker}_major_faults"] = float(major)
-            out[f"worker_{worker}_minor_faults"] = float(minor)
+    def _stages(self, out: dict[str, float]) -> None:
+        """Seconds per stage over the workers and this process (what this process's clock moved
+        since the loader was made, and what its workers reported), and the slowest stage."""
+        now, base, workers = stages.SECONDS, self._stages_base, list(self.tally.stages.values())
+        slowest, most = 0, -1.0
+        for i, stage in enumerate(stages.STAGES):
+            seconds = now[stage] - base[stage]
+            for mine in workers:
+                seconds += mine[stage]
+            out[STAGE_KEYS[stage]] = seconds
+            if seconds > most:
+                slowest, most = i, seconds
+        out["slowest_stage"] = float(slowest)
+
+    def _workers(self, out: dict[str, float]) -> None:
+        tally = self.tally
+        waits, batches, faults = tally.waits, tally.stages, tally.faults
+        for worker in sorted(waits.keys() | batches.keys()):
+            keys = _worker_keys(worker)
+            out[keys[0]] = waits.get(worker, 0.0)
+            out[keys[1]] = batches[worker]["batch"] if worker in batches else 0.0
+            major, minor = faults.get(worker, (0, 0))
+            out[keys[2]], out[keys[3]] = float(major), float(minor)
             depth = tally.queue_depth(worker)
             if depth is not None:
-                out[f"worker_{worker}_queue"] = float(depth)
+                out[keys[4]] = float(depth)
         slowest = tally.slowest_worker()
         if slowest is not None:
             out["slowest_worker"] = float(slowest)
-        return out
 
     def diagnosis(self, skipped_shards: Sequence[str] = (), world: int = 1) -> str:
         """The metrics in one line for a log: the wait's share, the slowest stage and worker."""
@@ -142,7 +163,34 @@ class Observer:
         return line
 
 
-STAGE_INDEX = {stage: i for i, stage in enumerate(stages.STAGES)}
+STAGE_KEYS = {stage: f"stage_{stage}_s" for stage in stages.STAGES}
+#: each worker's keys (wait, batch, major and minor faults, queue), made once per worker
+_WORKER_KEYS: dict[int, tuple[str, ...]] = {}
+
+
+def _worker_keys(worker: int) -> tuple[str, ...]:
+    keys = _WORKER_KEYS.get(worker)
+    if keys is None:
+        names = ("wait_s", "batch_s", "major_faults", "minor_faults", "queue")
+        keys = _WORKER_KEYS[worker] = tuple(f"worker_{worker}_{name}" for name in names)
+    return keys
+
+
+#: each store's keys (its counters, the receive rate, the shards skipped), made once per store
+_STORE_KEYS: dict[str, tuple[tuple[str, ...], str, str]] = {}
+
+
+def _store_keys(store: str) -> tuple[tuple[str, ...], str, str]:
+    keys = _STORE_KEYS.get(store)
+    if keys is None:
+        named = tuple(f"store/{store}/{name}" for name in STORE_NAMES)
+        keys = _STORE_KEYS[store] = (named, f"store/{store}/bytes_per_s", f"store/{store}/skipped_shards")
+    return keys
+
+
+#: a store's counters in ``STORE_NAMES`` order (the counters hold every name), and none counted
+_COUNTS = operator.itemgetter(*STORE_NAMES)
+_NONE = dict.fromkeys(STORE_NAMES, 0)
 
 
 def _stores(stores: dict[str, dict[str, int]], skipped_shards: Sequence[str]) -> dict[str, float]:
@@ -151,14 +199,14 @@ def _stores(stores: dict[str, dict[str, int]], skipped_shards: Sequence[str]) ->
     skipped: dict[str, int] = {}
     for url in skipped_shards:
         skipped[store_key(url)] = skipped.get(store_key(url), 0) + 1
-    out = {}
-    for store in sorted(set(stores) | set(skipped)):
-        counts = {**dict.fromkeys(STORE_NAMES, 0), **stores.get(store, {})}
-        for name in STORE_NAMES:
-            out[f"store/{store}/{name}"] = float(counts[name])
+    out: dict[str, float] = {}
+    for store in sorted(stores.keys() | skipped.keys()):
+        counts = stores.get(store, _NONE)
+        named, rate, skips = _store_keys(store)
+        out.update(zip(named, map(float, _COUNTS(counts)), strict=True))
         seconds = counts["fetch_ns"] / 1e9
-        out[f"store/{store}/bytes_per_s"] = counts["received_bytes"] / seconds if seconds > 0 else 0.0
-        out[f"store/{store}/skipped_shards"] = float(skipped.get(store, 0))
+        out[rate] = counts["received_bytes"] / seconds if seconds > 0 else 0.0
+        out[skips] = float(skipped.get(store, 0))
     return out
 
 

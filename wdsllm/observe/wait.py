@@ -4,20 +4,23 @@ Measured where the trainer feels it, around each ``next()`` on the loader, not i
 worker that is slow but ahead costs nothing, and a wait the workers cannot see (collation, a
 round-robin turn held by one slow worker, DataLoader's queues) is counted. The step time is the
 time from one ``next()`` returning to the next one returning, so ``share`` is the fraction of the
-trainer's wall time spent waiting for data. No torch.
+trainer's wall time spent waiting for data.
+
+A trainer may ask for the figures every step (``MetricsLog(every=1)``), so the window's order
+statistics are kept as the steps come (a sorted copy of the window: one insertion and one removal
+a step) and a summary reads them off, in constant time whatever the window. No torch.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
 from collections import deque
-from dataclasses import dataclass
-
-import numpy as np
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class WaitSummary:
+class WaitSummary(NamedTuple):
     """The data wait over the last ``steps`` steps (seconds): total, p50, p95, max, and its share of
     the steps' wall time; ``last``: the latest step's wait."""
 
@@ -30,28 +33,44 @@ class WaitSummary:
     max: float
 
     def flat(self, prefix: str = "data_wait") -> dict[str, float]:
-        return {
-            f"{prefix}_s": self.last,
-            f"{prefix}_window_s": self.total,
-            f"{prefix}_share": self.share,
-            f"{prefix}_p50_s": self.p50,
-            f"{prefix}_p95_s": self.p95,
-            f"{prefix}_max_s": self.max,
-            f"{prefix}_window_steps": float(self.steps),
-        }
+        keys = _KEYS.get(prefix) or _KEYS.setdefault(prefix, _keys(prefix))
+        values = (self.last, self.total, self.share, self.p50, self.p95, self.max, float(self.steps))
+        return dict(zip(keys, values, strict=True))
+
+
+def _keys(prefix: str) -> tuple[str, ...]:
+    return tuple(f"{prefix}{k}" for k in ("_s", "_window_s", "_share", "_p50_s", "_p95_s", "_max_s", "_window_steps"))
+
+
+#: ``WaitSummary.flat``'s keys per prefix, made once (a trainer may ask every step)
+_KEYS: dict[str, tuple[str, ...]] = {}
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``ordered`` (ascending, not empty), interpolated linearly between
+    the two nearest ranks as ``numpy.percentile`` does by default."""
+    at = q / 100 * (len(ordered) - 1)
+    low = math.floor(at)
+    high = min(low + 1, len(ordered) - 1)
+    a, b, t = ordered[low], ordered[high], at - low
+    return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t
 
 
 class WaitClock:
     """Per-step waits and step times over a window of the last ``window`` steps.
 
-    ``entered()`` when ``next()`` starts, ``left()`` when it returns a batch: two clock reads
-    and two appends per step. ``waiting_for()`` is how long a ``next()`` now in progress has
-    waited (the watchdog's question), readable from another thread.
+    ``entered()`` when ``next()`` starts, ``left()`` when it returns a batch: two clock reads,
+    two appends and the sorted window's update per step. ``waiting_for()`` is how long a
+    ``next()`` now in progress has waited (the watchdog's question), readable from another thread.
     """
 
     def __init__(self, window: int = 100):
+        self.window = window
         self.waits: deque[float] = deque(maxlen=window)
         self.steps: deque[float] = deque(maxlen=window)
+        self._ordered: list[float] = []  # the window's waits, ascending
+        self._wait_sum = 0.0  # the window's sums, kept as steps enter and leave it
+        self._step_sum = 0.0
         self.total_steps = 0
         self.total_wait = 0.0
         self._entered: float | None = None
@@ -69,13 +88,28 @@ class WaitClock:
         if entered is None:
             return 0.0
         wait = now - entered
-        self.waits.append(wait)
         # the first step of a pass has no previous return: its step is its wait
-        self.steps.append(now - self._left if self._left is not None else wait)
+        self._add(wait, now - self._left if self._left is not None else wait)
         self._left = now
         self.total_steps += 1
         self.total_wait += wait
         return wait
+
+    def _add(self, wait: float, step: float) -> None:
+        """A step into the window (the oldest out of it, once full)."""
+        waits, ordered = self.waits, self._ordered
+        if len(waits) == self.window:
+            oldest = waits[0]
+            del ordered[bisect.bisect_left(ordered, oldest)]
+            self._wait_sum -= oldest
+            self._step_sum -= self.steps[0]
+        waits.append(wait)
+        self.steps.append(step)
+        bisect.insort(ordered, wait)
+        self._wait_sum += wait
+        self._step_sum += step
+        if self.total_steps % self.window == 0:  # the running sums lose no precision over a run
+            self._wait_sum, self._step_sum = math.fsum(waits), math.fsum(self.steps)
 
     def abandoned(self) -> None:
         """The pass ended (or failed) inside ``next()``: no step to count; the next pass's
@@ -94,13 +128,10 @@ class WaitClock:
         return 0.0 if entered is None else time.perf_counter() - entered
 
     def summary(self) -> WaitSummary:
-        if not self.waits:
+        ordered = self._ordered
+        if not ordered:
             return WaitSummary(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        waits = np.fromiter(self.waits, np.float64, len(self.waits))
-        step_time = float(sum(self.steps))
-        total = float(waits.sum())
-        p50, p95 = np.percentile(waits, [50, 95])
+        total, step_time = max(0.0, self._wait_sum), self._step_sum
         share = total / step_time if step_time > 0 else 0.0
-        return WaitSummary(
-            len(waits), float(waits[-1]), total, min(1.0, share), float(p50), float(p95), float(waits.max())
-        )
+        p50, p95 = percentile(ordered, 50), percentile(ordered, 95)
+        return WaitSummary(len(ordered), self.waits[-1], total, min(1.0, share), p50, p95, ordered[-1])

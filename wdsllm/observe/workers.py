@@ -49,16 +49,8 @@ class WorkerTally:
 
     def slowest_worker(self) -> int | None:
         """The worker whose batches the trainer waited for longest (None before any wait)."""
-        if not self.waits or max(self.waits.values()) <= 0:
-            return None
-        return max(sorted(self.waits), key=lambda w: self.waits[w])
-
-    def stage_totals(self, base: dict[str, float]) -> dict[str, float]:
-        """Seconds per stage over the workers and this process (what this process's clock moved
-        since ``base``, a snapshot of it)."""
-        now = stages.CLOCK.snapshot()
-        totals = {stage: now[stage] - base[stage] for stage in stages.STAGES}
-        for mine in self.stages.values():
-            for stage, seconds in mine.items():
-                totals[stage] += seconds
-        return totals
+        slowest, most = None, 0.0
+        for worker, seconds in self.waits.items():  # the lowest worker on a tie
+            if seconds > most or (seconds == most and slowest is not None and worker < slowest):
+                slowest, most = worker, seconds
+        return slowest

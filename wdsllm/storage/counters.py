@@ -36,6 +36,8 @@ class Counters:
         self._counts: dict[str, int] = dict.fromkeys(NAMES, 0)
         self._stores: dict[str, dict[str, int]] = {}
         self.fetch_ns = 0  # over every store: what a reader waiting for bytes compares
+        #: changes whenever a store's counters do: a report made of them is made again only then
+        self.stores_version = 0
 
     def add(self, name: str, n: int) -> None:
         with self._lock:
@@ -47,6 +49,7 @@ class Counters:
             if counts is None:
                 counts = self._stores[store] = dict.fromkeys(STORE_NAMES, 0)
             counts[name] += n
+            self.stores_version += 1
             if name == "fetch_ns":
                 self.fetch_ns += n
 
@@ -63,6 +66,7 @@ class Counters:
             self._counts = dict.fromkeys(NAMES, 0)
             self._stores = {}
             self.fetch_ns = 0
+            self.stores_version += 1
 
     def after_fork(self) -> None:
         self._lock = threading.Lock()  # the parent's may have been held by another thread at fork time
@@ -122,6 +126,11 @@ def add_stores(moved: dict[str, dict[str, int]]) -> None:
 def fetch_ns() -> int:
     """Nanoseconds this process has spent on requests and receiving bodies, over every store."""
     return COUNTERS.fetch_ns
+
+
+def stores_version() -> int:
+    """A number that changes whenever any store's counters change (and only then)."""
+    return COUNTERS.stores_version
 
 
 def store_stats() -> dict[str, dict[str, int]]:

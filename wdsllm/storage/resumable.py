@@ -26,7 +26,7 @@ from ..errors import StorageError
 from . import parallel, versions
 from .backends import Backend, backend_for
 from .counters import count, count_failure, count_in, store_key
-from .retry import DEFAULT_RETRY, RetryPolicy, classification, is_missing, make_error, retrying
+from .retry import DEFAULT_RETRY, RetryPolicy, classification, is_missing, make_error, retrying, sleep_counted
 from .urls import redact, scheme_of
 
 log = logging.getLogger(__name__)
@@ -114,17 +114,18 @@ class ResumableStream(io.RawIOBase):
                     self._finish()
                     return 0
                 view = view[: max(0, self._end - self._pos)] if self._end is not None else view
+            began = time.perf_counter_ns()
             try:
-                began = time.perf_counter_ns()
                 n = self._body.readinto(view)
-                count_in(self._store, "fetch_ns", time.perf_counter_ns() - began)
                 count_in(self._store, "received_bytes", n)
                 if not n and self._end is not None and self._pos < self._end:
                     raise make_error(self.name, f"stream ended at byte {self._pos} of {self._end}", transient=True)
             except Exception as exc:
+                count_in(self._store, "fetch_ns", time.perf_counter_ns() - began)  # a read that broke is a wait too
                 self._drop_body()
                 self._failed(exc)
                 continue
+            count_in(self._store, "fetch_ns", time.perf_counter_ns() - began)
             break
         if n:
             self._pos += n
@@ -165,10 +166,10 @@ class ResumableStream(io.RawIOBase):
             try:
                 body = self._opener(self._pos, self._limit, self._etag)
             except Exception as exc:
-                self._failed(exc)
-                continue
-            finally:
                 count_in(self._store, "fetch_ns", time.perf_counter_ns() - began)  # a request's wait too
+                self._failed(exc)  # its wait before the next try counts there
+                continue
+            count_in(self._store, "fetch_ns", time.perf_counter_ns() - began)
             try:
                 self._accept(body)
             except BaseException:
@@ -224,7 +225,7 @@ class ResumableStream(io.RawIOBase):
         count("retries")
         count_in(self._store, "retries")
         self._resuming = True
-        time.sleep(delay)
+        sleep_counted(self._store, delay)
 
     def _drop_body(self) -> None:
         body, self._body = self._body, None

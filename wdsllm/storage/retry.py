@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import NotFoundError, StorageError, TransientError
 from ..redact import redact, redact_text
-from .counters import count, count_failure, count_store
+from .counters import count, count_failure, count_in, store_key
 
 log = logging.getLogger(__name__)
 
@@ -148,11 +148,24 @@ def _builtin(exc: BaseException) -> tuple[bool, str] | None:
     return None
 
 
+def sleep_counted(store: str, delay: float) -> None:
+    """Wait ``delay`` seconds before a retry, counted in ``store``'s ``fetch_ns``: the time a
+    reader waits for a store is every attempt and every wait between them."""
+    began = time.perf_counter_ns()
+    try:
+        time.sleep(delay)
+    finally:
+        count_in(store, "fetch_ns", time.perf_counter_ns() - began)
+
+
 def retrying(url: str, policy: RetryPolicy, op: Callable[[], Any]) -> Any:
-    """Run a whole idempotent operation (HEAD, PUT, DELETE, upload) under the retry policy."""
+    """Run a whole idempotent operation (HEAD, PUT, DELETE, upload) under the retry policy; each
+    attempt and each wait between them counts in the store's ``fetch_ns``."""
+    store = store_key(url)
     for attempt in range(1, policy.attempts + 1):
         count("requests")
-        count_store(url, "requests")
+        count_in(store, "requests")
+        began = time.perf_counter_ns()
         try:
             return op()
         except Exception as exc:
@@ -170,6 +183,8 @@ def retrying(url: str, policy: RetryPolicy, op: Callable[[], Any]) -> Any:
             delay = policy.delay(url, attempt - 1, after)
             log.warning("%s: %s; retry %d/%d in %.2fs", redact(url), reason, attempt, policy.attempts - 1, delay)
             count("retries")
-            count_store(url, "retries")
+            count_in(store, "retries")
             time.sleep(delay)
+        finally:  # the attempt and the wait after it
+            count_in(store, "fetch_ns", time.perf_counter_ns() - began)
     raise AssertionError("unreachable")
