@@ -107,6 +107,8 @@ class Progress(NamedTuple):
     positions: dict[int, WorkerPosition]
     turn: int | None
     active: list[int] | None
+    #: the reader's steering position (``steer.Steerer.where``), which its peers mirror too
+    steer: tuple | None = None
 
 
 @dataclass

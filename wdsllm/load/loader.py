@@ -501,7 +501,7 @@ class Loader(SteeringMethods):
             agree_on_layout(self.description, world_seat(self.rank, self.world_size))
 
     def _progress(self) -> Progress:
-        return self.cursor.progress()
+        return self.cursor.progress()._replace(steer=self.steering.where())
 
     def _follow(self, progress: Progress, ended: bool) -> None:
         """A receiver of a broadcast (or a middle pipeline stage) mirrors its reader's cursor, so
@@ -510,6 +510,7 @@ class Loader(SteeringMethods):
         (``_settle_epoch``) when the trainer asks for no more."""
         cursor = self.cursor
         cursor.mirror(progress)
+        self.steering.mirror(progress.steer)
         if not ended and not self._streamed and self._epoch_done(cursor.yielded):
             cursor.finish(cursor.epoch)
 

@@ -137,6 +137,14 @@ class Steerer:
         self.epoch_start = saved.epoch_start if same_layout else saved.planned
         self.skipped = Counted(**saved.skipped)
 
+    def where(self) -> tuple:
+        """Where the run stands in planned steps (what a peer that receives its batches mirrors)."""
+        return self.planned, self.epoch_start, self.skipped.steps, self.skipped.batches
+
+    def mirror(self, where: tuple | None) -> None:
+        if where is not None:
+            self.planned, self.epoch_start, self.skipped.steps, self.skipped.batches = where
+
     def saved(self) -> SavedSteering:
         """What a state keeps of it."""
         return SavedSteering(self.planned, self.epoch_start, Log(list(self.log.changes)), self.skipped.to_json())
