@@ -302,3 +302,25 @@ def test_a_steering_file_is_taken_every_n_steps_and_a_bad_edit_keeps_the_setting
 def test_reload_every_needs_a_file(one):
     with pytest.raises(wdsllm.ConfigError, match="steer_file"):
         make(one, reload_every=3)
+
+
+def test_metrics_say_what_was_skipped_excluded_and_weighted(two_sources, one):
+    loader = make(one, batch_size=4, schedule=wdsllm.Schedule(batch_size=[(0, 4), (4, 8)]))
+    loader.skip(2, 3)
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    m = loader.metrics()
+    assert m["steer_planned_step"] == 5 and m["steer_skipped_steps"] == 1 and m["steer_skipped_batches"] == 1
+    assert m["steer_skipped_items"] == 4 and m["steer_skipped_tokens"] > 0
+    assert m["steer_schedule_phase"] == 1 and m["steer_step_batches"] == 2
+    loader.exclude(shards=[3])
+    next(it)
+    m = loader.metrics()
+    assert m["steer_excluded_items"] > 0 and m["steer_excluded_tokens"] >= m["steer_excluded_items"]
+    mix = wdsllm.Mixture(two_sources, weights={"a": 0.5, "b": 0.5}, unit="items", epoch_items=240)
+    mixed = make(mix, batch_size=8)
+    it = iter(mixed)
+    next(it)
+    mixed.set_weights({"a": 3, "b": 1})
+    assert mixed.metrics()["steer_weight/a"] == pytest.approx(0.75)

@@ -36,6 +36,7 @@ from .batching import Batch
 from .block import concat_blocks
 from .collate import CollateOptions, assemble
 from .config import Config, reading_options, resolve_world
+from .counts import round_robin_share
 from .cpsplit import check_row_length
 from .cursor import (
     Cursor,
@@ -66,6 +67,7 @@ from .options import (
 )
 from .plan import torch_seed
 from .replicas import replicas_for
+from .resume import items_between
 from .steer import Steerer
 from .steerface import SteeringMethods
 from .steering import Log
@@ -592,13 +594,15 @@ class Loader(SteeringMethods):
         skipped = steer.phases.batches_between(steer.planned, target)
         position = min(total, cursor.yielded + skipped)
         end = steer.epoch_start + steer.epoch_steps(steer.epoch_start, total)
-        steer.skipped.steps += min(target, end) - steer.planned
-        steer.skipped.batches += position - cursor.yielded
+        plan = self.source.plan_for(epoch)
+        counts = self.here.worker_counts(epoch, self.world_size, self.workers, plan)[self.rank]
+        before, after = (round_robin_share(counts, n).tolist() for n in (cursor.yielded, position))
+        items, tokens = items_between(self.catalog, self.cfg, epoch, self.rank, self.world_size, plan, before, after)
+        steer.skipped.add(min(target, end) - steer.planned, position - cursor.yielded, items, tokens)
         steer.planned = min(target, end)
         if position >= total:
             cursor.yielded = total
             return False
-        counts = self.here.worker_counts(epoch, self.world_size, self.workers, self.source.plan_for(epoch))[self.rank]
         positions = positions_of_share(epoch, counts, position)
         self.source.resume_from(positions)
         self._transport.forget()
@@ -711,7 +715,9 @@ class Loader(SteeringMethods):
         """What this loader measured of its data path, as a flat dict of numbers any logger takes
         (the data wait on this thread, and over the ranks where ``reduce_every`` is set); the keys
         are listed in docs/observability.md."""
-        return self.observer.metrics(self.stats.skipped_shards, self.world_size)
+        out = self.observer.metrics(self.stats.skipped_shards, self.world_size)
+        out.update(self._steer_metrics())
+        return out
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self, *, kept_per_rank: bool = False) -> dict[str, str]:

@@ -73,6 +73,32 @@ def consumed_plan_positions(
     return np.unique(inverse_shuffle(consumed, len(lengths_plan), spec, mixing, labels))
 
 
+def items_between(
+    source: Source, cfg: Config, epoch: int, rank: int, world: int, plan, before: list[int], after: list[int]
+) -> tuple[int, int]:
+    """(items, tokens) that each worker of (rank) handed out between batch ``before[w]`` and
+    ``after[w]`` of ``epoch`` (what a skipped range passed over), from the plan over lengths."""
+    items = tokens = 0
+    workers = len(before)
+    for w in range(workers):
+        if after[w] <= before[w]:
+            continue
+        spec = cfg.spec(epoch, rank, world, w, workers)
+        slices = slices_for(source, cfg, spec, plan)
+        lengths = slice_item_lengths(source, slices, spec)
+        if lengths is None:
+            continue
+        labels = plan_labels(source, slices, spec)
+        batcher = batcher_for(source, cfg, spec)
+        shown = [
+            consumed_plan_positions(batcher, lengths, spec, n, source.mixing, labels) for n in (before[w], after[w])
+        ]
+        passed = np.setdiff1d(shown[1], shown[0], assume_unique=True)
+        items += len(passed)
+        tokens += int(lengths[passed].sum())
+    return items, tokens
+
+
 def remaining_slices(slices: list[Slice], counts: list[int], consumed: np.ndarray) -> list[Slice]:
     """The slices minus the consumed plan positions; partly consumed slices keep ``pick``s."""
     out = []
@@ -202,6 +228,10 @@ class RemainderPlan:
                     if y > x:
                         out.extend(strand.cut(a + x, a + y, split))
         return out
+
+    def excluded(self) -> tuple[int, int]:
+        """(items, tokens) that exclusions took out of this epoch's plans (``steerplan.SteeredPlan``)."""
+        return self.base.excluded() if self.base is not None else (0, 0)
 
     def strands(self, source: Source, cfg: Config, slices: list[Slice], counts: list[int]) -> list[list[_Strand]]:
         """Per part of the epoch, per source of a mixture: its remaining slices and counts."""

@@ -9,6 +9,7 @@ the schedule and the log. No torch.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -57,9 +58,15 @@ class Counted:
 
     steps: int = 0
     batches: int = 0
+    items: int = 0  # documents (or rows of a packed dataset)
+    tokens: int = 0
+
+    def add(self, steps: int, batches: int, items: int, tokens: int) -> None:
+        self.steps, self.batches = self.steps + steps, self.batches + batches
+        self.items, self.tokens = self.items + items, self.tokens + tokens
 
     def to_json(self) -> dict:
-        return {"steps": self.steps, "batches": self.batches}
+        return {"steps": self.steps, "batches": self.batches, "items": self.items, "tokens": self.tokens}
 
 
 @dataclass
@@ -139,11 +146,21 @@ class Steerer:
 
     def where(self) -> tuple:
         """Where the run stands in planned steps (what a peer that receives its batches mirrors)."""
-        return self.planned, self.epoch_start, self.skipped.steps, self.skipped.batches
+        return self.planned, self.epoch_start, tuple(self.skipped.to_json().values())
 
     def mirror(self, where: tuple | None) -> None:
         if where is not None:
-            self.planned, self.epoch_start, self.skipped.steps, self.skipped.batches = where
+            self.planned, self.epoch_start, skipped = where
+            self.skipped = Counted(*skipped)
+
+    def metrics(self) -> dict[str, float]:
+        """What steering did so far, for ``Loader.metrics()`` (a few numbers, no work)."""
+        out = {"steer_planned_step": float(self.planned)}
+        out.update({f"steer_skipped_{k}": float(v) for k, v in self.skipped.to_json().items()})
+        if not self.phases.trivial:
+            i = bisect.bisect_right(self.phases._starts, self.planned) - 1
+            out["steer_schedule_phase"], out["steer_step_batches"] = float(i), float(self.phases.phases[i].group)
+        return out
 
     def saved(self) -> SavedSteering:
         """What a state keeps of it."""
@@ -167,8 +184,8 @@ class SavedSteering:
         if start > planned:
             raise SteeringError("loader state field 'steering': its epoch begins after its planned step")
         skipped = value.get("skipped")
-        if not isinstance(skipped, dict) or set(skipped) != {"steps", "batches"}:
-            raise SteeringError("loader state field 'steering.skipped' must be {steps, batches}")
+        if not isinstance(skipped, dict) or set(skipped) != {"steps", "batches", "items", "tokens"}:
+            raise SteeringError("loader state field 'steering.skipped' must be {steps, batches, items, tokens}")
         counts = {k: _checked(v, f"skipped.{k}") for k, v in skipped.items()}
         return cls(planned, start, Log.parse(value.get("log")), counts)
 

@@ -217,6 +217,20 @@ class SteeringMethods:
         at = self.cursor.epoch * planner.epoch
         return next(w for start, w in reversed(planner.phases()) if start <= at)
 
+    def _steer_metrics(self) -> dict[str, float]:
+        """Steering's figures for ``metrics()``: the planned step, the schedule's phase, what was
+        skipped and excluded (items: documents, or rows), the weights set while the run trained."""
+        out = self.steering.metrics()
+        if not self.steering.log.changes:
+            return out
+        plan = self.source.plan_for(self.cursor.epoch)
+        if plan is not None and plan.remainder:
+            out["steer_excluded_items"], out["steer_excluded_tokens"] = map(float, plan.excluded())
+        changes = self.steering.log.weight_changes
+        if changes:
+            out.update({f"steer_weight/{n}": w for n, w in zip(self.catalog.mixture.names, changes[-1].weights)})
+        return out
+
     # -- a steering file, re-read while the run trains (steerfile.py) ----------------------------
     def _reload(self) -> None:
         """Take what the steering file says now (every rank the same, from rank 0's reading)."""

@@ -21,7 +21,7 @@ from ..errors import SteeringError
 from .block import ID_SHIFT, pieces_per_doc
 from .plan import Slice
 from .resume import RemainderPlan, _Strand
-from .stream import StreamSpec, slice_doc_lengths
+from .stream import StreamSpec, slice_doc_lengths, slice_item_lengths
 
 #: the most item ids one exclusion may name (each is in every state saved after it)
 MAX_EXCLUDED_ITEMS = 1 << 20
@@ -101,25 +101,31 @@ def _ordinals(source: Any, sl: Slice, spec: StreamSpec) -> np.ndarray:
 
 
 def leave_out(source: Any, slices: list[Slice], counts: list[int], leaving: Leaving, spec: StreamSpec):
-    """The slices (and their counts) less what ``leaving`` excludes."""
+    """The slices (and their counts) less what ``leaving`` excludes, and (items, tokens) it took out."""
     if not leaving.excludes():
-        return slices, counts
+        return slices, counts, (0, 0)
     shards = set(leaving.shards)
     if leaving.sources and source.mixing is not None:
         of_source = source.mixing.sources_of_shards(np.asarray([sl.shard for sl in slices], np.int64)).tolist()
         shards |= {sl.shard for sl, s in zip(slices, of_source) if s in set(leaving.sources)}
     items = np.asarray(leaving.items, np.int64)
     by_shard = set((items >> ID_SHIFT).tolist())
-    out, out_counts = [], []
+    out, out_counts, gone = [], [], [0, 0]
     for sl, n in zip(slices, counts):
-        if sl.shard in shards or n == 0:
+        if n == 0:
+            continue
+        if sl.shard in shards:
+            gone[0], gone[1] = gone[0] + n, gone[1] + _tokens(source, sl, spec)
             continue
         if sl.shard not in by_shard:
             out.append(sl)
             out_counts.append(n)
             continue
         ids = (np.int64(sl.shard) << ID_SHIFT) | _ordinals(source, sl, spec)
-        keep = np.flatnonzero(~np.isin(ids, items))
+        dropped = np.isin(ids, items)
+        keep = np.flatnonzero(~dropped)
+        if len(keep) < n:
+            gone[0], gone[1] = gone[0] + n - len(keep), gone[1] + _tokens(source, sl, spec, dropped)
         if len(keep) == n:
             out.append(sl)
         elif len(keep):
@@ -127,7 +133,15 @@ def leave_out(source: Any, slices: list[Slice], counts: list[int], leaving: Leav
             out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, pick, sl.group, sl.lead))
         if len(keep):
             out_counts.append(len(keep))
-    return out, out_counts
+    return out, out_counts, (gone[0], gone[1])
+
+
+def _tokens(source: Any, sl: Slice, spec: StreamSpec, which: np.ndarray | None = None) -> int:
+    """Tokens of a slice's items (those ``which`` marks), from the index (0 without lengths)."""
+    lengths = slice_item_lengths(source, [sl], spec)
+    if lengths is None:
+        return 0
+    return int(lengths.sum() if which is None else lengths[which].sum())
 
 
 def reweighted(strands: list[list[_Strand]], weights: tuple[float, ...], per_item: list[float]) -> list[list[_Strand]]:
@@ -161,6 +175,8 @@ class SteeredPlan(RemainderPlan):
     for a mixture, in its weights (see the module's docstring)."""
 
     leaving: Leaving = field(default_factory=Leaving)
+    #: (items, tokens) the exclusions took out of the rest of the epoch, once it was planned
+    left_out: tuple[int, int] | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
         return {**super().to_json(), "leaving": self.leaving.to_json()}
@@ -169,8 +185,15 @@ class SteeredPlan(RemainderPlan):
         if self._sequence is not None:
             return self._sequence
         slices, counts = super().sequence(source, cfg)
-        self._sequence = leave_out(source, slices, counts, self.leaving, cfg.spec(self.epoch, 0, 1, 0, 1))
+        *kept, self.left_out = leave_out(source, slices, counts, self.leaving, cfg.spec(self.epoch, 0, 1, 0, 1))
+        self._sequence = tuple(kept)
         return self._sequence
+
+    def excluded(self) -> tuple[int, int]:
+        """(items, tokens) the exclusions took out of this epoch so far (of the plans made)."""
+        base = super().excluded()
+        mine = self.left_out or (0, 0)
+        return base[0] + mine[0], base[1] + mine[1]
 
     def strands(self, source: Any, cfg: Any, slices: list[Slice], counts: list[int]) -> list[list[_Strand]]:
         parts = super().strands(source, cfg, slices, counts)
