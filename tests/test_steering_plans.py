@@ -324,3 +324,39 @@ def test_metrics_say_what_was_skipped_excluded_and_weighted(two_sources, one):
     next(it)
     mixed.set_weights({"a": 3, "b": 1})
     assert mixed.metrics()["steer_weight/a"] == pytest.approx(0.75)
+
+
+def test_stats_and_explain_take_a_states_changes(two_sources, tmp_path):
+    import subprocess
+    import sys
+
+    mix_file = tmp_path / "mix.yaml"
+    mix_file.write_text(
+        f"sources: {{a: {two_sources['a']}, b: {two_sources['b']}}}\nweights: {{a: 0.5, b: 0.5}}\n"
+        "unit: items\nepoch_items: 240\n"
+    )
+    loader = wdsllm.loader(str(mix_file), batch_size=8, seed=1)
+    it = iter(loader)
+    next(it)
+    loader.set_weights({"a": 0.9, "b": 0.1})
+    loader.skip(3, 5)
+    next(it)
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(loader.state_dict()))
+    rest = [next(it) for _ in range(3)]  # planned steps 2, 5, 6
+
+    def cli(*args):
+        proc = subprocess.run([sys.executable, "-m", "wdsllm.cli", *map(str, args)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    got = cli("stats", mix_file, "--state", state, "--schedule", '{"batch_size": [[0, 32], [1, 64]]}', "--json")
+    assert [c["kind"] for c in got["steering"]["changes"]] == ["weights", "skip"]
+    assert got["modes"][0]["steps"] == -(-(got["modes"][0]["batches"] - 1) // 2) + 1
+    for step, batch in enumerate(rest):  # step 1 after the state is planned step 5: the skip is taken
+        shown = cli(
+            "explain", mix_file, "--state", state, "--step", step, "--option", "batch_size=8", "--seed", 1, "--json"
+        )
+        assert [(d["shard"], d["ordinal"]) for d in shown] == [
+            (int(i) >> 32, int(i) & 0xFFFFFFFF) for i in docs_of(batch)
+        ]

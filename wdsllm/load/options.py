@@ -172,6 +172,8 @@ class BatchOptions(Options):
 
         if self.batching not in MODES:
             raise ConfigError(f"batching must be one of {', '.join(map(repr, MODES))}, not {self.batching!r}")
+        if isinstance(self.schedule, Mapping):  # plain data (a YAML or JSON file, a command line)
+            object.__setattr__(self, "schedule", Schedule.from_json(self.schedule))
         if self.schedule is not None and not isinstance(self.schedule, Schedule):
             raise ConfigError(
                 f"schedule must be a wdsllm.Schedule (e.g. Schedule(batch_size=[(0, 8), (1000, 16)])), "

@@ -133,6 +133,21 @@ class Schedule:
     def to_json(self) -> dict:
         return {"name": self.name, "points": [list(p) for p in self.points], "unit": self.unit}
 
+    @classmethod
+    def from_json(cls, value: Any) -> Schedule:
+        """A schedule from plain data: ``{"batch_size": [[0, 8], [1000, 16]], "unit": "steps"}``, or
+        what ``to_json`` wrote (a state's ``config``)."""
+        if not isinstance(value, Mapping):
+            raise SteeringError(
+                f"a schedule is a mapping such as {{'batch_size': [[0, 8], [1000, 16]]}}, not {value!r:.60}"
+            )
+        if "points" in value and value.get("name") in SCHEDULED:
+            return cls(**{value["name"]: value["points"]}, unit=value.get("unit", "steps"))
+        unknown = [k for k in value if k not in (*SCHEDULED, "unit")]
+        if unknown:
+            raise SteeringError(f"a schedule has no key {unknown[0]!r} ({', '.join(SCHEDULED)}, unit)")
+        return cls(**value)
+
     def __repr__(self) -> str:  # the settings' fingerprint and the peers' description read it
         return f"Schedule({self.name}={list(self.points)}, unit={self.unit!r})"
 

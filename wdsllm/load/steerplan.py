@@ -216,11 +216,13 @@ def exclusions_of(log: Any, catalog: Any) -> Leaving:
     return out
 
 
-def steer_plans(log: Any, catalog: Any, epochs: Any) -> None:
-    """Make ``epochs`` (a ``dataset.EpochSource``) and a mixture's planner plan what the log says
-    for the epochs it shapes from their start: exclusions left out, weights from their epoch on."""
-    leaving = exclusions_of(log, catalog)
-    epochs.exclude_from(functools.partial(excluding_plan, leaving) if leaving.excludes() else None)
+def steer_plans(log: Any, catalog: Any, epochs: Any = None) -> None:
+    """Make ``epochs`` (a ``dataset.EpochSource``; None: a mixture's planner alone, for stats) and
+    a mixture's planner plan what the log says for the epochs it shapes from their start:
+    exclusions left out, weights from their epoch on."""
+    if epochs is not None:
+        leaving = exclusions_of(log, catalog)
+        epochs.exclude_from(functools.partial(excluding_plan, leaving) if leaving.excludes() else None)
     if catalog.mixing is not None:
         names = list(catalog.mixture.names)
         excluded = [(ex.epoch, names.index(n)) for ex in log.exclusions for n in ex.sources]
