@@ -331,7 +331,7 @@ def test_an_endless_stream_of_whole_epochs_takes_schedules_and_skips_and_resumes
         end = (i // 20 + 1) * 20
         steps.append(micro[i : min(i + k, end)])
         i = min(i + k, end)
-    want = [sum(step, []) for s, step in enumerate(steps) if not (3 <= s < 6 or 20 <= s < 26)][:24]
+    want = [[d for b in step for d in b] for s, step in enumerate(steps) if not (3 <= s < 6 or 20 <= s < 26)][:24]
     assert [docs_of(b) for b in full] == want
     it = iter(steered(workers=2))
     full = [next(it) for _ in range(24)]
