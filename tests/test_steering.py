@@ -29,10 +29,12 @@ MODES = {
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def schedule_of(mode: str) -> Schedule:
+def schedule_of(mode: str, join: bool = True) -> Schedule:
     if mode == "budget":
         return Schedule(max_tokens=[(0, 64), (3, 128), (7, 192)])
     base = MODES[mode]["batch_size"]
+    if mode == "concat" and join:  # rows twice as long from step 5 on
+        return Schedule(batch_size=[(0, base), (3, 2 * base), (7, 3 * base)], seq_len=[(0, 24), (5, 48)])
     return Schedule(batch_size=[(0, base), (3, 2 * base), (7, 3 * base)])
 
 
@@ -116,7 +118,7 @@ def test_a_schedule_takes_the_plans_batches_together_on_every_rank(tmp_path, mod
     steps = []
     for rank in range(world):
         plain = list(make(str(tmp_path), rank, world, 2, **MODES[mode]))
-        steered = make(str(tmp_path), rank, world, 2, schedule=schedule_of(mode), **MODES[mode])
+        steered = make(str(tmp_path), rank, world, 2, schedule=schedule_of(mode, join=False), **MODES[mode])
         expected_len = len(steered)
         got = list(steered)
         assert len(got) == expected_len
@@ -142,6 +144,43 @@ def test_batch_sizes_follow_a_schedule_in_samples(tmp_path):
     # samples planned before a step: 2 a step up to 6, then 4 a step up to 12, then 6
     assert sizes[:8] == [2, 2, 2, 4, 4, 6, 6, 6]
     assert sum(sizes) == 120
+
+
+def test_a_seq_len_schedule_cuts_the_stream_at_the_longer_length_from_its_step(tmp_path):
+    """Rows of 48 from step 4 on are the rows a loader of seq_len 48 cuts: the same tokens, labels,
+    positions and cu_seqlens (a document that ran on across the join is one segment)."""
+    write_dataset(tmp_path, [30, 25, 35], seed=4, max_len=30)
+    options = dict(batching="concat", boundaries=True)
+    short = list(make(str(tmp_path), workers=2, seq_len=24, batch_size=2, **options))
+    long = list(make(str(tmp_path), workers=2, seq_len=48, batch_size=1, **options))
+    steered = make(
+        str(tmp_path), workers=2, seq_len=24, batch_size=2, schedule=Schedule(seq_len=[(0, 24), (4, 48)]), **options
+    )
+    got = list(steered)
+    assert len(got) == len(short) == len(long)
+    for step, batch in enumerate(got):
+        want = short[step] if step < 4 else long[step]
+        for key in ("input_ids", "labels", "position_ids", "cu_seqlens", "lengths", "docs"):
+            assert torch.equal(batch[key], want[key]), (step, key)
+
+
+@pytest.mark.parametrize(
+    "schedule, options, match",
+    [
+        (Schedule(seq_len=[(0, 24), (3, 36)]), dict(batching="concat", seq_len=24, batch_size=2), "a divisor of 2"),
+        (Schedule(seq_len=[(0, 24), (3, 30)]), dict(batching="concat", seq_len=24, batch_size=2), "a divisor"),
+        (Schedule(seq_len=[(0, 24), (3, 48)]), dict(batching="pack", seq_len=24, batch_size=2), "batching='concat'"),
+        (
+            Schedule(seq_len=[(0, 24), (3, 48)]),
+            dict(batching="concat", seq_len=24, batch_size=2, shift_labels=True),
+            "without shift_labels",
+        ),
+    ],
+)
+def test_a_seq_len_schedule_that_cannot_join_rows_is_refused(tmp_path, schedule, options, match):
+    write_dataset(tmp_path, [20, 20])
+    with pytest.raises(SteeringError, match=match):
+        make(str(tmp_path), schedule=schedule, **options)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import os
 import time
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from ..observe.observer import Observer, timed
 from . import state as statemod
 from .agree import agree_on_layout
 from .batching import Batch
-from .block import concat_blocks
+from .block import concat_blocks, join_rows
 from .collate import CollateOptions, assemble
 from .config import Config, reading_options, resolve_world
 from .counts import round_robin_share
@@ -611,8 +612,10 @@ class Loader(SteeringMethods):
         return True
 
     def _hand_out_group(self, group: list[Batch]) -> dict:
-        """One step of several of the loader's batches: each counted as handed out, collated together."""
-        if len(group) == 1:
+        """One step of several of the loader's batches: each counted as handed out, collated
+        together, their rows joined where a seq_len schedule says so."""
+        join = self.steering.rows.group_at(self.steering.planned - 1)
+        if len(group) == 1 and join == 1:
             return self._hand_out(group[0])
         began = time.perf_counter()
         for batch in group:
@@ -624,7 +627,11 @@ class Loader(SteeringMethods):
                 self.cursor.merged_out()
             else:
                 self.cursor.handed_out(batch.worker, batch.epoch, batch.index, batch.hint)
-        out = assemble(concat_blocks([b.items for b in group]), group[0].epoch, self.collate_options)
+        options = self.collate_options
+        if join > 1:
+            options = replace(options, seq_len=options.seq_len * join, max_segments=(options.max_segments or 1) * join)
+        items = concat_blocks([join_rows(b.items, join) for b in group])
+        out = assemble(items, group[0].epoch, options)
         self.observer.handed(group[-1].worker, time.perf_counter() - began)
         return self._pinned(out)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import SteeringError
-from .steering import Log, Phases, Schedule, resolve
+from .steering import Log, Phases, Schedule, resolve, resolve_rows
 
 STEERING_KEY = "steering"
 
@@ -41,7 +41,7 @@ def step_units(schedule: Schedule | None, cfg: Any, rows: bool, seq_len: int | N
 
 def schedule_base(schedule: Schedule | None, cfg: Any) -> int:
     """The loader's own size of what the schedule steers (whose multiples its values are)."""
-    if schedule is None:
+    if schedule is None or schedule.name is None:
         return 1
     base = getattr(cfg, schedule.name)
     if base is None:
@@ -88,16 +88,28 @@ class Steerer:
     reload_every: int | None = None
     _reloaded: int = -1  # the planned step it was last re-read at
 
+    #: the row length schedule as planned steps of a join factor (``steering.resolve_rows``)
+    rows: Phases = field(default_factory=Phases)
+
     @classmethod
     def of(cls, schedule: Schedule | None, cfg: Any, rows: bool, seq_len: int | None, world: int) -> Steerer:
         base = schedule_base(schedule, cfg)
-        return cls(resolve(schedule, base, step_units(schedule, cfg, rows, seq_len, world)))
+        per_step = step_units(schedule, cfg, rows, seq_len, world)
+        groups = resolve(schedule, base, per_step)
+        if schedule is None or schedule.seq_len is None:
+            return cls(groups)
+        if cfg.batching != "concat" or cfg.shift_labels:
+            raise SteeringError(
+                "a seq_len schedule joins the rows of a GPT-style stream: batching='concat' (without shift_labels); "
+                "rows packed by best fit, or a packed dataset's, are cut at one length"
+            )
+        return cls(groups, rows=resolve_rows(schedule, int(cfg.seq_len), int(cfg.batch_size), groups, per_step))
 
     @property
     def plain(self) -> bool:
-        """Whether every step is one of the loader's batches, nothing is skipped and no file is
-        re-read (the fast path)."""
-        return self.phases.trivial and not self.log.changes and self.reload_every is None
+        """Whether every step is one of the loader's batches of the loader's rows, nothing is
+        skipped and no file is re-read (the fast path)."""
+        return self.phases.trivial and self.rows.trivial and not self.log.changes and self.reload_every is None
 
     def group_at(self, step: int) -> int:
         return self.phases.group_at(step)

@@ -92,36 +92,40 @@ def ramp(start: int, stop: int, increment: int, over: int, at: int = 0) -> tuple
 
 @dataclass(frozen=True)
 class Schedule:
-    """Batch sizes (or token budgets) by point of the run, declared up front: ``batch_size=[(0, 8),
-    (1000, 16)]`` or ``batch_size=ramp(8, 64, 8, over=100_000)``; ``unit`` says what the points
-    count. Every value is a multiple of the loader's own ``batch_size`` (``max_tokens``): a step of
-    the schedule is that many of the loader's batches taken together, so that the documents, the
-    plan and the equal batches are the ones without a schedule (docs/steering.md)."""
+    """Batch sizes (or token budgets) and row lengths by point of the run, declared up front:
+    ``batch_size=[(0, 8), (1000, 16)]`` or ``batch_size=ramp(8, 64, 8, over=100_000)``, and
+    ``seq_len=[(0, 1024), (50_000, 4096)]``; ``unit`` says what the points count.
+
+    A ``batch_size`` (``max_tokens``) value is a multiple of the loader's own: a step is that many
+    of the loader's batches taken together. A ``seq_len`` value (``batching="concat"``) is a
+    multiple of the loader's own seq_len that divides into its batch: a row joins that many of the
+    stream's consecutive rows, which is the stream cut at the longer length. So the documents, the
+    plan and the equal batches are those without a schedule (docs/steering.md)."""
 
     batch_size: Any = None
     max_tokens: Any = None
+    seq_len: Any = None
     unit: str = "steps"
 
     def __post_init__(self) -> None:
         if self.unit not in UNITS:
             raise SteeringError(f"a schedule's unit must be one of {', '.join(map(repr, UNITS))}, not {self.unit!r}")
-        given = 0
-        for name in SCHEDULED:
+        for name in (*SCHEDULED, "seq_len"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _points(value, f"schedule {name}"))
-                given += 1
-        if given != 1:
-            raise SteeringError("a schedule steers one of batch_size= or max_tokens=")
+        grouping = [n for n in SCHEDULED if getattr(self, n) is not None]
+        if len(grouping) > 1 or not (grouping or self.seq_len is not None):
+            raise SteeringError("a schedule steers one of batch_size= or max_tokens=, and or only seq_len=")
 
     @property
-    def name(self) -> str:
-        """The option it steers."""
-        return next(n for n in SCHEDULED if getattr(self, n) is not None)
+    def name(self) -> str | None:
+        """The option whose value takes batches together (None: a schedule of seq_len alone)."""
+        return next((n for n in SCHEDULED if getattr(self, n) is not None), None)
 
     @property
     def points(self) -> tuple[tuple[int, int], ...]:
-        return getattr(self, self.name)
+        return getattr(self, self.name) if self.name else ((0, 1),)
 
     @classmethod
     def rampup(cls, start: int, increment: int, samples: int, final: int) -> Schedule:
@@ -131,25 +135,26 @@ class Schedule:
         return cls(batch_size=ramp(start, final, increment, samples), unit="samples")
 
     def to_json(self) -> dict:
-        return {"name": self.name, "points": [list(p) for p in self.points], "unit": self.unit}
+        out: dict[str, Any] = {
+            n: [list(p) for p in getattr(self, n)] for n in (*SCHEDULED, "seq_len") if getattr(self, n)
+        }
+        return {**out, "unit": self.unit}
 
     @classmethod
     def from_json(cls, value: Any) -> Schedule:
-        """A schedule from plain data: ``{"batch_size": [[0, 8], [1000, 16]], "unit": "steps"}``, or
-        what ``to_json`` wrote (a state's ``config``)."""
+        """A schedule from plain data: ``{"batch_size": [[0, 8], [1000, 16]], "unit": "steps"}``
+        (what ``to_json`` writes too: a state's ``config``)."""
         if not isinstance(value, Mapping):
             raise SteeringError(
                 f"a schedule is a mapping such as {{'batch_size': [[0, 8], [1000, 16]]}}, not {value!r:.60}"
             )
-        if "points" in value and value.get("name") in SCHEDULED:
-            return cls(**{value["name"]: value["points"]}, unit=value.get("unit", "steps"))
-        unknown = [k for k in value if k not in (*SCHEDULED, "unit")]
+        unknown = [k for k in value if k not in (*SCHEDULED, "seq_len", "unit")]
         if unknown:
-            raise SteeringError(f"a schedule has no key {unknown[0]!r} ({', '.join(SCHEDULED)}, unit)")
+            raise SteeringError(f"a schedule has no key {unknown[0]!r} ({', '.join(SCHEDULED)}, seq_len, unit)")
         return cls(**value)
 
     def __repr__(self) -> str:  # the settings' fingerprint and the peers' description read it
-        return f"Schedule({self.name}={list(self.points)}, unit={self.unit!r})"
+        return f"Schedule({self.to_json()})"
 
 
 @dataclass(frozen=True)
@@ -211,7 +216,7 @@ def resolve(schedule: Schedule | None, base: int, per_step: int) -> Phases:
     budget), whose multiples the values must be; ``per_step`` is what one of the loader's batches
     adds to the schedule's unit over every data-parallel rank (1 for steps; samples or tokens of a
     batch times the world size)."""
-    if schedule is None:
+    if schedule is None or schedule.name is None:
         return Phases()
     out: list[StepPhase] = []
     step = 0
@@ -234,6 +239,39 @@ def resolve(schedule: Schedule | None, base: int, per_step: int) -> Phases:
                 out[-1] = StepPhase(step, group)
                 continue
         out.append(StepPhase(step, group))
+    return Phases(tuple(out))
+
+
+def _step_at(groups: Phases, units: int, per_step: int) -> int:
+    """The first planned step at which the unit planned before it reaches ``units``."""
+    planned = 0
+    for i, phase in enumerate(groups.phases):
+        end = groups.phases[i + 1].step if i + 1 < len(groups.phases) else None
+        per = phase.group * per_step
+        if end is None or planned + (end - phase.step) * per >= units:
+            return phase.step + max(0, -(-(units - planned) // per))
+        planned += (end - phase.step) * per
+    return 0
+
+
+def resolve_rows(schedule: Schedule | None, base: int, batch: int, groups: Phases, per_step: int) -> Phases:
+    """A schedule's ``seq_len`` as planned steps of a join factor (rows of the loader's ``base``
+    length joined a step), each dividing the loader's ``batch`` of rows; ``groups`` and
+    ``per_step`` place points given in samples or tokens."""
+    if schedule is None or schedule.seq_len is None:
+        return Phases()
+    out: list[StepPhase] = []
+    for i, (at, value) in enumerate(schedule.seq_len):
+        if value % base or batch % (value // base):
+            raise SteeringError(
+                f"schedule seq_len[{i}] = {value}: a row joins whole rows of the loader's seq_len={base} within one "
+                f"of its batches of {batch} rows, so the value must be seq_len times a divisor of {batch}"
+            )
+        step = at if schedule.unit == "steps" else _step_at(groups, at, per_step)
+        if out and step == out[-1].step:
+            out[-1] = StepPhase(step, value // base)
+        else:
+            out.append(StepPhase(step, value // base))
     return Phases(tuple(out))
 
 
