@@ -16,7 +16,7 @@ from synth import write_dataset
 import wdsllm
 from wdsllm.errors import StateError, SteeringError
 from wdsllm.load.state import seal
-from wdsllm.load.steering import Schedule, ramp, resolve
+from wdsllm.load.steer.schedule import Schedule, ramp, resolve
 
 MODES = {
     "fixed": dict(batch_size=3),

@@ -94,7 +94,7 @@ def __getattr__(name: str) -> Any:
 
         return Mixture
     if name in ("Schedule", "ramp"):  # no torch: schedules are checked before the loader
-        from .load import steering
+        from .load.steer import schedule as steering
 
         return getattr(steering, name)
     if name in OPTION_RECORDS:  # no torch either: records are built and checked before the loader
@@ -109,7 +109,7 @@ def __getattr__(name: str) -> Any:
 
             return dataset
         if name in ("source_losses", "mean_losses"):
-            from .load import sourceloss
+            from .load.steer import losses as sourceloss
 
             return getattr(sourceloss, name)
         from .load import loader as loader_module

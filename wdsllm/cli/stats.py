@@ -136,7 +136,7 @@ def _steered(source, state: str | None) -> dict | None:
 
     from ..errors import StateError
     from ..load.state import LoaderState
-    from ..load.steerplan import steer_plans
+    from ..load.steer.plans import steer_plans
 
     with open(state, "rb") as f:
         data = f.read(64 << 20)
@@ -165,7 +165,7 @@ def _schedule_steps(costs, text: str, batch_size: int, max_tokens: int, seq_len:
     """Each mode's steps per epoch under a schedule (its batches taken several to a step)."""
     import json
 
-    from ..load.steering import Schedule, resolve
+    from ..load.steer.schedule import Schedule, resolve
 
     schedule = Schedule.from_json(json.loads(text))
     for c in costs:

@@ -69,10 +69,10 @@ from .options import (
 from .plan import torch_seed
 from .replicas import replicas_for
 from .resume import items_between
-from .steer import Steerer
-from .steerface import SteeringMethods
-from .steering import Log
-from .steerplan import steer_plans
+from .steer.face import SteeringMethods
+from .steer.log import Log
+from .steer.plans import steer_plans
+from .steer.runtime import Steerer
 from .tails import TailMerge, merge_key, merges_tails
 from .transport import WorkerBatches
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import ConfigError, normalize_on_error
 from ..inputs.sources import DEFAULT_MAX_DOC_BYTES
-from .steering import Schedule
+from .steer.schedule import Schedule
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

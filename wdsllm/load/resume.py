@@ -230,7 +230,7 @@ class RemainderPlan:
         return out
 
     def excluded(self) -> tuple[int, int]:
-        """(items, tokens) that exclusions took out of this epoch's plans (``steerplan.SteeredPlan``)."""
+        """(items, tokens) that exclusions took out of this epoch's plans (``steer.plans.SteeredPlan``)."""
         return self.base.excluded() if self.base is not None else (0, 0)
 
     def strands(self, source: Source, cfg: Config, slices: list[Slice], counts: list[int]) -> list[list[_Strand]]:

@@ -34,8 +34,8 @@ from .holes import LOST_KEY, lost_batches
 from .marks import MARK_KEY
 from .resume import RemainderPlan
 from .sources.protocol import Source
-from .steer import SavedSteering
-from .steerplan import Leaving, SteeredPlan
+from .steer.plans import Leaving, SteeredPlan
+from .steer.runtime import SavedSteering
 from .tails import merges_tails
 
 LOADER_KIND = "wdsllm.loader"
@@ -46,7 +46,7 @@ DATASET_KIND = "wdsllm.dataset"
 #: batches of the workers' merged tails handed out (``tails.py``; none before, so 0 in older states); 6: an
 #: endless state with ``equal_batches`` is a position in one epoch of whole epochs run one after another
 #: (``Config.endless_by_epochs``; an older endless state always streamed on across epochs); 7:
-#: ``steering``, the run's planned step and its log of changes (``steer.py``; older states leave the
+#: ``steering``, the run's planned step and its log of changes (``steer/runtime.py``; older states leave the
 #: planned step unknown)
 LOADER_VERSION = 7
 READABLE_LOADER_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
@@ -218,7 +218,7 @@ def parse_plan(value: Any, key: str = "plan", depth: int = 0) -> RemainderPlan |
     base = parse_plan(value.get("base"), key + ".base", depth + 1)
     if "leaving" not in value:
         return RemainderPlan(epoch, world, workers, rows, base)
-    try:  # re-planned by a change while the run trained (steerplan.py)
+    try:  # re-planned by a change while the run trained (steer/plans.py)
         leaving = Leaving.from_json(value["leaving"])
     except SteeringError as exc:
         raise StateError(f"{_where(key + '.leaving')}: {exc}") from None

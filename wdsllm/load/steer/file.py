@@ -20,9 +20,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from .. import storage
-from ..errors import MixtureError, SteeringError, StorageError
-from .mixture import MAX_FILE_BYTES, _parse_yaml
+from ... import storage
+from ...errors import MixtureError, SteeringError, StorageError
+from ..mixture import MAX_FILE_BYTES, _parse_yaml
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import SteeringError
-from .steering import Log, Phases, Schedule, resolve, resolve_rows
+from ...errors import SteeringError
+from .log import Log
+from .schedule import Phases, Schedule, resolve, resolve_rows
 
 STEERING_KEY = "steering"
 

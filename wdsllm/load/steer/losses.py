@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
+from ...errors import UsageError
 
 IGNORE_INDEX = -100
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..errors import SteeringError
+from ...errors import SteeringError
 
 
 def agree_on_change(what: str, planned: int, change: Any) -> None:

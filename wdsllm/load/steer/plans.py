@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SteeringError
-from .block import ID_SHIFT, pieces_per_doc
-from .plan import Slice
-from .resume import RemainderPlan, _Strand
-from .stream import StreamSpec, slice_doc_lengths, slice_item_lengths
+from ...errors import SteeringError
+from ..block import ID_SHIFT, pieces_per_doc
+from ..plan import Slice
+from ..resume import RemainderPlan, _Strand
+from ..stream import StreamSpec, slice_doc_lengths, slice_item_lengths
 
 #: the most item ids one exclusion may name (each is in every state saved after it)
 MAX_EXCLUDED_ITEMS = 1 << 20

@@ -1,10 +1,10 @@
 """The loader's steering methods: ``skip``, ``exclude``, ``set_weights`` (docs/steering.md).
 
 Each is a collective (every process calls it with the same arguments at the same planned step,
-checked by ``steer_agree``), validated before anything changes (a bad one is a ``SteeringError``
+checked by ``steer.agree``), validated before anything changes (a bad one is a ``SteeringError``
 and the run keeps its settings), recorded in the run's log, and applied from the next planned
 step: a skip where the stream reaches it, an exclusion or new weights by re-planning the rest of
-the epoch (``steerplan.SteeredPlan``) and every later epoch. The same exclusion or skip given
+the epoch (``plans.SteeredPlan``) and every later epoch. The same exclusion or skip given
 again (a requeue replaying its launch script) is a replay: nothing more changes.
 """
 
@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SteeringError
-from .block import ID_SHIFT
-from .counts import round_robin_share
-from .steer_agree import agree_on_change
-from .steering import Exclude, Weights, check_weights
-from .steerplan import Leaving, SteeredPlan, steer_plans
-from .tails import merges_tails
+from ...errors import SteeringError
+from ..block import ID_SHIFT
+from ..counts import round_robin_share
+from ..tails import merges_tails
+from .agree import agree_on_change
+from .log import Exclude, Weights, check_weights
+from .plans import Leaving, SteeredPlan, steer_plans
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class SteeringMethods:
     # -- a steering file, re-read while the run trains (steerfile.py) ----------------------------
     def _reload(self) -> None:
         """Take what the steering file says now (every rank the same, from rank 0's reading)."""
-        from .steerfile import shared
+        from .file import shared
 
         url = self._steer_url
         names = list(self.catalog.mixture.names) if self.catalog.mixing is not None else []
@@ -252,7 +252,7 @@ class SteeringMethods:
 
     def _checked_file(self, what: dict) -> list:
         """Every entry of a steering file checked before any is taken: what to call, in order."""
-        from .steering import Log
+        from .log import Log
 
         takes = []
         if "weights" in what:
@@ -310,7 +310,7 @@ class SteeringMethods:
         steer_plans(steer.log, self.catalog, self.source)
 
     def _leaving(self, now: Leaving) -> Leaving:
-        from .steerplan import exclusions_of
+        from .plans import exclusions_of
 
         return exclusions_of(self.steering.log, self.catalog).joined(now)
 
