@@ -22,6 +22,7 @@ from .errors import (
     ShardError,
     SourceError,
     StateError,
+    SteeringError,
     StorageError,
     TokenizerError,
     UsageError,
@@ -39,6 +40,7 @@ OPTION_RECORDS = (
     "OrderOptions",
     "RawTextSource",
     "ReadingOptions",
+    "SteerOptions",
     "WorkerOptions",
 )
 
@@ -60,9 +62,12 @@ __all__ = [
     "ReadingOptions",
     "ReplicaError",
     "ReplicaMismatchError",
+    "Schedule",
     "ShardError",
     "SourceError",
     "StateError",
+    "SteerOptions",
+    "SteeringError",
     "StorageError",
     "TokenizerError",
     "UsageError",
@@ -72,6 +77,9 @@ __all__ = [
     "__version__",
     "dataset",
     "loader",
+    "mean_losses",
+    "ramp",
+    "source_losses",
 ]
 
 
@@ -85,17 +93,25 @@ def __getattr__(name: str) -> Any:
         from .load.mixture import Mixture
 
         return Mixture
+    if name in ("Schedule", "ramp"):  # no torch: schedules are checked before the loader
+        from .load.steer import schedule as steering
+
+        return getattr(steering, name)
     if name in OPTION_RECORDS:  # no torch either: records are built and checked before the loader
         from .load import options
 
         return getattr(options, name)
-    if name not in ("dataset", "loader", "Loader"):
+    if name not in ("dataset", "loader", "Loader", "source_losses", "mean_losses"):
         raise AttributeError(f"module 'wdsllm' has no attribute {name!r}")
     try:
         if name == "dataset":
             from .load.dataset import dataset
 
             return dataset
+        if name in ("source_losses", "mean_losses"):
+            from .load.steer import losses as sourceloss
+
+            return getattr(sourceloss, name)
         from .load import loader as loader_module
     except ModuleNotFoundError as exc:
         if exc.name not in LOADER_EXTRA:

@@ -141,6 +141,11 @@ class ReplicaMismatchError(ReplicaError):
     coordinates and the first field that differs."""
 
 
+class SteeringError(ConfigError):
+    """A schedule or a change made while the run trains (``skip``, ``exclude``, ``set_weights``)
+    cannot be taken; the loader keeps its previous settings (docs/steering.md)."""
+
+
 def normalize_on_error(value: str) -> str:
     """``on_error`` as one of :data:`ON_ERROR`; the old word "stop" is accepted with a warning."""
     if value in _OLD_ON_ERROR:

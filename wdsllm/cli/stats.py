@@ -44,8 +44,20 @@ from .output import echo, fail, to_json
     help="Runs of windows to simulate (0: the whole stream) [default: the whole stream up to 5,000,000 "
     "documents, else 400 runs].",
 )
+@click.option(
+    "--schedule",
+    help="A batch-size schedule as JSON (as BatchOptions.schedule): steps per epoch under it, e.g. "
+    "'{\"batch_size\": [[0, 32], [1000, 64]]}'.",
+)
+@click.option(
+    "--state",
+    type=click.Path(exists=True, dir_okay=False),
+    help="A loader state_dict() saved as JSON: its epoch, the weights and exclusions the run took (steering.md).",
+)
 @json_option("Print the figures as JSON.")
-def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, seed, plot, sample, as_json):
+def stats(
+    dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, seed, plot, sample, schedule, state, as_json
+):
     """Length histogram, and the padding and truncation each batching mode would give.
 
     Simulated from the index and lengths.npy over the documents one worker sees in epoch 0 (the
@@ -67,9 +79,10 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
     from ..load import stats as statsmod
     from ..load.sources.open import open_source
 
-    costs, sample, packed = [], None, None
+    costs, sample, packed, steered = [], None, None, None
     try:
         source = open_source(dataset)
+        steered = _steered(source, state)
         if source.index is None:
             raise click.ClickException(f"{dataset}: stats need a dataset with index.json and lengths.npy")
         if source.mode == "docs":
@@ -85,13 +98,17 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
             )
         else:
             packed = _packed_rows(source, dataset)
-        mix = _mixture(source)
-    except (WdsllmError, OSError) as exc:  # storage/format errors name the file
+        mix = _mixture(source, steered["epoch"] if steered else 0)
+        if schedule:
+            _schedule_steps(costs, schedule, batch_size, max_tokens, seq_len)
+    except (WdsllmError, OSError, ValueError) as exc:  # storage/format errors name the file
         fail(exc)
     hist = source.index.doc_lengths or {}
     if as_json:
-        echo(to_json(_stats_json(hist, costs, sample, mix, packed), indent=1))
+        echo(to_json({**_stats_json(hist, costs, sample, mix, packed), "steering": steered}, indent=1))
     else:
+        if steered:
+            echo(_steering_lines(steered))
         _print_stats(hist, costs, sample, mix, source, packed)
     if plot:
         if mix is not None:
@@ -102,13 +119,62 @@ def stats(dataset, batch_size, max_tokens, seq_len, window, pad_to_multiple_of, 
             echo(f"\n{'planned shares' if mix is not None else 'histogram'} drawn to {plot}")
 
 
-def _mixture(source) -> list[dict] | None:
-    """Each source's size and epoch quota, for a mixture; None for a single dataset."""
+def _mixture(source, epoch: int = 0) -> list[dict] | None:
+    """Each source's size and ``epoch``'s quota, for a mixture; None for a single dataset."""
     if source.mixing is None:
         return None
     from ..load.mixstats import mixture_summary
 
-    return mixture_summary(source)
+    return mixture_summary(source, epoch)
+
+
+def _steered(source, state: str | None) -> dict | None:
+    """What a saved state says the run changed while it trained, applied to ``source``'s plans."""
+    if state is None:
+        return None
+    import json
+
+    from ..errors import StateError
+    from ..load.state import LoaderState
+    from ..load.steer.plans import steer_plans
+
+    with open(state, "rb") as f:
+        data = f.read(64 << 20)
+    try:
+        st = LoaderState.load(json.loads(data))
+    except ValueError as exc:
+        raise StateError(f"{state}: not a loader state ({exc})") from None
+    if st.steering is None:
+        return {"epoch": st.epoch, "planned_step": None, "changes": []}
+    if source.mixing is not None:
+        source.mix_planner()
+        steer_plans(st.steering.log, source)
+    changes = [c.to_json() for c in st.steering.log.changes]
+    return {"epoch": st.epoch, "planned_step": st.steering.planned, "skipped": st.steering.skipped, "changes": changes}
+
+
+def _steering_lines(steered: dict) -> str:
+    lines = [f"state: epoch {steered['epoch']}, planned step {steered['planned_step']}"]
+    for change in steered["changes"]:
+        what = {k: v for k, v in change.items() if k not in ("kind", "at")}
+        lines.append(f"  from planned step {change['at']}: {change['kind']} {what}")
+    return "\n".join(lines) + "\n"
+
+
+def _schedule_steps(costs, text: str, batch_size: int, max_tokens: int, seq_len: int) -> None:
+    """Each mode's steps per epoch under a schedule (its batches taken several to a step)."""
+    import json
+
+    from ..load.steer.schedule import Schedule, resolve
+
+    schedule = Schedule.from_json(json.loads(text))
+    for c in costs:
+        budget = c.mode.startswith("bucket") and "budget" in c.settings
+        if (schedule.name == "max_tokens") != budget:
+            continue
+        base = max_tokens if budget else batch_size
+        per_item = 1 if schedule.unit != "tokens" else (1 if budget else seq_len)
+        c.steps = resolve(schedule, base, base * per_item if schedule.unit != "steps" else 1).steps_for(0, c.batches)
 
 
 def _packed_rows(source, name: str) -> list:
@@ -135,6 +201,7 @@ def _stats_json(hist: dict, costs, sample, mix, packed) -> dict:
                 "truncation_pct": round(c.truncation_pct, 4),
                 "small_batches": c.small_batches,
                 "padding_ci_pct": None if c.padding_ci is None else round(c.padding_ci, 4),
+                "steps": c.steps,
             }
             for c in costs
         ],
@@ -159,10 +226,13 @@ def _print_stats(hist: dict, costs, sample, mix, source, packed) -> None:
             f"simulated on a seeded sample: {sample.runs:,} runs of windows, {sample.documents:,} of "
             f"{sample.total_documents:,} documents; batches extrapolated, padding ± its 95% confidence bound"
         )
-    echo(f"{'mode':<20} {'settings':<30} {'batches':>11} {'padding':>16} {'truncated':>10}")
+    scheduled = any(c.steps is not None for c in costs)
+    steps_head = f" {'steps':>11}" if scheduled else ""
+    echo(f"{'mode':<20} {'settings':<30} {'batches':>11}{steps_head} {'padding':>16} {'truncated':>10}")
     for c in costs:
         padding = f"{c.padding_pct:.2f}%" + (f" ± {c.padding_ci:.2f}" if c.padding_ci is not None else "")
-        echo(f"{c.mode:<20} {c.settings:<30} {c.batches:>11,} {padding:>16} {c.truncation_pct:>9.2f}%")
+        steps = (f" {c.steps:>11,}" if c.steps is not None else f" {'-':>11}") if scheduled else ""
+        echo(f"{c.mode:<20} {c.settings:<30} {c.batches:>11,}{steps} {padding:>16} {c.truncation_pct:>9.2f}%")
 
 
 def _packed_table(rows: list) -> str:

@@ -250,6 +250,48 @@ def concat_blocks(blocks: list[Block]) -> Block:
     return out
 
 
+def join_rows(block: Block, j: int) -> Block:
+    """Rows of a GPT-style stream (consecutive stretches of it, in order) joined ``j`` at a time
+    into rows ``j`` times as long (the last one of what is left where ``j`` does not divide them):
+    the rows cutting the same stream at the longer length would give. A document that ran on from
+    one row into the next is one segment of the joined row."""
+    n = len(block)
+    if j <= 1 or n == 0:
+        return block
+    tokens = block.gather_tokens()
+    group = np.arange(n, dtype=np.int64) // j
+    firsts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    lengths = np.add.reduceat(block.lengths, firsts).astype(np.int64)
+    starts = np.zeros(len(lengths), np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    out = Block(tokens, starts, lengths, block.ids[firsts].copy())
+    if block.seg_lo is not None:
+        _join_segments(block, out, group, firsts)
+    return out
+
+
+def _join_segments(block: Block, out: Block, group: np.ndarray, firsts: np.ndarray) -> None:
+    """The joined rows' segment table: each row's segments moved by the tokens before it in its
+    joined row, less a segment that continues the one before it (same document, at a row start)."""
+    counts, src = block.segments()
+    before = block.lengths.cumsum() - block.lengths
+    offset = before - before[firsts][group]  # tokens before each row within its joined row
+    row_of = np.repeat(np.arange(len(block)), counts)
+    starts = block.seg_starts[src] + offset[row_of]
+    ids = block.seg_ids[src]
+    lens = None if block.seg_lens is None else block.seg_lens[src].copy()
+    joined = group[row_of]
+    runs_on = np.r_[False, (block.seg_starts[src][1:] == 0) & (ids[1:] == ids[:-1]) & (joined[1:] == joined[:-1])]
+    if lens is not None and runs_on.any():
+        keep_index = np.cumsum(~runs_on) - 1
+        lens = np.bincount(keep_index, weights=lens).astype(lens.dtype)
+    keep = ~runs_on
+    per_row = np.bincount(joined[keep], minlength=len(firsts))
+    ptr = np.zeros(len(firsts) + 1, np.int64)
+    np.cumsum(per_row, out=ptr[1:])
+    out.set_segments(ptr, starts[keep], ids[keep], lens)
+
+
 def windows(blocks: Iterable[Block], size: int) -> Iterator[Block]:
     """Consecutive windows of exactly ``size`` items over a stream of blocks (the last may be
     shorter): what shuffle buffers and bucketing/packing windows are cut from."""

@@ -32,6 +32,13 @@ class Config(OrderOptions, BatchOptions):
     def of(cls, order: OrderOptions, batch: BatchOptions) -> Config:
         return cls(**vars(order), **vars(batch))
 
+    def as_json(self) -> dict:
+        """The settings as plain JSON values (a state's ``config``, which its messages show)."""
+        out = dict(vars(self))
+        if self.schedule is not None:
+            out["schedule"] = self.schedule.to_json()
+        return out
+
     @property
     def mode(self) -> BatchingMode:
         return mode_of(self.batching)

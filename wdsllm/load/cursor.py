@@ -107,15 +107,26 @@ class Progress(NamedTuple):
     positions: dict[int, WorkerPosition]
     turn: int | None
     active: list[int] | None
+    #: the reader's steering position (``steer.Steerer.where``), which its peers mirror too
+    steer: tuple | None = None
 
 
 @dataclass
 class Restored:
-    """A loaded position that no pass has begun from yet."""
+    """A loaded position that no pass has begun from yet (or a skipped range's end: ``_Sought``)."""
 
-    state: statemod.LoaderState
+    state: statemod.LoaderState | _Sought
     turn: int
     active: list[int]
+
+
+@dataclass(frozen=True)
+class _Sought:
+    """Where a skipped range sends a pass: the counts ``Cursor.begin`` takes from a loaded state."""
+
+    yielded: int
+    steps: int
+    tails: int
 
 
 @dataclass
@@ -151,6 +162,11 @@ class Cursor:
             self.order = RoundRobin(self.workers)
             self.positions, self.yielded, self.tails = {}, 0, 0
         return self.order
+
+    def seek(self, positions: dict[int, WorkerPosition], yielded: int, turn: int) -> None:
+        """The pass goes on from ``positions`` (``yielded`` of the rank's batches of the epoch
+        behind it, a skipped range among them): its next ``begin`` starts there."""
+        self.restored = Restored(_Sought(yielded, self.steps, self.tails), turn, list(range(self.workers)))
 
     def handed_out(self, worker: int, epoch: int, index: int, hint: Any) -> None:
         self.positions[worker] = (epoch, index + 1, hint)
@@ -239,7 +255,7 @@ class Here:
         return statemod.LoaderState(
             dataset=self.catalog.fingerprint(),
             settings=resumemod.settings_fingerprint(self.cfg),
-            config=dict(vars(self.cfg)),
+            config=self.cfg.as_json(),
             rank=self.rank,
             world_size=self.world,
             num_workers=self.workers,

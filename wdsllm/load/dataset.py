@@ -154,6 +154,9 @@ class EpochSource(IterableDataset):
         self._plans: dict[int, EpochPlan] = {}  # epoch -> the plan that replaces its normal one
         self._limits: dict = {}  # (epoch, workers) -> EpochLimits | None, for the last key asked
         self._passes: dict[tuple[int, int], int] = {}  # (worker, workers) -> passes begun in this process
+        #: what the run excludes from the epochs it plans afresh (a steered run's log: steering.md)
+        self.excluding: Any = None
+        self._excluded: tuple[int, EpochPlan] | None = None  # (epoch, its plan less the exclusions)
 
     @property
     def epoch(self) -> int:
@@ -182,7 +185,17 @@ class EpochSource(IterableDataset):
         self._limits = {}
 
     def plan_for(self, epoch: int) -> EpochPlan | None:
-        return self._plans.get(epoch)
+        plan = self._plans.get(epoch)
+        if plan is not None or self.excluding is None:
+            return plan
+        if self._excluded is None or self._excluded[0] != epoch:
+            self._excluded = (epoch, self.excluding(epoch))
+        return self._excluded[1]
+
+    def exclude_from(self, excluding: Any) -> None:
+        """Plan every epoch without a replacement plan as ``excluding(epoch)`` (None: normally)."""
+        self.excluding, self._excluded = excluding, None
+        self._limits = {}
 
     def set_plan(self, epoch: int | None, plan: EpochPlan | None) -> None:
         """Replace epoch ``epoch``'s plan (None: every epoch follows the normal plan)."""
@@ -760,6 +773,8 @@ def dataset(
         )
     if face.observe.changed():
         raise ConfigError(f"{', '.join(face.observe.changed())}: what wdsllm.loader observes (use wdsllm.loader)")
+    if face.steer.changed():
+        raise ConfigError(f"{', '.join(face.steer.changed())}: what wdsllm.loader steers by (use wdsllm.loader)")
     catalog, batch = open_given(face)
     layout = resolve_layout(face.layout)
     if layout.cp is not None or layout.pp is not None or layout.broadcasts:

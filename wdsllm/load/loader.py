@@ -18,27 +18,43 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import itertools
 import logging
+import os
 import time
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from ..errors import ConfigError, NotADatasetError, UsageError
+from ..errors import ConfigError, NotADatasetError, SteeringError, UsageError
 from ..observe.observer import Observer, timed
 from . import state as statemod
 from .agree import agree_on_layout
 from .batching import Batch
+from .block import concat_blocks, join_rows
 from .collate import CollateOptions, assemble
 from .config import Config, reading_options, resolve_world
+from .counts import round_robin_share
 from .cpsplit import check_row_length
-from .cursor import Cursor, EpochTotal, Here, Progress, RoundRobin, check_fits, restore
+from .cursor import (
+    Cursor,
+    EpochTotal,
+    Here,
+    Progress,
+    RoundRobin,
+    check_fits,
+    positions_of_share,
+    restore,
+    turn_after,
+)
 from .dataset import CountedBy, DataStats, EndOfWorker, build_pipeline, dataset_tokenizer, open_given
 from .describe import describe
 from .layout import resolve_layout, world_seat
 from .mixstats import MixTally
+from .mixture import is_mixture_source
 from .options import (
     AGREE_ALL,
     BatchOptions,
@@ -46,11 +62,17 @@ from .options import (
     ObserveOptions,
     OrderOptions,
     ReadingOptions,
+    SteerOptions,
     WorkerOptions,
     split_options,
 )
 from .plan import torch_seed
 from .replicas import replicas_for
+from .resume import items_between
+from .steer.face import SteeringMethods
+from .steer.log import Log
+from .steer.plans import steer_plans
+from .steer.runtime import Steerer
 from .tails import TailMerge, merge_key, merges_tails
 from .transport import WorkerBatches
 
@@ -95,7 +117,7 @@ class _OpenLoaders:
 _OPEN = _OpenLoaders()
 
 
-class Loader:
+class Loader(SteeringMethods):
     """Iterate batches for this rank; call ``set_epoch(e)`` before each epoch (see docs/loader.md).
 
     A cursor (``cursor.Cursor``: the epoch, the pass, each worker's position; its get/set is the
@@ -114,13 +136,14 @@ class Loader:
         reading: ReadingOptions | None = None,
         layout: LayoutOptions | None = None,
         observe: ObserveOptions | None = None,
+        steer: SteerOptions | None = None,
         _in_process: bool = False,
         **options: Any,
     ):
         #: the iterators handed out and not finished (``close()`` ends them)
         self._iterators: weakref.WeakSet = weakref.WeakSet()
         records = {"order": order, "batch": batch, "workers": workers, "reading": reading, "layout": layout}
-        records["observe"] = observe
+        records.update(observe=observe, steer=steer)
         face = split_options(source, records, options, face="wdsllm.loader")
         self.catalog, batch = open_given(face)
         #: rank and world size given, or found (torch.distributed, RANK/WORLD_SIZE); found ones are
@@ -149,6 +172,10 @@ class Loader:
         if self.layout.cp is not None:
             opts = self.collate_options
             check_row_length(self.layout.cp, seq_len=opts.width, multiple=opts.pad_to_multiple_of, rows=opts.rows)
+        #: the schedule in planned steps, the run's changes, where the run stands (steering.md)
+        self.steering = self._steerer()
+        self._steer_url = steer_file_of(face)
+        self.steering.reload_every = face.steer.reload_every
         self._replicas = replicas_for(self.layout, self.description.settings())
         #: a mixture's delivered tokens and items per source (``mix_stats``)
         self._mix = MixTally(self.catalog) if self.catalog.mixing is not None else None
@@ -184,6 +211,10 @@ class Loader:
         self.source = self.pipeline.source
         #: what loaded states and batch counts are checked against
         self.here = Here(self.catalog, self.cfg, self.rank, self.world_size, self.workers, self.source)
+
+    def _steerer(self) -> Steerer:
+        opts = self.collate_options
+        return Steerer.of(self.cfg.schedule, self.cfg, opts.rows, opts.seq_len, self.world_size)
 
     @property
     def num_workers(self) -> int:
@@ -263,6 +294,7 @@ class Loader:
         )
         self.rank, self.world_size = rank, world
         self._build()
+        self.steering.phases = self._steerer().phases
         self._total.forget()
         self._transport.forget()
 
@@ -300,8 +332,16 @@ class Loader:
             return
         self._finish_pass(cursor.epoch)
 
+    def _skip_rest(self, epoch: int) -> None:
+        """Count the rest of the epoch as skipped where a skipped range ends it (the planned step
+        moves to the epoch's end)."""
+        target = self.steering.skip_target()
+        if target is not None:
+            self._seek(epoch, target)
+
     def _finish_pass(self, epoch: int) -> None:
         """The pass over ``epoch`` is complete: its generator, if resumed or collected later, does nothing."""
+        self._skip_rest(epoch)
         if self.source.resume_positions or self.cursor.restored is not None:
             self._drop_resume()
         self.cursor.finish(epoch)
@@ -348,7 +388,11 @@ class Loader:
         total = self._epoch_total()
         if total is None:
             raise TypeError("the number of batches is unknown without an index")
-        return total
+        steer = self.steering
+        if steer.plain:
+            return total
+        start = steer.epoch_start if self.cursor.order is not None or self.cursor.restored else steer.planned
+        return steer.yielded_steps(start, total)
 
     def _epoch_total(self) -> int | None:
         """Batches this rank yields in the current epoch, from the index (None without one)."""
@@ -360,7 +404,12 @@ class Loader:
         limits = self.limits
         if limits is not None and not limits.ready() and yielded < limits.per_rank_bound:
             return False
-        return yielded == self._epoch_total()
+        total = self._epoch_total()
+        if yielded == total:
+            return True
+        steer = self.steering  # or the rest of the epoch is skipped
+        target = None if steer.plain or total is None else steer.skip_target()
+        return target is not None and yielded + steer.phases.batches_between(steer.planned, target) >= total
 
     def _note_limits(self, epoch: int) -> None:
         """Log and keep this rank's dropped batches once the equal-batches decision is known."""
@@ -388,6 +437,9 @@ class Loader:
             self.cursor.merged_out()
         else:
             self.cursor.handed_out(batch.worker, batch.epoch, batch.index, batch.hint)
+        return self._pinned(out)
+
+    def _pinned(self, out: dict) -> dict:
         if self.pin_memory and torch.cuda.is_available():
             out = {k: (v.pin_memory() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
         return out
@@ -452,7 +504,7 @@ class Loader:
             agree_on_layout(self.description, world_seat(self.rank, self.world_size))
 
     def _progress(self) -> Progress:
-        return self.cursor.progress()
+        return self.cursor.progress()._replace(steer=self.steering.where())
 
     def _follow(self, progress: Progress, ended: bool) -> None:
         """A receiver of a broadcast (or a middle pipeline stage) mirrors its reader's cursor, so
@@ -461,6 +513,7 @@ class Loader:
         (``_settle_epoch``) when the trainer asks for no more."""
         cursor = self.cursor
         cursor.mirror(progress)
+        self.steering.mirror(progress.steer)
         if not ended and not self._streamed and self._epoch_done(cursor.yielded):
             cursor.finish(cursor.epoch)
 
@@ -477,14 +530,36 @@ class Loader:
         noted = self.limits is not None and self.limits.ready()  # else once the count is done
         if noted:
             self._note_limits(epoch)
-        order = self._begin()
-        resumed = bool(self.source.resume_positions)
-        batches = order.run(self._transport.stream(self.pipeline, torch_seed(self.cfg.seed, epoch)), self._note_end)
-        if merges_tails(self.source.catalog, self.cfg, self.workers):
-            batches = self._tail_merge(epoch).run(batches)
+        steer = self.steering
+        if cursor.restored is None:  # a fresh epoch: its planned steps begin here
+            steer.epoch_start = steer.planned
+        resumed = False
         try:
-            for batch in batches:
-                yield self._hand_out(batch)
+            while True:
+                if steer.restart:  # re-planned by a change: the rest of the epoch is a pass of its own
+                    steer.restart = False
+                    self.limits = self.source.limits(epoch, self.workers)
+                    noted = self.limits is not None and self.limits.ready()
+                    if noted:
+                        self._note_limits(epoch)
+                order = self._begin()
+                resumed = resumed or bool(self.source.resume_positions)
+                batches = order.run(
+                    self._transport.stream(self.pipeline, torch_seed(self.cfg.seed, epoch)), self._note_end
+                )
+                if merges_tails(self.source.catalog, self.cfg, self.workers):
+                    batches = self._tail_merge(epoch).run(batches)
+                try:
+                    yield from self._steps(batches)
+                finally:
+                    batches.close()
+                if cursor.pass_no != this_pass:
+                    break
+                if steer.restart:
+                    continue
+                target = steer.skip_target()
+                if target is None or not self._seek(epoch, target):
+                    break
         finally:
             if resumed and cursor.pass_no == this_pass:
                 self._drop_resume()
@@ -492,6 +567,73 @@ class Loader:
             self._note_limits(epoch)
         if cursor.pass_no == this_pass:  # the epoch is complete (unless a later pass took over)
             self._finish_pass(epoch)
+
+    def _steps(self, batches: Iterator[Batch]) -> Iterator[dict]:
+        """The loader's batches as the run's steps: one each, or grouped by the schedule, up to a
+        skipped step (``Steerer.steps``)."""
+        steer = self.steering
+        if steer.plain:
+            changes = steer.log.changes  # a change made while the pass runs leaves this path
+            for batch in batches:
+                steer.planned += 1
+                yield self._hand_out(batch)
+                if changes:
+                    break
+            else:
+                return
+        for group in steer.steps(batches, self._reload if steer.reload_every else None):
+            yield self._hand_out_group(group)
+
+    def _seek(self, epoch: int, target: int) -> bool:
+        """Move this pass to planned step ``target`` (the end of a skipped range): the workers
+        start again where the plan has the loader's batches of that step, as a resume does.
+        False where ``target`` lies beyond the epoch (which then ends, its steps counted)."""
+        steer, cursor = self.steering, self.cursor
+        total = self._epoch_total()
+        if total is None:
+            raise UsageError("skipping steps needs the batch counts of the epoch (an index, or a count sidecar)")
+        skipped = steer.phases.batches_between(steer.planned, target)
+        position = min(total, cursor.yielded + skipped)
+        end = steer.epoch_start + steer.epoch_steps(steer.epoch_start, total)
+        plan = self.source.plan_for(epoch)
+        counts = self.here.worker_counts(epoch, self.world_size, self.workers, plan)[self.rank]
+        before, after = (round_robin_share(counts, n).tolist() for n in (cursor.yielded, position))
+        items, tokens = items_between(self.catalog, self.cfg, epoch, self.rank, self.world_size, plan, before, after)
+        steer.skipped.add(min(target, end) - steer.planned, position - cursor.yielded, items, tokens)
+        steer.planned = min(target, end)
+        if position >= total:
+            cursor.yielded = total
+            return False
+        positions = positions_of_share(epoch, counts, position)
+        self.source.resume_from(positions)
+        self._transport.forget()
+        served = {w: (p[0], p[1]) for w, p in positions.items()}
+        cursor.seek(positions, position, turn_after(served, self.workers))
+        return True
+
+    def _hand_out_group(self, group: list[Batch]) -> dict:
+        """One step of several of the loader's batches: each counted as handed out, collated
+        together, their rows joined where a seq_len schedule says so."""
+        join = self.steering.rows.group_at(self.steering.planned - 1)
+        if len(group) == 1 and join == 1:
+            return self._hand_out(group[0])
+        began = time.perf_counter()
+        for batch in group:
+            if self._mix is not None:
+                self._mix.add(batch.mix, batch.epoch)
+            if batch.stats:
+                self.stats.add(batch.stats)
+            if batch.tail:
+                self.cursor.merged_out()
+            else:
+                self.cursor.handed_out(batch.worker, batch.epoch, batch.index, batch.hint)
+        options = self.collate_options
+        if join > 1:
+            options = replace(options, seq_len=options.seq_len * join, max_segments=(options.max_segments or 1) * join)
+        items = concat_blocks([join_rows(b.items, join) for b in group])
+        out = assemble(items, group[0].epoch, options)
+        self.observer.handed(group[-1].worker, time.perf_counter() - began)
+        return self._pinned(out)
 
     def _tail_merge(self, epoch: int) -> TailMerge:
         """The stage that holds the workers' epoch-final batches and merges them (``tails.py``),
@@ -517,13 +659,19 @@ class Loader:
                 self._transport.stream(self.pipeline, torch_seed(self.cfg.seed, cursor.epoch)), on_end
             )
         steps = self.cfg.steps_per_epoch
+        steer = self.steering
+        if steer.reload_every is not None or steer.log.changes:
+            raise SteeringError(
+                "steering an endless stream needs its epochs whole, one after another, to say where a planned step "
+                "is: pass equal_batches=True (docs/steering.md)"
+            )
         while steps is None or cursor.steps < steps:
-            try:
-                batch = next(self._stream)
-            except StopIteration:
+            group = list(itertools.islice(self._stream, steer.group_at(steer.planned)))
+            if not group:
                 return
             cursor.steps += 1
-            yield self._hand_out(batch)
+            steer.planned += 1
+            yield self._hand_out_group(group)
         cursor.steps = 0
 
     def _iter_passes(self) -> Iterator[dict]:
@@ -574,11 +722,13 @@ class Loader:
         """What this loader measured of its data path, as a flat dict of numbers any logger takes
         (the data wait on this thread, and over the ranks where ``reduce_every`` is set); the keys
         are listed in docs/observability.md."""
-        return self.observer.metrics(self.stats.skipped_shards, self.world_size)
+        out = self.observer.metrics(self.stats.skipped_shards, self.world_size)
+        out.update(self._steer_metrics())
+        return out
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self, *, kept_per_rank: bool = False) -> dict[str, str]:
-        """Where this rank's stream stands, as ``{"format": "wdsllm.loader/6", "state": JSON}``:
+        """Where this rank's stream stands, as ``{"format": "wdsllm.loader/7", "state": JSON}``:
         two strings that every checkpointer keeps whole (see docs/loader.md and state.py). Replica
         peers (docs/parallel.md) hold one state, each its own copy (a receiver's is its reader's,
         mirrored with every batch): no collective, so one rank alone may save
@@ -609,9 +759,12 @@ class Loader:
         in_epoch = cursor.order is not None or (self._streamed and self._stream is not None)
         if in_epoch and not self._streamed and cursor.yielded and self._epoch_done(cursor.yielded):
             # The last batch is out: a resume starts the next epoch, not an empty rest of this one.
+            self._skip_rest(cursor.epoch)
             in_epoch = False
             cursor.completed = cursor.epoch
-        return self.here.state(cursor.get(in_epoch)).sealed()
+        position = cursor.get(in_epoch)
+        position["steering"] = self.steering.saved()
+        return self.here.state(position).sealed()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a state saved by ``state_dict`` (on any rank when batches were equal).
@@ -625,12 +778,31 @@ class Loader:
         if not self._started:
             self._settle_world()
         st = statemod.LoaderState.load(state)
-        check_fits(st, self.here, exact_order=self.read_options.on_error == "raise")
+        # the run's changes shape its plans (exclusions, a mixture's weights): checked under them
+        steer_plans(st.steering.log if st.steering else Log(), self.catalog, self.source)
+        try:
+            check_fits(st, self.here, exact_order=self.read_options.on_error == "raise")
+        except Exception:
+            steer_plans(self.steering.log, self.catalog, self.source)
+            raise
         # The state fits: from here on nothing is refused.
         self._total.forget()
         self._stream = self._pass = None
         self._transport.forget()
         restore(self.cursor, st, self.here)
+        same_layout = (st.world_size, st.num_workers) == (self.world_size, self.workers)
+        self.steering.restore(st.steering, same_layout)
+
+
+def steer_file_of(face: Any) -> str | None:
+    """The steering file a loader re-reads: the one named, else the mixture file it was built from."""
+    given = face.steer.steer_file
+    if given is None and face.steer.reload_every is not None:
+        if isinstance(face.source, (str, os.PathLike)) and is_mixture_source(face.source):
+            given = os.fspath(face.source)
+        else:
+            raise ConfigError("reload_every= re-reads a steering file: pass steer_file= (or build from a mixture file)")
+    return given
 
 
 def loader(
@@ -642,6 +814,7 @@ def loader(
     reading: ReadingOptions | None = None,
     layout: LayoutOptions | None = None,
     observe: ObserveOptions | None = None,
+    steer: SteerOptions | None = None,
     **options: Any,
 ) -> Loader:
     """Batches of ``source`` for this rank, with DataLoader workers, ``set_epoch`` and an exact
@@ -649,5 +822,13 @@ def loader(
     ``WorkerOptions``, ``ReadingOptions``, ``LayoutOptions``, ``ObserveOptions``), as keywords
     (``batch_size=32``) or whole (``batch=BatchOptions(...)``); each is described in docs/loader.md."""
     return Loader(
-        source, order=order, batch=batch, workers=workers, reading=reading, layout=layout, observe=observe, **options
+        source,
+        order=order,
+        batch=batch,
+        workers=workers,
+        reading=reading,
+        layout=layout,
+        observe=observe,
+        steer=steer,
+        **options,
     )

@@ -433,7 +433,33 @@ class MixPlanner:
             if size == 0 and (w > 0 or any(p.weights[mixture.names.index(name)] > 0 for p in mixture.phases)):
                 raise MixtureError(f"mixture source {name!r} is empty but has a positive weight")
         self._segments: dict[int, list[list[tuple[int, int]]]] = {}
+        #: weights set while the run trained: (the first epoch they plan, weights), in order
+        self.steered: tuple[tuple[int, tuple[float, ...]], ...] = ()
+        self.excluded: tuple[tuple[int, int], ...] = ()
         self._check_passes()
+
+    def steer(self, phases: Sequence[tuple[int, tuple[float, ...]]], excluded: Sequence[tuple[int, int]] = ()) -> None:
+        """Weights changed while the run trained, each from the start of an epoch on (after the
+        declared phases that come before it, before those that come after), and sources excluded
+        from an epoch on: ``excluded`` holds (epoch, source)."""
+        self.steered = tuple((int(e), tuple(w)) for e, w in phases)
+        self.excluded = tuple((int(e), int(s)) for e, s in excluded)
+        self._segments = {}
+
+    def _without_excluded(self, out: list[tuple[int, tuple[float, ...]]]) -> list[tuple[int, tuple[float, ...]]]:
+        """Phases with each excluded source's weight zero from its epoch on (the rest renormalised)."""
+        for epoch, _ in sorted(self.excluded):
+            at = epoch * self.epoch
+            if all(p[0] != at for p in out):
+                current = [p for p in out if p[0] < at][-1][1]
+                out = sorted([*out, (at, current)])
+        fixed = []
+        for start, weights in out:
+            gone = {s for e, s in self.excluded if start >= e * self.epoch}
+            kept = [0.0 if s in gone else w for s, w in enumerate(weights)]
+            total = sum(kept)
+            fixed.append((start, tuple(w / total for w in kept) if total > 0 else tuple(kept)))
+        return fixed
 
     # -- bounds, before anything is planned ------------------------------------------------------
     def _epoch_bounds(self) -> tuple[list[int], list[int]]:
@@ -493,7 +519,10 @@ class MixPlanner:
                 out[0] = (0, ph.weights)
             else:
                 out.append((at, ph.weights))
-        return out
+        for epoch, weights in self.steered:  # from its point to the next declared one (which it replaces there)
+            at = epoch * self.epoch
+            out = [p for p in out if p[0] < at] + [(at, weights)] + [p for p in out if p[0] > at]
+        return self._without_excluded(out) if self.excluded else out
 
     def cumulative(self, g: int) -> list[int]:
         """Units of each source taken by the first ``g`` units of the run (exact rounding of the

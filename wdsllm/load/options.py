@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import ConfigError, normalize_on_error
 from ..inputs.sources import DEFAULT_MAX_DOC_BYTES
+from .steer.schedule import Schedule
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -161,6 +162,9 @@ class BatchOptions(Options):
         None, "documents per row that cu_seqlens is padded for", low=1, shown="the index's, else seq_len"
     )
     docs: bool = option(True, "batches carry `docs` (False: left out, packed batches come faster)")
+    schedule: Schedule | None = option(  # noqa: RUF009
+        None, "batch sizes (or token budgets) by step, samples or tokens, in multiples of batch_size: steering.md"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -168,6 +172,13 @@ class BatchOptions(Options):
 
         if self.batching not in MODES:
             raise ConfigError(f"batching must be one of {', '.join(map(repr, MODES))}, not {self.batching!r}")
+        if isinstance(self.schedule, Mapping):  # plain data (a YAML or JSON file, a command line)
+            object.__setattr__(self, "schedule", Schedule.from_json(self.schedule))
+        if self.schedule is not None and not isinstance(self.schedule, Schedule):
+            raise ConfigError(
+                f"schedule must be a wdsllm.Schedule (e.g. Schedule(batch_size=[(0, 8), (1000, 16)])), "
+                f"not {type(self.schedule).__name__}"
+            )
 
 
 @dataclass(frozen=True)
@@ -363,6 +374,22 @@ class ObserveOptions(Options):
     watchdog_raise: bool = option(False, "then raise `WorkerStalledError` instead of waiting on", agree=AGREE_NONE)
 
 
+@dataclass(frozen=True)
+class SteerOptions(Options):
+    """Steering from a file an operator edits while the run trains (``wdsllm.loader`` only; docs/steering.md)."""
+
+    KEYWORD: ClassVar[str] = "steer"
+
+    steer_file: str | None = option(
+        None,
+        "a YAML file of weights, skip and exclude re-read every reload_every steps",
+        shown="the mixture file the loader was built from",
+    )
+    reload_every: int | None = option(
+        None, "every N planned steps, rank 0 re-reads steer_file and every rank takes what it says", low=1
+    )
+
+
 #: the records a face takes, in the order the docs list them
 FACE_RECORDS: tuple[type[Options], ...] = (
     OrderOptions,
@@ -371,6 +398,7 @@ FACE_RECORDS: tuple[type[Options], ...] = (
     ReadingOptions,
     LayoutOptions,
     ObserveOptions,
+    SteerOptions,
 )
 #: raw-text fields that the faces still take as keywords (deprecated: pass a RawTextSource)
 RAW_KEYWORDS = tuple(f.name for f in fields(RawTextSource) if f.name not in ("raw", "on_error"))
@@ -387,6 +415,7 @@ class FaceOptions:
     layout: LayoutOptions
     source: Any
     observe: ObserveOptions = field(default_factory=ObserveOptions)
+    steer: SteerOptions = field(default_factory=SteerOptions)
 
     @property
     def explicit_world(self) -> bool:

@@ -44,8 +44,8 @@ def settings_fingerprint(cfg: Config) -> str:
     # equal_batches only caps how many batches come out, not which, and docs only what a batch
     # carries: a resume may change either
     fields = {k: v for k, v in asdict(cfg).items() if k not in ("equal_batches", "docs")}
-    for name, default in (("uneven", "drop"), ("shift_labels", False)):
-        if fields.get(name) == default:  # the default: the states saved before the option existed still fit
+    for name, default in (("uneven", "drop"), ("shift_labels", False), ("schedule", None)):
+        if name in fields and fields[name] == default:  # the default: states saved before the option still fit
             del fields[name]
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -71,6 +71,32 @@ def consumed_plan_positions(
         return np.zeros(0, np.int64)
     consumed = np.concatenate(parts).astype(np.int64)
     return np.unique(inverse_shuffle(consumed, len(lengths_plan), spec, mixing, labels))
+
+
+def items_between(
+    source: Source, cfg: Config, epoch: int, rank: int, world: int, plan, before: list[int], after: list[int]
+) -> tuple[int, int]:
+    """(items, tokens) that each worker of (rank) handed out between batch ``before[w]`` and
+    ``after[w]`` of ``epoch`` (what a skipped range passed over), from the plan over lengths."""
+    items = tokens = 0
+    workers = len(before)
+    for w in range(workers):
+        if after[w] <= before[w]:
+            continue
+        spec = cfg.spec(epoch, rank, world, w, workers)
+        slices = slices_for(source, cfg, spec, plan)
+        lengths = slice_item_lengths(source, slices, spec)
+        if lengths is None:
+            continue
+        labels = plan_labels(source, slices, spec)
+        batcher = batcher_for(source, cfg, spec)
+        shown = [
+            consumed_plan_positions(batcher, lengths, spec, n, source.mixing, labels) for n in (before[w], after[w])
+        ]
+        passed = np.setdiff1d(shown[1], shown[0], assume_unique=True)
+        items += len(passed)
+        tokens += int(lengths[passed].sum())
+    return items, tokens
 
 
 def remaining_slices(slices: list[Slice], counts: list[int], consumed: np.ndarray) -> list[Slice]:
@@ -157,6 +183,9 @@ class RemainderPlan:
                 spec = cfg.spec(self.epoch, r, self.world, w, self.workers)
                 slices = slices_for(source, cfg, spec, self.base)
                 counts = slice_item_counts(source, slices, spec)
+                if counts is not None and not self.consumed[r][w] and not hands_over(source, cfg, spec):
+                    slices_out.extend(sl for sl, n in zip(slices, counts) if n)  # nothing of it gone
+                    continue
                 lengths = slice_item_lengths(source, slices, spec)
                 if counts is None or lengths is None:
                     raise StateError(
@@ -185,7 +214,7 @@ class RemainderPlan:
             return cut_sequence(slices, counts, a, b, split)
         block = mixing.block_size(cfg.spec(self.epoch, rank, world, worker, workers))
         out: list[Slice] = []
-        for strands in _strands(slices, counts, mixing):
+        for strands in self.strands(source, cfg, slices, counts):
             shares = [strand.share(rank, world, worker, workers) for strand in strands]
             total = sum(b - a for a, b in shares)
             rounds = -(-total // block)
@@ -200,6 +229,14 @@ class RemainderPlan:
                         out.extend(strand.cut(a + x, a + y, split))
         return out
 
+    def excluded(self) -> tuple[int, int]:
+        """(items, tokens) that exclusions took out of this epoch's plans (``steer.plans.SteeredPlan``)."""
+        return self.base.excluded() if self.base is not None else (0, 0)
+
+    def strands(self, source: Source, cfg: Config, slices: list[Slice], counts: list[int]) -> list[list[_Strand]]:
+        """Per part of the epoch, per source of a mixture: its remaining slices and counts."""
+        return _strands(slices, counts, source.mixing)
+
 
 @dataclass
 class _Strand:
@@ -212,6 +249,12 @@ class _Strand:
     def share(self, rank: int, world: int, worker: int, workers: int) -> tuple[int, int]:
         return planmod.consumer_share(int(sum(self.counts)), rank, world, worker, workers)
 
+    def first(self, n: int) -> _Strand:
+        """Its first ``n`` items."""
+        if n >= sum(self.counts):
+            return self
+        return _Strand(*_head(self.slices, self.counts, n))
+
     def cut(self, a: int, b: int, split: bool) -> list[Slice]:
         """Items [a, b): ``cut_sequence`` from the first slice that holds item a."""
         if self._ends is None or len(self._ends) != len(self.counts):
@@ -221,6 +264,22 @@ class _Strand:
         j = int(np.searchsorted(ends, b, side="left")) + 1  # one past the slice that holds item b-1
         before = int(ends[i - 1]) if i else 0
         return cut_sequence(self.slices[i:j], self.counts[i:j], a - before, b - before, split)
+
+
+def _head(slices: list[Slice], counts: list[int], n: int) -> tuple[list[Slice], list[int]]:
+    """The first ``n`` items of slices (as picks where a slice is cut)."""
+    out, out_counts = [], []
+    for sl, c in zip(slices, counts):
+        if n <= 0:
+            break
+        if c <= n:
+            out.append(sl)
+            out_counts.append(c)
+        else:
+            out.extend(cut_sequence([sl], [c], 0, n, True))
+            out_counts.append(n)
+        n -= c
+    return out, out_counts
 
 
 def _strands(slices: list[Slice], counts: list[int], mixing) -> list[list[_Strand]]:

@@ -4,7 +4,7 @@ A state travels through checkpointers that each keep a different subset of a nes
 ``torch.distributed.checkpoint`` fills only the leaves of the *fresh* object's state (a fresh
 loader has no per-worker keys, so they were dropped) and, across ranks, keeps each leaf from
 whichever rank it likes; ``torch.load(weights_only=True)`` refuses anything but plain types. So
-``state_dict()`` returns two strings, ``{"format": "wdsllm.loader/6", "state": "<JSON>"}``: one
+``state_dict()`` returns two strings, ``{"format": "wdsllm.loader/7", "state": "<JSON>"}``: one
 leaf can be neither truncated nor mixed, and every checkpointer keeps strings. The JSON carries a
 digest of itself, so an edited or damaged state is refused rather than trusted.
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StateError
+from ..errors import StateError, SteeringError
 from . import plan as planmod
 from .batching import COUNT_BY_ITEMS
 from .config import Config
@@ -34,6 +34,8 @@ from .holes import LOST_KEY, lost_batches
 from .marks import MARK_KEY
 from .resume import RemainderPlan
 from .sources.protocol import Source
+from .steer.plans import Leaving, SteeredPlan
+from .steer.runtime import SavedSteering
 from .tails import merges_tails
 
 LOADER_KIND = "wdsllm.loader"
@@ -43,9 +45,11 @@ DATASET_KIND = "wdsllm.dataset"
 #: shares in whole batches, and documents split at max_len shared by their pieces; 5: ``tails``, the
 #: batches of the workers' merged tails handed out (``tails.py``; none before, so 0 in older states); 6: an
 #: endless state with ``equal_batches`` is a position in one epoch of whole epochs run one after another
-#: (``Config.endless_by_epochs``; an older endless state always streamed on across epochs)
-LOADER_VERSION = 6
-READABLE_LOADER_VERSIONS = (1, 2, 3, 4, 5, 6)
+#: (``Config.endless_by_epochs``; an older endless state always streamed on across epochs); 7:
+#: ``steering``, the run's planned step and its log of changes (``steer/runtime.py``; older states leave the
+#: planned step unknown)
+LOADER_VERSION = 7
+READABLE_LOADER_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 #: 2: blocks of shards, as the loader's 3; 3: whole-batch and piece shares, as the loader's 4; 4: the
 #: epochs of an endless stream hand tails over, as the loader's 5
 DATASET_VERSION = 4
@@ -63,6 +67,8 @@ MAX_EPOCH = 1 << 32
 MAX_COUNT = 1 << 48
 MAX_WORLD = 1 << 20
 MAX_WORKERS = 1 << 12
+#: the most plans one epoch's plan may be made over (resumes on other layouts, changes while it ran)
+MAX_PLAN_DEPTH = 256
 #: the most epochs of an endless stream whose batch counts are recomputed to check its positions
 MAX_CHECKED_SPAN = 8
 
@@ -196,7 +202,7 @@ def parse_plan(value: Any, key: str = "plan", depth: int = 0) -> RemainderPlan |
     """A RemainderPlan from its JSON, every field checked (the plan an epoch was re-planned by)."""
     if value is None:
         return None
-    if not isinstance(value, dict) or depth > 64:
+    if not isinstance(value, dict) or depth > MAX_PLAN_DEPTH:
         raise StateError(f"{_where(key)} must be an object or null")
     world = _int(_get(value, "world", key + "."), key + ".world", 1, MAX_WORLD)
     workers = _int(_get(value, "workers", key + "."), key + ".workers", 1, MAX_WORKERS)
@@ -208,13 +214,15 @@ def parse_plan(value: Any, key: str = "plan", depth: int = 0) -> RemainderPlan |
         if not isinstance(row, list) or len(row) != workers:
             raise StateError(f"{_where(f'{key}.consumed[{r}]')} must hold one count per old worker ({workers})")
         rows.append([_int(c, f"{key}.consumed[{r}][{w}]") for w, c in enumerate(row)])
-    return RemainderPlan(
-        _int(_get(value, "epoch", key + "."), key + ".epoch", hi=MAX_EPOCH),
-        world,
-        workers,
-        rows,
-        parse_plan(value.get("base"), key + ".base", depth + 1),
-    )
+    epoch = _int(_get(value, "epoch", key + "."), key + ".epoch", hi=MAX_EPOCH)
+    base = parse_plan(value.get("base"), key + ".base", depth + 1)
+    if "leaving" not in value:
+        return RemainderPlan(epoch, world, workers, rows, base)
+    try:  # re-planned by a change while the run trained (steer/plans.py)
+        leaving = Leaving.from_json(value["leaving"])
+    except SteeringError as exc:
+        raise StateError(f"{_where(key + '.leaving')}: {exc}") from None
+    return SteeredPlan(epoch, world, workers, rows, base, leaving=leaving)
 
 
 @dataclass
@@ -239,6 +247,8 @@ class LoaderState:
     version: int = LOADER_VERSION
     #: of ``yielded``: batches of the workers' merged tails (``tails.py``)
     tails: int = 0
+    #: the run's planned step and its log of changes (None: saved before steering existed)
+    steering: SavedSteering | None = None
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -281,6 +291,7 @@ class LoaderState:
             config=config,
             version=body.get("version", LOADER_VERSION),
             tails=_int(_get(body, "tails"), "tails") if body.get("version", LOADER_VERSION) >= 5 else 0,
+            steering=_steering(body) if body.get("version", LOADER_VERSION) >= 7 else None,
         )
 
     @property
@@ -313,6 +324,7 @@ class LoaderState:
             "turn": self.turn,
             "active": self.active,
             "plan": self.plan.to_json() if self.plan is not None else None,
+            "steering": self.steering.to_json() if self.steering is not None else None,
         }
 
     def sealed(self) -> dict[str, str]:
@@ -321,6 +333,13 @@ class LoaderState:
 
 # ----------------------------------------------------------------------------------------------
 # Checks against this loader and the plan
+
+
+def _steering(body: Mapping[str, Any]) -> SavedSteering:
+    try:
+        return SavedSteering.parse(_get(body, "steering"))
+    except SteeringError as exc:
+        raise StateError(str(exc)) from None
 
 
 def check_identity(st: LoaderState, *, dataset: str, settings: str, infinite: bool) -> None:

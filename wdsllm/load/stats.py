@@ -45,6 +45,7 @@ class ModeCost:
     truncated: int  # tokens cut away (max_len='truncate' only)
     small_batches: int = 0
     padding_ci: float | None = None  # sampled: half-width of the padding's 95% confidence interval, in % points
+    steps: int | None = None  # under a batch-size schedule: the steps its batches make (wdsllm stats --schedule)
 
     @property
     def padding_pct(self) -> float:

@@ -1,0 +1,334 @@
+"""The loader's steering methods: ``skip``, ``exclude``, ``set_weights`` (docs/steering.md).
+
+Each is a collective (every process calls it with the same arguments at the same planned step,
+checked by ``steer.agree``), validated before anything changes (a bad one is a ``SteeringError``
+and the run keeps its settings), recorded in the run's log, and applied from the next planned
+step: a skip where the stream reaches it, an exclusion or new weights by re-planning the rest of
+the epoch (``plans.SteeredPlan``) and every later epoch. The same exclusion or skip given
+again (a requeue replaying its launch script) is a replay: nothing more changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ...errors import SteeringError
+from ..block import ID_SHIFT
+from ..counts import round_robin_share
+from ..tails import merges_tails
+from .agree import agree_on_change
+from .log import Exclude, Weights, check_weights
+from .plans import Leaving, SteeredPlan, steer_plans
+
+log = logging.getLogger(__name__)
+
+_STREAMED = (
+    "{what} on an endless stream needs its epochs whole, one after another, to say where a planned step is: pass "
+    "equal_batches=True (docs/steering.md)"
+)
+
+
+class SteeringMethods:
+    """What a ``Loader`` offers a trainer that steers it (mixed into the loader)."""
+
+    # -- the planned step -----------------------------------------------------------------------
+    @property
+    def planned_step(self) -> int:
+        """The planned step of the next batch: its place in the run's planned sequence of steps
+        (every epoch's, skipped ones included), which ``skip`` ranges name."""
+        self._settle_epoch()
+        return self.steering.planned
+
+    @planned_step.setter
+    def planned_step(self, step: int) -> None:
+        """Only where a state saved before steering existed left it unknown (``skip`` says so)."""
+        if not self.steering.unknown:
+            raise SteeringError(f"the planned step is known ({self.steering.planned}); it moves only by iterating")
+        self.steering.planned = self.steering.epoch_start = int(step)
+        self.steering.unknown = False
+
+    def _steer_first(self, what: str, args: Any) -> None:
+        """What every change does first: settle the epoch, agree across processes, know where we are."""
+        self._settle_epoch()
+        agree_on_change(what, self.steering.planned, args)
+        if self.steering.unknown:
+            raise SteeringError(
+                "this loader was restored from a state saved before steering existed, which does not say the run's "
+                "planned step: set loader.planned_step = N (the trainer's step: nothing was skipped before) first"
+            )
+
+    # -- skip -----------------------------------------------------------------------------------
+    def skip(self, start: int, stop: int) -> int:
+        """Leave out planned steps [start, stop): the batches yielded are the planned sequence with
+        that range removed, exactly on resume. The same range given again is a replay and removes
+        nothing more; a range that overlaps a recorded one without being it, or lies wholly before
+        the next planned step, is refused. Returns the first planned step it removes
+        (``max(start, planned_step)`` when it was recorded)."""
+        self._steer_first("skip()", ["skip", start, stop])
+        return self._take_skip(start, stop)
+
+    def _take_skip(self, start: int, stop: int) -> int:
+        if self._streamed:
+            raise SteeringError(_STREAMED.format(what="skip()"))
+        if self._epoch_total() is None:
+            raise SteeringError("skip() needs the epoch's batch counts: an index, or raw text with a count sidecar")
+        recorded, replay = self.steering.log.add_skip(start, stop, self.steering.planned)
+        if replay:
+            log.info("skip(%d, %d) is recorded already (a replay): nothing more is skipped", start, stop)
+        else:
+            log.info("planned steps [%d, %d) are skipped", recorded.start, recorded.stop)
+        return recorded.start
+
+    # -- exclude --------------------------------------------------------------------------------
+    def exclude(
+        self, *, sources: Iterable[str] = (), shards: Iterable[int | str] = (), docs: Iterable[int] = ()
+    ) -> int:
+        """Never yield these again, from the next planned step (returned): a mixture's ``sources``
+        by name, ``shards`` by number (as item ids name them) or name, and ``docs`` by id (the
+        values of a batch's ``docs``; of its ``rows`` for a packed dataset). The rest of the epoch
+        is re-planned without them, and so is every later epoch; a mixture's other sources share
+        an excluded source's weight from the next epoch on. An exclusion that names nothing known,
+        or would leave nothing to read, is refused; the same one again is a replay."""
+        names, shard_ids, items = self._exclusion(sources, shards, docs)
+        self._steer_first("exclude()", ["exclude", list(names), list(shard_ids), list(items)])
+        return self._take_exclusion(names, shard_ids, items)
+
+    def _take_exclusion(self, names: tuple[str, ...], shard_ids: tuple[int, ...], items: tuple[int, ...]) -> int:
+        steer = self.steering
+        change = Exclude(names, shard_ids, items, self._change_epoch())
+        for old in steer.log.exclusions:
+            if old.same(change):
+                log.info("this exclusion is recorded already (a replay): nothing more is excluded")
+                return steer.planned
+        self._check_something_left(change)
+        self._apply(change, Leaving())
+        log.info("excluded from planned step %d: %s", steer.planned, change.to_json())
+        return steer.planned
+
+    def _exclusion(self, sources: Iterable[str], shards: Iterable[int | str], docs: Iterable[int]):
+        catalog = self.catalog
+        names = tuple(sorted({str(s) for s in sources}))
+        known = list(catalog.mixture.names) if catalog.mixing is not None else []
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            what = f"the mixture's sources are {known}" if known else "this loader reads one dataset, not a mixture"
+            raise SteeringError(f"exclude(sources=...): no source named {', '.join(map(repr, unknown))}; {what}")
+        n_shards = len(catalog.urls)
+        by_name = (
+            {str(u).rsplit("/", 1)[-1]: i for i, u in enumerate(catalog.urls)}
+            if any(isinstance(s, str) for s in shards)
+            else {}
+        )
+        shard_ids = []
+        for s in shards:
+            i = by_name.get(s) if isinstance(s, str) else s
+            if i is None or isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < n_shards:
+                raise SteeringError(f"exclude(shards=...): {s!r:.80} is not one of this dataset's {n_shards:,} shards")
+            shard_ids.append(int(i))
+        items = []
+        per_shard = catalog.items_per_shard
+        for d in docs:
+            if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
+                raise SteeringError(f"exclude(docs=...): {d!r:.40} is not an item id (a value of a batch's docs)")
+            shard, ordinal = int(d) >> ID_SHIFT, int(d) & ((1 << ID_SHIFT) - 1)
+            if shard >= n_shards or (per_shard is not None and ordinal >= int(per_shard[shard])):
+                raise SteeringError(f"exclude(docs=...): {int(d)} names no item of this dataset")
+            items.append(int(d))
+        if not (names or shard_ids or items):
+            raise SteeringError("exclude() names nothing: give sources=, shards= or docs=")
+        return names, tuple(sorted(set(shard_ids))), tuple(sorted(set(items)))
+
+    def _check_something_left(self, change: Exclude) -> None:
+        """Refuse an exclusion after which nothing would be read."""
+        catalog = self.catalog
+        previous = [*self.steering.log.exclusions, change]
+        gone_sources = {n for ex in previous for n in ex.sources}
+        gone_shards = {s for ex in previous for s in ex.shards}
+        if catalog.mixing is not None:
+            names = list(catalog.mixture.names)
+            bases = catalog.mixing.bases
+            for s, name in enumerate(names):
+                if name in gone_sources:
+                    gone_shards |= set(range(int(bases[s]), int(bases[s + 1])))
+        per_shard = catalog.items_per_shard
+        if per_shard is None:
+            left = len(catalog.urls) - len(gone_shards)
+        else:
+            items = {i for ex in previous for i in ex.items if (i >> ID_SHIFT) not in gone_shards}
+            kept = np.ones(len(per_shard), bool)
+            kept[list(gone_shards)] = False
+            left = int(np.asarray(per_shard, np.int64)[kept].sum()) - len(items)
+        if left <= 0:
+            raise SteeringError("this exclusion would leave nothing to read; nothing was excluded")
+
+    # -- set_weights ----------------------------------------------------------------------------
+    def set_weights(self, weights: Mapping[str, float]) -> int:
+        """A mixture's weights from the next planned step (returned) on, by source name (every
+        source named; they are normalised). The rest of the epoch takes its remaining documents
+        in the new proportions as far as they go (the source that runs out first for its weight
+        sets how far; what others had planned beyond waits for a later pass); later epochs' quotas
+        follow the new weights. Refused: unknown or missing names, negative, NaN, infinite or
+        all-zero weights, weight on an excluded source."""
+        normal = self._checked_weights(weights)
+        self._steer_first("set_weights()", ["set_weights", list(normal)])
+        return self._take_weights(normal)
+
+    def _checked_weights(self, weights: Mapping[str, float]) -> tuple[float, ...]:
+        """Weights by name as the mixture's sources come, normalised, or a ``SteeringError``."""
+        catalog = self.catalog
+        if catalog.mixing is None:
+            raise SteeringError("set_weights() steers a mixture; this loader reads one dataset")
+        names = list(catalog.mixture.names)
+        if not isinstance(weights, Mapping):
+            raise SteeringError("set_weights() takes a mapping of source name -> weight")
+        unknown = sorted(set(map(str, weights)) - set(names))
+        missing = [n for n in names if n not in weights]
+        if unknown or missing:
+            raise SteeringError(
+                f"set_weights(): {'unknown sources ' + repr(unknown) if unknown else ''}"
+                f"{'; ' if unknown and missing else ''}{'missing sources ' + repr(missing) if missing else ''} "
+                f"(the mixture's sources are {names})"
+            )
+        normal = check_weights([weights[n] for n in names], "set_weights() weights")
+        excluded = {n for ex in self.steering.log.exclusions for n in ex.sources}
+        heavy = [n for n, w in zip(names, normal) if w > 0 and n in excluded]
+        if heavy:
+            raise SteeringError(f"set_weights(): sources {heavy} are excluded and must weigh 0")
+        return normal
+
+    def _take_weights(self, normal: tuple[float, ...]) -> int:
+        self._apply(Weights(normal, self._change_epoch()), Leaving(weights=normal))
+        names = list(self.catalog.mixture.names)
+        log.info("mixture weights from planned step %d: %s", self.steering.planned, dict(zip(names, normal)))
+        return self.steering.planned
+
+    def weights_now(self) -> tuple[float, ...] | None:
+        """A mixture's weights in force at the next planned step (None: one dataset)."""
+        if self.catalog.mixing is None:
+            return None
+        changes = self.steering.log.weight_changes
+        if changes:
+            return changes[-1].weights
+        planner = self.catalog.planner
+        at = self.cursor.epoch * planner.epoch
+        return next(w for start, w in reversed(planner.phases()) if start <= at)
+
+    def _steer_metrics(self) -> dict[str, float]:
+        """Steering's figures for ``metrics()``: the planned step, the schedule's phase, what was
+        skipped and excluded (items: documents, or rows), the weights set while the run trained."""
+        out = self.steering.metrics()
+        if not self.steering.log.changes:
+            return out
+        plan = self.source.plan_for(self.cursor.epoch)
+        if plan is not None and plan.remainder:
+            out["steer_excluded_items"], out["steer_excluded_tokens"] = map(float, plan.excluded())
+        changes = self.steering.log.weight_changes
+        if changes:
+            out.update({f"steer_weight/{n}": w for n, w in zip(self.catalog.mixture.names, changes[-1].weights)})
+        return out
+
+    # -- a steering file, re-read while the run trains (steerfile.py) ----------------------------
+    def _reload(self) -> None:
+        """Take what the steering file says now (every rank the same, from rank 0's reading)."""
+        from .file import shared
+
+        url = self._steer_url
+        names = list(self.catalog.mixture.names) if self.catalog.mixing is not None else []
+        status, what = shared(url, names)
+        if status == "error":
+            log.error("steering file %s", what)
+            return
+        try:
+            takes = self._checked_file(what)
+        except SteeringError as exc:
+            log.error("steering file %s was not taken, the run keeps its settings: %s", url, exc)
+            return
+        for take in takes:
+            take()
+
+    def _checked_file(self, what: dict) -> list:
+        """Every entry of a steering file checked before any is taken: what to call, in order."""
+        from .log import Log
+
+        takes = []
+        if "weights" in what:
+            normal = self._checked_weights(what["weights"])
+            now = self.weights_now()
+            if now is None or max(abs(a - b) for a, b in zip(normal, now)) > 1e-9:
+                takes.append(lambda: self._take_weights(normal))
+        trial = Log(list(self.steering.log.changes))
+        for start, stop in what.get("skip", []):
+            trial.add_skip(start, stop, self.steering.planned)
+            takes.append(lambda a=start, b=stop: self._take_skip(a, b))
+        if "exclude" in what:
+            ex = {k: v for k, v in what["exclude"].items() if v}
+            if ex:
+                names, shard_ids, items = self._exclusion(
+                    ex.get("sources", ()), ex.get("shards", ()), ex.get("docs", ())
+                )
+                self._check_something_left(Exclude(names, shard_ids, items, 0))
+                takes.append(lambda: self._take_exclusion(names, shard_ids, items))
+        return takes
+
+    # -- applying a change ----------------------------------------------------------------------
+    def _mid_epoch(self) -> bool:
+        """Whether the next step falls inside an epoch already begun (else at an epoch's start)."""
+        return self.cursor.order is not None or self.cursor.restored is not None
+
+    def _change_epoch(self) -> int:
+        """The first epoch a change made now shapes from its start."""
+        return self.cursor.epoch + 1 if self._mid_epoch() else self.epoch
+
+    def _apply(self, change: Exclude | Weights, now: Leaving) -> None:
+        """Record ``change`` and re-plan: the rest of the epoch in progress (``now``: the weights
+        it takes, where they changed), then every epoch it shapes from the start."""
+        steer = self.steering
+        if self._streamed:
+            raise SteeringError(_STREAMED.format(what=f"{change.kind}()"))
+        if self._mid_epoch():
+            epoch = self.cursor.epoch
+            consumed = self._consumed_now(epoch)
+            base = self.source.plan_for(epoch)
+            steer.log.add(steer.planned, change)
+            leaving = self._leaving(now)
+            self.source.set_plan(
+                epoch, SteeredPlan(epoch, self.world_size, self.workers, consumed, base, leaving=leaving)
+            )
+            self.source.resume_from({})
+            self._transport.forget()
+            self._total.forget()
+            self.cursor.restored = None
+            self.cursor.positions, self.cursor.yielded = {}, 0
+            steer.epoch_start = steer.planned
+            steer.restart = True
+        else:
+            steer.log.add(steer.planned, change)
+        steer_plans(steer.log, self.catalog, self.source)
+
+    def _leaving(self, now: Leaving) -> Leaving:
+        from .plans import exclusions_of
+
+        return exclusions_of(self.steering.log, self.catalog).joined(now)
+
+    def _consumed_now(self, epoch: int) -> list[list[int]]:
+        """Batches every (rank, worker) has handed out of the epoch so far (equal batches, or this
+        rank alone)."""
+        if merges_tails(self.source.catalog, self.cfg, self.workers):
+            raise SteeringError("changes inside an epoch need the epoch's batch counts (an index, or a count sidecar)")
+        cursor = self.cursor
+        restored = cursor.restored
+        yielded = restored.state.yielded if restored is not None else cursor.yielded
+        if self.world_size == 1:
+            positions = self.source.resume_positions if restored is not None else cursor.positions
+            return [[int(positions[w][1]) if w in positions else 0 for w in range(self.workers)]]
+        if not self.cfg.keeps_equal_batches(self.world_size):
+            raise SteeringError("changes inside an epoch on several ranks need equal batches (equal_batches=True)")
+        counts = self.here.worker_counts(epoch, self.world_size, self.workers, self.source.plan_for(epoch))
+        return [[int(x) for x in round_robin_share(counts[r], yielded)] for r in range(self.world_size)]
+
+
+__all__ = ["SteeringMethods"]
