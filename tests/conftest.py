@@ -157,6 +157,8 @@ SLOW_TESTS = frozenset(
         "test_scale.py::test_a_format_3_and_a_format_4_part_merge_into_format_4_with_shards_npy",
         "test_shuffle_ddp.py::test_one_shard_under_ddp_reshuffles_ranks_and_resumes_exactly",
         "test_torchtitan.py::test_dp2_tp2_and_dp2_cp2_checkpoint_through_torchtitan_and_resume_exactly_also_as_dp4",
+        "test_online_mixing_example.py::test_weights_change_and_a_resumed_run_equals_the_uninterrupted_one",
+        "test_steering_ranks.py::test_two_ranks_take_the_same_change_and_refuse_a_different_one",
         "test_train_ddp.py::test_every_rank_takes_the_steps_on_disjoint_rows",
         "test_train_ddp.py::test_resume_equals_uninterrupted",
     }
