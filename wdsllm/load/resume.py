@@ -16,7 +16,9 @@ rest of the epoch, in a fixed order, is dealt out to the new layout like a norma
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
@@ -31,12 +33,13 @@ from .mixplan import smooth_prefixes
 from .plan import Slice
 from .sources.protocol import Source
 from .stream import (
+    PlanLabels,
     StreamSpec,
-    inverse_shuffle,
-    plan_labels,
-    shuffle_lengths,
+    block_order,
+    block_size,
+    has_lengths,
     slice_item_counts,
-    slice_item_lengths,
+    slice_items,
 )
 
 
@@ -55,22 +58,111 @@ def settings_fingerprint(cfg: Config) -> str:
 
 
 def consumed_plan_positions(
-    batcher: Batcher, lengths_plan: np.ndarray, spec: StreamSpec, batches: int, mixing=None, labels=None
+    batcher: Batcher, lengths: PlanPrefix, spec: StreamSpec, batches: int, mixing=None, labels: PlanLabels | None = None
 ) -> np.ndarray:
-    """Plan positions of the items in a worker's first ``batches`` batches (sorted, unique); a
-    mixture's ``mixing`` and the plan stream's sources (``labels``) give its block order."""
-    if batches <= 0 or len(lengths_plan) == 0:
+    """Plan positions of the items in a worker's first ``batches`` batches (sorted, unique), from
+    its plan-order ``lengths``; a mixture's ``mixing`` and the plan stream's sources (``labels``)
+    give its block order."""
+    stream = _Shuffled(lengths, spec, mixing, labels)
+    if batches <= 0 or stream.n == 0:
         return np.zeros(0, np.int64)
-    shuffled = shuffle_lengths(lengths_plan, spec, mixing, labels)
-    parts = []
-    for j, positions in enumerate(batcher.dry_batches(shuffled, spec)):
-        if j >= batches:
-            break
-        parts.append(positions)
+    parts = _first_batches(batcher, stream, spec, batches)
     if not parts:
         return np.zeros(0, np.int64)
-    consumed = np.concatenate(parts).astype(np.int64)
-    return np.unique(inverse_shuffle(consumed, len(lengths_plan), spec, mixing, labels))
+    return np.unique(stream.inverse(np.concatenate(parts).astype(np.int64)))
+
+
+#: items a worker's first batches are first looked for in (then twice as many, until they agree)
+FIRST_PREFIX = 1 << 14
+
+
+class PlanPrefix:
+    """A share's plan-order item lengths, read a slice at a time as far as asked (a re-plan early
+    in an epoch reads the start of each share, not the whole of it)."""
+
+    def __init__(self, chunks: Callable[[], Iterator[np.ndarray]], n: int):
+        self._chunks, self.n = chunks(), n
+        self._parts: list[np.ndarray] = []
+        self._have = 0
+
+    @classmethod
+    def of_slices(cls, source: Source, slices: list[Slice], counts: list[int], spec: StreamSpec) -> PlanPrefix:
+        return cls(lambda: (slice_items(source, sl, spec) for sl in slices), int(sum(counts)))
+
+    def upto(self, n: int) -> np.ndarray:
+        while self._have < n:
+            part = next(self._chunks, None)
+            if part is None:
+                break
+            self._parts.append(part)
+            self._have += len(part)
+        if len(self._parts) > 1:
+            self._parts = [np.concatenate(self._parts)]
+        return self._parts[0][:n] if self._parts else np.zeros(0, np.int64)
+
+
+class _Shuffled:
+    """A share's lengths in shuffled-stream order as far as asked, each block's order drawn once
+    (and used again to map shuffled positions back to plan positions)."""
+
+    def __init__(self, lengths: PlanPrefix, spec: StreamSpec, mixing, labels: PlanLabels | None):
+        self.lengths, self.spec, self.mixing, self.labels = lengths, spec, mixing, labels
+        self.n = lengths.n
+        self.size = max(1, block_size(spec, mixing))
+        self.orders: list[np.ndarray] = []
+
+    def _labels(self, a: int, b: int) -> np.ndarray | None:
+        return None if self.labels is None else self.labels.at(a, b)
+
+    def _order(self, k: int) -> np.ndarray:
+        while len(self.orders) <= k:
+            i = len(self.orders)
+            a, b = i * self.size, min(self.n, (i + 1) * self.size)
+            if self.size <= 1:
+                self.orders.append(np.zeros(1, np.int64))
+            else:
+                self.orders.append(block_order(self.spec, i, b - a, self.mixing, self._labels(a, b)))
+        return self.orders[k]
+
+    def upto(self, n: int) -> np.ndarray:
+        plan = self.lengths.upto(n)
+        if self.size <= 1:
+            return plan
+        out = np.empty_like(plan)
+        for k, a in enumerate(range(0, len(plan), self.size)):
+            out[a : a + self.size] = plan[a : a + self.size][self._order(k)]
+        return out
+
+    def inverse(self, positions: np.ndarray) -> np.ndarray:
+        if self.size <= 1 or len(positions) == 0:
+            return positions
+        out = np.empty_like(positions)
+        blocks = positions // self.size
+        for k in np.unique(blocks).tolist():
+            sel = blocks == k
+            out[sel] = k * self.size + self._order(k)[positions[sel] - k * self.size]
+        return out
+
+
+def _first_batches(batcher: Batcher, stream: _Shuffled, spec: StreamSpec, batches: int) -> list:
+    """The shuffled positions of a worker's first ``batches`` batches, from the shortest prefix of
+    its stream that gives them: a prefix of whole shuffle blocks is shuffled as the whole is, and
+    its batches are the whole stream's but where its end cuts a window or a row, so a prefix is
+    taken once twice its length gives the same batches (the whole stream at the latest)."""
+    n, size = stream.n, stream.size
+
+    def first(upto: int) -> list:
+        return list(itertools.islice(batcher.dry_batches(stream.upto(upto), spec), batches))
+
+    upto = min(n, -(-FIRST_PREFIX // size) * size)
+    got = first(upto)
+    while upto < n:
+        longer = min(n, -(-2 * upto // size) * size)
+        again = first(longer)
+        if len(got) == batches and all(np.array_equal(a, b) for a, b in zip(got, again)):
+            break
+        got, upto = again, longer
+    return got
 
 
 def items_between(
@@ -85,17 +177,18 @@ def items_between(
             continue
         spec = cfg.spec(epoch, rank, world, w, workers)
         slices = slices_for(source, cfg, spec, plan)
-        lengths = slice_item_lengths(source, slices, spec)
-        if lengths is None:
+        counts = slice_item_counts(source, slices, spec)
+        if counts is None or not has_lengths(source):
             continue
-        labels = plan_labels(source, slices, spec)
+        lengths = PlanPrefix.of_slices(source, slices, counts, spec)
+        labels = PlanLabels.of(source, slices, spec)
         batcher = batcher_for(source, cfg, spec)
         shown = [
             consumed_plan_positions(batcher, lengths, spec, n, source.mixing, labels) for n in (before[w], after[w])
         ]
         passed = np.setdiff1d(shown[1], shown[0], assume_unique=True)
         items += len(passed)
-        tokens += int(lengths[passed].sum())
+        tokens += int(lengths.upto(int(passed.max()) + 1)[passed].sum()) if len(passed) else 0
     return items, tokens
 
 
@@ -186,12 +279,12 @@ class RemainderPlan:
                 if counts is not None and not self.consumed[r][w] and not hands_over(source, cfg, spec):
                     slices_out.extend(sl for sl, n in zip(slices, counts) if n)  # nothing of it gone
                     continue
-                lengths = slice_item_lengths(source, slices, spec)
-                if counts is None or lengths is None:
+                if counts is None or not has_lengths(source):
                     raise StateError(
                         "resuming with another world size or worker count needs the dataset's index (lengths.npy)"
                     )
-                labels = plan_labels(source, slices, spec)
+                lengths = PlanPrefix.of_slices(source, slices, counts, spec)
+                labels = PlanLabels.of(source, slices, spec)
                 batcher = batcher_for(source, cfg, spec)
                 gone = consumed_plan_positions(batcher, lengths, spec, self.consumed[r][w], source.mixing, labels)
                 if hands_over(source, cfg, spec):  # its tail is in its rank's last worker's slices

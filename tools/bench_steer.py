@@ -1,0 +1,145 @@
+"""What steering costs on a large mixture: ``set_weights`` and ``exclude`` while a run trains.
+
+    python tools/bench_steer.py --sources 1000 --docs 100000000        # the issue's scale (#42)
+    python tools/bench_steer.py --sources 100 --docs 1000000 --workers 2
+
+A mixture of ``--sources`` synthetic sources holding ``--docs`` documents in all (each source
+hardlinked shards of one real wiki shard, ``tools/scale_data.py``; built once under ``--work``) is
+read by ``wdsllm.loader`` (documents, batch 64). After a warm-up the script times: a normal step
+(the median of ``--steps``), then each change made while the run trains: the call itself (wall
+and this process's CPU seconds) and the wait for the next batch, as a multiple of a normal step.
+One torch thread. Prints a table and, with ``--json``, the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+
+def base_shard(work: Path) -> Path:
+    """One real docs-mode shard of wiki documents (the unit every source repeats)."""
+    from wdsllm.pack.job import PackConfig, pack
+
+    base = work / "base"
+    if not (base / "index.json").exists():
+        wiki = sorted((REPO.parent / "shared" / "data" / "corpora" / "wiki").glob("wiki-*.jsonl.gz"))[0]
+        pack(PackConfig(inputs=[str(wiki)], output=str(base), tokenizer=str(tokenizer()), shard_size=1 << 40))
+    return base
+
+
+def tokenizer() -> Path:
+    return REPO.parent / "shared" / "data" / "tokenizers" / "gpt2.json"
+
+
+def sources(work: Path, count: int, docs: int) -> dict[str, str]:
+    """``count`` sources of about ``docs / count`` documents each (built once)."""
+    import scale_data
+
+    from wdsllm import format as fmt
+
+    base = base_shard(work)
+    per_shard = fmt.Index.from_json((base / "index.json").read_text()).documents
+    shards = max(1, -(-docs // count // per_shard))
+    out = {}
+    for i in range(count):
+        root = work / f"n{docs}-s{count}" / f"src{i:05d}"
+        if not (root / "index.json").exists():
+            scale_data.build(str(base), str(root), shards)
+        out[f"src{i:05d}"] = str(root)
+    return out
+
+
+def timed(fn):
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import numpy as np
+    import torch
+
+    import wdsllm
+
+    torch.set_num_threads(1)
+    work = Path(args.work)
+    roots = sources(work, args.sources, args.docs)
+    names = sorted(roots)
+    mix = wdsllm.Mixture(roots, weights={n: 1.0 for n in names}, unit="items", epoch_items=args.epoch_items)
+    loader, opened, _ = timed(lambda: wdsllm.loader(mix, batch_size=64, seed=0, num_workers=args.workers))
+    it = iter(loader)
+    first = timed(lambda: next(it))[1]
+    for _ in range(args.warmup):
+        next(it)
+    steps = [timed(lambda: next(it))[1] for _ in range(args.steps)]
+    step = statistics.median(steps)
+    rng = np.random.default_rng(0)
+    rows = {}
+    weights = dict(zip(names, rng.dirichlet(np.ones(len(names))).tolist()))
+    changes = [
+        ("set_weights", lambda: loader.set_weights(weights)),
+        ("exclude a source", lambda: loader.exclude(sources=[names[-1]])),
+        ("exclude 1,000 documents", lambda: loader.exclude(docs=[(1 << 32) + k for k in range(1000)])),
+    ]
+    for label, change in changes:
+        _, wall, cpu = timed(change)
+        _, wait, _ = timed(lambda: next(it))
+        after = statistics.median(timed(lambda: next(it))[1] for _ in range(5))
+        rows[label] = {
+            "call_s": wall,
+            "call_cpu_s": cpu,
+            "next_batch_s": wait,
+            "next_over_step": wait / step,
+            "steps_after_s": after,
+        }
+    loader.close()
+    return {
+        "sources": args.sources,
+        "docs": args.docs,
+        "workers": args.workers,
+        "open_s": opened,
+        "first_batch_s": first,
+        "step_s": step,
+        "changes": rows,
+    }
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sources", type=int, default=100)
+    ap.add_argument("--docs", type=int, default=1_000_000, help="documents in all the sources together")
+    ap.add_argument("--epoch-items", type=int, default=None, help="the mixture's epoch [all the documents]")
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--work", default=str(REPO / "bench-out" / "steer"))
+    ap.add_argument("--json", help="write the figures here too")
+    args = ap.parse_args(argv)
+    os.makedirs(args.work, exist_ok=True)
+    out = measure(args)
+    print(
+        f"{args.sources:,} sources, {args.docs:,} documents, {args.workers} workers: opened in "
+        f"{out['open_s']:.2f} s, first batch {out['first_batch_s']:.2f} s, a step {out['step_s'] * 1e3:.1f} ms"
+    )
+    print(f"{'change':<26} {'call s':>8} {'call CPU s':>11} {'next batch s':>13} {'x a step':>9}")
+    for label, row in out["changes"].items():
+        print(
+            f"{label:<26} {row['call_s']:>8.3f} {row['call_cpu_s']:>11.3f} {row['next_batch_s']:>13.3f} "
+            f"{row['next_over_step']:>9.1f}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
