@@ -360,3 +360,17 @@ def test_stats_and_explain_take_a_states_changes(two_sources, tmp_path):
         assert [(d["shard"], d["ordinal"]) for d in shown] == [
             (int(i) >> 32, int(i) & 0xFFFFFFFF) for i in docs_of(batch)
         ]
+
+
+def test_the_drift_is_judged_by_the_weights_in_force_from_the_step_they_were_set(two_sources):
+    mix = wdsllm.Mixture(two_sources, weights={"a": 0.5, "b": 0.5}, unit="items", epoch_items=240)
+    loader = make(mix, batch_size=8, shuffle_buffer=64, wait_window=8)
+    it = iter(loader)
+    for _ in range(6):
+        next(it)
+    loader.set_weights({"a": 0.8, "b": 0.2})
+    for _ in range(8):  # the window holds the new phase only
+        next(it)
+    m = loader.metrics()
+    assert m["mix/a/target_share"] == pytest.approx(0.8)
+    assert m["mix_drift_max"] < 0.1

@@ -436,6 +436,9 @@ class MixPlanner:
         #: weights set while the run trained: (the first epoch they plan, weights), in order
         self.steered: tuple[tuple[int, tuple[float, ...]], ...] = ()
         self.excluded: tuple[tuple[int, int], ...] = ()
+        #: weights set inside an epoch, from their point in the run's units (reports only)
+        self.noted: tuple[tuple[int, tuple[float, ...]], ...] = ()
+        self.noted_version = 0
         self._check_passes()
 
     def steer(self, phases: Sequence[tuple[int, tuple[float, ...]]], excluded: Sequence[tuple[int, int]] = ()) -> None:
@@ -445,6 +448,20 @@ class MixPlanner:
         self.steered = tuple((int(e), tuple(w)) for e, w in phases)
         self.excluded = tuple((int(e), int(s)) for e, s in excluded)
         self._segments = {}
+
+    def report_phases(self) -> list[tuple[int, tuple[float, ...]]]:
+        """The phases a report judges the realized mix by: the plan's, and weights set while the
+        run trained from the point (in the run's units) where they took effect, not only from the
+        next epoch's start, where the plan takes them up (``noted``)."""
+        phases = self.phases()
+        for at, weights in self.noted:
+            phases = [p for p in phases if p[0] < at] + [(at, weights)] + [p for p in phases if p[0] > at]
+        return phases
+
+    def note(self, at: int, weights: tuple[float, ...]) -> None:
+        """Weights in force from ``at`` units of the run on (what a report judges by)."""
+        self.noted = (*self.noted, (int(at), tuple(weights)))
+        self.noted_version += 1
 
     def _without_excluded(self, out: list[tuple[int, tuple[float, ...]]]) -> list[tuple[int, tuple[float, ...]]]:
         """Phases with each excluded source's weight zero from its epoch on (the rest renormalised)."""

@@ -72,7 +72,7 @@ def normalised(weights: tuple[float, ...]) -> list[float]:
 
 def phase_weights(planner: MixPlanner, position: int) -> list[float]:
     """The weights (normalised) of the schedule's phase in force at ``position`` units of the run."""
-    phases = planner.phases()
+    phases = planner.report_phases()
     return normalised(phases[phase_at(phases, position)][1])
 
 

@@ -44,7 +44,7 @@ class MixDrift:
         self._seen = tally.total[:, self.unit].copy()
         self._realized = np.zeros(len(self._seen), np.int64)  # the window's units per source
         self._phase_units: dict[int, int] = {}  # the window's units per phase (placed steps)
-        self._world: int | None = None  # the world size the steps were placed for
+        self._world: tuple[int, int] | None = None  # the world size and phases the steps were placed for
 
     def stepped(self) -> None:
         """After the loader counted a batch: what it added, per source."""
@@ -61,13 +61,14 @@ class MixDrift:
         self._realized += units
 
     def _place(self, world: int) -> None:
-        """The phase of each step not placed yet (all of them when the world size changed)."""
-        if world != self._world:
-            self._world, self._phase_units = world, {}
+        """The phase of each step not placed yet (all of them when the world size or the phases
+        changed: weights set while the run trained)."""
+        planner = self.tally.source.mix_planner()
+        if (world, planner.noted_version) != self._world:
+            self._world, self._phase_units = (world, planner.noted_version), {}
             for step in self.steps:
                 step.phase = None
-        planner = self.tally.source.mix_planner()
-        phases = planner.phases()
+        phases = planner.report_phases()
         for step in reversed(self.steps):  # placed steps are the older ones
             if step.phase is not None:
                 break
@@ -81,7 +82,7 @@ class MixDrift:
         whole = int(self._realized.sum())
         if not whole:
             return np.zeros(len(self._realized))
-        phases = self.tally.source.mix_planner().phases()
+        phases = self.tally.source.mix_planner().report_phases()
         target = np.zeros(len(self._realized))
         for phase, units in self._phase_units.items():
             if units:

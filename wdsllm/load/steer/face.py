@@ -201,10 +201,18 @@ class SteeringMethods:
         return normal
 
     def _take_weights(self, normal: tuple[float, ...]) -> int:
-        self._apply(Weights(normal, self._change_epoch()), Leaving(weights=normal))
+        self._apply(Weights(normal, self._change_epoch(), self._units_point()), Leaving(weights=normal))
         names = list(self.catalog.mixture.names)
         log.info("mixture weights from planned step %d: %s", self.steering.planned, dict(zip(names, normal)))
         return self.steering.planned
+
+    def _units_point(self) -> int:
+        """Where the run stands in the mixture's units (over every rank), as the drift counts it."""
+        planner = self.catalog.planner
+        if not self._mid_epoch() or self._mix is None:
+            return planner.epoch * self._change_epoch()
+        unit = 0 if self.catalog.mixture.unit == "tokens" else 1
+        return planner.epoch * self.cursor.epoch + int(self._mix.this_epoch[:, unit].sum()) * self.world_size
 
     def weights_now(self) -> tuple[float, ...] | None:
         """A mixture's weights in force at the next planned step (None: one dataset)."""

@@ -60,10 +60,13 @@ class Weights:
 
     weights: tuple[float, ...]
     epoch: int
+    #: where in the run's units (tokens or items, over every rank) it took effect: what a report
+    #: of the realized mix judges the steps after it by
+    point: int = 0
     kind: str = "weights"
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "weights": list(self.weights), "epoch": self.epoch}
+        return {"kind": self.kind, "weights": list(self.weights), "epoch": self.epoch, "point": self.point}
 
 
 @dataclass(frozen=True)
@@ -114,9 +117,8 @@ def parse_change(value: Any, where: str) -> Change:
         weights = value.get("weights")
         if not isinstance(weights, list) or len(weights) > 1 << 16:
             raise SteeringError(f"{where}.weights must be a list")
-        return Change(
-            at, Weights(check_weights(weights, f"{where}.weights"), _int(value.get("epoch"), f"{where}.epoch"))
-        )
+        epoch, point = _int(value.get("epoch"), f"{where}.epoch"), _int(value.get("point", 0), f"{where}.point")
+        return Change(at, Weights(check_weights(weights, f"{where}.weights"), epoch, point))
     start, stop = _int(value.get("start"), f"{where}.start"), _int(value.get("stop"), f"{where}.stop")
     asked = _int(value.get("asked"), f"{where}.asked")
     if stop <= start or asked > start or start != max(asked, at):

@@ -227,6 +227,9 @@ def steer_plans(log: Any, catalog: Any, epochs: Any = None) -> None:
         names = list(catalog.mixture.names)
         excluded = [(ex.epoch, names.index(n)) for ex in log.exclusions for n in ex.sources]
         catalog.planner.steer([(w.epoch, w.weights) for w in log.weight_changes], excluded)
+        catalog.planner.noted = ()
+        for w in log.weight_changes:
+            catalog.planner.note(w.point, w.weights)
 
 
 __all__ = ["Leaving", "SteeredPlan", "excluding_plan", "exclusions_of", "leave_out", "reweighted", "steer_plans"]
