@@ -55,11 +55,11 @@ from .stream import (
     StreamSpec,
     StreamStats,
     block_size,
+    counts_known,
     plan_labels,
     read_plan_stream,
     shuffle_lengths,
     shuffled_items,
-    slice_item_counts,
     slice_item_lengths,
 )
 from .tails import StreamEnd, merges_tails, worker_batcher
@@ -313,7 +313,7 @@ class WorkerBatcher:
         """Where the stream stands in documents, noted as it goes (counts unknown: raw text
         without a count sidecar), so that a resume passes over documents by parsing only."""
         spec = task.spec
-        if spec.resample or slice_item_counts(self.catalog, slices, spec) is not None:
+        if spec.resample or counts_known(self.catalog, slices, spec):
             return None
         size = block_size(spec, self.catalog.mixing)
         return TaskMarks(task.hint, batcher, size, keep=4 * (max(size, 1) + (self.cfg.window or 0)))
