@@ -10,6 +10,7 @@ here), on random inputs and on real datasets.
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -19,8 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from synth import write_dataset
 
+import wdsllm
 from wdsllm import format as fmt
 from wdsllm.format.side import SideArray
+from wdsllm.load import counts as countsmod
 from wdsllm.load import plan as planmod
 from wdsllm.load.block import pieces_per_doc
 from wdsllm.load.config import Config
@@ -198,3 +201,22 @@ def test_pieces_shares_cover_the_epochs_pieces_in_order(tmp_path, world, workers
     ]
     assert np.array_equal(np.concatenate(shares), expected)
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_the_exact_count_begins_once_the_first_batch_is_out(tmp_path):
+    """Pack batches are counted exactly by a pass in the background; it never runs beside the
+    first batch (whose CPU time it would share), and a worker past its bound still gets it."""
+    root = tmp_path / "ds"
+    write_dataset(root, [40, 25, 33], seed=2, max_len=50)
+    ld = wdsllm.loader(str(root), rank=0, world_size=2, batching="pack", seq_len=32, batch_size=2, seed=1)
+    limits = ld.source.limits(0, 1)
+    assert not limits.ready() and limits.counts._job._pid is None  # made, not started
+    it = iter(ld)
+    next(it)
+    job = ld.limits.counts._job
+    assert job._pid == os.getpid()  # started once the batch was out
+    assert sum(1 for _ in it) + 1 == ld.limits.per_rank
+
+    limit = countsmod.EpochCounts.create(open_source(str(root)), ld.cfg, 0, 2, 1)
+    held = countsmod.EpochLimits(limit, 0, 1).worker_limit(0)
+    assert limit._job._pid is None and held.value() == ld.limits.per_worker[0]  # asked: counted then

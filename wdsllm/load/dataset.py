@@ -366,6 +366,8 @@ class WorkerBatcher:
                     continue
             note = with_lost(after if marks is None else marks.hint(following, after), emptied)
             yield self.emit(spec, index, items, note, tail=merging and items_stream.ended)
+            if index == task.first_batch and limit is not None and limit.start is not None:
+                limit.start()  # the exact count, from now on: never beside the first batch
             index = following
         failed.update(self.stats.skipped_shards)
         cut.report(spec.worker, spec.rank, spec.epoch)

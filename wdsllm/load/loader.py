@@ -403,7 +403,10 @@ class Loader:
             batches = self._tail_merge(epoch).run(batches)
         try:
             for batch in batches:
-                yield self._hand_out(batch)
+                out = self._hand_out(batch)
+                if self.limits is not None:  # its exact count begins once a first batch is out
+                    self.limits.start_count()
+                yield out
         finally:
             if resumed and cursor.pass_no == this_pass:
                 self._drop_resume()
