@@ -70,7 +70,8 @@ class EpochBlocks:
     firsts: np.ndarray  # its first item in the shard
     counts: np.ndarray  # its items
     order: np.ndarray | None = None  # block i is block order[i] in the shards' order (None: the same)
-    natural: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (shards, firsts, counts) in that order
+    #: (shards, firsts, counts) in the shards' order; None where each block is a whole shard
+    natural: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def pieces_of(self, doc_pieces: DocPieces) -> BlockPieces:
         """Pieces of the documents of block ``i`` (in epoch order), from a shard's ``doc_pieces``."""
@@ -79,9 +80,13 @@ class EpochBlocks:
     def pieces(self, doc_pieces: DocPieces) -> np.ndarray:
         """Pieces of each block, in epoch order: counted in the shards' order (one pass along
         the lengths, nothing to sort), then put in the epoch's."""
-        if self.order is None or self.natural is None:
+        if self.order is None:
             return doc_pieces.sums(self.shards, self.firsts, self.firsts + self.counts)
-        shards, firsts, counts = self.natural
+        if self.natural is not None:
+            shards, firsts, counts = self.natural
+        else:  # whole shards: block order[i] of the shards' order is shard order[i]
+            shards, firsts, counts = np.arange(len(self.order), dtype=np.int64), self.firsts, np.empty_like(self.counts)
+            counts[self.order] = self.counts
         return doc_pieces.sums(shards, firsts, firsts + counts)[self.order]
 
 
@@ -130,8 +135,7 @@ def _epoch_blocks(
     per_shard = blocks_per_shard(items, tokens_per_shard)
     order = shard_order(int(per_shard.sum()), seed, epoch, shuffle)
     if len(per_shard) == len(order):  # a block per shard (many shards): each shard whole
-        natural = (np.arange(len(items), dtype=np.int64), np.zeros(len(items), np.int64), items)
-        return EpochBlocks(order, natural[1], items[order], order, natural)
+        return EpochBlocks(order, np.zeros(len(order), np.int64), items[order], order)
     shards = np.repeat(np.arange(len(items), dtype=np.int64), per_shard)
     j = np.arange(len(shards), dtype=np.int64) - np.repeat(np.cumsum(per_shard) - per_shard, per_shard)
     n, k = items[shards], per_shard[shards]
