@@ -2,7 +2,7 @@
 """Does the GPU wait for data? A training loop fed by ``wdsllm.loader`` against the same loop on
 batches that are already on the GPU (issue #44).
 
-    python tools/bench_gpu.py                        # both models on the GPU (packs the wiki corpus once)
+    python tools/bench_gpu.py                        # both models on the GPU (bench-out/wiki-docs, packed once)
     python tools/bench_gpu.py --data DIR --steps 300 # a docs-mode dataset of your own
     python tools/bench_gpu.py --dry-run --data DIR   # on CPU: tiny sizes, a few steps (the test suite runs it)
 
@@ -27,7 +27,6 @@ in this process (``--torch-threads``): the workers and the GPU do the work.
 from __future__ import annotations
 
 import argparse
-import gzip
 import itertools
 import json
 import os
@@ -38,9 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
-DATA = REPO.parent / "shared" / "data"
-WIKI = sorted(str(p) for p in (DATA / "corpora" / "wiki").glob("wiki-*.jsonl.gz"))
-TOKENIZER = str(DATA / "tokenizers" / "gpt2.json")
+sys.path.insert(0, str(REPO / "tools"))
 
 SEQ_LEN = 1024
 VOCAB = 50257  # GPT-2, the tokenizer of the packed corpus
@@ -73,26 +70,6 @@ class Run:
     loader_data_wait_share: float | None  # the loader's own measure (its metrics)
     pinned: bool  # every batch arrived in pinned memory
     steps: int
-
-
-def pack_wiki(work: Path, quick: bool) -> Path:
-    """The wiki corpus packed in docs mode with GPT-2 (once; a quick one: the first 2,000 documents)."""
-    from wdsllm.pack.job import PackConfig, pack
-
-    out = work / ("gpu-wiki-quick" if quick else "gpu-wiki")
-    if (out / "index.json").exists():
-        return out
-    if not WIKI:
-        raise SystemExit(f"no wiki corpus under {DATA}: pass --data DIR (a docs-mode dataset)")
-    inputs = WIKI
-    if quick:
-        work.mkdir(parents=True, exist_ok=True)
-        first = work / "gpu-wiki-quick.jsonl"
-        with gzip.open(WIKI[0], "rt") as src, open(first, "w") as dst:
-            dst.writelines(itertools.islice(src, 2000))
-        inputs = [str(first)]
-    pack(PackConfig(inputs=inputs, output=str(out), tokenizer=TOKENIZER, mode="docs", overwrite=True))
-    return out
 
 
 def make_model(size: tuple, seq_len: int, device, fused: bool):
@@ -256,8 +233,10 @@ def main(argv=None) -> list[Run]:
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         raise SystemExit("no CUDA device: this measures a GPU's training loop (--dry-run runs it on CPU, tiny)")
-    if args.data is None:
-        args.data = pack_wiki(args.work, quick=args.dry_run)
+    if args.data is None:  # the wiki corpus in docs mode, as bench_load.py packs it (one file for a dry run)
+        import bench_load
+
+        args.data = Path(bench_load.pack_corpus(str(args.work), args.dry_run, "docs"))
     runs = []
     for name in [m for m in args.models.split(",") if m]:
         if name not in sizes:

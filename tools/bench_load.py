@@ -117,9 +117,11 @@ def pack_corpus(work: str, quick: bool, mode: str, log=print) -> str:
     from wdsllm.pack.job import PackConfig, pack
 
     inputs = WIKI[:1] if quick else WIKI
+    out = os.path.join(work, f"{'quick' if quick else 'wiki'}-{mode}")
+    if not inputs and os.path.exists(os.path.join(out, "index.json")):
+        return out  # packed elsewhere and brought here (a machine without the corpus: tools/gpu_check.sh)
     if not inputs:
         raise SystemExit(f"no wiki corpus under {DATA}")
-    out = os.path.join(work, f"{'quick' if quick else 'wiki'}-{mode}")
     if not _packed_ok(out, inputs, mode):
         os.makedirs(work, exist_ok=True)
         log(f"packing {len(inputs)} wiki file(s) into {out} ({mode} mode)")
