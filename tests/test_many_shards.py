@@ -9,6 +9,7 @@ here), on random inputs and on real datasets.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import sys
@@ -220,3 +221,17 @@ def test_the_exact_count_begins_once_the_first_batch_is_out(tmp_path):
     limit = countsmod.EpochCounts.create(open_source(str(root)), ld.cfg, 0, 2, 1)
     held = countsmod.EpochLimits(limit, 0, 1).worker_limit(0)
     assert limit._job._pid is None and held.value() == ld.limits.per_worker[0]  # asked: counted then
+
+
+def test_the_epochs_blocks_are_kept_for_the_plan_and_let_go_with_their_dataset(many_shards):
+    source = open_source(str(many_shards))
+    items, tokens = source.items_per_shard, source.tokens_per_shard
+    blocks = planmod.epoch_blocks(items, tokens, 3, 0, True)
+    assert planmod.epoch_blocks(items, tokens, 3, 0, True) is blocks  # the counts', then the plan's
+    assert planmod.epoch_blocks(items, tokens, 3, 1, True) is not blocks  # another epoch
+    assert planmod.epoch_blocks(np.array(items), tokens, 3, 1, True) is not planmod.epoch_blocks(
+        np.array(items), tokens, 3, 1, True
+    )  # arrays that may change are not kept
+    del source, items, tokens, blocks
+    gc.collect()
+    assert planmod._recent_blocks.kept is None  # nothing holds the dataset's table any more

@@ -12,6 +12,7 @@ fewer shards than consumers a shard's items are dealt out by stride.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -99,7 +100,8 @@ class _RecentBlocks:
     """The last epoch's blocks, kept for the next ask: a process plans an epoch of a large
     dataset twice (its counts, then its plan), from the same columns of the index. Kept only for
     read-only arrays (a ``ShardTable``'s columns, never changed once made), so the same objects
-    mean the same counts; the tuple is replaced whole, so threads need no lock."""
+    mean the same counts, and only while they live (weakly held: a closed loader's dataset is not
+    kept by its blocks); the tuple is replaced whole, so threads need no lock."""
 
     def __init__(self) -> None:
         self.kept: tuple | None = None
@@ -108,11 +110,17 @@ class _RecentBlocks:
         if not all(isinstance(x, np.ndarray) and not x.flags.writeable for x in (items, tokens) if x is not None):
             return make()
         kept = self.kept
-        if kept is not None and kept[0] is items and kept[1] is tokens and kept[2] == key:
+        if kept is not None and kept[0]() is items and (kept[1]() if kept[1] else None) is tokens and kept[2] == key:
             return kept[3]
         blocks = make()
-        self.kept = (items, tokens, key, blocks)
+        self.kept = (weakref.ref(items), weakref.ref(tokens) if tokens is not None else None, key, blocks)
+        weakref.finalize(items, self._forget, id(blocks))
         return blocks
+
+    def _forget(self, made: int) -> None:
+        kept = self.kept
+        if kept is not None and id(kept[3]) == made:
+            self.kept = None
 
 
 _recent_blocks = _RecentBlocks()
