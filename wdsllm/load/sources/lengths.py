@@ -57,13 +57,21 @@ def range_pieces(
     span_starts, span_stops = lo[np.r_[0, breaks]], hi[np.r_[breaks - 1, len(hi) - 1]]
     for span_lo, span_hi in zip(span_starts.tolist(), span_stops.tolist()):
         for first, values in chunks(span_lo, span_hi):
-            odd = np.flatnonzero((values == 0) | (values > max_len))
+            odd = np.flatnonzero(_not_one_piece(values, max_len))
             if not len(odd):
                 continue
             v = values[odd].astype(np.int64)
             extra = np.where(v == 0, -1, (v - 1) // max_len)  # pieces beyond one per document
             np.add.at(out, ranged[np.searchsorted(lo, first + odd, side="right") - 1], extra)
     return out
+
+
+def _not_one_piece(values: np.ndarray, max_len: int) -> np.ndarray:
+    """Where a document is not one piece: empty, or longer than ``max_len`` (unsigned lengths: one
+    comparison, as 0 - 1 wraps past every max_len)."""
+    if values.dtype.kind == "u":
+        return values - values.dtype.type(1) >= max_len
+    return (values <= 0) | (values > max_len)
 
 
 class IndexLengths:
