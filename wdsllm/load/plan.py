@@ -143,7 +143,8 @@ def _epoch_blocks(
     per_shard = blocks_per_shard(items, tokens_per_shard)
     order = shard_order(int(per_shard.sum()), seed, epoch, shuffle)
     if len(per_shard) == len(order):  # a block per shard (many shards): each shard whole
-        return EpochBlocks(order, np.zeros(len(order), np.int64), items[order], order)
+        whole = np.broadcast_to(np.zeros(1, np.int64), (len(order),))  # every block from its shard's start
+        return EpochBlocks(order, whole, items[order], order)
     shards = np.repeat(np.arange(len(items), dtype=np.int64), per_shard)
     j = np.arange(len(shards), dtype=np.int64) - np.repeat(np.cumsum(per_shard) - per_shard, per_shard)
     n, k = items[shards], per_shard[shards]
