@@ -109,6 +109,7 @@ SLOW_TESTS = frozenset(
         "test_mixture_raw.py::test_realized_quotas_and_raw_documents",
         "test_mixtures.py::test_exactly_once_within_the_quota_for_any_layout",
         "test_mixtures.py::test_torchrun_three_ranks_two_workers_a_mixture_file",
+        "test_nccl.py::test_the_same_collectives_over_gloo_at_world_size_1",
         "test_observe_export.py::test_hf_callback_adds_the_figures_to_each_log",
         "test_observe_export.py::test_lightning_callback_logs_through_the_trainers_logger",
         "test_observe_stores.py::test_a_throttled_store_shows_in_the_wait_the_stages_and_the_store",

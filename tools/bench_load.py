@@ -1,6 +1,7 @@
 """Streaming speed of the wdsllm loader against plain webdataset, raw tarfile and a flat memmap.
 
     python tools/bench_load.py [--work bench-out] [--quick] [--json results.json]
+    python tools/bench_load.py --workers 0,1,2,4,8 --ranks 8   # scaling (tools/load_scaling.py)
 
 Packs the wiki corpus (../shared/data/corpora/wiki, GPT-2 tokenizer) into WORK once in docs mode
 and once in packed mode (--seq-len 2048), unless it is there already, then measures in one run:
@@ -111,13 +112,28 @@ def _packed_ok(out: str, inputs: list[str], mode: str) -> bool:
     )
 
 
-def prepare(work: str, quick: bool, log=print) -> Paths:
-    """Pack (docs and packed), write the per-document layout and the flat token file, unless present."""
+def pack_corpus(work: str, quick: bool, mode: str, log=print) -> str:
+    """The wiki corpus (one file where ``quick``) packed in ``mode`` into WORK, unless it is there."""
     from wdsllm.pack.job import PackConfig, pack
 
     inputs = WIKI[:1] if quick else WIKI
+    out = os.path.join(work, f"{'quick' if quick else 'wiki'}-{mode}")
+    if not inputs and os.path.exists(os.path.join(out, "index.json")):
+        return out  # packed elsewhere and brought here (a machine without the corpus: tools/gpu_check.sh)
     if not inputs:
         raise SystemExit(f"no wiki corpus under {DATA}")
+    if not _packed_ok(out, inputs, mode):
+        os.makedirs(work, exist_ok=True)
+        log(f"packing {len(inputs)} wiki file(s) into {out} ({mode} mode)")
+        t = time.perf_counter()
+        seq_len = SEQ_LEN if mode == "packed" else None
+        pack(PackConfig(inputs=inputs, output=out, tokenizer=TOKENIZER, mode=mode, seq_len=seq_len, overwrite=True))
+        log(f"  {time.perf_counter() - t:.1f} s")
+    return out
+
+
+def prepare(work: str, quick: bool, log=print) -> Paths:
+    """Pack (docs and packed), write the per-document layout and the flat token file, unless present."""
     tag = "quick" if quick else "wiki"
     paths = Paths(
         docs=os.path.join(work, f"{tag}-docs"),
@@ -126,22 +142,8 @@ def prepare(work: str, quick: bool, log=print) -> Paths:
         flat=os.path.join(work, f"{tag}-tokens.bin"),
         doc_lengths=os.path.join(work, f"{tag}-doc-lengths.npy"),
     )
-    os.makedirs(work, exist_ok=True)
-    for out, mode in ((paths.docs, "docs"), (paths.packed, "packed")):
-        if not _packed_ok(out, inputs, mode):
-            log(f"packing {len(inputs)} wiki file(s) into {out} ({mode} mode)")
-            t = time.perf_counter()
-            pack(
-                PackConfig(
-                    inputs=inputs,
-                    output=out,
-                    tokenizer=TOKENIZER,
-                    mode=mode,
-                    seq_len=SEQ_LEN if mode == "packed" else None,
-                    overwrite=True,
-                )
-            )
-            log(f"  {time.perf_counter() - t:.1f} s")
+    for mode in ("docs", "packed"):
+        pack_corpus(work, quick, mode, log)
     stamp = json.loads(Path(paths.docs, "index.json").read_text())["shards"]
     stamp_path = os.path.join(work, f"{tag}-derived.json")
     if not (os.path.exists(stamp_path) and json.loads(Path(stamp_path).read_text()) == stamp):
@@ -669,7 +671,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--skip", default="", help="comma-separated groups to leave out: a,b,c,d")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--workers", default="", help="worker scaling instead: these worker counts (0,1,2,4,8)")
+    ap.add_argument("--ranks", type=int, default=0, help="worker scaling: also this many ranks at once, 1 worker each")
+    ap.add_argument("--scaling", default="docs,pack", help="configurations scaled (load_scaling.CONFIGS) [docs,pack]")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rank-child", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -678,6 +684,10 @@ def main(argv=None) -> list[Result]:
     if args.child:
         print(json.dumps(run_loader(json.loads(args.child))))
         return []
+    if args.rank_child or args.workers or args.ranks:
+        import load_scaling  # the worker and rank scaling, beside this tool
+
+        return load_scaling.main(args)
     import torch
 
     if args.torch_threads > 0:

@@ -44,6 +44,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import gzip
+import itertools
 import json
 import math
 import os
@@ -104,16 +106,22 @@ def python_env(code: str | None, tmpdir: str | None = None) -> dict:
     return env
 
 
-def pack_base(work: str, code: str | None) -> str:
-    """The one real shard everything is copied from (packed once)."""
-    base = os.path.join(work, "base")
+def pack_base(work: str, code: str | None, docs: int | None = None) -> str:
+    """The one real shard everything is copied from (packed once): the wiki files wiki-00 and
+    wiki-01, or (``docs``) the first ``docs`` documents of wiki-00."""
+    base = os.path.join(work, "base" if docs is None else f"base-{docs}")
     if os.path.exists(os.path.join(base, "index.json")):
         with open(os.path.join(base, "index.json")) as f:
             if json.load(f).get("version") == fmt.FORMAT_VERSION:
                 return base
     if os.path.exists(base):
         shutil.rmtree(base)
-    cmd = [sys.executable, "-m", "wdsllm.cli", "pack", *CORPUS, "-o", base, "-t", TOKENIZER, "-q", "--overwrite"]
+    inputs = CORPUS
+    if docs is not None:
+        inputs = [os.path.join(work, f"wiki-first-{docs}.jsonl")]
+        with gzip.open(CORPUS[0], "rt") as src, open(inputs[0], "w") as out:
+            out.writelines(itertools.islice(src, docs))
+    cmd = [sys.executable, "-m", "wdsllm.cli", "pack", *inputs, "-o", base, "-t", TOKENIZER, "-q", "--overwrite"]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, env=python_env(code))
     with open(os.path.join(base, "index.json")) as f:
@@ -130,6 +138,13 @@ def build_dataset(work: str, docs: float, code: str | None) -> tuple[str, dict]:
     n = max(1, round(docs / BASE_DOCS))
     root = os.path.join(work, f"docs-{n}")
     return root, scale_data.build(base, root, n)
+
+
+def build_shards(work: str, shards: int, shard_docs: int, code: str | None) -> tuple[str, dict]:
+    """The synthetic dataset of ``shards`` copies of a shard of ``shard_docs`` documents (kept)."""
+    base = pack_base(work, code, shard_docs)
+    root = os.path.join(work, f"shards-{shards}-of-{shard_docs}")
+    return root, scale_data.build(base, root, shards)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -257,6 +272,26 @@ def _limit_memory(cap: int) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
 
 
+def cpu_seconds() -> float:
+    """CPU seconds of this process, every thread of it."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of this process's live children (its DataLoader workers) so far."""
+    total = 0
+    for task in os.listdir(f"/proc/{os.getpid()}/task"):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+                pids = f.read().split()
+            for pid in pids:
+                with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                    total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def child_loader(spec: dict) -> None:
     """Runs in the measured process: time to first batch for one configuration (and, with
     ``exact``, until the exact equal-batches decision is known)."""
@@ -267,6 +302,7 @@ def child_loader(spec: dict) -> None:
 
     torch.set_num_threads(1)
     import wdsllm
+    import wdsllm.load.loader  # imported before the clock starts, as a training script has it
 
     t = time.perf_counter
     base_rss = _read_kv("/proc/self/status").get("VmRSS", 0)
@@ -274,7 +310,7 @@ def child_loader(spec: dict) -> None:
     if spec.get("context"):
         opts["multiprocessing_context"] = spec["context"]
     gc.collect()
-    t0 = t()
+    t0, cpu0 = t(), cpu_seconds()
     source = spec["root"]
     if isinstance(source, dict):  # a mixture: {name: root}
         source = wdsllm.Mixture(source, weights=dict(zip(source, spec["weights"])))
@@ -282,11 +318,13 @@ def child_loader(spec: dict) -> None:
     t1 = t()
     it = iter(ld)
     batch = next(it)
-    t2 = t()
+    t2, cpu2, workers_cpu = t(), cpu_seconds(), children_cpu_seconds()
     limits = ld.limits
     out = {
         "construct_s": t1 - t0,
         "first_batch_s": t2 - t0,
+        "first_batch_cpu_s": cpu2 - cpu0,
+        "workers_cpu_s": workers_cpu,
         "base_rss": base_rss,
         "first_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "bound": limits.per_rank_bound if limits is not None else None,
@@ -491,6 +529,8 @@ def measure_loader(args, root: str, info: dict, label: str, me: list, cap: int, 
                     "mode": mode,
                     "status": r["status"],
                     "first_batch_s": res.get("first_batch_s"),
+                    "first_batch_cpu_s": res.get("first_batch_cpu_s"),
+                    "workers_cpu_s": res.get("workers_cpu_s"),
                     "first_rss": res.get("first_rss"),
                     "exact_s": res.get("exact_s"),
                     "exact_at_first": res.get("exact_at_first"),
@@ -512,8 +552,10 @@ def measure_loader(args, root: str, info: dict, label: str, me: list, cap: int, 
                     if res.get("exact_at_first")
                     else (fmt_s(res["exact_s"]) if res.get("exact_s") is not None else "-")
                 )
+                cpu = f"{row['first_batch_cpu_s']:.2f}" if row["first_batch_cpu_s"] is not None else "-"
                 print(
-                    f"{label:<24} world {world:>6} workers {nw} {MODE_LABEL[mode]:<22} first batch {first:>14}  "
+                    f"{label:<24} world {world:>6} workers {nw} {MODE_LABEL[mode]:<22} first batch {first:>14} "
+                    f"(CPU s {cpu})  "
                     f"exact {exact:>8}  main {fmt_b(r['main_peak']):>10}  worker {fmt_b(r['worker_peak']):>10} "
                     f"(private {fmt_b(r['worker_private'])})  batches/rank {res.get('per_rank')} "
                     f"(bound {res.get('bound')})",
@@ -521,6 +563,21 @@ def measure_loader(args, root: str, info: dict, label: str, me: list, cap: int, 
                 )
                 if r["status"] == "error":
                     print(r["stderr_tail"][-1500:], file=sys.stderr)
+
+
+def measure_shards(args, work: str, me: list, cap: int, record, rows: list) -> None:
+    """The loader on datasets of the same shard, copied ``--shards`` times each: what opening a
+    dataset costs as its shard count grows."""
+    for count in [c for c in args.shards.split(",") if c]:
+        root, info = build_shards(work, int(float(count)), args.shard_docs, args.code)
+        print(
+            f"# dataset {root}: {info['shards']:,} shards of {args.shard_docs} documents, {info['documents']:,} "
+            f"documents; built in {info['build_s']} s{' [kept from before]' if info.get('cached') else ''}",
+            flush=True,
+        )
+        label = f"{info['shards']:,} shards"
+        if not args.build_only:
+            measure_loader(args, root, info, label, me, cap, record, rows)
 
 
 MIX_WEIGHTS = [0.5, 0.3, 0.2, 0.1, 0.05]
@@ -616,13 +673,52 @@ def measure_index(args, work: str, me: list, cap: int, record) -> None:
                 print(f"index of {n:,} entries: {r['status']} {r['stderr_tail'][-500:]}", flush=True)
 
 
+def cpu_text(row: dict) -> str:
+    """CPU seconds to the first batch: the process with all its threads (and its workers)."""
+    if row.get("first_batch_cpu_s") is None:
+        return "–"
+    workers = f" ({row['workers_cpu_s']:.2f})" if row["workers"] else ""
+    return f"{row['first_batch_cpu_s']:.2f}{workers}"
+
+
+def print_opening(rows: list) -> None:
+    """Each configuration's first batch at every shard count, against the fewest shards' (wall
+    time and CPU seconds of the process with its threads; memory: peak RSS of the process)."""
+    by_config: dict = {}
+    for _label, row in rows:
+        by_config.setdefault((row["mode"], row["world"], row["workers"]), []).append(row)
+    print(
+        "\n| batching | world | workers | shards | first batch | CPU s (workers) | peak RSS main "
+        "| more than the fewest shards: wall, CPU, RSS |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for (mode, world, workers), found in by_config.items():
+        found = sorted(found, key=lambda r: r["shards"])
+        first = found[0]
+        for row in found:
+            if row["status"] != "ok":
+                print(f"| {MODE_LABEL[mode]} | {world:,} | {workers} | {row['shards']:,} | {row['status']} | | | |")
+                continue
+            more = ""
+            if row is not first and first["status"] == "ok":
+                more = (
+                    f"+{row['first_batch_s'] - first['first_batch_s']:.2f} s, "
+                    f"+{row['first_batch_cpu_s'] - first['first_batch_cpu_s']:.2f} s, "
+                    f"+{fmt_b(row['main_peak'] - first['main_peak']) if row['main_peak'] > first['main_peak'] else '0'}"
+                )
+            print(
+                f"| {MODE_LABEL[mode]} | {world:,} | {workers} | {row['shards']:,} | {fmt_s(row['first_batch_s'])} "
+                f"| {cpu_text(row)} | {fmt_b(row['main_peak'])} | {more} |"
+            )
+
+
 def print_tables(args, cap: int, loader_rows: list, cli_rows: list) -> None:
     if loader_rows:
         print(
-            "\n| documents | world | workers | batching | time to first batch | exact count | peak RSS main "
-            "| largest worker (private) | batches/rank (bound) |"
+            "\n| documents | world | workers | batching | time to first batch | CPU s (workers) | exact count "
+            "| peak RSS main | largest worker (private) | batches/rank (bound) |"
         )
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     for label, row in loader_rows:
         first = verdict_text({"status": row["status"]}, args.timeout, cap, row["first_batch_s"])
         if row["exact_at_first"]:
@@ -636,8 +732,8 @@ def print_tables(args, cap: int, loader_rows: list, cli_rows: list) -> None:
         per_rank = f"{row['per_rank']:,}" if row["per_rank"] is not None else "–"
         bound = f" ({row['bound']:,})" if row.get("bound") is not None and not row["exact_at_first"] else ""
         print(
-            f"| {label} | {row['world']:,} | {row['workers']} | {MODE_LABEL[row['mode']]} | {first} | {exact} "
-            f"| {main_rss} | {worker} | {per_rank}{bound} |"
+            f"| {label} | {row['world']:,} | {row['workers']} | {MODE_LABEL[row['mode']]} | {first} | {cpu_text(row)} "
+            f"| {exact} | {main_rss} | {worker} | {per_rank}{bound} |"
         )
     if cli_rows:
         print("\n| documents | command | wall time | peak RSS |")
@@ -652,6 +748,10 @@ def print_tables(args, cap: int, loader_rows: list, cli_rows: list) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", default="2.5e7", help="target documents, comma-separated for several datasets [2.5e7]")
+    ap.add_argument(
+        "--shards", default="", help="datasets by shard count instead (1e3,1e6), each shard of --shard-docs documents"
+    )
+    ap.add_argument("--shard-docs", type=int, default=100, help="documents per shard for --shards [100]")
     ap.add_argument("--work", default=os.path.join(HERE, "..", "bench-out", "scale"), help="where datasets are kept")
     ap.add_argument("--worlds", default="8,1024,16384", help="world sizes (rank 0 is measured)")
     ap.add_argument("--workers", default="0,2", help="DataLoader worker counts")
@@ -706,6 +806,11 @@ def main() -> None:
     if args.mix:
         measure_mixture(args, work, me, cap, record, loader_rows)
         print_tables(args, cap, loader_rows, cli_rows)
+        return
+    if args.shards:
+        measure_shards(args, work, me, cap, record, loader_rows)
+        print_tables(args, cap, loader_rows, cli_rows)
+        print_opening(loader_rows)
         return
     for docs_text in [d for d in args.docs.split(",") if d]:
         root, info = build_dataset(work, float(docs_text), args.code)

@@ -136,6 +136,19 @@ class SideFile:
             raise FormatError(f"{where} does not match its checksum in index.json")
         return data
 
+    def check_chunks(self, data: bytes, where: str) -> bytes:
+        """``check`` by the chunk digests where the index has them (as a large side file is
+        checked as it is read: every chunk, at a fraction of sha256's cost), else by sha256."""
+        if not self.chunks:
+            return self.check(data, where)
+        if len(data) != self.bytes:
+            raise FormatError(f"{where}: {len(data)} bytes, index.json says {self.bytes}")
+        view = memoryview(data)
+        for c, digest in enumerate(self.chunks):
+            if chunk_digest(view[c * self.chunk_bytes : (c + 1) * self.chunk_bytes]) != digest:
+                raise FormatError(f"{where} does not match its checksum in index.json (chunk {c})")
+        return data
+
 
 def check_finished(root: str, *, retry: Any = None) -> None:
     """Refuse a dataset directory whose pack never finished (UnfinishedError), naming what to run."""
@@ -204,9 +217,12 @@ class ShardTable(Sequence):
     """
 
     def __init__(self, columns: np.ndarray | None, names: Sequence[str] | None = None, prefix: str | None = None):
-        self._columns = None if columns is None else np.asarray(columns, np.int64).reshape(-1, len(SHARD_COLUMNS))
+        self._columns = (
+            None if columns is None else _frozen(np.asarray(columns, np.int64).reshape(-1, len(SHARD_COLUMNS)))
+        )
         self._names = list(names) if names is not None else None
         self._entries: list[ShardEntry] | None = None
+        self._totals: dict[str, int] = {}
         self.prefix = prefix
         if (self._names is None) == (prefix is None):
             raise ValueError("a shard table takes names or a prefix")
@@ -229,7 +245,7 @@ class ShardTable(Sequence):
             for i, e in enumerate(self._entries):
                 columns[i, :5] = (e.samples, e.documents, e.tokens, e.bytes, e.rows)
                 columns[i, 5:] = _sha_words(e.sha256, strict=False)
-            self._columns = columns
+            self._columns = _frozen(columns)
         return self._columns
 
     @classmethod
@@ -252,6 +268,12 @@ class ShardTable(Sequence):
     def column(self, name: str) -> np.ndarray:
         """One count per shard (samples, documents, tokens, bytes, rows), int64."""
         return self.columns[:, SHARD_COLUMNS.index(name)]
+
+    def total(self, name: str) -> int:
+        """A column's sum (kept: a table's counts do not change once it is made)."""
+        if name not in self._totals:
+            self._totals[name] = int(self.column(name).sum())
+        return self._totals[name]
 
     def name(self, i: int) -> str:
         return self._names[i] if self._names is not None else shard_name(self.prefix, i)
@@ -289,6 +311,14 @@ class ShardTable(Sequence):
 
     def __repr__(self) -> str:
         return f"ShardTable({len(self)} shards)"
+
+
+def _frozen(columns: np.ndarray) -> np.ndarray:
+    """A read-only view: a table's counts do not change once it is made (its totals are kept, and
+    planners keep what they worked out from its columns)."""
+    view = columns.view()
+    view.setflags(write=False)
+    return view
 
 
 def _sha_words(sha256: str, strict: bool = True) -> np.ndarray:
@@ -346,16 +376,20 @@ class Index:
         return self.version >= 3 and self.groups_file is not None and self.checksum == CHECKSUM_NAME
 
     @property
+    def samples(self) -> int:
+        return self.shards.total("samples")
+
+    @property
     def documents(self) -> int:
-        return int(self.shards.column("documents").sum())
+        return self.shards.total("documents")
 
     @property
     def tokens(self) -> int:
-        return int(self.shards.column("tokens").sum())
+        return self.shards.total("tokens")
 
     @property
     def rows(self) -> int:
-        return int(self.shards.column("rows").sum())
+        return self.shards.total("rows")
 
     @property
     def items_per_shard(self) -> np.ndarray:
@@ -365,10 +399,10 @@ class Index:
     def totals(self) -> dict[str, int]:
         out = {
             "shards": len(self.shards),
-            "samples": int(self.shards.column("samples").sum()),
+            "samples": self.samples,
             "documents": self.documents,
             "tokens": self.tokens,
-            "bytes": int(self.shards.column("bytes").sum()),
+            "bytes": self.shards.total("bytes"),
         }
         if self.mode == "packed":
             out["rows"] = self.rows
@@ -577,7 +611,7 @@ def read_index(
 
     def table(ref: SideFile) -> bytes:
         side = storage.join_url(root, ref.name)
-        return ref.check(storage.read_bytes(side, retry=retry), side)
+        return ref.check_chunks(storage.read_bytes(side, retry=retry), side)
 
     return Index.from_body(body, url, check_totals=check_totals, shard_table=table), body
 

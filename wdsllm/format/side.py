@@ -139,15 +139,18 @@ class SideArray:
             return
         size = ref.chunk_bytes
         for c in range(a // size, (b - 1) // size + 1):
-            if self._checked[c]:
-                continue
-            lo, hi = c * size, min(ref.bytes, (c + 1) * size)
-            if chunk_digest(self._read_bytes(lo, hi)) != ref.chunks[c]:
-                raise FormatError(
-                    f"{self.url}: bytes {lo}-{hi} do not match their digest in index.json (the file was changed or "
-                    "corrupted); `wdsllm verify` checks the whole dataset"
-                )
-            self._checked[c] = 1
+            if not self._checked[c]:
+                self._check_chunk(c, self._read_bytes(c * size, min(ref.bytes, (c + 1) * size)))
+
+    def _check_chunk(self, c: int, data: bytes | memoryview) -> None:
+        """Chunk ``c`` of the file, whose bytes are ``data``, against its digest in the index."""
+        if chunk_digest(data) != self.ref.chunks[c]:
+            lo = c * self.ref.chunk_bytes
+            raise FormatError(
+                f"{self.url}: bytes {lo}-{lo + len(data)} do not match their digest in index.json (the file was "
+                "changed or corrupted); `wdsllm verify` checks the whole dataset"
+            )
+        self._checked[c] = 1
 
     def _check_whole(self) -> None:
         """A side file without chunk digests (format 1 and 2): its sha256, streamed, once."""
@@ -214,6 +217,37 @@ class SideArray:
         step = step or max(1, READ_BYTES // self.dtype.itemsize)
         for lo in range(a, b, step):
             yield lo, self.read(lo, min(b, lo + step))
+
+    def scan(self, a: int = 0, b: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
+        """(first element, elements) over [a, b), checked, for a pass that only looks at them: the
+        file is read whole chunks at a time into one buffer that every step reuses, each chunk
+        checked from the bytes just read (once per process), so a pass over gigabytes costs one
+        copy and holds one buffer. A step's elements are valid until the next step."""
+        a, b = max(0, int(a)), self.count if b is None else min(self.count, int(b))
+        if b <= a:
+            return
+        size = self.dtype.itemsize
+        lo, hi = self.offset + a * size, self.offset + b * size
+        if self._data is not None or not self.ref.chunks:  # in memory, or checked whole at once
+            self._check_bytes(lo, hi)
+            for first in range(a, b, max(1, READ_BYTES // size)):
+                last = min(b, first + max(1, READ_BYTES // size))
+                yield first, self.read(first, last, check=False)
+            return
+        step = self.ref.chunk_bytes
+        span = step * max(1, READ_BYTES // step)
+        start, stop = lo // step * step, min(self.size, -(-hi // step) * step)  # the chunks holding [lo, hi)
+        buffer = memoryview(bytearray(min(span, stop - start)))
+        for at in range(start, hi, span):
+            end = min(at + span, stop)
+            got = buffer[: end - at]
+            if os.preadv(self._file(), [got], at) != end - at:
+                raise FormatError(f"{self.url}: ends before byte {end} (truncated after it was opened)")
+            for c in range(at // step, -(-end // step)):
+                if not self._checked[c]:
+                    self._check_chunk(c, got[c * step - at : min(end, (c + 1) * step) - at])
+            first, last = max(lo, at), min(hi, end)
+            yield (first - self.offset) // size, np.frombuffer(got[first - at : last - at], self.dtype)
 
     def digests(self) -> tuple[int, str, list[str]]:
         """(size, sha256, chunk digests) of the file as it is, in one pass of bounded memory."""

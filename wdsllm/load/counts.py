@@ -206,14 +206,19 @@ class _Background:
 class EpochCounts:
     """The [world, workers] batch counts of one epoch: ``bound`` (a lower bound on every entry)
     at once, and ``exact()``, at once where a closed form or the index gives it, else from a pass
-    over lengths.npy run in the background (``ready()`` says whether it is done)."""
+    over lengths.npy run in the background (``ready()`` says whether it is done). The pass
+    begins when asked (``start``: once a first batch is out, so that it never competes with
+    it), or when ``exact()`` is first asked."""
 
     def __init__(self, bound: np.ndarray, exact: np.ndarray | None = None, job: _Background | None = None):
         self.bound = bound
         self._exact = exact
         self._job = job
-        if job is not None:
-            job.start()
+
+    def start(self) -> None:
+        """Begin the background pass in this process, unless it is done or running."""
+        if self._exact is None and self._job is not None:
+            self._job.start()
 
     @classmethod
     def create(
@@ -615,10 +620,12 @@ def _load(path: str) -> np.ndarray | None:
 @dataclass
 class WorkerLimit:
     """How many batches a worker may yield: ``bound`` at once (a lower bound of its share); past
-    it, the exact share (``value()``, which may wait for the count)."""
+    it, the exact share (``value()``, which may wait for the count; ``start``: begin counting it
+    in the background, once the worker's first batch is out)."""
 
     bound: int
     resolve: Callable[[], int] | None = None
+    start: Callable[[], None] | None = None
 
     def value(self) -> int:
         return self.bound if self.resolve is None else self.resolve()
@@ -647,6 +654,10 @@ class EpochLimits:
     def ready(self) -> bool:
         return self.counts.ready()
 
+    def start_count(self) -> None:
+        """Begin the exact count in the background (once this process's first batch is out)."""
+        self.counts.start()
+
     @property
     def per_rank(self) -> int:
         """Batches every rank yields."""
@@ -673,7 +684,7 @@ class EpochLimits:
         if self.counts.ready():
             return WorkerLimit(int(self.per_worker[worker]))
         safe = min(int(self.counts.bound[self.rank, worker]), self.per_rank_bound // self.workers)
-        return WorkerLimit(safe, lambda: int(self.per_worker[worker]))
+        return WorkerLimit(safe, lambda: int(self.per_worker[worker]), self.counts.start)
 
 
 def epoch_limits(

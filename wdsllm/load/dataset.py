@@ -55,11 +55,11 @@ from .stream import (
     StreamSpec,
     StreamStats,
     block_size,
+    counts_known,
     plan_labels,
     read_plan_stream,
     shuffle_lengths,
     shuffled_items,
-    slice_item_counts,
     slice_item_lengths,
 )
 from .tails import StreamEnd, merges_tails, worker_batcher
@@ -334,7 +334,7 @@ class WorkerBatcher:
         """Where the stream stands in documents, noted as it goes (counts unknown: raw text
         without a count sidecar), so that a resume passes over documents by parsing only."""
         spec = task.spec
-        if spec.resample or slice_item_counts(self.catalog, slices, spec) is not None:
+        if spec.resample or counts_known(self.catalog, slices, spec):
             return None
         size = block_size(spec, self.catalog.mixing)
         return TaskMarks(task.hint, batcher, size, keep=4 * (max(size, 1) + (self.cfg.window or 0)))
@@ -387,6 +387,8 @@ class WorkerBatcher:
                     continue
             note = with_lost(after if marks is None else marks.hint(following, after), emptied)
             yield self.emit(spec, index, items, note, tail=merging and items_stream.ended)
+            if index == task.first_batch and limit is not None and limit.start is not None:
+                limit.start()  # the exact count, from now on: never beside the first batch
             index = following
         failed.update(self.stats.skipped_shards)
         cut.report(spec.worker, spec.rank, spec.epoch)

@@ -21,7 +21,7 @@ in its stream as holes (``holes.py``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -172,15 +172,18 @@ def tail_positions(
     return in_plan, lead
 
 
-def picked_slices(slices: list[Slice], counts: list[int], positions: np.ndarray) -> list[Slice]:
-    """Slices that hold only the items at plan ``positions`` (ascending) of ``slices``."""
+def picked_slices(slices: Sequence[Slice], counts: list[int], positions: np.ndarray) -> list[Slice]:
+    """Slices that hold only the items at plan ``positions`` (ascending) of ``slices`` (only the
+    slices that hold them are looked at)."""
+    positions = np.asarray(positions, np.int64)
+    ends = np.cumsum(np.asarray(counts, np.int64))
+    positions = positions[positions < (ends[-1] if len(ends) else 0)]
+    holding = np.searchsorted(ends, positions, side="right")
+    found, firsts = np.unique(holding, return_index=True)
     out = []
-    pos = 0
-    for sl, n in zip(slices, counts):
-        lo, hi = np.searchsorted(positions, [pos, pos + n])
-        if hi > lo:
-            local = positions[lo:hi] - pos
-            lead = sl.lead if local[0] == 0 else 0
-            out.append(replace(sl, pick=local if sl.pick is None else sl.pick[local], lead=lead))
-        pos += n
+    for i, local in zip(found.tolist(), np.split(positions, firsts[1:])):
+        sl = slices[i]
+        local = local - (ends[i] - counts[i])
+        lead = sl.lead if local[0] == 0 else 0
+        out.append(replace(sl, pick=local if sl.pick is None else sl.pick[local], lead=lead))
     return out

@@ -576,13 +576,19 @@ class Loader(SteeringMethods):
             changes = steer.log.changes  # a change made while the pass runs leaves this path
             for batch in batches:
                 steer.planned += 1
-                yield self._hand_out(batch)
+                out = self._hand_out(batch)
+                if self.limits is not None:  # its exact count begins once a first batch is out
+                    self.limits.start_count()
+                yield out
                 if changes:
                     break
             else:
                 return
         for group in steer.steps(batches, self._reload if steer.reload_every else None):
-            yield self._hand_out_group(group)
+            out = self._hand_out_group(group)
+            if self.limits is not None:
+                self.limits.start_count()
+            yield out
 
     def _seek(self, epoch: int, target: int) -> bool:
         """Move this pass to planned step ``target`` (the end of a skipped range): the workers

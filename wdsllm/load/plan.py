@@ -12,6 +12,7 @@ fewer shards than consumers a shard's items are dealt out by stride.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .block import pieces_per_doc
+from .slices import Slice, Slices
 
 if TYPE_CHECKING:
     from .counts import EpochPlan
@@ -68,15 +70,60 @@ class EpochBlocks:
     shards: np.ndarray  # the shard of each block
     firsts: np.ndarray  # its first item in the shard
     counts: np.ndarray  # its items
+    order: np.ndarray | None = None  # block i is block order[i] in the shards' order (None: the same)
+    #: (shards, firsts, counts) in the shards' order; None where each block is a whole shard
+    natural: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
-    def pieces_of(self, doc_pieces: DocPieces) -> DocPieces:
+    def pieces_of(self, doc_pieces: DocPieces) -> BlockPieces:
         """Pieces of the documents of block ``i`` (in epoch order), from a shard's ``doc_pieces``."""
         return functools.partial(_block_pieces, self, doc_pieces)
 
+    def pieces(self, doc_pieces: DocPieces) -> np.ndarray:
+        """Pieces of each block, in epoch order: counted in the shards' order (one pass along
+        the lengths, nothing to sort), then put in the epoch's."""
+        if self.order is None:
+            return doc_pieces.sums(self.shards, self.firsts, self.firsts + self.counts)
+        if self.natural is not None:
+            shards, firsts, counts = self.natural
+        else:  # whole shards: block order[i] of the shards' order is shard order[i]
+            shards, firsts, counts = np.arange(len(self.order), dtype=np.int64), self.firsts, np.empty_like(self.counts)
+            counts[self.order] = self.counts
+        return doc_pieces.sums(shards, firsts, firsts + counts)[self.order]
 
-def _block_pieces(blocks: EpochBlocks, doc_pieces: Any, i: int) -> np.ndarray:
+
+def _block_pieces(blocks: EpochBlocks, doc_pieces: DocPieces, i: int) -> np.ndarray:
     first = int(blocks.firsts[i])
     return doc_pieces(int(blocks.shards[i]), first, first + int(blocks.counts[i]))
+
+
+class _RecentBlocks:
+    """The last epoch's blocks, kept for the next ask: a process plans an epoch of a large
+    dataset twice (its counts, then its plan), from the same columns of the index. Kept only for
+    read-only arrays (a ``ShardTable``'s columns, never changed once made), so the same objects
+    mean the same counts, and only while they live (weakly held: a closed loader's dataset is not
+    kept by its blocks); the tuple is replaced whole, so threads need no lock."""
+
+    def __init__(self) -> None:
+        self.kept: tuple | None = None
+
+    def get(self, items: Any, tokens: Any, key: tuple, make: Callable[[], EpochBlocks]) -> EpochBlocks:
+        if not all(isinstance(x, np.ndarray) and not x.flags.writeable for x in (items, tokens) if x is not None):
+            return make()
+        kept = self.kept
+        if kept is not None and kept[0]() is items and (kept[1]() if kept[1] else None) is tokens and kept[2] == key:
+            return kept[3]
+        blocks = make()
+        self.kept = (weakref.ref(items), weakref.ref(tokens) if tokens is not None else None, key, blocks)
+        weakref.finalize(items, self._forget, id(blocks))
+        return blocks
+
+    def _forget(self, made: int) -> None:
+        kept = self.kept
+        if kept is not None and id(kept[3]) == made:
+            self.kept = None
+
+
+_recent_blocks = _RecentBlocks()
 
 
 def epoch_blocks(
@@ -85,8 +132,19 @@ def epoch_blocks(
     """The blocks of the epoch in their order: each shard cut into ``blocks_per_shard`` runs of
     sizes differing by at most one, ordered by (seed, epoch): decided before the split into
     shares, reseeded each epoch, the same for every rank and worker."""
+    make = functools.partial(_epoch_blocks, items_per_shard, tokens_per_shard, seed, epoch, shuffle)
+    return _recent_blocks.get(items_per_shard, tokens_per_shard, (seed, epoch, shuffle), make)
+
+
+def _epoch_blocks(
+    items_per_shard: Sequence[int], tokens_per_shard: Sequence[int] | None, seed: int, epoch: int, shuffle: bool
+) -> EpochBlocks:
     items = np.asarray(items_per_shard, dtype=np.int64)
     per_shard = blocks_per_shard(items, tokens_per_shard)
+    order = shard_order(int(per_shard.sum()), seed, epoch, shuffle)
+    if len(per_shard) == len(order):  # a block per shard (many shards): each shard whole
+        whole = np.broadcast_to(np.zeros(1, np.int64), (len(order),))  # every block from its shard's start
+        return EpochBlocks(order, whole, items[order], order)
     shards = np.repeat(np.arange(len(items), dtype=np.int64), per_shard)
     j = np.arange(len(shards), dtype=np.int64) - np.repeat(np.cumsum(per_shard) - per_shard, per_shard)
     n, k = items[shards], per_shard[shards]
@@ -94,8 +152,8 @@ def epoch_blocks(
     grains = -(-n // step)
     firsts = np.minimum(n, step * (grains * j // k))
     stops = np.minimum(n, step * (grains * (j + 1) // k))
-    order = shard_order(len(shards), seed, epoch, shuffle)
-    return EpochBlocks(shards[order], firsts[order], (stops - firsts)[order])
+    counts = stops - firsts
+    return EpochBlocks(shards[order], firsts[order], counts[order], order, (shards, firsts, counts))
 
 
 def _grain(items: np.ndarray, tokens_per_shard: Sequence[int] | None) -> np.ndarray:
@@ -114,6 +172,8 @@ def blocks_per_shard(items: np.ndarray, tokens_per_shard: Sequence[int] | None) 
     if tokens_per_shard is None or len(items) == 0:
         return np.ones(len(items), np.int64)
     wanted = -(-EPOCH_BLOCKS // len(items))
+    if wanted == 1:  # shards enough for the epoch's blocks: each is one
+        return np.ones(len(items), np.int64)
     by_tokens = np.asarray(tokens_per_shard, dtype=np.int64) // MIN_BLOCK_TOKENS
     grains = -(-items // _grain(items, tokens_per_shard))
     return np.maximum(1, np.minimum(np.minimum(wanted, by_tokens), grains))
@@ -131,49 +191,6 @@ def cuts_shards(items_per_shard: Sequence[int] | None, tokens_per_shard: Sequenc
     if items_per_shard is None:
         return False
     return bool((blocks_per_shard(np.asarray(items_per_shard, np.int64), tokens_per_shard) > 1).any())
-
-
-@dataclass(eq=False)
-class Slice:
-    """Items [start, stop) of one shard, every ``stride``-th one from ``start`` (stop None: to the end).
-
-    ``pick`` (sorted positions within the slice's item sequence, pieces counted) keeps only those
-    items: how the remainder of an interrupted epoch is re-planned for a new layout, and how a
-    share starts or stops inside a split document. ``group`` numbers the part of a mixture's
-    epoch (between schedule points) the slice belongs to: a shuffle block never interleaves two
-    parts, so a weight change takes effect where it says. ``lead``: tokens of the slice's first
-    item that an earlier row already holds (the tail a worker hands to its rank's last worker
-    may start inside a document that a concat row cut).
-    """
-
-    shard: int
-    start: int = 0
-    stop: int | None = None
-    stride: int = 1
-    pick: np.ndarray | None = None
-    group: int = 0
-    lead: int = 0
-
-    @property
-    def count(self) -> int | None:
-        if self.pick is not None:
-            return len(self.pick)
-        if self.stop is None:
-            return None
-        return max(0, (self.stop - self.start + self.stride - 1) // self.stride)
-
-    def key(self) -> tuple:
-        return (
-            self.shard,
-            self.start,
-            self.stop,
-            self.stride,
-            None if self.pick is None else tuple(self.pick.tolist()),
-            self.lead,
-        )
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Slice) and self.key() == other.key()
 
 
 def split_range(total: int, parts: int, i: int) -> tuple[int, int]:
@@ -223,7 +240,7 @@ class EpochLayout:
     firsts: np.ndarray | None = None  # blocks of shards (``order``: their shards): first item of each
     pieces: EpochPieces | None = None  # starts and stops count pieces of documents
 
-    def slices(self, rank: int, worker: int) -> list[Slice]:
+    def slices(self, rank: int, worker: int) -> Slices:
         """The slices (rank, worker) reads, in reading order."""
         a, b = int(self.starts[rank, worker]), int(self.stops[rank, worker])
         if self.pieces is not None:
@@ -239,8 +256,26 @@ class EpochLayout:
         return np.array([d for d, _ in found], np.int64), np.array([k for _, k in found], np.int64)
 
 
-#: pieces each document of a shard becomes in the stream (``piece_counter``)
-DocPieces = Callable[[int], np.ndarray]
+@dataclass(frozen=True)
+class DocPieces:
+    """Pieces each document of a source's shards becomes in the stream when split at
+    ``max_len`` (``block.pieces_per_doc``; ``piece_counter``)."""
+
+    lengths: Any  # the source's DocumentLengths
+    max_len: int
+
+    def __call__(self, shard: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Pieces of each document [start, stop) of ``shard``."""
+        return pieces_per_doc(self.lengths.of_unit(shard, start, stop).astype(np.int64), self.max_len)
+
+    def sums(self, shards: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+        """Pieces of documents [starts[i], stops[i]) of each shard ``shards[i]`` (ranges that do not
+        overlap), in one pass over the lengths they cover."""
+        return self.lengths.pieces(shards, starts, stops, self.max_len)
+
+
+#: pieces of each document of block ``i`` of an epoch (``EpochBlocks.pieces_of``)
+BlockPieces = Callable[[int], np.ndarray]
 
 
 @dataclass(eq=False)
@@ -250,12 +285,11 @@ class EpochPieces:
     inside a document: ranks and workers then differ by at most one piece, not one document."""
 
     ends: np.ndarray
-    per_doc: DocPieces
+    per_doc: BlockPieces
 
     @classmethod
-    def of(cls, n_blocks: int, per_doc: DocPieces) -> EpochPieces:
-        pieces = np.array([int(per_doc(i).sum()) for i in range(n_blocks)], np.int64)
-        return cls(np.cumsum(pieces), per_doc)
+    def of(cls, blocks: EpochBlocks, doc_pieces: DocPieces) -> EpochPieces:
+        return cls(np.cumsum(blocks.pieces(doc_pieces)), blocks.pieces_of(doc_pieces))
 
     @property
     def total(self) -> int:
@@ -271,17 +305,23 @@ class EpochPieces:
         doc = int(np.searchsorted(through, within, side="right"))
         return int(layout.ends[i] - layout.counts[i]) + doc, within - int(through[doc - 1] if doc else 0)
 
-    def slices(self, layout: EpochLayout, a: int, b: int) -> list[Slice]:
+    def slices(self, layout: EpochLayout, a: int, b: int) -> Slices:
         """Slices covering pieces [a, b) in epoch order: whole documents as ranges, a document
-        cut by a share's edge as a one-document slice that picks its pieces."""
-        out: list[Slice] = []
-        while a < b:
-            i = int(np.searchsorted(self.ends, a, side="right"))
-            block_start = int(self.ends[i - 1] if i else 0)
-            stop = min(b, int(self.ends[i]))
-            out.extend(_block_piece_slices(layout, i, self.per_doc(i), a - block_start, stop - block_start))
-            a = stop
-        return out
+        cut by a share's edge as a one-document slice that picks its pieces. Only the blocks at
+        the edges are looked into; the blocks between are read whole."""
+        if b <= a:
+            return Slices.of([])
+        i = int(np.searchsorted(self.ends, a, side="right"))  # the block of the first piece
+        j = int(np.searchsorted(self.ends, b - 1, side="right"))  # ... of the last
+        start_i, start_j = (int(self.ends[k - 1]) if k else 0 for k in (i, j))
+        if i == j:
+            return Slices.of(_block_piece_slices(layout, i, self.per_doc(i), a - start_i, b - start_i))
+        head = _block_piece_slices(layout, i, self.per_doc(i), a - start_i, int(self.ends[i]) - start_i)
+        tail = _block_piece_slices(layout, j, self.per_doc(j), 0, b - start_j)
+        between = i + 1 + np.flatnonzero(np.diff(self.ends[i:j]) > 0)  # the blocks between, with pieces
+        first = np.zeros(len(between), np.int64) if layout.firsts is None else layout.firsts[between]
+        whole = Slices(layout.order[between], first, first + layout.counts[between])
+        return Slices.join([head, whole, tail])
 
 
 def _block_piece_slices(layout: EpochLayout, i: int, per_doc: np.ndarray, s: int, e: int) -> list[Slice]:
@@ -314,11 +354,7 @@ def piece_counter(source: Source, spec: StreamSpec) -> DocPieces | None:
     lengths = source.lengths() if spec.splits(source.mode) else None
     if lengths is None:
         return None
-    return functools.partial(_doc_pieces, lengths, spec.max_len)
-
-
-def _doc_pieces(lengths: Any, max_len: int, shard: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-    return pieces_per_doc(lengths.of_unit(shard, start, stop).astype(np.int64), max_len)
+    return DocPieces(lengths, spec.max_len)
 
 
 def epoch_layout(
@@ -338,7 +374,7 @@ def epoch_layout(
     blocks = epoch_blocks(items_per_shard, tokens_per_shard, seed, epoch, shuffle)
     counts = blocks.counts
     ends = np.cumsum(counts)
-    pieces = None if doc_pieces is None else EpochPieces.of(len(counts), blocks.pieces_of(doc_pieces))
+    pieces = None if doc_pieces is None else EpochPieces.of(blocks, doc_pieces)
     total = int(ends[-1]) if len(ends) else 0
     starts, stops = consumer_shares(total if pieces is None else pieces.total, world, workers, unit=unit)
     return EpochLayout(blocks.shards, counts, ends, starts, stops, blocks.firsts, pieces)
@@ -358,7 +394,7 @@ def plan_epoch(
     doc_pieces: DocPieces | None = None,
     tokens_per_shard: Sequence[int] | None = None,
     unit: int = 1,
-) -> list[Slice]:
+) -> Sequence[Slice]:
     """The slices that (rank, worker) reads in this epoch, in reading order (``doc_pieces``:
     documents shared by their pieces, ``unit``: items per batch, ``epoch_layout``)."""
     if items_per_shard is not None:
@@ -386,7 +422,7 @@ def plan_epoch(
     return _stride_share(order, consumers, consumer)
 
 
-def slices_for(source: Source, cfg: Any, spec: StreamSpec, plan: EpochPlan | None = None) -> list[Slice]:
+def slices_for(source: Source, cfg: Any, spec: StreamSpec, plan: EpochPlan | None = None) -> Sequence[Slice]:
     """The slices (rank, worker) reads in ``spec.epoch``, in reading order: ``plan``'s (the
     remainder of an interrupted epoch), the source's own (a mixture's), or ``plan_epoch``'s. Every
     stage that asks what a consumer reads asks here."""
@@ -421,23 +457,20 @@ def _stride_share(shards: np.ndarray, consumers: int, consumer: int) -> list[Sli
 
 def slices_of_range(
     order: np.ndarray, counts: np.ndarray, ends: np.ndarray, a: int, b: int, firsts: np.ndarray | None = None
-) -> list[Slice]:
+) -> Slices:
     """Slices covering items [a, b) of the shards concatenated in ``order`` (blocks of shards:
-    ``firsts[i]`` is the first item of block ``i`` in its shard ``order[i]``)."""
-    out = []
-    if b <= a:
-        return out
+    ``firsts[i]`` is the first item of block ``i`` in its shard ``order[i]``), as columns."""
+    if b <= a or not len(order):
+        return Slices(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
     i = int(np.searchsorted(ends, a, side="right"))
-    while i < len(order) and a < b:
-        shard_start = int(ends[i] - counts[i])
-        lo = a - shard_start
-        hi = min(b, int(ends[i])) - shard_start
-        first = 0 if firsts is None else int(firsts[i])
-        if hi > lo:
-            out.append(Slice(int(order[i]), first + lo, first + hi))
-        a = shard_start + hi
-        i += 1
-    return out
+    j = min(len(order), int(np.searchsorted(ends, b - 1, side="right")) + 1)
+    block_end = np.asarray(ends[i:j], np.int64)
+    block_start = block_end - np.asarray(counts[i:j], np.int64)
+    lo = np.maximum(a, block_start) - block_start
+    hi = np.minimum(b, block_end) - block_start
+    first = 0 if firsts is None else np.asarray(firsts[i:j], np.int64)
+    keep = np.flatnonzero(hi > lo)
+    return Slices(np.asarray(order[i:j], np.int64)[keep], (first + lo)[keep], (first + hi)[keep])
 
 
 def resampled_shards(

@@ -17,7 +17,7 @@ import collections
 import itertools
 import logging
 import os
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -31,6 +31,7 @@ from .holes import hole_block
 from .options import BatchOptions
 from .plan import Slice
 from .read import ReadOptions
+from .slices import Slices
 from .sources.protocol import Opening, Source, UnitReader
 
 log = logging.getLogger(__name__)
@@ -272,10 +273,36 @@ def shuffle_lengths(lengths: np.ndarray, spec: StreamSpec, mixing=None, labels: 
     return out
 
 
-def slice_item_counts(source: Source, slices: list[Slice], spec: StreamSpec) -> list[int] | None:
-    """Items of each slice in the plan stream (pieces counted)."""
-    counts = [slice_item_count(source, sl, spec) for sl in slices]
-    return None if any(c is None for c in counts) else counts
+def slice_item_counts(source: Source, slices: Sequence[Slice], spec: StreamSpec) -> list[int] | None:
+    """Items of each slice in the plan stream (pieces counted); None where one is unknown. Plain
+    ranges are counted as columns (their pieces in one pass over their lengths), any other
+    slice on its own."""
+    run = Slices.of(slices)
+    counts = np.zeros(len(run), np.int64)
+    plain = run.ranges()
+    if len(plain):
+        shards, starts, stops = run.shards[plain], run.starts[plain], run.stops[plain]
+        if spec.splits(source.mode):
+            pieces = planmod.piece_counter(source, spec)
+            if pieces is None:
+                return None
+            counts[plain] = pieces.sums(shards, starts, stops)
+        else:
+            counts[plain] = np.maximum(stops - starts, 0)
+    for i, sl in run.special.items():
+        n = slice_item_count(source, sl, spec)
+        if n is None:
+            return None
+        counts[i] = n
+    return counts.tolist()
+
+
+def counts_known(source: Source, slices: Sequence[Slice], spec: StreamSpec) -> bool:
+    """Whether ``slice_item_counts`` would know every count (asked without counting them)."""
+    run = Slices.of(slices)
+    if spec.splits(source.mode) and len(run.ranges()) and source.lengths() is None:
+        return False
+    return all(slice_item_count(source, sl, spec) is not None for sl in run.special.values())
 
 
 def slice_item_count(source: Source, sl: Slice, spec: StreamSpec) -> int | None:
@@ -512,9 +539,9 @@ class _Drop:
         return w.skip
 
 
-def _listed(slices: Iterable[Slice]) -> list[Slice] | None:
-    """The slices as a list where they are one (a resampled stream's are endless)."""
-    return slices if isinstance(slices, list) else None
+def _listed(slices: Iterable[Slice]) -> Sequence[Slice] | None:
+    """The slices where they are a sequence (a resampled stream's are endless)."""
+    return slices if isinstance(slices, (list, Slices)) else None
 
 
 def _opened_ahead(

@@ -3,12 +3,17 @@ from raw text's count sidecar, or a mixture's sources' end to end. Pure numpy.""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
+import xxhash
 
 from ...format.side import SideArray
+from ..block import pieces_per_doc
 from .protocol import DocumentLengths
+
+#: lengths looked at at a time by ``range_pieces``
+PIECES_STEP = 1 << 22
 
 
 def doc_range(docs: np.ndarray, starts: np.ndarray, unit: int, start: int, stop: int | None) -> tuple[int, int]:
@@ -18,6 +23,55 @@ def doc_range(docs: np.ndarray, starts: np.ndarray, unit: int, start: int, stop:
     stop = n if stop is None else min(int(stop), n)
     base = int(starts[unit])
     return base + max(0, int(start)), base + stop
+
+
+def doc_ranges(
+    docs: np.ndarray, starts: np.ndarray, units: np.ndarray, first: np.ndarray, stop: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``doc_range`` of many (unit, start, stop) at once: where they are in the lengths file."""
+    units = np.asarray(units, np.int64)
+    base = starts[units]
+    stop = np.minimum(np.asarray(stop, np.int64), docs[units])
+    return base + np.maximum(0, np.asarray(first, np.int64)), base + stop
+
+
+def range_pieces(
+    chunks: Callable[[int, int], Iterator[tuple[int, np.ndarray]]], a: np.ndarray, b: np.ndarray, max_len: int
+) -> np.ndarray:
+    """``block.pieces_per_doc`` summed over the lengths [a[i], b[i]) of every range (ranges that
+    do not overlap), in one pass over the spans they cover: a document of 1 to ``max_len``
+    tokens is one piece, so only the empty and the longer documents are looked at one by one.
+    ``chunks(lo, hi)``: (first position, lengths) over positions [lo, hi), checked."""
+    a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
+    out = np.maximum(b - a, 0)
+    ranged = np.flatnonzero(b > a)
+    ranged = ranged[np.argsort(a[ranged], kind="stable")]
+    lo, hi = a[ranged], b[ranged]
+    if not len(lo):
+        return out
+    if (lo[1:] < hi[:-1]).any():  # overlapping ranges: each on its own
+        for i in ranged.tolist():
+            out[i] = sum(int(pieces_per_doc(v.astype(np.int64), max_len).sum()) for _, v in chunks(a[i], b[i]))
+        return out
+    breaks = np.flatnonzero(lo[1:] != hi[:-1]) + 1  # spans: runs of ranges that touch
+    span_starts, span_stops = lo[np.r_[0, breaks]], hi[np.r_[breaks - 1, len(hi) - 1]]
+    for span_lo, span_hi in zip(span_starts.tolist(), span_stops.tolist()):
+        for first, values in chunks(span_lo, span_hi):
+            odd = np.flatnonzero(_not_one_piece(values, max_len))
+            if not len(odd):
+                continue
+            v = values[odd].astype(np.int64)
+            extra = np.where(v == 0, -1, (v - 1) // max_len)  # pieces beyond one per document
+            np.add.at(out, ranged[np.searchsorted(lo, first + odd, side="right") - 1], extra)
+    return out
+
+
+def _not_one_piece(values: np.ndarray, max_len: int) -> np.ndarray:
+    """Where a document is not one piece: empty, or longer than ``max_len`` (unsigned lengths: one
+    comparison, as 0 - 1 wraps past every max_len)."""
+    if values.dtype.kind == "u":
+        return values - values.dtype.type(1) >= max_len
+    return (values <= 0) | (values > max_len)
 
 
 class IndexLengths:
@@ -33,6 +87,7 @@ class IndexLengths:
         self.docs = docs
         self.starts = starts
         self.every_unit = every_unit
+        self._pieces: tuple[tuple, np.ndarray] | None = None
 
     def of_unit(self, unit: int, start: int = 0, stop: int | None = None, *, check: bool = True) -> np.ndarray:
         a, b = doc_range(self.docs, self.starts, unit, start, stop)
@@ -42,8 +97,20 @@ class IndexLengths:
         first = self.starts[units]
         a = first + np.asarray(starts, np.int64)
         b = first + np.asarray(stops, np.int64)
-        read = [(lo, hi) for lo, hi in zip(a.tolist(), b.tolist()) if hi > lo]
-        return self.side.range_sums(a, b), read
+        ranged = np.flatnonzero(b > a)  # empty ranges (a whole shard's "other end") read nothing
+        sums = np.zeros(len(a), np.int64)
+        sums[ranged] = self.side.range_sums(a[ranged], b[ranged])
+        return sums, list(zip(a[ranged].tolist(), b[ranged].tolist()))
+
+    def pieces(self, units: np.ndarray, starts: np.ndarray, stops: np.ndarray, max_len: int) -> np.ndarray:
+        # the last answer is kept: an epoch's blocks are counted for its counts and for its plan
+        asked = [np.ascontiguousarray(x, np.int64) for x in (units, starts, stops)]
+        key = (max_len, len(asked[0]), *(xxhash.xxh3_64_intdigest(x) for x in asked))
+        if self._pieces is None or self._pieces[0] != key:
+            a, b = doc_ranges(self.docs, self.starts, *asked)
+            found = range_pieces(self.side.scan, a, b, max_len)
+            self._pieces = (key, found)
+        return self._pieces[1].copy()
 
     def check(self, read: list) -> None:
         for a, b in read:
@@ -80,6 +147,14 @@ class CountedLengths:
         b = first + np.asarray(stops, np.int64)
         return self._running[b] - self._running[a], []
 
+    def pieces(self, units: np.ndarray, starts: np.ndarray, stops: np.ndarray, max_len: int) -> np.ndarray:
+        def chunks(lo: int, hi: int) -> Iterator[tuple[int, np.ndarray]]:
+            for at in range(lo, hi, PIECES_STEP):
+                yield at, self.lengths[at : min(hi, at + PIECES_STEP)]
+
+        a, b = doc_ranges(self.docs, self.starts, units, starts, stops)
+        return range_pieces(chunks, a, b, max_len)
+
     def check(self, read: list) -> None:
         """Nothing to check: ``sums`` reads nothing unchecked."""
 
@@ -114,6 +189,17 @@ class JoinedLengths:
             out[at] = sums
             read.append((s, got))
         return out, read
+
+    def pieces(self, units: np.ndarray, starts: np.ndarray, stops: np.ndarray, max_len: int) -> np.ndarray:
+        """Each source's pieces over its own units."""
+        units = np.asarray(units, np.int64)
+        owner = np.searchsorted(self.bases, units, side="right") - 1
+        out = np.zeros(len(units), np.int64)
+        for s in np.unique(owner).tolist():
+            at = np.flatnonzero(owner == s)
+            part = self.parts[s]
+            out[at] = part.pieces(units[at] - self.bases[s], np.asarray(starts)[at], np.asarray(stops)[at], max_len)
+        return out
 
     def check(self, read: list) -> None:
         for s, got in read:

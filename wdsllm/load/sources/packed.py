@@ -282,10 +282,9 @@ class PackedSource(OneDataset):
             return None
         side = self.side(info)
         columns = self.index.group_columns
-        samples = self.index.shards.column("samples")
-        if side.count != columns * int(samples.sum()):
+        if side.count != columns * self.index.samples:
             listed = side.count // columns
-            raise fmt.FormatError(f"{side.url}: lists {listed} groups, index.json counts {int(samples.sum())}")
+            raise fmt.FormatError(f"{side.url}: lists {listed} groups, index.json counts {self.index.samples}")
         first = int(self._starts("samples")[shard])
         facts = self.shard(shard)
         entry = facts.entry

@@ -39,6 +39,12 @@ class DocumentLengths(Protocol):
         per range, no Python object per document."""
         ...
 
+    def pieces(self, units: np.ndarray, starts: np.ndarray, stops: np.ndarray, max_len: int) -> np.ndarray:
+        """Items the documents [starts, stops) of each unit of ``units`` make when split at
+        ``max_len`` (``block.pieces_per_doc`` summed; ranges that do not overlap), read checked in
+        one pass over the spans the ranges cover."""
+        ...
+
     def check(self, read: list) -> None:
         """Check what ``sums`` read unchecked (each chunk once per process)."""
         ...
