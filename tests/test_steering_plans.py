@@ -374,3 +374,11 @@ def test_the_drift_is_judged_by_the_weights_in_force_from_the_step_they_were_set
     m = loader.metrics()
     assert m["mix/a/target_share"] == pytest.approx(0.8)
     assert m["mix_drift_max"] < 0.1
+
+
+def test_weights_that_would_repeat_a_source_beyond_what_a_plan_holds_are_refused(two_sources):
+    mix = wdsllm.Mixture(two_sources, weights={"a": 0.5, "b": 0.5}, unit="items", epoch_items=300 * 70_000)
+    loader = make(mix, batch_size=8)
+    with pytest.raises(SteeringError, match="times over"):
+        loader.set_weights({"a": 1.0, "b": 0.0})
+    assert not loader.steering.log.changes

@@ -479,21 +479,30 @@ class MixPlanner:
         return fixed
 
     # -- bounds, before anything is planned ------------------------------------------------------
-    def _epoch_bounds(self) -> tuple[list[int], list[int]]:
+    def _epoch_bounds(self, more: tuple[float, ...] | None = None) -> tuple[list[int], list[int]]:
         """Upper bounds, valid in every epoch and phase, on the passes over each source and the
-        items taken of it (a source takes at most the whole epoch; an item holds a unit or more)."""
+        items taken of it (a source takes at most its largest weight's share of the epoch, in any
+        phase declared or set while the run trains, or ``more``; an item holds a unit or more)."""
+        vectors = [self.mixture.base_weights, *(ph.weights for ph in self.mixture.phases)]
+        vectors += [w for _, w in self.steered] + ([more] if more is not None else [])
+        largest = np.max([np.asarray(v, float) / (sum(v) or 1) for v in vectors], axis=0)
         passes, items = [], []
         for s, st in enumerate(self.streams):
-            weights = [self.mixture.base_weights[s], *(ph.weights[s] for ph in self.mixture.phases)]
-            p = self.epoch // self.sizes[s] + 2 if self.sizes[s] and max(weights) > 0 else 0
+            share = float(largest[s])
+            p = -(-int(self.epoch * share) // self.sizes[s]) + 2 if self.sizes[s] and share > 0 else 0
             passes.append(p)
             items.append(min(p * st.size, self.epoch + 1))
         return passes, items
 
-    def _check_passes(self) -> None:
+    def check_weights(self, weights: tuple[float, ...]) -> None:
+        """Refuse weights (set while the run trains) under which an epoch would take a source more
+        times over than a plan may hold (``MixtureError``, as for a declared weight)."""
+        self._check_passes(weights)
+
+    def _check_passes(self, more: tuple[float, ...] | None = None) -> None:
         """Refuse an epoch that repeats a source beyond the bounds: the slices of its repeats (a
         source's blocks once per pass, over what reading each source once already holds)."""
-        passes, _ = self._epoch_bounds()
+        passes, _ = self._epoch_bounds(more)
         repeats = [max(0, p - 2) * len(st.blocks.shards) for p, st in zip(passes, self.streams)]
         worst = int(np.argmax(passes))
         if passes[worst] > MAX_EPOCH_PASSES or sum(repeats) > MAX_PLAN_ENTRIES:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import SteeringError
+from ...errors import MixtureError, SteeringError
 from ..block import ID_SHIFT
 from ..counts import round_robin_share
 from ..tails import merges_tails
@@ -198,6 +198,10 @@ class SteeringMethods:
         heavy = [n for n, w in zip(names, normal) if w > 0 and n in excluded]
         if heavy:
             raise SteeringError(f"set_weights(): sources {heavy} are excluded and must weigh 0")
+        try:
+            catalog.mix_planner().check_weights(normal)
+        except MixtureError as exc:
+            raise SteeringError(f"set_weights(): {exc}") from None
         return normal
 
     def _take_weights(self, normal: tuple[float, ...]) -> int:
