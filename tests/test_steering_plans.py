@@ -4,6 +4,7 @@ once per epoch, and resume exactly (also on another world size) from before, at 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 
@@ -61,6 +62,41 @@ def steered_run(src, change, at, epochs=(0, 1), world=1, rank=0, workers=0, **kw
     return out, loader
 
 
+def resumed_run(build, change, at: int, cut: int) -> list[dict]:
+    """Batches of epochs 0 and 1 with ``change`` made after ``at`` batches, the run stopped after
+    ``cut``, its state saved (through JSON) and resumed in a fresh loader (which makes the change
+    again where the first run made it, if the cut came before it, as a launch script would)."""
+    first = build()
+    got = []
+    for e in (0, 1):
+        first.set_epoch(e)
+        for batch in first:
+            got.append(batch)
+            if len(got) == at:
+                change(first)
+            if len(got) == cut:
+                break
+        if len(got) == cut:
+            break
+    state = json.loads(json.dumps(first.state_dict()))
+    second = build()
+    second.load_state_dict(state)
+    rest = []
+    for e in range(second.epoch, 2):
+        second.set_epoch(e)
+        for batch in second:
+            rest.append(batch)
+            if len(got) + len(rest) == at and cut < at:
+                change(second)
+    return got + rest
+
+
+def assert_same_run(got: list[dict], full: list[dict], cut: int) -> None:
+    assert len(got) == len(full)
+    for i, (a, b) in enumerate(zip(got, full)):
+        assert same(a, b), f"batch {i} differs after resuming at {cut}"
+
+
 # ----------------------------------------------------------------------------------------------
 # exclude
 
@@ -108,31 +144,7 @@ def test_resume_before_at_or_after_an_exclusion_equals_uninterrupted(one, worker
         loader.exclude(shards=[1], docs=[(3 << 32) | 4])
 
     full, _ = steered_run(one, change, at, workers=workers)
-    first = make(one, workers=workers)
-    got = []
-    for e in (0, 1):
-        first.set_epoch(e)
-        for batch in first:
-            got.append(batch)
-            if len(got) == at:
-                change(first)
-            if len(got) == cut:
-                break
-        if len(got) == cut:
-            break
-    state = json.loads(json.dumps(first.state_dict()))
-    second = make(one, workers=workers)
-    second.load_state_dict(state)
-    rest = []
-    for e in range(second.epoch, 2):
-        second.set_epoch(e)
-        for batch in second:
-            rest.append(batch)
-            if len(got) + len(rest) == at and cut < at:
-                change(second)  # the launch script's change, made where the first run made it
-    assert len(got) + len(rest) == len(full)
-    for i, (a, b) in enumerate(zip(got + rest, full)):
-        assert same(a, b), f"batch {i} differs after resuming at {cut}"
+    assert_same_run(resumed_run(lambda: make(one, workers=workers), change, at, cut), full, cut)
 
 
 def test_an_elastic_resume_after_an_exclusion_keeps_every_other_document_once(one):
@@ -212,30 +224,8 @@ def test_resume_around_new_weights_equals_uninterrupted(two_sources, cut):
         loader.set_weights({"a": 0.7, "b": 0.3})
 
     full, _ = steered_run(mix, change, at, **kw)
-    first = make(mix, workers=2, batch_size=8, shuffle_buffer=64)
-    got = []
-    for e in (0, 1):
-        first.set_epoch(e)
-        for batch in first:
-            got.append(batch)
-            if len(got) == at:
-                change(first)
-            if len(got) == cut:
-                break
-        if len(got) == cut:
-            break
-    state = first.state_dict()
-    second = make(mix, workers=2, batch_size=8, shuffle_buffer=64)
-    second.load_state_dict(state)
-    rest = []
-    for e in range(second.epoch, 2):
-        second.set_epoch(e)
-        for batch in second:
-            rest.append(batch)
-            if len(got) + len(rest) == at and cut < at:
-                change(second)
-    assert len(got) + len(rest) == len(full)
-    assert all(same(a, b) for a, b in zip(got + rest, full))
+    build = functools.partial(make, mix, workers=2, batch_size=8, shuffle_buffer=64)
+    assert_same_run(resumed_run(build, change, at, cut), full, cut)
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,11 @@
 
 A mixture of ``--sources`` synthetic sources holding ``--docs`` documents in all (each source
 hardlinked shards of one real wiki shard, ``tools/scale_data.py``; built once under ``--work``) is
-read by ``wdsllm.loader`` (documents, batch 64). After a warm-up the script times: a normal step
-(the median of ``--steps``), then each change made while the run trains: the call itself (wall
-and this process's CPU seconds) and the wait for the next batch, as a multiple of a normal step.
-One torch thread. Prints a table and, with ``--json``, the figures.
+read by ``wdsllm.loader`` (documents, batch 64, shuffle blocks of ``--shuffle-buffer``). After a
+warm-up the script times a normal step (the median of ``--steps``), then each change made while
+the run trains: the call itself (wall and this process's CPU seconds) and the wait for the next
+batch, as a multiple of a normal step. One torch thread. Prints a table and, with ``--json``,
+the figures.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def measure(args: argparse.Namespace) -> dict:
     roots = sources(work, args.sources, args.docs)
     names = sorted(roots)
     mix = wdsllm.Mixture(roots, weights={n: 1.0 for n in names}, unit="items", epoch_items=args.epoch_items)
-    loader, opened, _ = timed(lambda: wdsllm.loader(mix, batch_size=64, seed=0, num_workers=args.workers))
+    options = dict(batch_size=64, seed=0, num_workers=args.workers, shuffle_buffer=args.shuffle_buffer)
+    loader, opened, _ = timed(lambda: wdsllm.loader(mix, **options))
     it = iter(loader)
     first = timed(lambda: next(it))[1]
     for _ in range(args.warmup):
@@ -119,6 +121,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--docs", type=int, default=1_000_000, help="documents in all the sources together")
     ap.add_argument("--epoch-items", type=int, default=None, help="the mixture's epoch [all the documents]")
     ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument(
+        "--shuffle-buffer",
+        type=int,
+        default=100_000,
+        help="items a shuffle block (a plan holds a row per block and source)",
+    )
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--work", default=str(REPO / "bench-out" / "steer"))
