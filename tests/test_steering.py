@@ -384,3 +384,35 @@ def test_an_endless_stream_of_whole_epochs_takes_schedules_and_skips_and_resumes
         it = iter(second)
         rest = [next(it) for _ in range(24 - cut)]
         assert all(same(a, b) for a, b in zip(got + rest, full)), cut
+
+
+def test_a_later_phase_set_while_training_is_followed_and_resumed(tmp_path):
+    write_dataset(tmp_path, [40, 40], seed=6)
+    declared = Schedule(batch_size=[(0, 2), (20, 4)])
+    later = {"batch_size": [[0, 2], [6, 4], [12, 6]]}  # a phase moved earlier and one added
+
+    def run(cut=None):
+        loader = make(str(tmp_path), batch_size=2, schedule=declared)
+        it = iter(loader)
+        got = [next(it) for _ in range(4)]
+        assert loader.set_schedule(later) == 4
+        for batch in it:
+            got.append(batch)
+            if len(got) == cut:
+                return got, loader.state_dict()
+        return got, None
+
+    full, _ = run()
+    assert [len(b["lengths"]) for b in full[:14]] == [2] * 6 + [4] * 6 + [6] * 2
+    got, state = run(cut=9)
+    again = make(str(tmp_path), batch_size=2, schedule=declared)
+    again.load_state_dict(state)
+    rest = list(again)
+    assert len(got) + len(rest) == len(full)
+    assert all(same(a, b) for a, b in zip(got + rest, full))
+    with pytest.raises(SteeringError, match="steps already planned"):
+        again2 = make(str(tmp_path), batch_size=2, schedule=declared)
+        it = iter(again2)
+        for _ in range(8):
+            next(it)
+        again2.set_schedule({"batch_size": [[0, 2], [6, 4]]})  # steps 6 and 7 were planned as 1 batch

@@ -73,6 +73,7 @@ from .steer.face import SteeringMethods
 from .steer.log import Log
 from .steer.plans import steer_plans
 from .steer.runtime import Steerer
+from .steer.schedule import Schedule
 from .tails import TailMerge, merge_key, merges_tails
 from .transport import WorkerBatches
 
@@ -213,8 +214,19 @@ class Loader(SteeringMethods):
         self.here = Here(self.catalog, self.cfg, self.rank, self.world_size, self.workers, self.source)
 
     def _steerer(self) -> Steerer:
+        return self._scheduled(self.cfg.schedule)
+
+    def _reschedule(self) -> None:
+        """The schedule in force (set while the run trained, else declared) resolved again: for
+        another world size, or a restored log."""
+        logged = self.steering.log.schedule
+        made = self._scheduled(Schedule.from_json(logged) if logged is not None else self.cfg.schedule)
+        self.steering.phases, self.steering.rows = made.phases, made.rows
+
+    def _scheduled(self, schedule: Schedule | None) -> Steerer:
+        """A steerer of ``schedule`` resolved for this loader (its batches, rows and world size)."""
         opts = self.collate_options
-        return Steerer.of(self.cfg.schedule, self.cfg, opts.rows, opts.seq_len, self.world_size)
+        return Steerer.of(schedule, self.cfg, opts.rows, opts.seq_len, self.world_size)
 
     @property
     def num_workers(self) -> int:
@@ -294,7 +306,7 @@ class Loader(SteeringMethods):
         )
         self.rank, self.world_size = rank, world
         self._build()
-        self.steering.phases = self._steerer().phases
+        self._reschedule()
         self._total.forget()
         self._transport.forget()
 
@@ -798,6 +810,7 @@ class Loader(SteeringMethods):
         restore(self.cursor, st, self.here)
         same_layout = (st.world_size, st.num_workers) == (self.world_size, self.workers)
         self.steering.restore(st.steering, same_layout)
+        self._reschedule()
 
 
 def steer_file_of(face: Any) -> str | None:

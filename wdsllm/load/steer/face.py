@@ -21,8 +21,9 @@ from ..block import ID_SHIFT
 from ..counts import round_robin_share
 from ..tails import merges_tails
 from .agree import agree_on_change
-from .log import Exclude, Weights, check_weights
+from .log import Exclude, Rescheduled, Weights, check_weights
 from .plans import Leaving, SteeredPlan, steer_plans
+from .schedule import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,25 @@ class SteeringMethods:
             left = int(np.asarray(per_shard, np.int64)[kept].sum()) - len(items)
         if left <= 0:
             raise SteeringError("this exclusion would leave nothing to read; nothing was excluded")
+
+    # -- the schedule ---------------------------------------------------------------------------
+    def set_schedule(self, schedule: Schedule | Mapping) -> int:
+        """A schedule for the rest of the run: a later phase changed or added, from the next planned
+        step (returned) on. It must agree with the schedule in force on every step already planned
+        (a past phase cannot change); it is recorded, so a resume follows it."""
+        new = schedule if isinstance(schedule, Schedule) else Schedule.from_json(schedule)
+        steer = self.steering
+        self._steer_first("set_schedule()", ["set_schedule", new.to_json()])
+        made = self._scheduled(new)
+        if not (steer.phases.agrees(made.phases, steer.planned) and steer.rows.agrees(made.rows, steer.planned)):
+            raise SteeringError(
+                f"set_schedule(): {new!r} takes other batches (or rows) on steps already planned (before "
+                f"{steer.planned}); a schedule set while the run trains may change only what comes next"
+            )
+        steer.log.add(steer.planned, Rescheduled(new.to_json()))
+        steer.phases, steer.rows = made.phases, made.rows
+        log.info("the schedule from planned step %d: %r", steer.planned, new)
+        return steer.planned
 
     # -- set_weights ----------------------------------------------------------------------------
     def set_weights(self, weights: Mapping[str, float]) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import SteeringError
-from .schedule import _int
+from .schedule import Schedule, _int
 
 #: the most changes a run's log may hold (each one is in every state)
 MAX_CHANGES = 1 << 16
@@ -70,11 +70,23 @@ class Weights:
 
 
 @dataclass(frozen=True)
+class Rescheduled:
+    """The schedule from here on (``schedule.Schedule.to_json``): it agrees with the one it
+    replaced on every step already planned."""
+
+    schedule: dict
+    kind: str = "schedule"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "schedule": self.schedule}
+
+
+@dataclass(frozen=True)
 class Change:
     """One entry of the log: ``change`` took effect at planned step ``at``."""
 
     at: int
-    change: Skip | Exclude | Weights
+    change: Skip | Exclude | Weights | Rescheduled
 
     def to_json(self) -> dict:
         return {"at": self.at, **self.change.to_json()}
@@ -104,9 +116,11 @@ def parse_change(value: Any, where: str) -> Change:
     if not isinstance(value, dict):
         raise SteeringError(f"{where} must be an object")
     kind = value.get("kind")
-    if kind not in ("skip", "exclude", "weights"):
+    if kind not in ("skip", "exclude", "weights", "schedule"):
         raise SteeringError(f"{where} has an unknown kind {kind!r:.20}")
     at = _int(value.get("at"), f"{where}.at")
+    if kind == "schedule":
+        return Change(at, Rescheduled(Schedule.from_json(value.get("schedule")).to_json()))
     if kind == "exclude":
         names = value.get("sources")
         if not isinstance(names, list) or len(names) > 1 << 16 or not all(isinstance(n, str) for n in names):
@@ -137,6 +151,12 @@ class Log:
         return [c.change for c in self.changes if isinstance(c.change, Skip)]
 
     @property
+    def schedule(self) -> dict | None:
+        """The schedule set last while the run trained (None: the one declared)."""
+        changes = [c.change for c in self.changes if isinstance(c.change, Rescheduled)]
+        return changes[-1].schedule if changes else None
+
+    @property
     def exclusions(self) -> list[Exclude]:
         return [c.change for c in self.changes if isinstance(c.change, Exclude)]
 
@@ -144,7 +164,7 @@ class Log:
     def weight_changes(self) -> list[Weights]:
         return [c.change for c in self.changes if isinstance(c.change, Weights)]
 
-    def add(self, at: int, change: Exclude | Weights) -> None:
+    def add(self, at: int, change: Exclude | Weights | Rescheduled) -> None:
         if len(self.changes) >= MAX_CHANGES:
             raise SteeringError(f"the run's log holds {MAX_CHANGES:,} changes; no more are kept")
         self.changes.append(Change(at, change))
@@ -206,4 +226,4 @@ class Log:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-__all__ = ["Change", "Exclude", "Log", "Skip", "Weights", "check_weights", "parse_change"]
+__all__ = ["Change", "Exclude", "Log", "Rescheduled", "Skip", "Weights", "check_weights", "parse_change"]

@@ -204,6 +204,11 @@ class Phases:
     def to_json(self) -> list:
         return [[p.step, p.group] for p in self.phases]
 
+    def agrees(self, other: Phases, upto: int) -> bool:
+        """Whether ``other`` takes as many batches a step as this on every step before ``upto``."""
+        points = sorted({0, *(p.step for p in self.phases), *(p.step for p in other.phases)})
+        return all(self.group_at(s) == other.group_at(s) for s in points if s < upto)
+
 
 def resolve(schedule: Schedule | None, base: int, per_step: int) -> Phases:
     """``schedule``'s points as planned steps: ``base`` is the loader's own batch size (or token
