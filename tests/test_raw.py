@@ -15,7 +15,7 @@ from pack_helpers import GPT2, cli, encode_texts, jsonl, wiki_lines, write_parqu
 from test_distributed import torchrun
 
 import wdsllm
-from wdsllm.errors import ConfigError, SourceError
+from wdsllm.errors import ConfigError, SourceError, SteeringError
 from wdsllm.load import rawread
 from wdsllm.load.block import split_id
 
@@ -253,3 +253,26 @@ def test_elastic_resume_with_counts_three_ranks_to_two(corpus):
     seen = Counter(consumed + rest)
     assert max(seen.values()) == 1
     assert len(set(corpus["texts"]) - set(seen)) < 2 * 3 * 4  # at most the equal-batches remainder
+
+
+def test_raw_text_with_counts_takes_a_skip_and_resumes(corpus):
+    """Steering (issue #42) over raw text: the count sidecar says where a planned step is; its
+    documents are named by file and line, so an exclusion by id is refused, saying why."""
+    options = dict(counts=corpus["counts"], num_workers=2, _in_process=True)
+    plain = list(_loader(corpus, **options))
+
+    def steered():
+        loader = _loader(corpus, **options)
+        loader.skip(2, 4)
+        return loader
+
+    got = list(steered())
+    assert [b["docs"].tolist() for b in got] == [b["docs"].tolist() for b in plain[:2] + plain[4:]]
+    first = steered()
+    it = iter(first)
+    part = [next(it) for _ in range(3)]
+    with pytest.raises(SteeringError, match="input file and line"):
+        first.exclude(docs=[int(plain[0]["docs"][0, 0])])
+    second = _loader(corpus, **options)
+    second.load_state_dict(first.state_dict())
+    assert [b["docs"].tolist() for b in part + list(second)] == [b["docs"].tolist() for b in got]

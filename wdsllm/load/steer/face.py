@@ -132,6 +132,13 @@ class SteeringMethods:
             shard_ids.append(int(i))
         items = []
         per_shard = catalog.items_per_shard
+        docs = list(docs)
+        if docs and any(not part.opens_units for part in catalog.components()):
+            raise SteeringError(
+                "exclude(docs=...) names packed documents by shard and ordinal; raw text names its documents by "
+                "input file and line, which a plan cannot find without reading: exclude its shards (units) or "
+                "sources, or pack it"
+            )
         for d in docs:
             if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
                 raise SteeringError(f"exclude(docs=...): {d!r:.40} is not an item id (a value of a batch's docs)")
