@@ -72,6 +72,22 @@ def wiki_subset(n: int, file_number: int = 0) -> Path:
     return cached(f"wiki{file_number}-{n}", build)
 
 
+def shakespeare_counts(unit_bytes: int = 200_000) -> str:
+    """The count sidecar of tinyshakespeare with gpt2 in units of ``unit_bytes`` (made once per
+    session through the Python API; tests only read it)."""
+
+    def build(d: Path) -> str:
+        from wdsllm.load.raw import open_raw
+        from wdsllm.load.rawcount import count_raw, save_counts
+
+        source = open_raw(str(SHAKESPEARE), tokenizer=str(GPT2), unit_bytes=unit_bytes)
+        path = str(d / "lines.counts.npz")
+        save_counts(count_raw(source), source, path)
+        return path
+
+    return cached(f"shakespeare-counts-{unit_bytes}", build)
+
+
 def pack_api(inputs, output, tokenizer=GPT2, **options) -> PackResult:
     """One pack through the Python API; a single worker unless asked otherwise."""
     options.setdefault("workers", 1)
