@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,11 +18,24 @@ WIKI = sorted((CORPORA / "wiki").glob("wiki-*.jsonl.gz"))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import pack_helpers  # noqa: E402
 from cloud_fixtures import *  # noqa: E402, F403 - GCS and Azure emulators, a fake Hub, a fault proxy
 from remote_fixtures import *  # noqa: E402, F403 - fixtures for real HTTP and S3 servers on 127.0.0.1
 
 # Keep tokenizer threads from oversubscribing the 2-core CI machine inside test processes.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config):
+    """The run's directory of cached packs (pack_helpers.cached): made by the process that starts
+    the run, before its xdist workers, which inherit the variable and share the packs."""
+    if not hasattr(config, "workerinput") and not os.environ.get(pack_helpers.RUN_DIR_VARIABLE):
+        os.environ[pack_helpers.RUN_DIR_VARIABLE] = tempfile.mkdtemp(prefix="wdsllm-run-")
+        config.add_cleanup(_remove_run_dir)
+
+
+def _remove_run_dir():
+    shutil.rmtree(os.environ.pop(pack_helpers.RUN_DIR_VARIABLE), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
