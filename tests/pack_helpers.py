@@ -75,6 +75,7 @@ def _built_once(name: str, build: Callable[[Path], object]):
             return pickle.loads(result.read_bytes())
         if own.exists():
             return build(session_dir(name))
+        shutil.rmtree(shared / name, ignore_errors=True)  # what a build that failed left
         (shared / name).mkdir()
         value = build(shared / name)
         try:
@@ -124,6 +125,14 @@ def shakespeare_counts(unit_bytes: int = 200_000) -> str:
         return path
 
     return cached(f"shakespeare-counts-{unit_bytes}", build)
+
+
+def shakespeare_packed() -> Path:
+    """tinyshakespeare packed into rows of 128 gpt2 tokens (made once per test run; read-only):
+    what the training examples' tests train on."""
+    return cached(
+        "shakespeare-packed-128", lambda d: Path(pack_api([SHAKESPEARE], d / "out", mode="packed", seq_len=128).output)
+    )
 
 
 def pack_api(inputs, output, tokenizer=GPT2, **options) -> PackResult:

@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from pack_helpers import cached
 from synth import write_dataset
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -118,11 +119,15 @@ BATCHINGS = ("fixed", "bucket")
 
 
 @pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory) -> Path:
+def killed_and_resumed() -> Path:
     """Three launches of 2 ranks x 2 workers, each running every batching mode in turn: an
     uninterrupted run; a run that saves the loader state at step 5, then dies by SIGKILL; a run
-    restarted from those states. Each mode's files are in DIR/{full,crash,resumed}/MODE."""
-    tmp = tmp_path_factory.mktemp("killed")
+    restarted from those states. Each mode's files are in DIR/{full,crash,resumed}/MODE (once per
+    test run, its xdist workers included)."""
+    return cached("distributed-killed-and-resumed", _killed_and_resumed)
+
+
+def _killed_and_resumed(tmp: Path) -> Path:
     data = tmp / "ds"
     write_dataset(data, [23, 7, 31, 2, 18, 11, 9], max_len=30)
 

@@ -528,12 +528,16 @@ def test_packed_sources_mix_rows(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def mixture_file_runs(sources, tmp_path_factory) -> tuple[Path, Path]:
+def mixture_file_runs(sources) -> tuple[Path, Path]:
     """One torchrun launch (gloo, 3 ranks x 2 DataLoader workers) over a mixture file, with equal
-    batches, then without: the mixture file and the directory of OUT/equal{1,0}/rank{r}.json."""
+    batches, then without: the mixture file and the directory of OUT/equal{1,0}/rank{r}.json
+    (once per test run, its xdist workers included)."""
+    return cached("mixture-file-runs", lambda tmp: _mixture_file_runs(sources, tmp))
+
+
+def _mixture_file_runs(sources: dict[str, str], tmp: Path) -> tuple[Path, Path]:
     from test_distributed import torchrun
 
-    tmp = tmp_path_factory.mktemp("mixture-file")
     mix = tmp / "mix.yaml"
     mix.write_text(
         "sources:\n"

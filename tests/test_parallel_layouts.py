@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from pack_helpers import cached
 from synth import write_dataset
 
 SCRIPT = Path(__file__).parent / "scripts" / "parallel_layout.py"
@@ -48,18 +49,23 @@ def torchrun_runs(nproc: int, runs: dict[str, tuple[Path, list[str]]], timeout: 
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> tuple[Path, list[int]]:
-    root = tmp_path_factory.mktemp("layout") / "ds"
-    info = write_dataset(root, [12, 12, 12, 12], max_len=30, seed=3)
-    return root, sorted(info["expect"])
+def data() -> tuple[Path, list[int]]:
+    def build(d: Path) -> tuple[Path, list[int]]:
+        info = write_dataset(d / "ds", [12, 12, 12, 12], max_len=30, seed=3)
+        return d / "ds", sorted(info["expect"])
+
+    return cached("layouts-data", build)
 
 
 @pytest.fixture(scope="module")
-def four(data, tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
-    """The 4-process runs of the local dataset, by name, from one launch: each test below checks
-    its own. The runs whose peers fail on purpose (another seed) come last."""
-    root, _ = data
-    tmp = tmp_path_factory.mktemp("four")
+def four(data) -> tuple[Path, dict[str, list[dict]]]:
+    """The 4-process runs of the local dataset, by name, from one launch (once per test run, its
+    xdist workers included): each test below checks its own. The runs whose peers fail on purpose
+    (another seed) come last."""
+    return cached("layouts-four", lambda tmp: (tmp, _four_runs(data[0], tmp)))
+
+
+def _four_runs(root: Path, tmp: Path) -> dict[str, list[dict]]:
     on = ["--data", str(root)]
     runs = {
         "mesh-read": [*on, "--layout", "dp2tp2"],
@@ -73,7 +79,7 @@ def four(data, tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
         "other-seed-read": [*on, "--layout", "dp2tp2", "--other-seed-at", "tp", "--replicas", "read"],
         "other-seed-broadcast": [*on, "--layout", "dp2tp2", "--other-seed-at", "tp", "--replicas", "broadcast"],
     }
-    return tmp, torchrun_runs(4, {name: (tmp / name, args) for name, args in runs.items()}, timeout=560)
+    return torchrun_runs(4, {name: (tmp / name, args) for name, args in runs.items()}, timeout=560)
 
 
 def _peers(reports: list[dict], *, differ_in: str) -> list[list[dict]]:
