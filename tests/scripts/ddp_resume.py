@@ -18,15 +18,13 @@ import sys
 
 import torch
 import torch.distributed as dist
+from launch_runs import split_runs
 
 import wdsllm
 
 
 def main() -> None:
-    runs = [[]]
-    for arg in sys.argv[1:]:
-        runs.append([]) if arg == "--then" else runs[-1].append(arg)
-    parsed = [_parser().parse_args(run) for run in runs]
+    parsed = [_parser().parse_args(run) for run in split_runs(sys.argv[1:])]
     dist.init_process_group("gloo")
     killed = [run(args) for args in parsed]
     if any(killed):

@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from launch_runs import split_runs
 from torch.distributed.device_mesh import init_device_mesh
 
 import wdsllm
@@ -66,10 +67,7 @@ def _groups(dims: tuple) -> tuple[dict, dict]:
 def main() -> None:
     """Every run the command line names (runs are separated by ``--then``), one after the other
     in one process group: one launch checks several layouts."""
-    argv, runs = sys.argv[1:], [[]]
-    for arg in argv:
-        runs.append([]) if arg == "--then" else runs[-1].append(arg)
-    parsed = [_parser().parse_args(run) for run in runs]
+    parsed = [_parser().parse_args(run) for run in split_runs(sys.argv[1:])]
     dist.init_process_group("gloo")
     for args in parsed:
         run(args)
