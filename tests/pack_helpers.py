@@ -1,15 +1,17 @@
 """Helpers shared by the pack tests: running packs (API and CLI), reading results back.
 
-Packs are cached for the whole session (``cached``) because each one starts worker processes;
-tests that only read a pack share it.
+Packs are cached for the whole test run (``cached``) because each one starts worker processes;
+tests that only read a pack share it, and so do the run's pytest-xdist workers.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import gzip
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -30,23 +32,60 @@ LLAMA = DATA / "tokenizers" / "openllama.json"
 WIKI = sorted((DATA / "corpora" / "wiki").glob("wiki-*.jsonl.gz"))
 SHAKESPEARE = DATA / "corpora" / "tinyshakespeare.txt"
 
-_SESSION_DIR = Path(tempfile.mkdtemp(prefix="wdsllm-packs-"))
-atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
+#: the test run's directory, made and removed by conftest.py and seen by every xdist worker of the
+#: run (a process that imports this module outside pytest makes one of its own)
+RUN_DIR_VARIABLE = "WDSLLM_TEST_RUN_DIR"
+_own_run_dir: list[Path] = []
 _cache: dict[str, object] = {}
 
 
+def _run_dir() -> Path:
+    if os.environ.get(RUN_DIR_VARIABLE):
+        return Path(os.environ[RUN_DIR_VARIABLE])
+    if not _own_run_dir:
+        _own_run_dir.append(Path(tempfile.mkdtemp(prefix="wdsllm-packs-")))
+        atexit.register(shutil.rmtree, _own_run_dir[0], ignore_errors=True)
+    return _own_run_dir[0]
+
+
 def session_dir(name: str) -> Path:
-    """A fresh directory that lives for the test session (for shared inputs and packs)."""
-    path = _SESSION_DIR / name
+    """A directory of this process (an xdist worker's own) that lives for the test session."""
+    path = _run_dir() / f"process-{os.getpid()}" / name
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 def cached(name: str, build: Callable[[Path], object]):
-    """Build once per session into session_dir(name); later calls return the first result."""
+    """Build once per test run; later calls, in this process or another worker of the run, return
+    the first result. The first process to ask builds into a directory of the run while it holds
+    the name's lock (the others wait), and leaves the result pickled beside it; a result that does
+    not pickle is built once per process instead. What it holds is read by many tests: read-only."""
     if name not in _cache:
-        _cache[name] = build(session_dir(name))
+        _cache[name] = _built_once(name, build)
     return _cache[name]
+
+
+def _built_once(name: str, build: Callable[[Path], object]):
+    shared = _run_dir() / "cached"
+    shared.mkdir(parents=True, exist_ok=True)
+    result, own = shared / f"{name}.pickle", shared / f"{name}.per-process"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if result.exists():
+            return pickle.loads(result.read_bytes())
+        if own.exists():
+            return build(session_dir(name))
+        shutil.rmtree(shared / name, ignore_errors=True)  # what a build that failed left
+        (shared / name).mkdir()
+        value = build(shared / name)
+        try:
+            data = pickle.dumps(value)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            own.touch()
+            return value
+        result.with_suffix(".partial").write_bytes(data)
+        result.with_suffix(".partial").rename(result)
+        return value
 
 
 def wiki_lines(n: int, file_number: int = 0) -> list[str]:
@@ -70,6 +109,30 @@ def wiki_subset(n: int, file_number: int = 0) -> Path:
         return path
 
     return cached(f"wiki{file_number}-{n}", build)
+
+
+def shakespeare_counts(unit_bytes: int = 200_000) -> str:
+    """The count sidecar of tinyshakespeare with gpt2 in units of ``unit_bytes`` (made once per
+    session through the Python API; tests only read it)."""
+
+    def build(d: Path) -> str:
+        from wdsllm.load.raw import open_raw
+        from wdsllm.load.rawcount import count_raw, save_counts
+
+        source = open_raw(str(SHAKESPEARE), tokenizer=str(GPT2), unit_bytes=unit_bytes)
+        path = str(d / "lines.counts.npz")
+        save_counts(count_raw(source), source, path)
+        return path
+
+    return cached(f"shakespeare-counts-{unit_bytes}", build)
+
+
+def shakespeare_packed() -> Path:
+    """tinyshakespeare packed into rows of 128 gpt2 tokens (made once per test run; read-only):
+    what the training examples' tests train on."""
+    return cached(
+        "shakespeare-packed-128", lambda d: Path(pack_api([SHAKESPEARE], d / "out", mode="packed", seq_len=128).output)
+    )
 
 
 def pack_api(inputs, output, tokenizer=GPT2, **options) -> PackResult:

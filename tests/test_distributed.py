@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from pack_helpers import cached
 from synth import write_dataset
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -114,26 +115,43 @@ def torchrun_may_fail(script: str, nproc: int, *args: str, timeout: float = 240)
         pytest.fail(f"torchrun did not finish in {timeout} s")
 
 
+BATCHINGS = ("fixed", "bucket")
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed() -> Path:
+    """Three launches of 2 ranks x 2 workers, each running every batching mode in turn: an
+    uninterrupted run; a run that saves the loader state at step 5, then dies by SIGKILL; a run
+    restarted from those states. Each mode's files are in DIR/{full,crash,resumed}/MODE (once per
+    test run, its xdist workers included)."""
+    return cached("distributed-killed-and-resumed", _killed_and_resumed)
+
+
+def _killed_and_resumed(tmp: Path) -> Path:
+    data = tmp / "ds"
+    write_dataset(data, [23, 7, 31, 2, 18, 11, 9], max_len=30)
+
+    def runs(stage: str, *args: str, resume: str = "") -> list[str]:
+        out = []
+        for i, batching in enumerate(BATCHINGS):
+            (tmp / stage / batching).mkdir(parents=True)
+            again = ["--resume", str(tmp / resume / batching)] if resume else []
+            out += [*(["--then"] if i else []), "--data", str(data), "--out", str(tmp / stage / batching)]
+            out += ["--batching", batching, *args, *again]
+        return out
+
+    torchrun("ddp_resume.py", 2, *runs("full"))
+    assert torchrun_may_fail("ddp_resume.py", 2, *runs("crash", "--kill-at", "5")) != 0
+    torchrun("ddp_resume.py", 2, *runs("resumed", resume="crash"))
+    return tmp
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("batching", ["fixed", "bucket"])
-def test_torchrun_killed_and_resumed_equals_uninterrupted(tmp_path, batching):
+@pytest.mark.parametrize("batching", BATCHINGS)
+def test_torchrun_killed_and_resumed_equals_uninterrupted(killed_and_resumed, batching):
     """2 ranks x 2 workers save the loader state at step 5, die by SIGKILL, restart from it: the
     document ids of every step equal an uninterrupted run's."""
-    data = tmp_path / "ds"
-    write_dataset(data, [23, 7, 31, 2, 18, 11, 9], max_len=30)
-    full, crash, resumed = (tmp_path / n for n in ("full", "crash", "resumed"))
-    for d in (full, crash, resumed):
-        d.mkdir()
-    torchrun("ddp_resume.py", 2, "--data", str(data), "--out", str(full), "--batching", batching)
-    assert (
-        torchrun_may_fail(
-            "ddp_resume.py", 2, "--data", str(data), "--out", str(crash), "--kill-at", "5", "--batching", batching
-        )
-        != 0
-    )
-    torchrun(
-        "ddp_resume.py", 2, "--data", str(data), "--out", str(resumed), "--resume", str(crash), "--batching", batching
-    )
+    full, crash, resumed = (killed_and_resumed / n / batching for n in ("full", "crash", "resumed"))
     for r in range(2):
         before = json.loads((crash / f"rank{r}.json").read_text())
         after = json.loads((resumed / f"rank{r}.json").read_text())

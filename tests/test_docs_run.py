@@ -86,7 +86,7 @@ def local_data() -> dict[str, str]:
         book = d / "book.txt"
         book.write_text(SHAKESPEARE.read_text()[:40_000])
         plays = d / "plays.txt"  # short documents, so that the pages' training loops take seconds
-        plays.write_text(SHAKESPEARE.read_text()[40_000:60_000])
+        plays.write_text(SHAKESPEARE.read_text()[40_000:50_000])
         pack_api([plays], d / "wiki", split="paragraph", sample_tokens=8192)
         pack_api([book], d / "books", split="paragraph", sample_tokens=8192)
         pack_api([book], d / "wiki-2048", mode="packed", seq_len=128, sample_tokens=8192)

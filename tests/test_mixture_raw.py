@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pack_helpers import GPT2, LLAMA, SHAKESPEARE, cached, encode_texts, pack_api
+from pack_helpers import GPT2, LLAMA, SHAKESPEARE, cached, encode_texts, pack_api, shakespeare_counts
 from synth import write_dataset
 from test_mixtures import _pack_sources, _resumes_exactly, _same
 
@@ -37,10 +37,9 @@ def _sidecar(d: Path, inputs, tokenizer=GPT2, **kw) -> str:
 
 
 @pytest.fixture(scope="module")
-def parts(tmp_path_factory) -> dict:
+def parts() -> dict:
     wiki = cached("mixture-sources", _pack_sources)["wiki"]
-    d = tmp_path_factory.mktemp("lines")
-    return {"wiki": wiki, "counts": _sidecar(d, [SHAKESPEARE])}
+    return {"wiki": wiki, "counts": shakespeare_counts(UNIT_BYTES)}
 
 
 def _raw(parts, **kw) -> dict:

@@ -527,25 +527,40 @@ def test_packed_sources_mix_rows(tmp_path):
 # A real multi-process run
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("equal", [1, 0])
-def test_torchrun_three_ranks_two_workers_a_mixture_file(sources, tmp_path, equal):
-    """torchrun (gloo) 3 ranks x 2 DataLoader workers over a mixture file: with equal batches
-    every rank yields the same count (a per-step all_reduce never hangs) and no document is read
-    more often than the mixture's quota says; without, the ranks' union is the single-process epoch."""
+@pytest.fixture(scope="module")
+def mixture_file_runs(sources) -> tuple[Path, Path]:
+    """One torchrun launch (gloo, 3 ranks x 2 DataLoader workers) over a mixture file, with equal
+    batches, then without: the mixture file and the directory of OUT/equal{1,0}/rank{r}.json
+    (once per test run, its xdist workers included)."""
+    return cached("mixture-file-runs", lambda tmp: _mixture_file_runs(sources, tmp))
+
+
+def _mixture_file_runs(sources: dict[str, str], tmp: Path) -> tuple[Path, Path]:
     from test_distributed import torchrun
 
-    mix = tmp_path / "mix.yaml"
+    mix = tmp / "mix.yaml"
     mix.write_text(
         "sources:\n"
         + "".join(f"  {n}: {p}\n" for n, p in sources.items())
         + "weights: {wiki: 0.5, para: 0.3, lines: 0.2}\nepoch_tokens: 40000\n"
     )
-    out = tmp_path / "out"
-    out.mkdir()
-    args = ["--data", str(mix), "--out", str(out), "--workers", "2", "--batch-size", "4", "--equal-batches", str(equal)]
+    args = []
+    for equal in (1, 0):
+        (tmp / f"equal{equal}").mkdir()
+        args += [*(["--then"] if args else []), "--data", str(mix), "--out", str(tmp / f"equal{equal}")]
+        args += ["--workers", "2", "--batch-size", "4", "--equal-batches", str(equal)]
     torchrun("ddp_epoch.py", 3, *args)
-    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    return mix, tmp
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("equal", [1, 0])
+def test_torchrun_three_ranks_two_workers_a_mixture_file(mixture_file_runs, equal):
+    """torchrun (gloo) 3 ranks x 2 DataLoader workers over a mixture file: with equal batches
+    every rank yields the same count (a per-step all_reduce never hangs) and no document is read
+    more often than the mixture's quota says; without, the ranks' union is the single-process epoch."""
+    mix, tmp = mixture_file_runs
+    reports = [json.loads((tmp / f"equal{equal}" / f"rank{r}.json").read_text()) for r in range(3)]
     for epoch in range(2):
         pipe = wdsllm.dataset(str(mix), batch_size=4, seed=3, shuffle_buffer=16, rank=0, world_size=1)
         pipe.set_epoch(epoch)

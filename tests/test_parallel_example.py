@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from wdsllm.pack.job import PackConfig, pack
+from pack_helpers import shakespeare_packed
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_parallel.py"
 
@@ -34,19 +33,8 @@ def _run(data: Path, out: Path, layout: str) -> dict[tuple, list[float]]:
 
 
 @pytest.mark.timeout(600)
-def test_tp_and_cp_layouts_train_each_dp_rank_on_the_same_batches(tmp_path, shakespeare, gpt2_json):
-    data = tmp_path / "packed"
-    pack(
-        PackConfig(
-            inputs=[str(shakespeare)],
-            output=str(data),
-            tokenizer=str(gpt2_json),
-            mode="packed",
-            seq_len=128,
-            workers=1,
-            overwrite=True,
-        )
-    )
+def test_tp_and_cp_layouts_train_each_dp_rank_on_the_same_batches(tmp_path):
+    data = shakespeare_packed()
     tp = _run(data, tmp_path / "tp", "dp2tp2")
     cp = _run(data, tmp_path / "cp", "dp2cp2")
     for dp in range(2):

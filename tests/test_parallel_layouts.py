@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from pack_helpers import cached
 from synth import write_dataset
 
 SCRIPT = Path(__file__).parent / "scripts" / "parallel_layout.py"
@@ -26,22 +27,59 @@ def _free_port() -> int:
 
 def torchrun(nproc: int, out: Path, *args: str, timeout: float = 240) -> list[dict]:
     """Every rank's report of one run of the script (which must exit cleanly on every rank)."""
-    out.mkdir(parents=True, exist_ok=True)
+    return torchrun_runs(nproc, {"run": (out, list(args))}, timeout)["run"]
+
+
+def torchrun_runs(nproc: int, runs: dict[str, tuple[Path, list[str]]], timeout: float = 240) -> dict[str, list[dict]]:
+    """Every rank's report of each run, by name: the runs go one after the other in one launch
+    (one start of torchrun and of its processes for several layouts)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(SCRIPT), "--out", str(out), *args]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(SCRIPT)]
+    for i, (out, args) in enumerate(runs.values()):
+        out.mkdir(parents=True, exist_ok=True)
+        cmd += [*(["--then"] if i else []), "--out", str(out), *args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"torchrun did not finish in {timeout} s (a rank hung?)\n{exc.stdout}\n{exc.stderr}")
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return {
+        name: [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)] for name, (out, _) in runs.items()
+    }
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> tuple[Path, list[int]]:
-    root = tmp_path_factory.mktemp("layout") / "ds"
-    info = write_dataset(root, [12, 12, 12, 12], max_len=30, seed=3)
-    return root, sorted(info["expect"])
+def data() -> tuple[Path, list[int]]:
+    def build(d: Path) -> tuple[Path, list[int]]:
+        info = write_dataset(d / "ds", [12, 12, 12, 12], max_len=30, seed=3)
+        return d / "ds", sorted(info["expect"])
+
+    return cached("layouts-data", build)
+
+
+@pytest.fixture(scope="module")
+def four(data) -> tuple[Path, dict[str, list[dict]]]:
+    """The 4-process runs of the local dataset, by name, from one launch (once per test run, its
+    xdist workers included): each test below checks its own. The runs whose peers fail on purpose
+    (another seed) come last."""
+    return cached("layouts-four", lambda tmp: (tmp, _four_runs(data[0], tmp)))
+
+
+def _four_runs(root: Path, tmp: Path) -> dict[str, list[dict]]:
+    on = ["--data", str(root)]
+    runs = {
+        "mesh-read": [*on, "--layout", "dp2tp2"],
+        "groups-broadcast": [*on, "--layout", "dp2tp2", "--groups", "--replicas", "broadcast"],
+        "dp2cp2": [*on, "--layout", "dp2cp2", "--groups"],
+        "pp2dp2": [*on, "--layout", "pp2dp2"],
+        "json-saved": [*on, "--layout", "dp2tp2", "--save-at", "2"],
+        "json-resumed": [*on, "--layout", "dp4", "--resume", str(tmp / "json-saved")],
+        "dcp-saved": [*on, "--layout", "dp2tp2", "--save-at", "2", "--dcp"],
+        "dcp-resumed": [*on, "--layout", "dp4", "--resume", str(tmp / "dcp-saved"), "--dcp"],
+        "other-seed-read": [*on, "--layout", "dp2tp2", "--other-seed-at", "tp", "--replicas", "read"],
+        "other-seed-broadcast": [*on, "--layout", "dp2tp2", "--other-seed-at", "tp", "--replicas", "broadcast"],
+    }
+    return torchrun_runs(4, {name: (tmp / name, args) for name, args in runs.items()}, timeout=560)
 
 
 def _peers(reports: list[dict], *, differ_in: str) -> list[list[dict]]:
@@ -66,13 +104,11 @@ def _check_epoch_once(reports: list[dict], expect: list[int], dp_size: int) -> N
     assert sorted(seen) == expect, "the data-parallel ranks' union is the epoch"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("how", ["mesh-read", "groups-broadcast"])
-def test_dp2_tp2_tensor_peers_share_every_batch_and_dp_ranks_split_the_epoch(data, tmp_path, how):
-    root, expect = data
-    args = ["--data", str(root), "--layout", "dp2tp2"]
-    args += ["--groups", "--replicas", "broadcast"] if how == "groups-broadcast" else []
-    reports = torchrun(4, tmp_path / "out", *args)
+def test_dp2_tp2_tensor_peers_share_every_batch_and_dp_ranks_split_the_epoch(data, four, how):
+    _, expect = data
+    reports = four[1][how]
     assert all("error" not in r for r in reports), [r.get("error") for r in reports]
     assert {(r["dp_rank"], r["dp_size"]) for r in reports} == {(0, 2), (1, 2)}
     for peers in _peers(reports, differ_in="tp"):
@@ -81,12 +117,12 @@ def test_dp2_tp2_tensor_peers_share_every_batch_and_dp_ranks_split_the_epoch(dat
     _check_epoch_once(reports, expect, 2)
 
 
-@pytest.mark.timeout(300)
-def test_dp2_cp2_context_peers_hold_the_two_halves_of_one_batch(data, tmp_path):
+@pytest.mark.timeout(600)
+def test_dp2_cp2_context_peers_hold_the_two_halves_of_one_batch(data, four):
     """Megatron style: dp_group, replica_group and cp_group (the mesh's CP dim: the 8-process
     test and the example)."""
-    root, expect = data
-    reports = torchrun(4, tmp_path / "out", "--data", str(root), "--layout", "dp2cp2", "--groups")
+    _, expect = data
+    reports = four[1]["dp2cp2"]
     for a, b in _peers(reports, differ_in="cp"):
         a, b = sorted((a, b), key=lambda r: r["coords"]["cp"])
         assert len(a["steps"]) == len(b["steps"])
@@ -105,10 +141,10 @@ def test_dp2_cp2_context_peers_hold_the_two_halves_of_one_batch(data, tmp_path):
     _check_epoch_once(reports, expect, 2)
 
 
-@pytest.mark.timeout(300)
-def test_pp2_dp2_first_stage_gets_inputs_last_gets_labels(data, tmp_path):
-    root, expect = data
-    reports = torchrun(4, tmp_path / "out", "--data", str(root), "--layout", "pp2dp2")
+@pytest.mark.timeout(600)
+def test_pp2_dp2_first_stage_gets_inputs_last_gets_labels(data, four):
+    _, expect = data
+    reports = four[1]["pp2dp2"]
     for rep in reports:
         keys = set(rep["steps"][0]["digest"])
         if rep["coords"]["pp"] == 0:
@@ -151,12 +187,10 @@ def test_pp3_dp2_middle_stages_read_nothing_and_step_with_the_others(data, tmp_p
     _check_epoch_once(reports, expect, 2)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("replicas", ["read", "broadcast"])
-def test_a_peer_with_another_seed_fails_at_construction(data, tmp_path, replicas):
-    root, _ = data
-    args = ["--data", str(root), "--layout", "dp2tp2", "--other-seed-at", "tp", "--replicas", replicas]
-    reports = torchrun(4, tmp_path / "out", *args)
+def test_a_peer_with_another_seed_fails_at_construction(four, replicas):
+    reports = four[1][f"other-seed-{replicas}"]
     for rep in reports:
         err = rep.get("error")
         assert err is not None and err["type"] == "ReplicaMismatchError", rep
@@ -164,20 +198,20 @@ def test_a_peer_with_another_seed_fails_at_construction(data, tmp_path, replicas
         assert "setting 'seed': 7 at dp=" in err["message"] and "8 at dp=0 tp=1" in err["message"]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("how", ["json", "dcp"])
-def test_dp2_tp2_saved_mid_epoch_resumes_as_dp4_with_every_document_once(data, tmp_path, how):
+def test_dp2_tp2_saved_mid_epoch_resumes_as_dp4_with_every_document_once(data, four, how):
     """dp2 x tp2 saves after 2 steps (every rank: the tensor peers' states are compared and
     equal), as JSON per DP rank or through torch.distributed.checkpoint; dp4 resumes from them:
     the epoch ends with every document exactly once."""
-    root, expect = data
-    dcp = ["--dcp"] if how == "dcp" else []
-    before = torchrun(4, tmp_path / "a", "--data", str(root), "--layout", "dp2tp2", "--save-at", "2", *dcp)
+    _, expect = data
+    tmp, reports = four
+    before = reports[f"{how}-saved"]
     assert all("error" not in r for r in before)
     if how == "json":
-        assert sorted(p.name for p in (tmp_path / "a").glob("state-*.json")) == ["state-dp0.json", "state-dp1.json"]
-    resume = ["--resume", str(tmp_path / "a"), *dcp]
-    after = torchrun(4, tmp_path / "b", "--data", str(root), "--layout", "dp4", *resume)
+        saved = sorted(p.name for p in (tmp / "json-saved").glob("state-*.json"))
+        assert saved == ["state-dp0.json", "state-dp1.json"]
+    after = reports[f"{how}-resumed"]
     assert len({len(r["steps"]) for r in after}) == 1
     seen = Counter(d for rep in before if rep["coords"]["tp"] == 0 for s in rep["steps"] for d in s["docs"])
     seen.update(d for rep in after for s in rep["steps"] for d in s["docs"])

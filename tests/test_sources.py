@@ -12,15 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pack_helpers import GPT2, SHAKESPEARE, cached
+from pack_helpers import GPT2, SHAKESPEARE, cached, shakespeare_counts
 from test_mixtures import _pack_sources
 
 import wdsllm
 from wdsllm.errors import ConfigError, MixtureError
 from wdsllm.load.config import Config
 from wdsllm.load.plan import Slice
-from wdsllm.load.raw import open_raw
-from wdsllm.load.rawcount import count_raw, save_counts
 from wdsllm.load.read import ReadOptions
 from wdsllm.load.sources import Source
 from wdsllm.load.sources.open import open_source
@@ -28,18 +26,11 @@ from wdsllm.load.sources.open import open_source
 UNIT_BYTES = 200_000  # tinyshakespeare in 6 units
 
 
-def _sidecar(d: Path) -> str:
-    source = open_raw(str(SHAKESPEARE), tokenizer=str(GPT2), unit_bytes=UNIT_BYTES)
-    path = str(d / "lines.counts.npz")
-    save_counts(count_raw(source), source, path)
-    return path
-
-
 @pytest.fixture(scope="module")
-def given(tmp_path_factory) -> dict:
+def given() -> dict:
     """What each kind of source is opened from."""
     wiki = cached("mixture-sources", _pack_sources)["wiki"]
-    counts = _sidecar(tmp_path_factory.mktemp("sidecar"))
+    counts = shakespeare_counts(UNIT_BYTES)
     listed = [str(p) for p in sorted(Path(wiki).glob("*.tar"))[:3]][::-1]  # a subset, out of index order
     raw = {"raw": str(SHAKESPEARE), "tokenizer": str(GPT2), "unit_bytes": UNIT_BYTES}
     return {

@@ -18,8 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from wdsllm.pack.job import PackConfig, pack
+from pack_helpers import shakespeare_packed
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_ddp.py"
@@ -99,20 +98,8 @@ def torchrun(data: Path, out: Path, *args: str, nproc: int = 2) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory, shakespeare, gpt2_json) -> Path:
-    out = tmp_path_factory.mktemp("shakespeare-packed")
-    pack(
-        PackConfig(
-            inputs=[str(shakespeare)],
-            output=str(out),
-            tokenizer=str(gpt2_json),
-            mode="packed",
-            seq_len=128,
-            workers=1,
-            overwrite=True,
-        )
-    )
-    return out
+def packed() -> Path:
+    return shakespeare_packed()
 
 
 @pytest.fixture(scope="module")

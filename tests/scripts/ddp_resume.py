@@ -4,20 +4,35 @@
 (a crash, not a clean exit). --resume DIR: every rank loads the state saved by rank 0 (equal
 batches make any rank's state valid for all) and continues. Every rank writes the document ids
 of each step it ran to OUT/rank{r}.json.
+
+Several runs, separated by ``--then``, go one after the other in one launch (one start of the
+processes for several checks); with --kill-at, a run stops after saving, and the processes die
+after the last run.
 """
 
 import argparse
 import json
 import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
+from launch_runs import split_runs
 
 import wdsllm
 
 
 def main() -> None:
+    parsed = [_parser().parse_args(run) for run in split_runs(sys.argv[1:])]
+    dist.init_process_group("gloo")
+    killed = [run(args) for args in parsed]
+    if any(killed):
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.destroy_process_group()
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
     ap.add_argument("--out", required=True)
@@ -26,8 +41,11 @@ def main() -> None:
     ap.add_argument("--kill-at", type=int, default=-1)
     ap.add_argument("--resume", default="")
     ap.add_argument("--batching", default="fixed")
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
+    return ap
+
+
+def run(args: argparse.Namespace) -> bool:
+    """One run; True where it stopped at --kill-at (its state saved, its loader left running)."""
     rank = dist.get_rank()
     extra = dict(batching="bucket", window=16) if args.batching == "bucket" else {}
     loader = wdsllm.loader(
@@ -54,11 +72,12 @@ def main() -> None:
                 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
                     json.dump(steps, f)
                 dist.barrier()
-                os.kill(os.getpid(), signal.SIGKILL)
+                return True
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(steps, f)
     dist.barrier()
-    dist.destroy_process_group()
+    loader.close()
+    return False
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ they must all raise ReplicaMismatchError at construction, which is reported, not
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from launch_runs import split_runs
 from torch.distributed.device_mesh import init_device_mesh
 
 import wdsllm
@@ -63,6 +65,17 @@ def _groups(dims: tuple) -> tuple[dict, dict]:
 
 
 def main() -> None:
+    """Every run the command line names (runs are separated by ``--then``), one after the other
+    in one process group: one launch checks several layouts."""
+    parsed = [_parser().parse_args(run) for run in split_runs(sys.argv[1:])]
+    dist.init_process_group("gloo")
+    for args in parsed:
+        run(args)
+        dist.barrier()  # the next run starts on every rank together, as a new launch would
+    dist.destroy_process_group()
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
     ap.add_argument("--out", required=True)
@@ -76,8 +89,11 @@ def main() -> None:
     ap.add_argument("--dcp", action="store_true", help="save and resume through torch.distributed.checkpoint")
     ap.add_argument("--state-at", type=int, default=None, help="every rank's state after this step, reported")
     ap.add_argument("--agree-every", type=int, default=None)
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
+    return ap
+
+
+def run(args: argparse.Namespace) -> None:
+    """One run: this rank's loader in the layout reads the epoch; its report goes to --out."""
     layout, coords = _layout_options(args)
     seed = 7 + (1 if args.other_seed_at and coords.get(args.other_seed_at) == 1 else 0)
     kw = {"batch_size": 3, "pad_to_multiple_of": 4, "seed": seed, "shuffle_buffer": 16, "num_workers": args.workers}
@@ -121,8 +137,6 @@ def main() -> None:
     loader.close()
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(report, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _step(batch: dict) -> dict:
