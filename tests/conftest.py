@@ -219,7 +219,6 @@ SLOW_TESTS = frozenset(
         "test_parallel_example.py::test_tp_and_cp_layouts_train_each_dp_rank_on_the_same_batches",
         "test_parallel_layouts.py::test_a_peer_with_another_seed_fails_at_construction",
         "test_parallel_layouts.py::test_a_first_stage_that_fails_tells_its_middle_stage",
-        "test_parallel_layouts.py::test_a_peer_with_another_seed_fails_at_the_first_batch",
         "test_parallel_layouts.py::test_a_reader_that_fails_tells_its_receivers",
         "test_parallel_layouts.py::test_broadcast_over_http_reads_the_shard_bytes_of_the_dp_ranks_alone",
         "test_parallel_layouts.py::test_dp2_cp2_context_peers_hold_the_two_halves_of_one_batch",
