@@ -281,6 +281,7 @@ SLOW_TESTS = frozenset(
         "test_skip_blocks.py::test_a_resume_after_a_lost_shard_equals_the_uninterrupted_run[pack-False]",
         "test_skip_blocks.py::test_a_resume_after_a_lost_shard_equals_the_uninterrupted_run[pack-True]",
         "test_state.py::test_a_mutated_state_is_refused_or_resumes_exactly",
+        "test_steering_plans.py::test_stats_and_explain_take_a_states_changes",
         "test_steering_ranks.py::test_two_ranks_take_the_same_change_and_refuse_a_different_one",
         "test_storage.py::test_cache_concurrent_processes_download_once",
         "test_storage.py::test_output_s3_with_multipart_upload",
