@@ -105,9 +105,7 @@ def run(args: argparse.Namespace) -> None:
         report["error"]["step"] = "construction"
         with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
             json.dump(report, f)
-        dist.barrier()
-        dist.destroy_process_group()
-        return
+        return  # the launch's next run follows (main: a barrier, the group kept)
     if args.resume and args.dcp:
         dcp.load({"dataloader": loader}, checkpoint_id=args.resume)
     elif args.resume:
