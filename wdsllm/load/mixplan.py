@@ -34,7 +34,9 @@ import numpy as np
 from ..errors import MixtureError
 from . import plan as planmod
 from .block import ID_SHIFT
-from .plan import Slice, consumer_share, consumer_shares
+from .plan import consumer_share, consumer_shares
+from .runs import Run, deal
+from .slices import Slices
 from .stream import StreamSpec
 
 if TYPE_CHECKING:
@@ -341,16 +343,16 @@ class PassStream:
         keep = order[~np.isin(order, moved)]
         return np.concatenate([keep, moved])
 
-    def slices(self, a: int, b: int) -> list[Slice]:
+    def slices(self, a: int, b: int) -> Slices:
         """Slices (the source's own shard numbers) covering stream positions [a, b)."""
-        out: list[Slice] = []
+        out: list[Slices] = []
         while a < b:
             p, off = divmod(a, self.size)
             ps = self.order(p)
             stop = min(b - p * self.size, self.size)
-            out.extend(planmod.slices_of_range(ps.shards, ps.counts, ps.ends, off, stop, ps.firsts))
+            out.append(planmod.slices_of_range(ps.shards, ps.counts, ps.ends, off, stop, ps.firsts))
             a = p * self.size + stop
-        return out
+        return Slices.join(out)
 
     def tokens_before(self, positions: np.ndarray, head_tokens: HeadTokens) -> np.ndarray:
         """Tokens of the stream before each of ``positions``: whole passes and blocks from the
@@ -433,6 +435,8 @@ class MixPlanner:
             if size == 0 and (w > 0 or any(p.weights[mixture.names.index(name)] > 0 for p in mixture.phases)):
                 raise MixtureError(f"mixture source {name!r} is empty but has a positive weight")
         self._segments: dict[int, list[list[tuple[int, int]]]] = {}
+        #: the last consumers' slices (a re-plan while the run trains starts from the running one's)
+        self._slices: dict[tuple, Slices] = {}
         #: weights set while the run trained: (the first epoch they plan, weights), in order
         self.steered: tuple[tuple[int, tuple[float, ...]], ...] = ()
         self.excluded: tuple[tuple[int, int], ...] = ()
@@ -445,9 +449,14 @@ class MixPlanner:
         """Weights changed while the run trained, each from the start of an epoch on (after the
         declared phases that come before it, before those that come after), and sources excluded
         from an epoch on: ``excluded`` holds (epoch, source)."""
-        self.steered = tuple((int(e), tuple(w)) for e, w in phases)
-        self.excluded = tuple((int(e), int(s)) for e, s in excluded)
-        self._segments = {}
+        steered = tuple((int(e), tuple(w)) for e, w in phases)
+        excluded = tuple((int(e), int(s)) for e, s in excluded)
+        changed = {*set(steered) ^ set(self.steered), *set(excluded) ^ set(self.excluded)}
+        self.steered, self.excluded = steered, excluded
+        if changed:  # an epoch's plan depends on changes from its own start or before only
+            first = min(e for e, _ in changed)
+            self._segments = {e: got for e, got in self._segments.items() if e < first}
+            self._slices = {key: got for key, got in self._slices.items() if key[0] < first}
 
     def report_phases(self) -> list[tuple[int, tuple[float, ...]]]:
         """The phases a report judges the realized mix by: the plan's, and weights set while the
@@ -611,10 +620,20 @@ class MixPlanner:
                     tokens += (before[starts.size :] - before[: starts.size]).reshape(world, workers)
         return items, tokens
 
-    def slices(self, epoch: int, rank: int, world: int, worker: int, workers: int, block: int) -> list[Slice]:
+    def slices(self, epoch: int, rank: int, world: int, worker: int, workers: int, block: int) -> Slices:
         """The slices (combined shard numbers) consumer (rank, worker) reads, in reading order:
-        each segment's share in rounds of ``block`` items, the sources in turn inside a round."""
-        out: list[Slice] = []
+        each segment's share in rounds of ``block`` items, the sources in turn inside a round.
+        The last two asked are kept (read-only: every user takes copies)."""
+        key = (epoch, rank, world, worker, workers, block)
+        got = self._slices.get(key)
+        if got is None:
+            got = self._dealt(epoch, rank, world, worker, workers, block)
+            kept = self._slices if len(self._slices) < 2 else {}  # replaced, not evicted in place
+            self._slices = {**kept, key: got}
+        return got
+
+    def _dealt(self, epoch: int, rank: int, world: int, worker: int, workers: int, block: int) -> Slices:
+        out: list[Slices] = []
         for group, seg in enumerate(self.segments(epoch)):
             firsts, counts = [], []
             for first, n in seg:
@@ -626,43 +645,18 @@ class MixPlanner:
                 continue
             rounds = -(-total // block)
             upto = smooth_prefixes(counts, np.minimum(total, np.arange(1, rounds + 1, dtype=np.int64) * block))
-            cuts = np.vstack([np.zeros((1, len(counts)), np.int64), upto]).T.tolist()  # [source][round]
-            runs = [
-                _Runs(self.streams[s].slices(firsts[s], firsts[s] + c), int(self.bases[s]))
-                for s, c in enumerate(counts)
-            ]
-            for r in range(rounds):
-                for s, run in enumerate(runs):
-                    x, y = cuts[s][r], cuts[s][r + 1]
-                    if y > x:
-                        run.cut(x, y, group, out)
-        return out
+            cuts = np.vstack([np.zeros((1, len(counts)), np.int64), upto]).T  # [source, round + 1]
+            runs = [self._run(s, firsts[s], c, group) for s, c in enumerate(counts)]
+            out.append(deal(runs, cuts, split=False))
+        return Slices.join(out)
 
-
-class _Runs:
-    """A source's part of a segment as slices end to end, cut in rounds of rising offsets: the
-    slices of offsets [x, y) are those ``PassStream.slices`` gives for them (one walk, no search)."""
-
-    def __init__(self, slices: list[Slice], base: int):
-        self.shards = [sl.shard + base for sl in slices]
-        self.starts = [sl.start for sl in slices]
-        self.stops = [sl.stop for sl in slices]
-        self.ends = list(itertools.accumulate(b - a for a, b in zip(self.starts, self.stops)))
-        self.k = 0
-
-    def cut(self, x: int, y: int, group: int, out: list[Slice]) -> None:
-        k, ends = self.k, self.ends
-        while ends[k] <= x:
-            k += 1
-        while True:
-            begin = ends[k] - (self.stops[k] - self.starts[k])
-            lo = self.starts[k] + max(0, x - begin)
-            hi = self.stops[k] - max(0, ends[k] - y)
-            out.append(Slice(self.shards[k], lo, hi, group=group))
-            if ends[k] >= y:
-                break
-            k += 1
-        self.k = k
+    def _run(self, source: int, first: int, count: int, group: int) -> Run:
+        """Source ``source``'s stream positions [first, first + count) as a run of slices in
+        combined shard numbers, marked as part ``group`` of the epoch."""
+        got = self.streams[source].slices(first, first + count)
+        groups = np.full(len(got), group, np.int64) if group else None
+        shards = got.shards + int(self.bases[source])
+        return Run(Slices(shards, got.starts, got.stops, None, groups), got.stops - got.starts)
 
 
 @dataclass
@@ -674,7 +668,7 @@ class MixturePlan:
     epoch: int
     remainder: ClassVar[bool] = False
 
-    def slices_for(self, source: Any, cfg: Any, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
+    def slices_for(self, source: Any, cfg: Any, rank: int, world: int, worker: int, workers: int) -> Slices:
         block = self.mixing.block_size(cfg.spec(self.epoch, rank, world, worker, workers))
         return self.planner.slices(self.epoch, rank, world, worker, workers, block)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
@@ -26,11 +26,14 @@ import numpy as np
 
 from ..errors import StateError
 from . import plan as planmod
+from . import runs
 from .batching import Batcher
 from .config import Config
 from .handoff import batcher_for, hands_over, slices_for, tail_positions
 from .mixplan import smooth_prefixes
 from .plan import Slice
+from .runs import Run
+from .slices import Slices
 from .sources.protocol import Source
 from .stream import (
     PlanLabels,
@@ -192,42 +195,14 @@ def items_between(
     return items, tokens
 
 
-def remaining_slices(slices: list[Slice], counts: list[int], consumed: np.ndarray) -> list[Slice]:
+def remaining_slices(slices: Sequence[Slice], counts: Sequence[int], consumed: np.ndarray) -> Slices:
     """The slices minus the consumed plan positions; partly consumed slices keep ``pick``s."""
-    out = []
-    pos = 0
-    for sl, n in zip(slices, counts):
-        lo, hi = np.searchsorted(consumed, [pos, pos + n])
-        gone = consumed[lo:hi] - pos
-        if len(gone) == 0:
-            out.append(sl)
-        elif len(gone) < n:
-            keep = np.setdiff1d(np.arange(n), gone, assume_unique=True)
-            pick = keep if sl.pick is None else sl.pick[keep]
-            out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, pick, sl.group))
-        pos += n
-    return out
+    return runs.remaining(runs.Run.of(slices, counts), consumed)
 
 
-def cut_sequence(slices: list[Slice], counts: list[int], a: int, b: int, split: bool) -> list[Slice]:
+def cut_sequence(slices: Sequence[Slice], counts: Sequence[int], a: int, b: int, split: bool) -> Slices:
     """Items [a, b) of the slices taken in order; a cut inside a slice becomes a range or a pick."""
-    out = []
-    pos = 0
-    for sl, n in zip(slices, counts):
-        lo, hi = max(a, pos) - pos, min(b, pos + n) - pos
-        if hi > lo:
-            if lo == 0 and hi == n:
-                out.append(sl)
-            elif sl.pick is not None:
-                out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, sl.pick[lo:hi], sl.group))
-            elif not split and sl.stride == 1 and sl.stop is not None:
-                out.append(Slice(sl.shard, sl.start + lo, sl.start + hi, group=sl.group))
-            else:
-                out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, np.arange(lo, hi), sl.group))
-        pos += n
-        if pos >= b:
-            break
-    return out
+    return runs.Run.of(slices, counts).cut(a, b, split)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,7 +224,7 @@ class RemainderPlan:
     base: RemainderPlan | None = None
     remainder: ClassVar[bool] = True  # ``counts.EpochPlan``
     #: ``sequence``'s answer, once made (it takes a pass over every old share's lengths)
-    _sequence: tuple[list[Slice], list[int]] | None = field(default=None, repr=False, compare=False)
+    _sequence: tuple[Slices, list[int]] | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
         return {
@@ -266,18 +241,18 @@ class RemainderPlan:
             return None
         return cls(d["epoch"], d["world"], d["workers"], d["consumed"], cls.from_json(d.get("base")))
 
-    def sequence(self, source: Source, cfg: Config) -> tuple[list[Slice], list[int]]:
+    def sequence(self, source: Source, cfg: Config) -> tuple[Slices, list[int]]:
         """Every remaining item, in a fixed order: old ranks, then old workers, plan order."""
         if self._sequence is not None:
             return self._sequence
-        slices_out: list[Slice] = []
+        slices_out: list[Slices] = []
         for r in range(self.world):
             for w in range(self.workers):
                 spec = cfg.spec(self.epoch, r, self.world, w, self.workers)
                 slices = slices_for(source, cfg, spec, self.base)
                 counts = slice_item_counts(source, slices, spec)
                 if counts is not None and not self.consumed[r][w] and not hands_over(source, cfg, spec):
-                    slices_out.extend(sl for sl, n in zip(slices, counts) if n)  # nothing of it gone
+                    slices_out.append(Slices.of(slices).take(np.flatnonzero(counts)))  # nothing of it gone
                     continue
                 if counts is None or not has_lengths(source):
                     raise StateError(
@@ -289,12 +264,12 @@ class RemainderPlan:
                 gone = consumed_plan_positions(batcher, lengths, spec, self.consumed[r][w], source.mixing, labels)
                 if hands_over(source, cfg, spec):  # its tail is in its rank's last worker's slices
                     gone = np.union1d(gone, tail_positions(source, cfg, spec, slices)[0])
-                slices_out.extend(remaining_slices(slices, counts, gone))
-        counts_out = slice_item_counts(source, slices_out, cfg.spec(self.epoch, 0, 1, 0, 1))
-        self._sequence = (slices_out, counts_out)
+                slices_out.append(remaining_slices(slices, counts, gone))
+        joined = Slices.join(slices_out)
+        self._sequence = (joined, slice_item_counts(source, joined, cfg.spec(self.epoch, 0, 1, 0, 1)))
         return self._sequence
 
-    def slices_for(self, source: Source, cfg: Config, rank: int, world: int, worker: int, workers: int) -> list[Slice]:
+    def slices_for(self, source: Source, cfg: Config, rank: int, world: int, worker: int, workers: int) -> Slices:
         """One dataset: the remaining sequence split like an epoch. A mixture: each source's
         remainder (per part of the epoch) split on its own and interleaved in rounds of a shuffle
         block, as ``MixPlanner.slices`` deals a fresh epoch, so every new consumer keeps the mix."""
@@ -306,83 +281,26 @@ class RemainderPlan:
             a, b = planmod.consumer_share(int(sum(counts)), rank, world, worker, workers, unit=unit)
             return cut_sequence(slices, counts, a, b, split)
         block = mixing.block_size(cfg.spec(self.epoch, rank, world, worker, workers))
-        out: list[Slice] = []
+        out: list[Slices] = []
         for strands in self.strands(source, cfg, slices, counts):
-            shares = [strand.share(rank, world, worker, workers) for strand in strands]
+            shares = [planmod.consumer_share(strand.total, rank, world, worker, workers) for strand in strands]
             total = sum(b - a for a, b in shares)
+            if not total:
+                continue
             rounds = -(-total // block)
             upto = smooth_prefixes(
                 [b - a for a, b in shares], np.minimum(total, np.arange(1, rounds + 1, dtype=np.int64) * block)
             )
             upto = np.vstack([np.zeros((1, len(shares)), np.int64), upto])
-            for r in range(rounds):
-                for s, (strand, (a, _)) in enumerate(zip(strands, shares)):
-                    x, y = int(upto[r, s]), int(upto[r + 1, s])
-                    if y > x:
-                        out.extend(strand.cut(a + x, a + y, split))
-        return out
+            firsts = np.asarray([a for a, _ in shares], np.int64)
+            out.append(runs.deal(strands, (upto + firsts[None, :]).T, split))
+        return Slices.join(out)
 
     def excluded(self) -> tuple[int, int]:
         """(items, tokens) that exclusions took out of this epoch's plans (``steer.plans.SteeredPlan``)."""
         return self.base.excluded() if self.base is not None else (0, 0)
 
-    def strands(self, source: Source, cfg: Config, slices: list[Slice], counts: list[int]) -> list[list[_Strand]]:
+    def strands(self, source: Source, cfg: Config, slices: Sequence[Slice], counts: Sequence[int]) -> list[list[Run]]:
         """Per part of the epoch, per source of a mixture: its remaining slices and counts."""
-        return _strands(slices, counts, source.mixing)
-
-
-@dataclass
-class _Strand:
-    """One source's remaining items in one part of the epoch, in the remainder's order."""
-
-    slices: list[Slice]
-    counts: list[int]
-    _ends: np.ndarray | None = field(default=None, repr=False)
-
-    def share(self, rank: int, world: int, worker: int, workers: int) -> tuple[int, int]:
-        return planmod.consumer_share(int(sum(self.counts)), rank, world, worker, workers)
-
-    def first(self, n: int) -> _Strand:
-        """Its first ``n`` items."""
-        if n >= sum(self.counts):
-            return self
-        return _Strand(*_head(self.slices, self.counts, n))
-
-    def cut(self, a: int, b: int, split: bool) -> list[Slice]:
-        """Items [a, b): ``cut_sequence`` from the first slice that holds item a."""
-        if self._ends is None or len(self._ends) != len(self.counts):
-            self._ends = np.cumsum(self.counts)
-        ends = self._ends
-        i = int(np.searchsorted(ends, a, side="right"))
-        j = int(np.searchsorted(ends, b, side="left")) + 1  # one past the slice that holds item b-1
-        before = int(ends[i - 1]) if i else 0
-        return cut_sequence(self.slices[i:j], self.counts[i:j], a - before, b - before, split)
-
-
-def _head(slices: list[Slice], counts: list[int], n: int) -> tuple[list[Slice], list[int]]:
-    """The first ``n`` items of slices (as picks where a slice is cut)."""
-    out, out_counts = [], []
-    for sl, c in zip(slices, counts):
-        if n <= 0:
-            break
-        if c <= n:
-            out.append(sl)
-            out_counts.append(c)
-        else:
-            out.extend(cut_sequence([sl], [c], 0, n, True))
-            out_counts.append(n)
-        n -= c
-    return out, out_counts
-
-
-def _strands(slices: list[Slice], counts: list[int], mixing) -> list[list[_Strand]]:
-    """Per part of the epoch (rising), per source: that source's remaining slices and counts."""
-    sources = mixing.sources_of_shards(np.asarray([sl.shard for sl in slices], np.int64))
-    groups = sorted({sl.group for sl in slices})
-    out = [[_Strand([], []) for _ in range(mixing.sources)] for _ in groups]
-    where = {g: j for j, g in enumerate(groups)}
-    for sl, n, s in zip(slices, counts, sources.tolist()):
-        strand = out[where[sl.group]][s]
-        strand.slices.append(sl)
-        strand.counts.append(int(n))
-    return out
+        mixing = source.mixing
+        return runs.strands(runs.Run.of(slices, counts), mixing.sources_of_shards, mixing.sources)

@@ -3,8 +3,8 @@
 A share of an epoch of a million shards is a million slices. Held as ``Slice`` objects they
 cost seconds to make and hundreds of megabytes; held as ``Slices`` they are three int64 columns
 (shard, start, stop) and a ``Slice`` is made only when the stream reaches it. The few slices
-that are not plain ranges (a pick, a stride, a lead, an open end, a mixture's part) are kept
-whole beside the columns, by position.
+that are not plain ranges (a pick, a stride, a lead, an open end) are kept whole beside the
+columns, by position; a mixture's part (``group``) is a fourth column.
 """
 
 from __future__ import annotations
@@ -61,14 +61,16 @@ class Slice:
         return isinstance(other, Slice) and self.key() == other.key()
 
     def is_range(self) -> bool:
-        """Whether the slice is items [start, stop) and nothing more (a column entry of ``Slices``)."""
-        return self.pick is None and self.stop is not None and self.stride == 1 and self.group == 0 and self.lead == 0
+        """Whether the slice is items [start, stop) of a part of the epoch and nothing more (a
+        column entry of ``Slices``)."""
+        return self.pick is None and self.stop is not None and self.stride == 1 and self.lead == 0
 
 
 class Slices(Sequence):
     """Slices in reading order: plain ranges as int64 columns, any other slice kept whole in
-    ``special`` (position -> Slice; its column entry holds its shard and an empty range).
-    Compares equal to any sequence of the same slices."""
+    ``special`` (position -> Slice; its column entry holds its shard, an empty range and its
+    group). ``groups`` (None: all 0) is each slice's part of a mixture's epoch. Compares equal
+    to any sequence of the same slices."""
 
     def __init__(
         self,
@@ -76,11 +78,18 @@ class Slices(Sequence):
         starts: np.ndarray,
         stops: np.ndarray,
         special: dict[int, Slice] | None = None,
+        groups: np.ndarray | None = None,
     ):
         self.shards = np.asarray(shards, np.int64)
         self.starts = np.asarray(starts, np.int64)
         self.stops = np.asarray(stops, np.int64)
         self.special = special or {}
+        self.groups = None if groups is None or not np.any(groups) else np.asarray(groups, np.int64)
+        self._listed: np.ndarray | None = None  # the special positions, sorted (``is_special``)
+
+    def group_column(self) -> np.ndarray:
+        """Each slice's part of the epoch."""
+        return np.zeros(len(self.shards), np.int64) if self.groups is None else self.groups
 
     @classmethod
     def of(cls, slices: Iterable[Slice]) -> Slices:
@@ -88,15 +97,15 @@ class Slices(Sequence):
         if isinstance(slices, Slices):
             return slices
         listed = list(slices)
-        columns = np.zeros((3, len(listed)), np.int64)
+        columns = np.zeros((4, len(listed)), np.int64)
         special = {}
         for i, sl in enumerate(listed):
             if sl.is_range():
-                columns[:, i] = (sl.shard, sl.start, sl.stop)
+                columns[:, i] = (sl.shard, sl.start, sl.stop, sl.group)
             else:
-                columns[:, i] = (sl.shard, sl.start, sl.start)
+                columns[:, i] = (sl.shard, sl.start, sl.start, sl.group)
                 special[i] = sl
-        return cls(columns[0], columns[1], columns[2], special)
+        return cls(columns[0], columns[1], columns[2], special, columns[3])
 
     @classmethod
     def join(cls, parts: Iterable[Iterable[Slice]]) -> Slices:
@@ -111,7 +120,29 @@ class Slices(Sequence):
         def column(name: str) -> np.ndarray:
             return np.concatenate([getattr(r, name) for r in runs]) if runs else np.zeros(0, np.int64)
 
-        return cls(column("shards"), column("starts"), column("stops"), special)
+        groups = None
+        if any(r.groups is not None for r in runs):
+            groups = np.concatenate([r.group_column() for r in runs])
+        return cls(column("shards"), column("starts"), column("stops"), special, groups)
+
+    def take(self, order: np.ndarray) -> Slices:
+        """The slices at positions ``order`` (each at most once), in that order."""
+        order = np.asarray(order, np.int64)
+        special = {}
+        if self.special:  # a look at each taken position, not at every slice
+            special = {j: self.special[int(order[j])] for j in np.flatnonzero(self.is_special(order)).tolist()}
+        groups = None if self.groups is None else self.groups[order]
+        return Slices(self.shards[order], self.starts[order], self.stops[order], special, groups)
+
+    def is_special(self, positions: np.ndarray) -> np.ndarray:
+        """Whether each of ``positions`` holds a slice kept whole (a search in the sorted special
+        positions, made once: no hashing of ``positions``)."""
+        if not self.special:
+            return np.zeros(len(positions), bool)
+        if self._listed is None or len(self._listed) != len(self.special):
+            self._listed = np.sort(np.fromiter(self.special, np.int64, len(self.special)))
+        at = np.minimum(np.searchsorted(self._listed, positions), len(self._listed) - 1)
+        return self._listed[at] == positions
 
     def ranges(self) -> np.ndarray:
         """Positions of the plain ranges (every slice not in ``special``)."""
@@ -131,23 +162,27 @@ class Slices(Sequence):
                 return [self[j] for j in picked]
             a, b = picked.start, picked.stop
             special = {k - a: sl for k, sl in self.special.items() if a <= k < b}
-            return Slices(self.shards[a:b], self.starts[a:b], self.stops[a:b], special)
+            groups = None if self.groups is None else self.groups[a:b]
+            return Slices(self.shards[a:b], self.starts[a:b], self.stops[a:b], special, groups)
         i = range(len(self))[i]
         found = self.special.get(i)
         if found is not None:
             return found
-        return Slice(int(self.shards[i]), int(self.starts[i]), int(self.stops[i]))
+        group = 0 if self.groups is None else int(self.groups[i])
+        return Slice(int(self.shards[i]), int(self.starts[i]), int(self.stops[i]), group=group)
 
     def __iter__(self) -> Iterator[Slice]:
         special = self.special
+        groups = self.group_column()
         for at in range(0, len(self), ITER_CHUNK):
             rows = zip(
                 self.shards[at : at + ITER_CHUNK].tolist(),
                 self.starts[at : at + ITER_CHUNK].tolist(),
                 self.stops[at : at + ITER_CHUNK].tolist(),
+                groups[at : at + ITER_CHUNK].tolist(),
             )
-            for k, (shard, start, stop) in enumerate(rows, at):
-                yield special[k] if k in special else Slice(shard, start, stop)
+            for k, (shard, start, stop, group) in enumerate(rows, at):
+                yield special[k] if k in special else Slice(shard, start, stop, group=group)
 
     def __add__(self, other: Iterable[Slice]) -> Slices:
         return Slices.join([self, other])

@@ -101,10 +101,9 @@ class PlanLabels:
         mixing = source.mixing
         if mixing is None:
             return None
-        shards = np.asarray([sl.shard for sl in slices], np.int64)
-        groups = np.asarray([sl.group for sl in slices], np.int64)
+        run = Slices.of(slices)
         return cls(
-            mixing.sources_of_shards(shards) + mixing.sources * groups,
+            mixing.sources_of_shards(run.shards) + mixing.sources * run.group_column(),
             lambda i: slice_item_count(source, slices[i], spec),
         )
 

@@ -12,6 +12,7 @@ counted). The epochs after it plan normally, minus what is excluded, with the ne
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,9 @@ import numpy as np
 from ...errors import SteeringError
 from ..block import ID_SHIFT, pieces_per_doc
 from ..plan import Slice
-from ..resume import RemainderPlan, _Strand
+from ..resume import RemainderPlan
+from ..runs import Run
+from ..slices import Slices
 from ..stream import StreamSpec, slice_doc_lengths, slice_item_lengths
 
 #: the most item ids one exclusion may name (each is in every state saved after it)
@@ -100,40 +103,40 @@ def _ordinals(source: Any, sl: Slice, spec: StreamSpec) -> np.ndarray:
     return docs if sl.pick is None else docs[sl.pick]
 
 
-def leave_out(source: Any, slices: list[Slice], counts: list[int], leaving: Leaving, spec: StreamSpec):
-    """The slices (and their counts) less what ``leaving`` excludes, and (items, tokens) it took out."""
+def leave_out(source: Any, slices: Sequence[Slice], counts: Sequence[int], leaving: Leaving, spec: StreamSpec):
+    """The slices (and their counts) less what ``leaving`` excludes, and (items, tokens) it took
+    out. Whole shards (and a mixture's sources) go as columns; only the slices of shards that
+    hold an excluded item are looked at one by one."""
     if not leaving.excludes():
         return slices, counts, (0, 0)
-    shards = set(leaving.shards)
+    run = Slices.of(slices)
+    counts = np.asarray(counts, np.int64)
+    shards = np.asarray(leaving.shards, np.int64)
     if leaving.sources and source.mixing is not None:
-        of_source = source.mixing.sources_of_shards(np.asarray([sl.shard for sl in slices], np.int64)).tolist()
-        shards |= {sl.shard for sl, s in zip(slices, of_source) if s in set(leaving.sources)}
+        of_source = source.mixing.sources_of_shards(run.shards)
+        shards = np.union1d(shards, run.shards[np.isin(of_source, np.asarray(leaving.sources, np.int64))])
     items = np.asarray(leaving.items, np.int64)
-    by_shard = set((items >> ID_SHIFT).tolist())
-    out, out_counts, gone = [], [], [0, 0]
-    for sl, n in zip(slices, counts):
-        if n == 0:
-            continue
-        if sl.shard in shards:
-            gone[0], gone[1] = gone[0] + n, gone[1] + _tokens(source, sl, spec)
-            continue
-        if sl.shard not in by_shard:
-            out.append(sl)
-            out_counts.append(n)
-            continue
+    dropped = np.isin(run.shards, shards) & (counts > 0)
+    gone = [int(counts[dropped].sum()), sum(_tokens(source, run[i], spec) for i in np.flatnonzero(dropped).tolist())]
+    keep_counts = counts.copy()
+    special: dict[int, Slice] = {}
+    for i in np.flatnonzero(~dropped & (counts > 0) & np.isin(run.shards, items >> ID_SHIFT)).tolist():
+        sl, n = run[i], int(counts[i])
         ids = (np.int64(sl.shard) << ID_SHIFT) | _ordinals(source, sl, spec)
-        dropped = np.isin(ids, items)
-        keep = np.flatnonzero(~dropped)
+        hit = np.isin(ids, items)
+        keep = np.flatnonzero(~hit)
         if len(keep) < n:
-            gone[0], gone[1] = gone[0] + n - len(keep), gone[1] + _tokens(source, sl, spec, dropped)
-        if len(keep) == n:
-            out.append(sl)
-        elif len(keep):
+            gone[0], gone[1] = gone[0] + n - len(keep), gone[1] + _tokens(source, sl, spec, hit)
             pick = keep if sl.pick is None else sl.pick[keep]
-            out.append(Slice(sl.shard, sl.start, sl.stop, sl.stride, pick, sl.group, sl.lead))
-        if len(keep):
-            out_counts.append(len(keep))
-    return out, out_counts, (gone[0], gone[1])
+            special[i] = Slice(sl.shard, sl.start, sl.stop, sl.stride, pick, sl.group, sl.lead)
+            keep_counts[i] = len(keep)
+    kept = np.flatnonzero(~dropped & (keep_counts > 0))
+    out = run.take(kept)  # a copy: ``slices`` may be a plan's, kept
+    for i, sl in special.items():
+        j = int(np.searchsorted(kept, i))
+        out.special[j] = sl
+        out.stops[j] = out.starts[j]
+    return out, keep_counts[kept].tolist(), (gone[0], gone[1])
 
 
 def _tokens(source: Any, sl: Slice, spec: StreamSpec, which: np.ndarray | None = None) -> int:
@@ -144,11 +147,11 @@ def _tokens(source: Any, sl: Slice, spec: StreamSpec, which: np.ndarray | None =
     return int(lengths.sum() if which is None else lengths[which].sum())
 
 
-def reweighted(strands: list[list[_Strand]], weights: tuple[float, ...], per_item: list[float]) -> list[list[_Strand]]:
+def reweighted(strands: list[list[Run]], weights: tuple[float, ...], per_item: list[float]) -> list[list[Run]]:
     """Each source's remaining strands cut to the new weights' proportions as far as they go:
     the source that runs out first (for its weight) sets the rest's size, in the mixture's unit
     (``per_item``: each source's mean units an item)."""
-    left = [sum(sum(strand[s].counts) for strand in strands) for s in range(len(weights))]
+    left = [sum(strand[s].total for strand in strands) for s in range(len(weights))]
     total = sum(weights)
     room = min(
         (left[s] * per_item[s] / (weights[s] / total) for s in range(len(weights)) if weights[s] > 0), default=0.0
@@ -161,7 +164,7 @@ def reweighted(strands: list[list[_Strand]], weights: tuple[float, ...], per_ite
     for part in strands:
         kept = []
         for s, strand in enumerate(part):
-            take = min(quota[s], sum(strand.counts))
+            take = min(quota[s], strand.total)
             quota[s] -= take
             kept.append(strand.first(take))
         out.append(kept)
@@ -195,7 +198,7 @@ class SteeredPlan(RemainderPlan):
         mine = self.left_out or (0, 0)
         return base[0] + mine[0], base[1] + mine[1]
 
-    def strands(self, source: Any, cfg: Any, slices: list[Slice], counts: list[int]) -> list[list[_Strand]]:
+    def strands(self, source: Any, cfg: Any, slices: list[Slice], counts: list[int]) -> list[list[Run]]:
         parts = super().strands(source, cfg, slices, counts)
         if self.leaving.weights is None:
             return parts
