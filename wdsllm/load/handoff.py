@@ -32,6 +32,7 @@ from .batching import COUNT_BY_ITEMS, Batcher
 from .plan import Slice
 from .sources.protocol import Source
 from .stream import (
+    PlanLabels,
     StreamSpec,
     has_lengths,
     inverse_shuffle,
@@ -164,6 +165,12 @@ def tail_positions(
         counts = slice_item_counts(source, slices, spec)
     if batcher.count_by == COUNT_BY_ITEMS and sum(counts) % cfg.batch_size == 0:
         return np.zeros(0, np.int64), 0  # whole batches of items (``Config.share_unit``): none left out
+    if not batcher.needs_lengths:  # the tail follows from the count: only its blocks' orders are made
+        n = int(sum(counts))
+        positions, lead = batcher.tail(np.broadcast_to(np.int64(0), (n,)), spec)
+        labels = PlanLabels.of(source, slices, spec, counts)
+        window = None if labels is None else labels.window
+        return inverse_shuffle(np.asarray(positions, np.int64), n, spec, source.mixing, window), lead
     lengths = slice_item_lengths(source, slices, spec)
     labels = plan_labels(source, slices, spec)
     shuffled = shuffle_lengths(lengths, spec, source.mixing, labels)

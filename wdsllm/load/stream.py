@@ -97,15 +97,27 @@ class PlanLabels:
         self._ends: list[int] = []
 
     @classmethod
-    def of(cls, source: Source, slices: list[Slice], spec: StreamSpec) -> PlanLabels | None:
+    def of(
+        cls, source: Source, slices: Sequence[Slice], spec: StreamSpec, counts: Sequence[int] | None = None
+    ) -> PlanLabels | None:
+        """``counts``: the slices' item counts, where the caller has them (else counted as asked)."""
         mixing = source.mixing
         if mixing is None:
             return None
         run = Slices.of(slices)
-        return cls(
+        out = cls(
             mixing.sources_of_shards(run.shards) + mixing.sources * run.group_column(),
             lambda i: slice_item_count(source, slices[i], spec),
         )
+        if counts is not None:
+            out._counts = [int(n) for n in counts]
+            out._ends = np.cumsum(np.asarray(out._counts, np.int64)).tolist()
+        return out
+
+    @property
+    def window(self) -> _LabelWindow:
+        """The labels as an array sliced by ranges of positions (made only for the ranges asked)."""
+        return _LabelWindow(self)
 
     def _counted(self, upto: int | None) -> None:
         """Count slices until their items reach position ``upto`` (None: all of them)."""
@@ -131,6 +143,16 @@ class PlanLabels:
         counts[0] -= a - (ends[i] - self._counts[i])
         counts[-1] -= ends[j] - b
         return np.repeat(self.per_slice[i : j + 1], counts)
+
+
+@dataclass(frozen=True)
+class _LabelWindow:
+    """``PlanLabels`` as ``labels[a:b]``: what ``inverse_shuffle`` slices a block's labels from."""
+
+    labels: PlanLabels
+
+    def __getitem__(self, at: slice) -> np.ndarray:
+        return self.labels.at(at.start or 0, at.stop)
 
 
 def slice_item_lengths(source: Source, slices: list[Slice], spec: StreamSpec) -> np.ndarray | None:
