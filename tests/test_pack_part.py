@@ -535,3 +535,22 @@ def test_a_rerun_reuses_parts_of_another_run_of_the_same_split_and_merges_them(t
     assert load_index(tmp_path / "part-00002").options["run"] == "rerun"
     index, _ = merge([out], out)
     assert index.documents == 900
+
+
+def test_parts_of_two_numbers_of_parts_are_parts_of_two_splits_and_never_merged(tmp_path):
+    """Engines that know their number of parts (datatrove's world size, ``parts=``) need no run:
+    a relaunch with another number is refused where it finds a part of the other number (it was
+    replaced as a part of other options before), and the parts it wrote before that say another
+    number, which merge refuses as another split."""
+    _, records = source_records(N)
+    records, out = records[:600], str(tmp_path)
+    for i, block in enumerate(blocks(records, 2)):
+        pack_part(block, i, out, options(parts=2))
+    three = blocks(records, 3)
+    pack_part(three[2], 2, out, options(parts=3))  # no part at index 2 yet: written
+    before = dataset_files(tmp_path / "part-00000")
+    with pytest.raises(OtherRowsError, match="part-00000 is one of 2 parts; this task is one of 3: a run that split"):
+        pack_part(three[0], 0, out, options(parts=3))
+    assert dataset_files(tmp_path / "part-00000") == before  # refused, never replaced
+    with pytest.raises(MergeError, match=r"part-00002 with .*part-00000: they are parts of two splits of the input"):
+        merge([out], out)

@@ -239,6 +239,13 @@ def check_compatible(parts: list[Part], allow_partial: bool = False) -> None:
                 f"{part.url} is not the output of one pack task (its index has no task_index); it may be merged already"
             )
         for what, a, b in _differences(first.index, part.index):
+            if what == "option parts":  # the split's identity, where the engine knows it
+                raise MergeError(
+                    f"cannot merge {part.url} with {first.url}: they are parts of two splits of the input ({b!r} "
+                    f"parts here, {a!r} there), so merging them would pack some documents twice. Remove the parts "
+                    "of the run that split otherwise (all the parts of one number), then merge; or remove every "
+                    "part-*/ and pack anew"
+                )
             raise MergeError(f"cannot merge {part.url} with {first.url}: {what} differs ({b!r} here, {a!r} there)")
     tasks = [p.task for p in parts]
     for a, b in itertools.pairwise(parts):

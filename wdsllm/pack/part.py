@@ -650,11 +650,28 @@ def _committed(output: storage.Output, expected: dict, tok: LoadedTokenizer) -> 
     if output.get_bytes(fmt.INDEX_NAME) is None:
         return None
     index, _ = fmt.read_index(output.url)
-    options = {k: v for k, v in index.options.items() if k not in (HOLDS, RUN)}
-    if options == {k: v for k, v in expected.items() if k != RUN} and index.tokenizer.sha256 == tok.sha256:
+    options = {k: v for k, v in index.options.items() if k not in _NOT_SHAPING}
+    if options == {k: v for k, v in expected.items() if k not in _NOT_SHAPING} and index.tokenizer.sha256 == tok.sha256:
+        if index.options.get("parts") != expected["parts"]:
+            raise _other_split(output.url, index.options.get("parts"), expected["parts"])
         return index
     log.warning("%s holds a part packed with other options; replacing it", output.url)
     return None
+
+
+#: index options that say which run and split a part belongs to, not how its bytes are shaped: a
+#: part that differs only in them is another run's (reused: ``run``) or another split's (refused)
+_NOT_SHAPING = (HOLDS, RUN, "parts")
+
+
+def _other_split(url: str, found: Any, here: int | None) -> OtherRowsError:
+    return OtherRowsError(
+        f"{url} is one of {found if found is not None else 'an unknown number of'} parts; this task is one of "
+        f"{here if here is not None else 'an unknown number'}: a run that split its input into another number of "
+        "parts left it, and packing this task there would leave that run's other parts holding some of these rows, "
+        "or missing others. Re-run with that run's number of parts, or remove every part-*/ of the output to pack "
+        "them anew"
+    )
 
 
 def _prepare(output: storage.Output, prefix: str, fingerprint: str) -> list[dict]:
