@@ -554,3 +554,12 @@ def test_parts_of_two_numbers_of_parts_are_parts_of_two_splits_and_never_merged(
     assert dataset_files(tmp_path / "part-00000") == before  # refused, never replaced
     with pytest.raises(MergeError, match=r"part-00002 with .*part-00000: they are parts of two splits of the input"):
         merge([out], out)
+
+
+def test_merge_refuses_a_refusal_record_it_did_not_write(tmp_path):
+    _, records = source_records(N)
+    pack_part(records[:100], 0, str(tmp_path), options(run="one"))
+    (tmp_path / "_refused").mkdir()
+    (tmp_path / "_refused" / "run-0.json").write_bytes(b"[" * 100_000)
+    with pytest.raises(MergeError, match=r"_refused/run-0.json is not a refusal record wdsllm wrote"):
+        merge([str(tmp_path)], str(tmp_path))

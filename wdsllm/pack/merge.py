@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from .. import __version__, storage
 from .. import format as fmt
-from ..errors import MergeError
+from ..errors import MergeError, PackError
 from ..format.side import SideArray
 from .lock import OutputLock
 from .rows import RUN, refusals, refused_parts
@@ -274,7 +274,11 @@ def check_refusals(parts: list[Part]) -> list[tuple[str, str]]:
         by_dir.setdefault(folder, {})[part.url] = run if isinstance(run, str) else None
     stale = []
     for folder, runs in by_dir.items():
-        for name, record in refusals(folder, storage.Output(folder).list_names()):
+        try:
+            found = refusals(folder, storage.Output(folder).list_names())
+        except PackError as exc:
+            raise MergeError(str(exc)) from None
+        for name, record in found:
             culprits = refused_parts(record, runs)
             if not culprits:
                 stale.append((folder, name))

@@ -140,9 +140,8 @@ def record_refusal(out: str, run: str, part: str, refused: PackError) -> None:
 
 def refusal_of(out: str, run: str) -> dict | None:
     """The record of run ``run``'s refusal in ``out`` (None: it was not refused there)."""
-    with storage.Output(out) as output:
-        data = output.get_bytes(_refusal_name(run))
-    return _parse_refusal(data, storage.join_url(out, _refusal_name(run))) if data is not None else None
+    url = storage.join_url(out, _refusal_name(run))
+    return _parse_refusal(_read_bounded(url), url) if storage.exists(url) else None
 
 
 def refusals(out: str, names: list[str]) -> list[tuple[str, dict]]:
@@ -150,14 +149,19 @@ def refusals(out: str, names: list[str]) -> list[tuple[str, dict]]:
     found = []
     for name in sorted(n for n in names if n.startswith(REFUSED_DIR + "/") and n.endswith(".json")):
         url = storage.join_url(out, name)
-        found.append((name, _parse_refusal(storage.read_bytes(url), url)))
+        found.append((name, _parse_refusal(_read_bounded(url), url)))
     return found
 
 
+def _read_bounded(url: str) -> bytes:
+    with storage.open_stream(url) as f:
+        return f.read(MAX_REFUSAL_BYTES + 1)
+
+
 def _parse_refusal(data: bytes, url: str) -> dict:
-    """A refusal record, checked (an output is untrusted)."""
+    """A refusal record, checked (an output is untrusted: read no further than its bound)."""
     try:
-        record = json.loads(data[: MAX_REFUSAL_BYTES + 1]) if len(data) <= MAX_REFUSAL_BYTES else None
+        record = json.loads(data) if len(data) <= MAX_REFUSAL_BYTES else None
     except ValueError:
         record = None
     if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("run", "part", "reason")):
