@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 from cluster_helpers import GPT2, SMALL, documents_by_origin, local_pack, source_records, visible_files
-from pack_helpers import dataset_files
+from pack_helpers import dataset_files, load_index
 
 # read when ray is imported: a local cluster then listens on 127.0.0.1 only, not on every interface
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -86,6 +86,7 @@ def test_a_rerun_with_another_number_of_blocks_is_refused_by_name_and_packs_noth
     ray.data.from_items(records, override_num_blocks=4).write_datasink(sink(out, [name], merge=False))
     first = {p.name: dataset_files(p) for p in sorted(out.glob("part-*"))}
     assert sorted(first) == ["part-00000", "part-00001", "part-00002", "part-00003"]
+    assert len({load_index(p).options["run"] for p in out.glob("part-*")}) == 1  # the sink named the run
     with pytest.raises(Exception, match=r"part-0000[01] holds other input than this task's \(200 records") as refused:
         ray.data.from_items(records, override_num_blocks=2).write_datasink(sink(out, [name]))
     assert "this task: 400 records" in str(refused.value) and "override_num_blocks" in str(refused.value)
