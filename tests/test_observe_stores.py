@@ -131,4 +131,7 @@ def test_metrics_follow_every_counter_and_report_between_two_calls():
     observer.tally.add(WorkerReport(1, 1, {"read": 2.0}, {}, (0, 0)))
     last = observer.metrics()
     assert last["stage_read_s"] == pytest.approx(before + 2.5, abs=1e-9)
-    assert STAGES[int(last["slowest_stage"])] == "read"
+    assert STAGES[int(last["slowest_stage"])] == "read" and last["worker_1_batch_s"] == 0.0
+    observer.tally.waited(2, 0.125)  # a worker waited for before it reported: its keys appear
+    waited = observer.metrics()
+    assert waited["worker_2_wait_s"] == 0.125 and waited["slowest_worker"] == 2.0 and "worker_2_batch_s" in waited

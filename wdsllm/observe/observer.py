@@ -45,6 +45,8 @@ class Observer:
         self._tally_version = -1  # what ``_worker_stages`` was summed from
         #: per stage, the seconds the workers reported less this process's at the loader's start
         self._stage_offsets: list[float] = []
+        self._worker_shape = (0, 0)  # (workers waited for, workers reported) of ``_worker_rows``
+        self._worker_rows: list[tuple[int, tuple[str, ...]]] = []  # each worker with its keys
 
     def watch(self) -> None:
         """Start the watchdog (once, as iteration starts; before the workers fork, so that they
@@ -131,11 +133,15 @@ class Observer:
     def _workers(self, out: dict[str, float]) -> None:
         tally = self.tally
         waits, batches, faults = tally.waits, tally.stages, tally.faults
-        for worker in sorted(waits.keys() | batches.keys()):
-            keys = _worker_keys(worker)
+        shape = (len(waits), len(batches))  # the tally's dicts only gain workers: their sizes say which
+        if shape != self._worker_shape:
+            self._worker_shape = shape
+            self._worker_rows = [(w, _worker_keys(w)) for w in sorted(waits.keys() | batches.keys())]
+        for worker, keys in self._worker_rows:
             out[keys[0]] = waits.get(worker, 0.0)
-            out[keys[1]] = batches[worker]["batch"] if worker in batches else 0.0
-            major, minor = faults.get(worker, (0, 0))
+            mine = batches.get(worker)
+            out[keys[1]] = mine["batch"] if mine is not None else 0.0
+            major, minor = faults.get(worker, _NO_FAULTS)
             out[keys[2]], out[keys[3]] = float(major), float(minor)
             depth = tally.queue_depth(worker)
             if depth is not None:
@@ -156,6 +162,7 @@ class Observer:
         return line
 
 
+_NO_FAULTS = (0, 0)
 STAGE_KEYS = {stage: f"stage_{stage}_s" for stage in stages.STAGES}
 _STAGE_KEY_LIST = tuple(STAGE_KEYS.values())
 _STAGE_SECONDS = operator.itemgetter(*stages.STAGES)
