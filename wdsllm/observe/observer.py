@@ -42,7 +42,7 @@ class Observer:
         self._stages_base = stages.CLOCK.snapshot()
         self.watchdog: Watchdog | None = None  # started with the first iteration
         self.stores = StoreFigures()
-        self._tally_version = -1  # what ``_worker_stages`` was summed from
+        self._tally_version = -1  # the tally's version ``_stage_offsets`` were summed at
         #: per stage, the seconds the workers reported less this process's at the loader's start
         self._stage_offsets: list[float] = []
         self._worker_shape = (0, 0)  # (workers waited for, workers reported) of ``_worker_rows``
