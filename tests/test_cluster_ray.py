@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tracemalloc
 from pathlib import Path
@@ -10,14 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 from cluster_helpers import GPT2, SMALL, documents_by_origin, local_pack, source_records, visible_files
-from pack_helpers import dataset_files
+from pack_helpers import dataset_files, load_index
 
 # read when ray is imported: a local cluster then listens on 127.0.0.1 only, not on every interface
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray")
 
-from wdsllm.errors import PackError  # noqa: E402
+from wdsllm.errors import MergeError, PackError  # noqa: E402
 from wdsllm.integrations.ray import PackSink  # noqa: E402
+from wdsllm.pack.merge import merge  # noqa: E402
 from wdsllm.pack.part import pack_part  # noqa: E402
 
 pa = pytest.importorskip("pyarrow")
@@ -84,6 +86,7 @@ def test_a_rerun_with_another_number_of_blocks_is_refused_by_name_and_packs_noth
     ray.data.from_items(records, override_num_blocks=4).write_datasink(sink(out, [name], merge=False))
     first = {p.name: dataset_files(p) for p in sorted(out.glob("part-*"))}
     assert sorted(first) == ["part-00000", "part-00001", "part-00002", "part-00003"]
+    assert len({load_index(p).options["run"] for p in out.glob("part-*")}) == 1  # the sink named the run
     with pytest.raises(Exception, match=r"part-0000[01] holds other input than this task's \(200 records") as refused:
         ray.data.from_items(records, override_num_blocks=2).write_datasink(sink(out, [name]))
     assert "this task: 400 records" in str(refused.value) and "override_num_blocks" in str(refused.value)
@@ -100,6 +103,17 @@ def test_a_rerun_with_another_number_of_blocks_is_refused_by_name_and_packs_noth
     with pytest.raises(Exception, match=r"part-0000[01] holds other input than this task's \(400 records"):
         ray.data.from_items(records, override_num_blocks=4).write_datasink(sink(other, [name]))
     assert {p.name: dataset_files(p) for p in sorted(other.glob("part-0000[01]"))} == kept
+    # tasks 2 and 3 of the refused run found no part at their index and may have written one before
+    # the refusal: a hand-run merge refuses exactly those (they hold the other split's rows)
+    written = sorted(p.name for p in other.glob("part-0000[23]"))
+    if written:
+        with pytest.raises(MergeError, match="were written by run") as refused:
+            merge([str(other)], str(other))
+        assert all(name in str(refused.value) for name in written) and "part-00000," not in str(refused.value)
+        for name in written:
+            shutil.rmtree(other / name)
+    assert merge([str(other)], str(other))[0].documents == 800
+    assert documents_by_origin(other) == documents_by_origin(out)
 
 
 class CrashOnce(PackSink):

@@ -14,6 +14,7 @@ from synth import write_dataset
 import wdsllm
 from wdsllm import storage
 from wdsllm.observe.stages import STAGES
+from wdsllm.storage.counters import STORE_NAMES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,3 +75,63 @@ def test_fetch_time_counts_a_body_read_that_broke_and_the_wait_before_its_retry(
     fetch = counts["fetch_ns"] / 1e9
     assert fetch >= 0.5 + 0.2, f"the stalled read (timeout 0.5 s) and the backoff (>= 0.2 s) count: {fetch:.3f} s"
     assert fetch <= wall and fetch >= 0.9 * wall, (fetch, wall)
+
+
+def _expected_store_figures(skipped: dict[str, int]) -> dict[str, float]:
+    """The stores' figures made afresh from ``storage.store_stats()``, as docs/observability.md
+    defines them."""
+    out: dict[str, float] = {}
+    counted = storage.store_stats()
+    for store in counted.keys() | skipped.keys():
+        counts = counted.get(store, dict.fromkeys(STORE_NAMES, 0))
+        out.update({f"store/{store}/{name}": float(n) for name, n in counts.items()})
+        seconds = counts["fetch_ns"] / 1e9
+        out[f"store/{store}/bytes_per_s"] = counts["received_bytes"] / seconds if seconds > 0 else 0.0
+        out[f"store/{store}/skipped_shards"] = float(skipped.get(store, 0))
+    return out
+
+
+def test_metrics_follow_every_counter_and_report_between_two_calls():
+    """``metrics()`` keeps each store's figures and the workers' stage sums between calls (a call
+    must cost a few microseconds); whatever moved between two calls shows in the second, exactly:
+    one store's counters, a store that appears, a skipped shard, ``reset_stats``, a worker's report."""
+    from wdsllm.load.options import ObserveOptions
+    from wdsllm.observe.observer import Observer
+    from wdsllm.observe.report import WorkerReport
+    from wdsllm.storage.counters import count_in
+
+    storage.reset_stats()
+    observer = Observer(ObserveOptions(watchdog_s=None))
+    a, b = "https://a.example", "s3://bucket"
+
+    def stores(metrics: dict[str, float]) -> dict[str, float]:
+        return {k: v for k, v in metrics.items() if k.startswith("store/")}
+
+    count_in(a, "requests", 3)
+    count_in(b, "received_bytes", 1000)
+    count_in(b, "fetch_ns", 10**9)
+    assert stores(observer.metrics()) == _expected_store_figures({})
+    count_in(b, "received_bytes", 500)  # one store moves between two calls
+    second = observer.metrics()
+    assert second[f"store/{b}/received_bytes"] == 1500.0 and second[f"store/{b}/bytes_per_s"] == 1500.0
+    assert stores(second) == _expected_store_figures({}) and second[f"store/{a}/requests"] == 3.0
+    count_in("gs://other", "retries")  # a store appears
+    skipped = ["https://a.example/x/shard-1.tar", "http://gone.example/shard-2.tar"]  # one store counted nothing
+    assert stores(observer.metrics(skipped)) == _expected_store_figures({a: 1, "http://gone.example": 1})
+    assert stores(observer.metrics(skipped[:1])) == _expected_store_figures({a: 1})
+    storage.reset_stats()  # every store forgotten: none of their figures stays
+    assert stores(observer.metrics()) == {}
+    count_in(b, "requests")
+    assert stores(observer.metrics()) == _expected_store_figures({})
+
+    before = observer.metrics()["stage_read_s"]
+    observer.tally.add(WorkerReport(0, 1, {"read": 0.5, "batch": 0.25}, {}, (0, 0)))
+    after = observer.metrics()
+    assert after["stage_read_s"] == pytest.approx(before + 0.5, abs=1e-9) and after["worker_0_batch_s"] == 0.25
+    observer.tally.add(WorkerReport(1, 1, {"read": 2.0}, {}, (0, 0)))
+    last = observer.metrics()
+    assert last["stage_read_s"] == pytest.approx(before + 2.5, abs=1e-9)
+    assert STAGES[int(last["slowest_stage"])] == "read" and last["worker_1_batch_s"] == 0.0
+    observer.tally.waited(2, 0.125)  # a worker waited for before it reported: its keys appear
+    waited = observer.metrics()
+    assert waited["worker_2_wait_s"] == 0.125 and waited["slowest_worker"] == 2.0 and "worker_2_batch_s" in waited

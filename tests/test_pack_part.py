@@ -18,7 +18,7 @@ from pack_helpers import cached, cli, dataset_files, groups, load_index, pack_ap
 import wdsllm.pack.lock as lock_module
 import wdsllm.pack.part as part_module
 from wdsllm import storage
-from wdsllm.errors import MergeError, PackError, SourceError, WdsllmError
+from wdsllm.errors import MergeError, OtherRowsError, PackError, SourceError, WdsllmError
 from wdsllm.pack.lock import OutputLock
 from wdsllm.pack.merge import merge
 from wdsllm.pack.part import TOKENIZERS, PartOptions, pack_part, pack_part_files, part_url
@@ -487,3 +487,79 @@ def test_a_retry_on_another_node_takes_over_the_dead_attempts_remote_part(tmp_pa
     assert [m for m in said if "another-node" in m and "waiting up to" in m]
     assert [m for m in said if "taking over a lock" in m]
     assert retried.resumed_shards > 0 and retried.digest == whole.digest
+
+
+def test_merge_refuses_the_parts_a_refused_run_wrote_beside_another_splits(tmp_path):
+    """#43: a re-run split otherwise is refused by the task that finds a part of other rows, but
+    its other tasks may have written parts first (at indexes the first run has no part for): a
+    hand-run merge combined both splits and packed documents twice. Each part records its run,
+    the refusal is recorded in the output, and merge refuses that run's parts by name; the run's
+    tasks that start after the refusal write nothing."""
+    name, records = source_records(N)
+    records, out = records[:1200], str(tmp_path)
+    first, second = options(sources=[name], run="first"), options(sources=[name], run="second")
+    for i, block in enumerate(blocks(records, 2)):
+        pack_part(block, i, out, first)
+    four = blocks(records, 4)
+    pack_part(four[3], 3, out, second)  # a task of the second run that found no part at its index
+    with pytest.raises(OtherRowsError, match=r"part-00000 holds other input than this task's"):
+        pack_part(four[0], 0, out, second)
+    with pytest.raises(OtherRowsError, match=r"part-00002: not packed, as run 'second' was refused at part-00000"):
+        pack_part(four[2], 2, out, second)  # started after the refusal: stops before writing
+    assert not (tmp_path / "part-00002").exists()
+    with pytest.raises(MergeError) as refused:
+        merge([out], out)
+    message = str(refused.value)
+    assert "part-00003 were written by run 'second', which was refused at part-00000" in message
+    assert "part-00001" not in message.split(" were written")[0] and "pack some documents twice" in message
+    assert "holds other input than this task's (600 records" in message and "Remove that run's parts" in message
+    with pytest.raises(MergeError, match="part-00003 were written by run 'second'"):
+        merge([str(tmp_path / "part-00003"), str(tmp_path / "part-00000")], str(tmp_path / "merged"))
+    shutil.rmtree(tmp_path / "part-00003")  # the remedy: the refused run's parts removed
+    index, parts = merge([out], out)
+    assert len(parts) == 2 and index.documents == 1200 and len(documents_by_origin(tmp_path)) == 1200
+    assert "run" not in load_index(tmp_path).options  # the merged dataset keeps no run
+    assert not [f for f in visible_files(tmp_path) if f.startswith("_refused")]  # the record retired with the parts
+
+
+def test_a_rerun_reuses_parts_of_another_run_of_the_same_split_and_merges_them(tmp_path):
+    """Runs are not compared: a re-run after a crash reuses the parts of the run before it (each
+    holds its task's rows) and writes the rest under its own name; one merge takes them all."""
+    _, records = source_records(N)
+    records, out = records[:900], str(tmp_path)
+    three = blocks(records, 3)
+    pack_part(three[1], 1, out, options(run="crashed"))
+    manifests = [pack_part(block, i, out, options(run="rerun")) for i, block in enumerate(three)]
+    assert [m.resumed_shards for m in manifests] == [0, 0, 0]
+    assert load_index(tmp_path / "part-00001").options["run"] == "crashed"  # reused as it was
+    assert load_index(tmp_path / "part-00002").options["run"] == "rerun"
+    index, _ = merge([out], out)
+    assert index.documents == 900
+
+
+def test_parts_of_two_numbers_of_parts_are_parts_of_two_splits_and_never_merged(tmp_path):
+    """Engines that know their number of parts (datatrove's world size, ``parts=``) need no run:
+    a relaunch with another number is refused where it finds a part of the other number (it was
+    replaced as a part of other options before), and the parts it wrote before that say another
+    number, which merge refuses as another split."""
+    _, records = source_records(N)
+    records, out = records[:600], str(tmp_path)
+    for i, block in enumerate(blocks(records, 2)):
+        pack_part(block, i, out, options(parts=2))
+    three = blocks(records, 3)
+    pack_part(three[2], 2, out, options(parts=3))  # no part at index 2 yet: written
+    before = dataset_files(tmp_path / "part-00000")
+    with pytest.raises(OtherRowsError, match="part-00000 is one of 2 parts; this task is one of 3: a run that split"):
+        pack_part(three[0], 0, out, options(parts=3))
+    assert dataset_files(tmp_path / "part-00000") == before  # refused, never replaced
+    with pytest.raises(MergeError, match=r"part-00002 with .*part-00000: they are parts of two splits of the input"):
+        merge([out], out)
+
+
+def test_merge_refuses_a_refusal_record_it_did_not_write(tmp_path):
+    _, records = source_records(N)
+    pack_part(records[:100], 0, str(tmp_path), options(run="one"))
+    (tmp_path / "_refused").mkdir()
+    (tmp_path / "_refused" / "run-0.json").write_bytes(b"[" * 100_000)
+    with pytest.raises(MergeError, match=r"_refused/run-0.json is not a refusal record wdsllm wrote"):
+        merge([str(tmp_path)], str(tmp_path))

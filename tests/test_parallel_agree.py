@@ -232,3 +232,30 @@ def test_plain_data_parallel_ranks_that_reduce_at_other_steps_fail_at_the_first_
     assert reports[0]["same"]["value"] != reports[1]["same"]["value"]
     for message in _failed(reports, "other", "ReplicaMismatchError"):
         assert "differ in setting 'reduce_every': 2 at dp=0; 3 at dp=1" in message, message
+
+
+def _one_of_four_dies(rank: int, world: int, data: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import wdsllm
+
+    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
+    loader = wdsllm.loader(data, **BASE, mesh=mesh, dp="dp", replicas="read", agree_every=1)
+    it = iter(loader)
+    next(it)
+    if rank == 2:
+        os._exit(0)
+    return outcome(lambda: [next(it) for _ in range(3)] and None)
+
+
+def test_in_a_group_of_four_the_peer_that_died_is_named_not_its_living_peers(data):
+    """#43: in a replica group of more than two, the error named every other peer of the group;
+    each peer counts its arrival at a check in the store first, so the survivors name the one
+    that never came."""
+    reports = run(4, _one_of_four_dies, data)
+    survivors = [rep for rep in reports if rep is not None]
+    assert len(survivors) == 3 and reports[2] is None
+    for survivor in survivors:
+        assert survivor.get("error") == "ReplicaError", survivor
+        message = survivor["message"]
+        assert "(did not reach it: dp=0 tp=2)" in message and "the backend said" in message, message

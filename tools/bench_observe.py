@@ -43,6 +43,7 @@ import bench_load  # the same packs and constants as the load benchmark
 import wdsllm
 from wdsllm.load import dataset, loader, transport
 from wdsllm.observe import observer
+from wdsllm.storage.counters import count_in
 
 
 def _send_bundles_unobserved(bundles: Iterable[list], holder: transport.RingHolder) -> Iterator[Any]:
@@ -183,7 +184,7 @@ def observed_loader_state() -> Any:
     from wdsllm.load.options import ObserveOptions
     from wdsllm.observe.observer import Observer, timed
     from wdsllm.observe.report import WorkerReport
-    from wdsllm.storage.counters import STORE_NAMES, count_in
+    from wdsllm.storage.counters import STORE_NAMES
 
     observer = Observer(ObserveOptions(watchdog_s=None))
     steps = timed(_zeros(), observer)
@@ -214,7 +215,7 @@ def micro() -> dict[str, float]:
     reporter = Reporter(0, None)
     streamed = timed_stream(_zeros(), "batch")
     logged = observed_loader_state()
-    return {
+    costs = {
         "next() of a bare iterator": _per_call(bare.__next__),
         "timed next() (the data wait)": _per_call(steps.__next__),
         "handed (collate time, worker)": _per_call(lambda: observer.handed(0, 1e-4)),
@@ -224,13 +225,28 @@ def micro() -> dict[str, float]:
         "metrics() (2 workers, 2 stores, a full window)": _per_call(logged.metrics, 20_000),
         "metrics() after a store's counters moved (each call)": _per_call(lambda: _moved_then_metrics(logged), 20_000),
     }
+    stepping = timed(_zeros(), logged)
+    batch_and_metrics = _per_call(lambda: _stepped_then_metrics(logged, stepping), 20_000)
+    step = costs["timed next() (the data wait)"] + costs["handed (collate time, worker)"]
+    costs["metrics() after a batch and a store's move (each call; the batch's own cost taken off)"] = (
+        batch_and_metrics - step
+    )
+    return costs
+
+
+def _stepped_then_metrics(observer: Any, steps: Iterator[int]) -> dict[str, float]:
+    """What a trainer logging every step meets: a batch handed out (the wait, the collate time:
+    the window, the stages and the workers' figures move), a store counted a request, then
+    ``metrics()``."""
+    observer.handed(0, 1e-4)
+    next(steps)
+    count_in("s3://bucket", "requests")
+    return observer.metrics()
 
 
 def _moved_then_metrics(observer: Any) -> dict[str, float]:
     """A store counted a request, then ``metrics()``: its figures are made again (a loader
     without workers reading remote shards; with workers they move once per message)."""
-    from wdsllm.storage.counters import count_in
-
     count_in("s3://bucket", "requests")
     return observer.metrics()
 

@@ -122,6 +122,11 @@ class MixtureError(ConfigError):
     """A mixture (its spec or its file) that cannot work; the message names the key or the sources."""
 
 
+class OtherRowsError(PackError):
+    """A cluster part holds other rows than the task that found it: the run split its input
+    otherwise than the run that wrote the part (docs/cluster.md)."""
+
+
 class MergeError(WdsllmError, ValueError):
     """The parts given to ``wdsllm merge`` cannot form one dataset; the message says which and why."""
 

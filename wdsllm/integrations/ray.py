@@ -22,8 +22,10 @@ hand the same rows to the same task index in the same order: set ``override_num_
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from . import _need
@@ -76,14 +78,15 @@ class PackSink(Datasink):
 
     def on_write_start(self, schema: Any = None) -> None:
         """Refuse (or with ``overwrite``, clear) an output that already holds a merged dataset: its
-        shards' names are the ones this write would merge into."""
+        shards' names are the ones this write would merge into. Then name this run (its parts
+        record it: merge refuses the parts of a run that was refused, docs/cluster.md)."""
         out = storage.Output(self.out)
         try:
-            if out.get_bytes(fmt.INDEX_NAME) is None:
-                return
-            if not self.overwrite:
-                raise PackError(f"{self.out} already holds a packed dataset; pass overwrite=True to replace it")
-            out.clear()
+            if out.get_bytes(fmt.INDEX_NAME) is not None:
+                if not self.overwrite:
+                    raise PackError(f"{self.out} already holds a packed dataset; pass overwrite=True to replace it")
+                out.clear()
+            self.options = replace(self.options, run=run_name(out.list_names()))
         finally:
             out.close()
 
@@ -113,6 +116,13 @@ class PackSink(Datasink):
 
     def get_name(self) -> str:
         return "WdsllmPack"
+
+
+def run_name(names: list[str]) -> str:
+    """A run's name: the digest of what the output held when it started. Two runs into an empty
+    output share it (their parts are byte-identical), and a re-run after a crash or a refusal
+    differs from the run before it (that run left parts, journals or its refusal)."""
+    return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()[:16]
 
 
 __all__ = ["PackSink"]

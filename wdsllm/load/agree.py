@@ -18,8 +18,10 @@ the same collectives at the same steps, and every peer raises, so a disagreement
 one peer waiting on another.
 
 A collective that fails because a peer is gone (its process died: gloo reports a closed
-connection, NCCL a timeout) is a ``ReplicaError`` naming the peers it waited on
-(``collective``), not the backend's error alone.
+connection, NCCL a timeout) is a ``ReplicaError``, not the backend's error alone. A batch check
+names exactly the peers that never reached it (``arrivals``: each peer counts its arrival in the
+default group's store first); elsewhere, or where the store is gone with the dead peer, the error
+names the peers it waited on (``collective``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, ReplicaError, ReplicaMismatchError, WdsllmError
+from .arrivals import Arrivals
 from .describe import Description, first_difference
 from .layout import Layout, Seat
 from .options import AGREE_ALL, AGREE_PEERS
@@ -121,6 +124,14 @@ def peer_names(layout: Layout, role: str = "replica") -> str:
     return "; ".join(roster.where(g) for g in roster.peers(role, me) if g != me) or "none"
 
 
+def _absent_peers(layout: Layout, arrivals: Arrivals | None) -> str:
+    """The peers that never reached the failed check, by their coordinates (else the group's)."""
+    absent = arrivals.absent() if arrivals is not None else None
+    if not absent:
+        return peer_names(layout)
+    return "did not reach it: " + "; ".join(layout.roster.where(g) for g in absent)
+
+
 def _device_of(group: Any) -> torch.device:
     """Where collectives over ``group`` put their tensors (NCCL: this rank's GPU)."""
     import torch.distributed as dist
@@ -194,6 +205,7 @@ class Agreement:
         self.settings = settings
         self.device = device or torch.device("cpu")
         self.checks = 0  # checks made (tests, the benchmark)
+        self._arrivals: Arrivals | None = None  # made at the first check, where the roster is known
 
     @property
     def active(self) -> bool:
@@ -203,6 +215,15 @@ class Agreement:
         """Whether the batch at ``step`` of a pass is checked: the first, and every N-th if asked."""
         every = self.layout.agree_every
         return self.active and (step == 0 or (every is not None and step % every == 0))
+
+    def _arrivals_of_peers(self) -> Arrivals | None:
+        import torch.distributed as dist
+
+        roster = self.layout.roster
+        if self._arrivals is None and roster is not None:
+            me = dist.get_rank()
+            self._arrivals = Arrivals(roster.peers("replica", me), me)
+        return self._arrivals
 
     def check(self, batch: dict, where: str, what: str = "batches") -> None:
         """All-gather the batch's digest over the replica group; differing peers all raise."""
@@ -216,8 +237,11 @@ class Agreement:
         mine = torch.tensor([digest_of(self.settings, fields)], dtype=torch.int64, device=self.device)
         group = self.layout.replicas.group
         gathered = [torch.empty_like(mine) for _ in range(self.layout.replicas.size)]
-        suspects = lambda: peer_names(self.layout)  # noqa: E731 - asked only when it failed
+        arrivals = self._arrivals_of_peers()
+        suspects = lambda: _absent_peers(self.layout, arrivals)  # noqa: E731 - asked only when it failed
         with collective(f"comparing {what} with the replica peers ({where})", suspects):
+            if arrivals is not None:
+                arrivals.arrive()
             dist.all_gather(gathered, mine, group=group)
         self.checks += 1
         if len({int(t.item()) for t in gathered}) == 1:

@@ -14,9 +14,9 @@ from typing import Any
 from ..errors import WorkerStalledError
 from ..load.mixstats import MixTally
 from ..load.options import ObserveOptions
-from ..storage.counters import STORE_NAMES, store_key, store_stats, stores_version
 from . import stages
 from .drift import MixDrift
+from .stores import StoreFigures
 from .wait import WaitClock
 from .watchdog import RAISE_GRACE_S, Watchdog
 from .workers import WorkerTally
@@ -41,8 +41,12 @@ class Observer:
         # it was made (the stores' counters are the process's, as storage.stats() is)
         self._stages_base = stages.CLOCK.snapshot()
         self.watchdog: Watchdog | None = None  # started with the first iteration
-        self._stores_key: tuple[int, int] | None = None  # what the stores' figures were made of
-        self._stores_figures: dict[str, float] = {}
+        self.stores = StoreFigures()
+        self._tally_version = -1  # the tally's version ``_stage_offsets`` were summed at
+        #: per stage, the seconds the workers reported less this process's at the loader's start
+        self._stage_offsets: list[float] = []
+        self._worker_shape = (0, 0)  # (workers waited for, workers reported) of ``_worker_rows``
+        self._worker_rows: list[tuple[int, tuple[str, ...]]] = []  # each worker with its keys
 
     def watch(self) -> None:
         """Start the watchdog (once, as iteration starts; before the workers fork, so that they
@@ -102,47 +106,42 @@ class Observer:
         """Everything measured, flat (docs/observability.md lists the keys); ``world``: the ranks,
         for a mixture's place in its schedule. Cheap enough to ask every step (tools/bench_observe.py)."""
         wait = self.wait
-        out = {"steps": float(wait.total_steps), "data_wait_total_s": wait.total_wait}
-        out.update(wait.summary().flat())
+        out = self.stores.figures(skipped_shards).copy()  # a copy costs less than adding each key
+        out["steps"], out["data_wait_total_s"] = float(wait.total_steps), wait.total_wait
+        wait.summary().into(out)
         if self.reduced:
             out.update(self.reduced)
         self._stages(out)
         self._workers(out)
-        out.update(self._stores(skipped_shards))
         if self.drift is not None:
             out.update(self.drift.metrics(world))
         return out
 
-    def _stores(self, skipped_shards: Sequence[str]) -> dict[str, float]:
-        """The stores' figures, made again only when a counter moved or a shard was skipped
-        (with workers the counters move once per message of up to 16 batches)."""
-        key = (stores_version(), len(skipped_shards))
-        if key != self._stores_key:
-            self._stores_key, self._stores_figures = key, _stores(store_stats(), skipped_shards)
-        return self._stores_figures
-
     def _stages(self, out: dict[str, float]) -> None:
         """Seconds per stage over the workers and this process (what this process's clock moved
-        since the loader was made, and what its workers reported), and the slowest stage."""
-        now, base, workers = stages.SECONDS, self._stages_base, list(self.tally.stages.values())
-        slowest, most = 0, -1.0
-        for i, stage in enumerate(stages.STAGES):
-            seconds = now[stage] - base[stage]
-            for mine in workers:
-                seconds += mine[stage]
-            out[STAGE_KEYS[stage]] = seconds
-            if seconds > most:
-                slowest, most = i, seconds
-        out["slowest_stage"] = float(slowest)
+        since the loader was made, and what its workers reported, summed again only when a
+        report came), and the slowest stage (the first of equals)."""
+        tally = self.tally
+        if tally.version != self._tally_version:
+            reported, base = list(tally.stages.values()), self._stages_base
+            self._stage_offsets = [sum(mine[stage] for mine in reported) - base[stage] for stage in stages.STAGES]
+            self._tally_version = tally.version
+        seconds = list(map(operator.add, _STAGE_SECONDS(stages.SECONDS), self._stage_offsets))
+        out.update(zip(_STAGE_KEY_LIST, seconds))
+        out["slowest_stage"] = float(seconds.index(max(seconds)))
 
     def _workers(self, out: dict[str, float]) -> None:
         tally = self.tally
         waits, batches, faults = tally.waits, tally.stages, tally.faults
-        for worker in sorted(waits.keys() | batches.keys()):
-            keys = _worker_keys(worker)
+        shape = (len(waits), len(batches))  # the tally's dicts only gain workers: their sizes say which
+        if shape != self._worker_shape:
+            self._worker_shape = shape
+            self._worker_rows = [(w, _worker_keys(w)) for w in sorted(waits.keys() | batches.keys())]
+        for worker, keys in self._worker_rows:
             out[keys[0]] = waits.get(worker, 0.0)
-            out[keys[1]] = batches[worker]["batch"] if worker in batches else 0.0
-            major, minor = faults.get(worker, (0, 0))
+            mine = batches.get(worker)
+            out[keys[1]] = mine["batch"] if mine is not None else 0.0
+            major, minor = faults.get(worker, _NO_FAULTS)
             out[keys[2]], out[keys[3]] = float(major), float(minor)
             depth = tally.queue_depth(worker)
             if depth is not None:
@@ -163,7 +162,10 @@ class Observer:
         return line
 
 
+_NO_FAULTS = (0, 0)
 STAGE_KEYS = {stage: f"stage_{stage}_s" for stage in stages.STAGES}
+_STAGE_KEY_LIST = tuple(STAGE_KEYS.values())
+_STAGE_SECONDS = operator.itemgetter(*stages.STAGES)
 #: each worker's keys (wait, batch, major and minor faults, queue), made once per worker
 _WORKER_KEYS: dict[int, tuple[str, ...]] = {}
 
@@ -174,40 +176,6 @@ def _worker_keys(worker: int) -> tuple[str, ...]:
         names = ("wait_s", "batch_s", "major_faults", "minor_faults", "queue")
         keys = _WORKER_KEYS[worker] = tuple(f"worker_{worker}_{name}" for name in names)
     return keys
-
-
-#: each store's keys (its counters, the receive rate, the shards skipped), made once per store
-_STORE_KEYS: dict[str, tuple[tuple[str, ...], str, str]] = {}
-
-
-def _store_keys(store: str) -> tuple[tuple[str, ...], str, str]:
-    keys = _STORE_KEYS.get(store)
-    if keys is None:
-        named = tuple(f"store/{store}/{name}" for name in STORE_NAMES)
-        keys = _STORE_KEYS[store] = (named, f"store/{store}/bytes_per_s", f"store/{store}/skipped_shards")
-    return keys
-
-
-#: a store's counters in ``STORE_NAMES`` order (the counters hold every name), and none counted
-_COUNTS = operator.itemgetter(*STORE_NAMES)
-_NONE = dict.fromkeys(STORE_NAMES, 0)
-
-
-def _stores(stores: dict[str, dict[str, int]], skipped_shards: Sequence[str]) -> dict[str, float]:
-    """``store/<scheme://host>/<counter>`` for every store asked, with its receive rate and the
-    shards of it skipped as unreadable."""
-    skipped: dict[str, int] = {}
-    for url in skipped_shards:
-        skipped[store_key(url)] = skipped.get(store_key(url), 0) + 1
-    out: dict[str, float] = {}
-    for store in sorted(stores.keys() | skipped.keys()):
-        counts = stores.get(store, _NONE)
-        named, rate, skips = _store_keys(store)
-        out.update(zip(named, map(float, _COUNTS(counts)), strict=True))
-        seconds = counts["fetch_ns"] / 1e9
-        out[rate] = counts["received_bytes"] / seconds if seconds > 0 else 0.0
-        out[skips] = float(skipped.get(store, 0))
-    return out
 
 
 def timed(batches: Iterator[dict], observer: Observer) -> Iterator[dict]:

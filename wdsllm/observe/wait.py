@@ -33,9 +33,14 @@ class WaitSummary(NamedTuple):
     max: float
 
     def flat(self, prefix: str = "data_wait") -> dict[str, float]:
+        out: dict[str, float] = {}
+        self.into(out, prefix)
+        return out
+
+    def into(self, out: dict[str, float], prefix: str = "data_wait") -> None:
+        """:meth:`flat`'s keys written into ``out`` (no dict in between: a trainer may ask every step)."""
         keys = _KEYS.get(prefix) or _KEYS.setdefault(prefix, _keys(prefix))
-        values = (self.last, self.total, self.share, self.p50, self.p95, self.max, float(self.steps))
-        return dict(zip(keys, values, strict=True))
+        out.update(zip(keys, (self.last, self.total, self.share, self.p50, self.p95, self.max, float(self.steps))))
 
 
 def _keys(prefix: str) -> tuple[str, ...]:
@@ -49,11 +54,22 @@ _KEYS: dict[str, tuple[str, ...]] = {}
 def percentile(ordered: list[float], q: float) -> float:
     """The ``q``-th percentile of ``ordered`` (ascending, not empty), interpolated linearly between
     the two nearest ranks as ``numpy.percentile`` does by default."""
-    at = q / 100 * (len(ordered) - 1)
-    low = math.floor(at)
-    high = min(low + 1, len(ordered) - 1)
-    a, b, t = ordered[low], ordered[high], at - low
+    key = (len(ordered), q)
+    ranks = _RANKS.get(key) or _RANKS.setdefault(key, _ranks(*key))
+    low, high, t = ranks
+    a, b = ordered[low], ordered[high]
     return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t
+
+
+def _ranks(n: int, q: float) -> tuple[int, int, float]:
+    """The two ranks a percentile of ``n`` values lies between, and how far past the lower one."""
+    at = q / 100 * (n - 1)
+    low = math.floor(at)
+    return low, min(low + 1, n - 1), at - low
+
+
+#: ``_ranks`` per (values, q): a full window asks the same two every step
+_RANKS: dict[tuple[int, float], tuple[int, int, float]] = {}
 
 
 class WaitClock:

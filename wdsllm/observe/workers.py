@@ -20,6 +20,8 @@ class WorkerTally:
         self.faults: dict[int, list[int]] = {}  # [major, minor] page faults per worker
         self.board: WorkerBoard | None = None
         self.stacks_dir: str | None = None  # the watchdog's, for the workers started from now on
+        #: changes whenever ``stages`` does: the sums made of them are made again only then
+        self.version = 0
 
     def new_board(self, workers: int) -> WorkerBoard:
         """The board of a set of workers about to start (their messages are counted afresh)."""
@@ -31,6 +33,7 @@ class WorkerTally:
         mine = self.stages.setdefault(report.worker, dict.fromkeys(stages.STAGES, 0.0))
         for stage, seconds in report.stages.items():
             mine[stage] += seconds
+        self.version += 1
         self.taken[report.worker] = report.seq
         faults = self.faults.setdefault(report.worker, [0, 0])
         faults[0] += report.faults[0]

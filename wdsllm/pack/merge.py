@@ -22,9 +22,10 @@ from dataclasses import dataclass, replace
 
 from .. import __version__, storage
 from .. import format as fmt
-from ..errors import MergeError
+from ..errors import MergeError, PackError
 from ..format.side import SideArray
 from .lock import OutputLock
+from .rows import RUN, refusals, refused_parts
 from .sidefiles import SideFiles
 from .writer import MAX_SKIP_RECORDS, records_truncated
 
@@ -34,7 +35,7 @@ PLAN_NAME = ".merge-plan.json"
 TASK_DIR_PREFIX = "task-"
 PART_DIR_PREFIX = "part-"
 #: Options that legitimately differ between the tasks of one pack (or the parts of one dataset).
-PER_TASK_OPTIONS = ("task_index", "part_id", "holds")
+PER_TASK_OPTIONS = ("task_index", "part_id", "holds", RUN)
 #: Options compared another way: the tokenizer by its sha256, not by how it was named.
 NOT_COMPARED = (*PER_TASK_OPTIONS, "tokenizer")
 #: the most tasks (or parts) a part may say its dataset has: merge lists the missing ones
@@ -238,6 +239,13 @@ def check_compatible(parts: list[Part], allow_partial: bool = False) -> None:
                 f"{part.url} is not the output of one pack task (its index has no task_index); it may be merged already"
             )
         for what, a, b in _differences(first.index, part.index):
+            if what == "option parts":  # the split's identity, where the engine knows it
+                raise MergeError(
+                    f"cannot merge {part.url} with {first.url}: they are parts of two splits of the input ({b!r} "
+                    f"parts here, {a!r} there), so merging them would pack some documents twice. Remove the parts "
+                    "of the run that split otherwise (all the parts of one number), then merge; or remove every "
+                    "part-*/ and pack anew"
+                )
             raise MergeError(f"cannot merge {part.url} with {first.url}: {what} differs ({b!r} here, {a!r} there)")
     tasks = [p.task for p in parts]
     for a, b in itertools.pairwise(parts):
@@ -252,6 +260,44 @@ def check_compatible(parts: list[Part], allow_partial: bool = False) -> None:
             f"tasks {shown} of {num_tasks} are missing, so their documents would be; pass them too, or --allow-partial"
         )
     _check_disjoint(parts)
+
+
+def check_refusals(parts: list[Part]) -> list[tuple[str, str]]:
+    """Refuse the parts of a run that was refused (:mod:`.rows`): they hold rows split otherwise
+    than the other parts, so merging both would pack documents twice. Returns the refusal records
+    that no merged part answers to (that run's parts were removed), as (folder, name): a merge in
+    place retires them."""
+    by_dir: dict[str, dict[str, str | None]] = {}
+    for part in parts:
+        run = part.index.options.get(RUN)
+        folder = storage.dirname_url(part.url.rstrip("/"))
+        by_dir.setdefault(folder, {})[part.url] = run if isinstance(run, str) else None
+    stale = []
+    for folder, runs in by_dir.items():
+        try:
+            found = refusals(folder, storage.Output(folder).list_names())
+        except PackError as exc:
+            raise MergeError(str(exc)) from None
+        for name, record in found:
+            culprits = refused_parts(record, runs)
+            if not culprits:
+                stale.append((folder, name))
+                continue
+            url = storage.join_url(folder, name)
+            shown = ", ".join(culprits[:10]) + (f" and {len(culprits) - 10} more" if len(culprits) > 10 else "")
+            raise MergeError(
+                f"{shown} were written by run {record['run']!r}, which was refused at {record['part']} ({url}): "
+                f"{record['reason']} That run split the input otherwise than the other parts, so merging its parts "
+                "with theirs would pack some documents twice. Remove that run's parts (those named here), then "
+                "merge (or re-run with the first run's split); or remove every part-*/ and pack anew"
+            )
+    return stale
+
+
+def _records_in(out_url: str, records: list[tuple[str, str]]) -> list[str]:
+    """The names, inside the output, of the refusal records that lie in it (a merge in place)."""
+    root = _norm(out_url)
+    return [name for folder, name in records if _norm(folder) == root]
 
 
 def _expected_parts(part: Part, default: int) -> int | None:
@@ -366,11 +412,14 @@ def _protected(out_url: str, parts: list[Part]) -> list[str]:
     return prefixes
 
 
-def _prepare_output(out: storage.Output, parts: list[Part], plan: bytes, overwrite: bool, allow_partial: bool) -> None:
+def _prepare_output(
+    out: storage.Output, parts: list[Part], plan: bytes, overwrite: bool, allow_partial: bool, retired: list[str]
+) -> None:
     """Refuse a non-empty output (or clear it with --overwrite), unless this merge was interrupted.
     Parts in the output that this merge leaves out are never cleared: unfinished ones stay where
-    they are with --allow-partial, and finished ones are refused by name."""
-    protected = tuple(_protected(out.url, parts))
+    they are with --allow-partial, and finished ones are refused by name. ``retired``: refusal
+    records in the output that the merge removes once done (:func:`check_refusals`)."""
+    protected = (*_protected(out.url, parts), *retired)
     if out.get_bytes(PLAN_NAME) == plan:
         log.info("continuing an interrupted merge into %s", out.url)
         return
@@ -544,12 +593,14 @@ def merge(
     """Merge task outputs into ``output``; returns the merged index and the parts used."""
     parts = find_parts(sources, allow_partial)
     check_compatible(parts, allow_partial)
+    stale = check_refusals(parts)
     moves = plan_moves(parts)
     out = storage.Output(output)
     lock = OutputLock(out, "merge")
     try:
         lock.acquire()
-        _prepare_output(out, parts, _plan_json(moves, copy), overwrite, allow_partial)
+        retired = _records_in(out.url, stale)
+        _prepare_output(out, parts, _plan_json(moves, copy), overwrite, allow_partial, retired)
         sides = _stage_side_files(parts, out)
         try:
             for i, move in enumerate(moves):
@@ -570,6 +621,8 @@ def merge(
         out.put_bytes(fmt.INDEX_NAME, index.to_json().encode())
         if not copy:
             _retire_parts(parts)
+            for name in retired:  # the refused run's parts are gone: its record has nothing left to name
+                out.delete(name)
         out.delete(PLAN_NAME)
     finally:
         lock.release()

@@ -46,7 +46,7 @@ import numpy as np
 
 from .. import __version__, storage
 from .. import format as fmt
-from ..errors import PackError
+from ..errors import OtherRowsError, PackError
 from ..inputs.registry import reader_for
 from ..inputs.sources import (
     STDIN,
@@ -75,7 +75,7 @@ from .job import (
 )
 from .lock import STALE_AFTER, OutputLock
 from .merge import MAX_PARTS
-from .rows import HOLDS, JOURNAL_FIELD, RowsDigest, other_rows
+from .rows import HOLDS, JOURNAL_FIELD, RUN, RowsDigest, other_rows, record_refusal, refusal_of
 from .shaping import EncodedChunk, GroupData, Position
 from .tokenizer import Encoder, LoadedTokenizer, load_tokenizer
 from .writer import JOURNAL_START, Counters, ShardSink, read_journal
@@ -118,6 +118,10 @@ class PartOptions:
     #: parts the dataset has, when the engine knows it up front (datatrove's world size): merge
     #: then names the missing ones
     parts: int | None = None
+    #: the run that writes the part, as the engine names its runs (the Ray sink: the output's
+    #: state when the run started): recorded in the part's index; merge refuses the parts of a
+    #: run that a part of other rows refused (:mod:`.rows`). Not compared: a re-run reuses parts.
+    run: str | None = None
 
     @classmethod
     def of(
@@ -127,11 +131,12 @@ class PartOptions:
         sources: Iterable[str] | None = None,
         shard_tokens: int | None = None,
         parts: int | None = None,
+        run: str | None = None,
         **pack_options: Any,
     ) -> PartOptions:
         """Options from ``wdsllm pack``'s keywords (``mode``, ``seq_len``, ``text_field``, ...)."""
         config = PackConfig(inputs=[], output="", tokenizer=str(tokenizer), **pack_options)
-        return cls(config, tuple(sources) if sources is not None else None, shard_tokens, parts)
+        return cls(config, tuple(sources) if sources is not None else None, shard_tokens, parts, run)
 
     def output_options(self, part_id: int) -> dict:
         """The options an index of this part holds: what shapes its bytes, and which part it is."""
@@ -144,6 +149,8 @@ class PartOptions:
         options["sources_sha256"] = (
             hashlib.sha256("\n".join(self.sources).encode()).hexdigest() if self.sources is not None else None
         )
+        if self.run is not None:  # absent otherwise: such a part's bytes are what they were before runs
+            options[RUN] = self.run
         return options
 
 
@@ -561,6 +568,9 @@ def _pack_part(make_input: Callable[[int], PartInput], part_id: Any, out: str, o
     _validate(cfg)
     if options.shard_tokens is not None and options.shard_tokens < 1:
         raise PackError("shard_tokens must be positive")
+    if options.run is not None and not isinstance(options.run, str):
+        raise PackError(f"run must be a string naming the run, not {options.run!r:.40}")
+    _stop_if_refused(out, options.run, part_id)
     tok = TOKENIZERS.tokenizer(cfg)
     source = make_input(part_id)
     url = part_url(out, part_id)
@@ -580,9 +590,26 @@ def _pack_part(make_input: Callable[[int], PartInput], part_id: Any, out: str, o
         if index.options != {**expected, HOLDS: source.holds()}:
             raise PackError(f"internal: {url} was written with options other than its fingerprint's")
         return PartManifest.of(url, index, resumed_shards=len(journal))
+    except OtherRowsError as refused:
+        if options.run is not None:
+            record_refusal(out, options.run, part_name(part_id), refused)
+        raise
     finally:
         lock.release()
         output.close()
+
+
+def _stop_if_refused(out: str, run: str | None, part_id: int) -> None:
+    """A task of a run that another of its tasks saw refused stops before writing: the run splits
+    its input otherwise than the parts in ``out``, so what it would add is what merge refuses."""
+    if run is None:
+        return
+    refused = refusal_of(out, run)
+    if refused is not None:
+        raise OtherRowsError(
+            f"{part_url(out, part_id)}: not packed, as run {run!r} was refused at {refused['part']} "
+            f"({refused['reason']})"
+        )
 
 
 def _acquire(lock: OutputLock, url: str) -> None:
@@ -610,7 +637,10 @@ def _expected_options(options: PartOptions, part_id: int, tok: LoadedTokenizer) 
 
 
 def _fingerprint(expected: dict, tok: LoadedTokenizer, inputs: list) -> str:
-    ident = {"options": expected, "tokenizer": tok.sha256, "inputs": inputs}
+    """What an interrupted attempt must share with this one to be continued (not the run: a re-run
+    continues a part its crashed run left, the records the journal vouches for checked)."""
+    shaping = {k: v for k, v in expected.items() if k != RUN}
+    ident = {"options": shaping, "tokenizer": tok.sha256, "inputs": inputs}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
@@ -620,11 +650,28 @@ def _committed(output: storage.Output, expected: dict, tok: LoadedTokenizer) -> 
     if output.get_bytes(fmt.INDEX_NAME) is None:
         return None
     index, _ = fmt.read_index(output.url)
-    options = {k: v for k, v in index.options.items() if k != HOLDS}
-    if options == expected and index.tokenizer.sha256 == tok.sha256:
+    options = {k: v for k, v in index.options.items() if k not in _NOT_SHAPING}
+    if options == {k: v for k, v in expected.items() if k not in _NOT_SHAPING} and index.tokenizer.sha256 == tok.sha256:
+        if index.options.get("parts") != expected["parts"]:
+            raise _other_split(output.url, index.options.get("parts"), expected["parts"])
         return index
     log.warning("%s holds a part packed with other options; replacing it", output.url)
     return None
+
+
+#: index options that say which run and split a part belongs to, not how its bytes are shaped: a
+#: part that differs only in them is another run's (reused: ``run``) or another split's (refused)
+_NOT_SHAPING = (HOLDS, RUN, "parts")
+
+
+def _other_split(url: str, found: Any, here: int | None) -> OtherRowsError:
+    return OtherRowsError(
+        f"{url} is one of {found if found is not None else 'an unknown number of'} parts; this task is one of "
+        f"{here if here is not None else 'an unknown number'}: a run that split its input into another number of "
+        "parts left it, and packing this task there would leave that run's other parts holding some of these rows, "
+        "or missing others. Re-run with that run's number of parts, or remove every part-*/ of the output to pack "
+        "them anew"
+    )
 
 
 def _prepare(output: storage.Output, prefix: str, fingerprint: str) -> list[dict]:

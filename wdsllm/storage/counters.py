@@ -38,6 +38,9 @@ class Counters:
         self.fetch_ns = 0  # over every store: what a reader waiting for bytes compares
         #: changes whenever a store's counters do: a report made of them is made again only then
         self.stores_version = 0
+        #: per store, ``stores_version`` as of its last change (never reused: the global number
+        #: only grows), so that a report makes again only the stores that moved
+        self.store_versions: dict[str, int] = {}
 
     def add(self, name: str, n: int) -> None:
         with self._lock:
@@ -50,12 +53,19 @@ class Counters:
                 counts = self._stores[store] = dict.fromkeys(STORE_NAMES, 0)
             counts[name] += n
             self.stores_version += 1
+            self.store_versions[store] = self.stores_version
             if name == "fetch_ns":
                 self.fetch_ns += n
 
     def stores(self) -> dict[str, dict[str, int]]:
         with self._lock:
             return {store: dict(counts) for store, counts in self._stores.items()}
+
+    def store(self, store: str) -> dict[str, int] | None:
+        """One store's counters (None: it counted nothing)."""
+        with self._lock:
+            counts = self._stores.get(store)
+            return None if counts is None else dict(counts)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -67,6 +77,7 @@ class Counters:
             self._stores = {}
             self.fetch_ns = 0
             self.stores_version += 1
+            self.store_versions = {}
 
     def after_fork(self) -> None:
         self._lock = threading.Lock()  # the parent's may have been held by another thread at fork time
@@ -131,6 +142,17 @@ def fetch_ns() -> int:
 def stores_version() -> int:
     """A number that changes whenever any store's counters change (and only then)."""
     return COUNTERS.stores_version
+
+
+def store_versions() -> dict[str, int]:
+    """Per store, a number that changes whenever its counters do (a copy: the C-level copy of a
+    dict is one step under the GIL, so no lock is needed)."""
+    return COUNTERS.store_versions.copy()
+
+
+def one_store_stats(store: str) -> dict[str, int] | None:
+    """:func:`store_stats` of one store (``scheme://host``); None where it counted nothing."""
+    return COUNTERS.store(store)
 
 
 def store_stats() -> dict[str, dict[str, int]]:

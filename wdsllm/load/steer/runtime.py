@@ -168,8 +168,14 @@ class Steerer:
 
     def metrics(self) -> dict[str, float]:
         """What steering did so far, for ``Loader.metrics()`` (a few numbers, no work)."""
-        out = {"steer_planned_step": float(self.planned)}
-        out.update({f"steer_skipped_{k}": float(v) for k, v in self.skipped.to_json().items()})
+        skipped = self.skipped  # the keys of Counted.to_json, written out: a trainer may ask every step
+        out = {
+            "steer_planned_step": float(self.planned),
+            "steer_skipped_steps": float(skipped.steps),
+            "steer_skipped_batches": float(skipped.batches),
+            "steer_skipped_items": float(skipped.items),
+            "steer_skipped_tokens": float(skipped.tokens),
+        }
         if not self.phases.trivial:
             i = bisect.bisect_right(self.phases._starts, self.planned) - 1
             out["steer_schedule_phase"], out["steer_step_batches"] = float(i), float(self.phases.phases[i].group)
