@@ -216,6 +216,7 @@ SLOW_TESTS = frozenset(
         "test_pack_tasks.py::test_merge_refuses_what_is_not_one_pack",
         "test_pack_tasks.py::test_single_task_packs_with_empty_task",
         "test_pack_tasks.py::test_tasks_are_disjoint_and_together_hold_every_document",
+        "test_parallel_agree.py::test_in_a_group_of_four_the_peer_that_died_is_named_not_its_living_peers",
         "test_parallel_example.py::test_tp_and_cp_layouts_train_each_dp_rank_on_the_same_batches",
         "test_parallel_layouts.py::test_a_peer_with_another_seed_fails_at_construction",
         "test_parallel_layouts.py::test_a_first_stage_that_fails_tells_its_middle_stage",
