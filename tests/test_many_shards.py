@@ -241,6 +241,26 @@ def test_the_tokens_of_a_shards_first_documents_read_only_the_shards_cut(many_sh
     assert len(read) == int(((k > 0) & (k < source.items_per_shard[shards])).sum())
 
 
+@pytest.mark.parametrize("max_len", [None, 16])
+def test_the_tokens_of_every_share_are_its_items_lengths_summed(many_shards, tmp_path, max_len, monkeypatch):
+    """Every (rank, worker)'s tokens from the index and the lengths at its edges, where blocks are
+    whole shards (12,000 of them) and where they cut shards (6), equal its items' lengths summed."""
+    monkeypatch.setattr(planmod, "MIN_BLOCK_TOKENS", 64)  # blocks of a few documents where shards are few
+    few = tmp_path / "few"
+    write_dataset(few, [130, 2, 170, 90, 1, 110], seed=2, max_len=60, group_docs=3)
+    for root in (many_shards, few):
+        source = open_source(str(root))
+        cfg = Config(batch_size=4, max_len=max_len, seed=3)
+        spec = cfg.spec(0, 0, 3, 0, 2)
+        layout = planmod.source_layout(source, cfg, spec)
+        assert layout.whole == (root == many_shards)
+        tokens, _ = countsmod._share_tokens(source, layout, max_len)
+        for r in range(3):
+            for w in range(2):
+                items = slice_item_lengths(source, layout.slices(r, w), cfg.spec(0, r, 3, w, 2))
+                assert tokens[r, w] == int(np.sum(items)), (root, r, w)
+
+
 @pytest.mark.parametrize("world,workers", [(1, 1), (3, 2), (7, 1)])
 def test_pieces_shares_cover_the_epochs_pieces_in_order(tmp_path, world, workers):
     """Documents split at max_len: the consumers' shares, end to end, are the epoch's pieces in

@@ -388,7 +388,7 @@ def _share_tokens(
     documents' lengths from the nearer end of its shard (a boundary inside a document split at
     ``max_len``: its pieces before the boundary hold ``max_len`` tokens each)."""
     read: list = []
-    if layout.firsts is None:
+    if layout.firsts is None or layout.whole:
         firsts, tokens = np.zeros(len(layout.order), np.int64), catalog.tokens_per_shard[layout.order]
     else:
         firsts = layout.firsts

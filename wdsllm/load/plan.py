@@ -254,6 +254,7 @@ class EpochLayout:
     stops: np.ndarray  # [world, workers]: one past its last
     firsts: np.ndarray | None = None  # blocks of shards (``order``: their shards): first item of each
     pieces: EpochPieces | None = None  # starts and stops count pieces of documents
+    whole: bool = False  # each block is a whole shard (``firsts`` all 0, ``counts`` the shards' items)
 
     def slices(self, rank: int, worker: int) -> Slices:
         """The slices (rank, worker) reads, in reading order."""
@@ -392,7 +393,7 @@ def epoch_layout(
     pieces = None if doc_pieces is None else EpochPieces.of(blocks, doc_pieces)
     total = int(ends[-1]) if len(ends) else 0
     starts, stops = consumer_shares(total if pieces is None else pieces.total, world, workers, unit=unit)
-    return EpochLayout(blocks.shards, counts, ends, starts, stops, blocks.firsts, pieces)
+    return EpochLayout(blocks.shards, counts, ends, starts, stops, blocks.firsts, pieces, blocks.natural is None)
 
 
 def plan_epoch(
