@@ -111,6 +111,55 @@ def test_pieces_of_ranges_equal_the_pieces_of_their_documents(lengths, bounds, m
     assert range_pieces(chunks, a, b, max_len).tolist() == want
 
 
+def pieces_one_by_one(values: np.ndarray, a: np.ndarray, b: np.ndarray, max_len: int) -> list[int]:
+    """The reference: ``pieces_per_doc`` of every range's documents, summed range by range."""
+    return [int(pieces_per_doc(values[x:y].astype(np.int64), max_len).sum()) for x, y in zip(a, b)]
+
+
+@SETTINGS
+@given(
+    lengths=st.lists(st.sampled_from([0, 1, 2, 3, 7, 8, 9, 16, 17, 40]), min_size=0, max_size=80),
+    pairs=st.lists(st.tuples(st.integers(0, 80), st.integers(0, 80)), max_size=12),
+    cuts=st.lists(st.integers(0, 80), max_size=12),
+    max_len=st.sampled_from([1, 3, 8, 40]),
+    step=st.integers(1, 9),
+    dtype=st.sampled_from([np.uint32, np.int64]),
+)
+def test_pieces_of_any_ranges_equal_the_pieces_of_their_documents(lengths, pairs, cuts, max_len, step, dtype):
+    """Ranges in any order that overlap, nest, touch, repeat or are empty (b <= a), and ranges one
+    after another along the file (a dataset's shards in order, counted as one span); documents
+    empty, of exactly max_len and longer, on every side of a chunk's edge."""
+    values = np.asarray(lengths, dtype)
+    n = len(values)
+
+    def chunks(lo, hi):
+        for at in range(lo, hi, step):
+            yield at, values[at : min(hi, at + step)]
+
+    a = np.asarray([min(n, x) for x, _ in pairs], np.int64)
+    b = np.asarray([min(n, y) for _, y in pairs], np.int64)
+    assert range_pieces(chunks, a, b, max_len).tolist() == pieces_one_by_one(values, a, b, max_len)
+    edges = np.asarray(sorted({0, n, *(min(n, x) for x in cuts)}), np.int64)
+    a, b = edges[:-1], edges[1:]  # the file cut into consecutive ranges
+    assert range_pieces(chunks, a, b, max_len).tolist() == pieces_one_by_one(values, a, b, max_len)
+
+
+def test_a_scan_maps_windows_at_any_chunk_size_and_counts_pieces_across_them(tmp_path, monkeypatch):
+    """Chunks of a side file that are no multiple of a page and windows of a few chunks: every
+    window's map starts at a page, and pieces of ranges across windows and chunks are counted
+    as one by one."""
+    monkeypatch.setattr("wdsllm.format.side.READ_BYTES", 3 * 4096)  # windows of 12,200 bytes
+    rng = np.random.default_rng(3)
+    values = rng.choice(np.array([0, 1, 5, 8, 9, 30], np.uint32), 20_000)
+    path, ref = _side_file(tmp_path, values, chunk_bytes=100)
+    side = SideArray(str(path), ref, path=str(path))
+    got = [(first, part.copy()) for first, part in side.scan(7, 19_990)]
+    assert np.array_equal(np.concatenate([p for _, p in got]), values[7:19_990]) and len(got) == 7
+    cuts = np.sort(rng.integers(0, len(values), 300))
+    for a, b in [(cuts[:-1], cuts[1:]), (cuts[::2], cuts[::-2])]:
+        assert range_pieces(side.scan, a, b, 8).tolist() == pieces_one_by_one(values, a, b, 8)
+
+
 def _side_file(tmp_path: Path, values: np.ndarray, chunk_bytes: int) -> tuple[Path, fmt.SideFile]:
     path = tmp_path / "values.npy"
     data = fmt.npy_bytes(values)
@@ -180,6 +229,38 @@ def test_a_plan_of_many_shards_is_columns_and_counts_as_one_by_one(many_shards):
         assert counts[:500] == one_by_one and sum(counts) == len(slice_item_lengths(source, slices, spec))
 
 
+def test_the_tokens_of_a_shards_first_documents_read_only_the_shards_cut(many_shards):
+    """A share's edge inside a shard reads lengths (from the nearer end); a shard taken whole or
+    not at all reads none, its tokens are the index's."""
+    source = open_source(str(many_shards))
+    rng = np.random.default_rng(5)
+    shards = rng.integers(0, len(source.urls), 400)
+    k = np.minimum(source.items_per_shard[shards], rng.integers(0, 12, 400))  # none, some or all of 9
+    got, read = countsmod.head_tokens(source, shards, k)
+    assert got.tolist() == [int(source.lengths().of_unit(int(s), 0, int(j)).sum()) for s, j in zip(shards, k)]
+    assert len(read) == int(((k > 0) & (k < source.items_per_shard[shards])).sum())
+
+
+@pytest.mark.parametrize("max_len", [None, 16])
+def test_the_tokens_of_every_share_are_its_items_lengths_summed(many_shards, tmp_path, max_len, monkeypatch):
+    """Every (rank, worker)'s tokens from the index and the lengths at its edges, where blocks are
+    whole shards (12,000 of them) and where they cut shards (6), equal its items' lengths summed."""
+    monkeypatch.setattr(planmod, "MIN_BLOCK_TOKENS", 64)  # blocks of a few documents where shards are few
+    few = tmp_path / "few"
+    write_dataset(few, [130, 2, 170, 90, 1, 110], seed=2, max_len=60, group_docs=3)
+    for root in (many_shards, few):
+        source = open_source(str(root))
+        cfg = Config(batch_size=4, max_len=max_len, seed=3)
+        spec = cfg.spec(0, 0, 3, 0, 2)
+        layout = planmod.source_layout(source, cfg, spec)
+        assert layout.whole == (root == many_shards)
+        tokens, _ = countsmod._share_tokens(source, layout, max_len)
+        for r in range(3):
+            for w in range(2):
+                items = slice_item_lengths(source, layout.slices(r, w), cfg.spec(0, r, 3, w, 2))
+                assert tokens[r, w] == int(np.sum(items)), (root, r, w)
+
+
 @pytest.mark.parametrize("world,workers", [(1, 1), (3, 2), (7, 1)])
 def test_pieces_shares_cover_the_epochs_pieces_in_order(tmp_path, world, workers):
     """Documents split at max_len: the consumers' shares, end to end, are the epoch's pieces in
@@ -202,6 +283,30 @@ def test_pieces_shares_cover_the_epochs_pieces_in_order(tmp_path, world, workers
     ]
     assert np.array_equal(np.concatenate(shares), expected)
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_the_epochs_pieces_are_counted_by_the_loader_not_by_each_of_its_workers(tmp_path, monkeypatch):
+    """The pass over every document's length that finds where each share of pieces begins is
+    made in the loader's process before its DataLoader workers start (forked, they inherit it),
+    not once in every worker. (A rank's last worker still counts the other workers' shares, to
+    find the tails handed to it, once it reaches them.)"""
+    root = tmp_path / "ds"
+    info = write_dataset(root, [13, 2, 17, 9, 1, 11], seed=1, max_len=60, group_docs=3)
+    documents = len(info["expect"])
+    passes = tmp_path / "passes"
+
+    def noted(chunks, a, b, max_len):  # range_pieces, noting the process and the documents it covers
+        with open(passes, "a") as f:
+            f.write(f"{os.getpid()} {int(np.maximum(np.asarray(b) - np.asarray(a), 0).sum())}\n")
+        return range_pieces(chunks, a, b, max_len)
+
+    monkeypatch.setattr("wdsllm.load.sources.lengths.range_pieces", noted)
+    opts = dict(rank=0, world_size=1, batching="pack", seq_len=8, batch_size=2, seed=4)
+    with wdsllm.loader(str(root), num_workers=2, multiprocessing_context="fork", **opts) as ld:
+        assert all(sum(1 for _ in ld) == len(ld) for _ in range(2))
+    found = [line.split() for line in passes.read_text().splitlines()]
+    whole = [pid for pid, covered in found if int(covered) == documents]
+    assert whole and set(whole) == {str(os.getpid())}, found
 
 
 def test_the_exact_count_begins_once_the_first_batch_is_out(tmp_path):
@@ -228,10 +333,13 @@ def test_the_epochs_blocks_are_kept_for_the_plan_and_let_go_with_their_dataset(m
     items, tokens = source.items_per_shard, source.tokens_per_shard
     blocks = planmod.epoch_blocks(items, tokens, 3, 0, True)
     assert planmod.epoch_blocks(items, tokens, 3, 0, True) is blocks  # the counts', then the plan's
+    ends = blocks.piece_ends(planmod.DocPieces(source.lengths(), 16))  # kept with the blocks
+    assert blocks.piece_ends(planmod.DocPieces(source.lengths(), 16)) is ends
+    assert not ends.flags.writeable and int(ends[-1]) == pieces_per_doc(source.lengths().whole() + 0, 16).sum()
     assert planmod.epoch_blocks(items, tokens, 3, 1, True) is not blocks  # another epoch
     assert planmod.epoch_blocks(np.array(items), tokens, 3, 1, True) is not planmod.epoch_blocks(
         np.array(items), tokens, 3, 1, True
     )  # arrays that may change are not kept
-    del source, items, tokens, blocks
+    del source, items, tokens, blocks, ends
     gc.collect()
     assert planmod._recent_blocks.kept is None  # nothing holds the dataset's table any more

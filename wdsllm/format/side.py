@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import mmap
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -220,9 +221,10 @@ class SideArray:
 
     def scan(self, a: int = 0, b: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """(first element, elements) over [a, b), checked, for a pass that only looks at them: the
-        file is read whole chunks at a time into one buffer that every step reuses, each chunk
-        checked from the bytes just read (once per process), so a pass over gigabytes costs one
-        copy and holds one buffer. A step's elements are valid until the next step."""
+        file is mapped whole chunks at a time (no copy: a pass over gigabytes costs the page
+        cache's pages, one window of them at a time in the process's memory), each chunk checked
+        from the bytes just mapped (once per process). A step's elements are valid until the next
+        step."""
         a, b = max(0, int(a)), self.count if b is None else min(self.count, int(b))
         if b <= a:
             return
@@ -237,17 +239,22 @@ class SideArray:
         step = self.ref.chunk_bytes
         span = step * max(1, READ_BYTES // step)
         start, stop = lo // step * step, min(self.size, -(-hi // step) * step)  # the chunks holding [lo, hi)
-        buffer = memoryview(bytearray(min(span, stop - start)))
         for at in range(start, hi, span):
             end = min(at + span, stop)
-            got = buffer[: end - at]
-            if os.preadv(self._file(), [got], at) != end - at:
-                raise FormatError(f"{self.url}: ends before byte {end} (truncated after it was opened)")
+            got = self._window(at, end)
             for c in range(at // step, -(-end // step)):
                 if not self._checked[c]:
                     self._check_chunk(c, got[c * step - at : min(end, (c + 1) * step) - at])
             first, last = max(lo, at), min(hi, end)
             yield (first - self.offset) // size, np.frombuffer(got[first - at : last - at], self.dtype)
+
+    def _window(self, a: int, b: int) -> memoryview:
+        """Bytes [a, b) of the file, mapped read-only (unmapped once nothing views them)."""
+        fd = self._file()
+        if os.fstat(fd).st_size < b:  # a map past the end would fault (SIGBUS) where it is read
+            raise FormatError(f"{self.url}: ends before byte {b} (truncated after it was opened)")
+        base = a - a % mmap.ALLOCATIONGRANULARITY
+        return memoryview(mmap.mmap(fd, b - base, access=mmap.ACCESS_READ, offset=base))[a - base :]
 
     def digests(self) -> tuple[int, str, list[str]]:
         """(size, sha256, chunk digests) of the file as it is, in one pass of bounded memory."""

@@ -47,7 +47,7 @@ from . import plan as planmod
 from .batching import COUNT_BY_ITEMS, COUNT_BY_TOKENS, Batcher
 from .config import Config
 from .handoff import batcher_for, hands_tails, slices_for, with_tails
-from .plan import EpochLayout, Slice, block_tokens, epoch_layout, piece_counter
+from .plan import EpochLayout, Slice, source_layout
 from .sources.protocol import Source
 from .stream import ShareLengths, StreamSpec, has_lengths, slice_item_counts
 
@@ -295,17 +295,7 @@ def _layout_sizes(
 ) -> tuple[np.ndarray, np.ndarray | None, Callable[[], None], Callable[[], np.ndarray]]:
     """A single dataset's epoch by its layout: items and tokens per share, the check of the
     lengths read for them, and how to count the exact table."""
-    layout = epoch_layout(
-        catalog.items_per_shard,
-        seed=cfg.seed,
-        epoch=epoch,
-        world=world,
-        workers=workers,
-        shuffle=cfg.shuffle,
-        doc_pieces=piece_counter(catalog, spec),
-        tokens_per_shard=block_tokens(catalog),
-        unit=cfg.share_unit(catalog.mode),
-    )
+    layout = source_layout(catalog, cfg, spec)
     items = layout.stops - layout.starts
     tokens, read = _share_tokens(catalog, layout, spec.max_len) if want_tokens else (None, [])
     check = lambda: catalog.lengths().check(read)  # noqa: E731
@@ -398,7 +388,7 @@ def _share_tokens(
     documents' lengths from the nearer end of its shard (a boundary inside a document split at
     ``max_len``: its pieces before the boundary hold ``max_len`` tokens each)."""
     read: list = []
-    if layout.firsts is None:
+    if layout.firsts is None or layout.whole:
         firsts, tokens = np.zeros(len(layout.order), np.int64), catalog.tokens_per_shard[layout.order]
     else:
         firsts = layout.firsts
@@ -443,9 +433,13 @@ def head_tokens(catalog: Source, shards: np.ndarray, k: np.ndarray) -> tuple[np.
     tokens = catalog.tokens_per_shard[shards].astype(np.int64)
     if catalog.mode == "packed":
         return np.where(k >= n, tokens, k * int(catalog.index.seq_len)), []
+    out = np.where(k <= 0, 0, tokens)
+    inside = np.flatnonzero((k > 0) & (k < n))  # only these read lengths: mostly the few cut by a share's edge
+    shards, k, n = shards[inside], k[inside], n[inside]
     head = k <= n - k  # read the nearer end: the first k documents, else the last n - k
     part, read = catalog.lengths().sums(shards, np.where(head, 0, k), np.where(head, k, n))
-    return np.where(head, part, tokens - part), read
+    out[inside] = np.where(head, part, tokens[inside] - part)
+    return out, read
 
 
 def _readers(catalog: Source) -> list[Source]:

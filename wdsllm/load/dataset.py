@@ -45,7 +45,7 @@ from .options import (
     ReadingOptions,
     split_options,
 )
-from .plan import resampled_slices
+from .plan import count_ahead, resampled_slices
 from .raw import open_raw
 from .read import ReadOptions
 from .sources.open import open_source
@@ -138,8 +138,7 @@ class EpochSource(IterableDataset):
 
     The epoch lives in shared memory so that ``set_epoch`` reaches persistent DataLoader workers.
     What a resume changes (worker positions, an epoch's replacement plan) is set through methods,
-    and the batch limits that depend on them are recomputed when they change.
-    """
+    and the batch limits that depend on them are recomputed when they change."""
 
     def __init__(self, catalog: Source, cfg: Config, rank: int, world: int, passes: bool = False):
         super().__init__()
@@ -207,6 +206,11 @@ class EpochSource(IterableDataset):
         state["_limits"] = {}  # recomputed where needed, not shipped to workers
         state["_passes"] = {}  # a fresh worker has begun none
         return state
+
+    def count_ahead(self, workers: int) -> None:
+        """Before ``workers`` workers start on the epoch: what each would count (``plan.count_ahead``)."""
+        spec = self.cfg.spec(self.epoch, self.rank, self.world, 0, workers)
+        count_ahead(self.catalog, self.cfg, spec, self.plan_for(spec.epoch))
 
     def limits(self, epoch: int, workers: int) -> EpochLimits | None:
         """The equal-batches decision of ``epoch`` with ``workers`` workers per rank."""

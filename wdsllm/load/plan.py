@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -73,10 +73,25 @@ class EpochBlocks:
     order: np.ndarray | None = None  # block i is block order[i] in the shards' order (None: the same)
     #: (shards, firsts, counts) in the shards' order; None where each block is a whole shard
     natural: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    #: ``piece_ends`` of the last ``DocPieces`` asked: [(weak reference to its lengths, max_len, ends)]
+    _piece_ends: list = field(default_factory=list, compare=False, repr=False)
 
     def pieces_of(self, doc_pieces: DocPieces) -> BlockPieces:
         """Pieces of the documents of block ``i`` (in epoch order), from a shard's ``doc_pieces``."""
         return functools.partial(_block_pieces, self, doc_pieces)
+
+    def piece_ends(self, doc_pieces: DocPieces) -> np.ndarray:
+        """The running sum of ``pieces`` (read-only), kept with the blocks (which are kept too:
+        ``_RecentBlocks``): a process asks for an epoch's pieces for its counts, then for its plan,
+        and a worker forked after that finds them counted."""
+        for lengths, max_len, ends in self._piece_ends:
+            if lengths() is doc_pieces.lengths and max_len == doc_pieces.max_len:
+                return ends
+        ends = np.cumsum(self.pieces(doc_pieces))
+        ends.flags.writeable = False
+        # weakly: the blocks are kept while their dataset's table lives, not the other way round
+        self._piece_ends[:] = [(weakref.ref(doc_pieces.lengths), doc_pieces.max_len, ends)]
+        return ends
 
     def pieces(self, doc_pieces: DocPieces) -> np.ndarray:
         """Pieces of each block, in epoch order: counted in the shards' order (one pass along
@@ -239,6 +254,7 @@ class EpochLayout:
     stops: np.ndarray  # [world, workers]: one past its last
     firsts: np.ndarray | None = None  # blocks of shards (``order``: their shards): first item of each
     pieces: EpochPieces | None = None  # starts and stops count pieces of documents
+    whole: bool = False  # each block is a whole shard (``firsts`` all 0, ``counts`` the shards' items)
 
     def slices(self, rank: int, worker: int) -> Slices:
         """The slices (rank, worker) reads, in reading order."""
@@ -289,7 +305,7 @@ class EpochPieces:
 
     @classmethod
     def of(cls, blocks: EpochBlocks, doc_pieces: DocPieces) -> EpochPieces:
-        return cls(np.cumsum(blocks.pieces(doc_pieces)), blocks.pieces_of(doc_pieces))
+        return cls(blocks.piece_ends(doc_pieces), blocks.pieces_of(doc_pieces))
 
     @property
     def total(self) -> int:
@@ -377,7 +393,7 @@ def epoch_layout(
     pieces = None if doc_pieces is None else EpochPieces.of(blocks, doc_pieces)
     total = int(ends[-1]) if len(ends) else 0
     starts, stops = consumer_shares(total if pieces is None else pieces.total, world, workers, unit=unit)
-    return EpochLayout(blocks.shards, counts, ends, starts, stops, blocks.firsts, pieces)
+    return EpochLayout(blocks.shards, counts, ends, starts, stops, blocks.firsts, pieces, blocks.natural is None)
 
 
 def plan_epoch(
@@ -430,8 +446,10 @@ def slices_for(source: Source, cfg: Any, spec: StreamSpec, plan: EpochPlan | Non
         plan = source.default_plan(spec.epoch)
     if plan is not None:
         return plan.slices_for(source, cfg, spec.rank, spec.world, spec.worker, spec.workers)
+    if source.items_per_shard is not None:
+        return source_layout(source, cfg, spec).slices(spec.rank, spec.worker)
     return plan_epoch(
-        source.items_per_shard,
+        None,
         len(source.urls),
         seed=spec.seed,
         epoch=spec.epoch,
@@ -440,10 +458,38 @@ def slices_for(source: Source, cfg: Any, spec: StreamSpec, plan: EpochPlan | Non
         worker=spec.worker,
         workers=spec.workers,
         shuffle=spec.shuffle,
+    )
+
+
+def source_layout(source: Source, cfg: Any, spec: StreamSpec) -> EpochLayout:
+    """The ``epoch_layout`` of ``source`` planned normally (it has items per shard) for the epoch,
+    world and workers of ``spec``: what each of its consumers' shares is cut from."""
+    return epoch_layout(
+        source.items_per_shard,
+        seed=spec.seed,
+        epoch=spec.epoch,
+        world=spec.world,
+        workers=spec.workers,
+        shuffle=spec.shuffle,
         doc_pieces=piece_counter(source, spec),
         tokens_per_shard=block_tokens(source),
         unit=cfg.share_unit(source.mode),
     )
+
+
+def count_ahead(source: Source, cfg: Any, spec: StreamSpec, plan: EpochPlan | None = None) -> None:
+    """Count now, in the process about to start the workers of ``spec``'s rank, what each of them
+    would count again to find its share: the pieces of the epoch's documents where the stream
+    splits them at max_len, a pass over every document's length. The epoch's blocks keep them
+    (``EpochBlocks.piece_ends``; the blocks are kept by ``_recent_blocks``), and so do the source's
+    lengths (``IndexLengths.pieces``): a forked worker inherits both, a spawned one gets the
+    latter with the pickled source. So the pass is made once a rank and epoch, not once a worker.
+    Nothing for an epoch planned otherwise."""
+    if plan is None:
+        plan = source.default_plan(spec.epoch)
+    planned = plan is None and not spec.resample and source.items_per_shard is not None
+    if planned and piece_counter(source, spec) is not None:
+        source_layout(source, cfg, spec)
 
 
 def _stride_share(shards: np.ndarray, consumers: int, consumer: int) -> list[Slice]:

@@ -301,6 +301,7 @@ class WorkerBatches:
             self.ring.ring = TokenRing(self.num_workers, slots=(self.prefetch_factor or 2) + 2)
             self.ring.board = self.tally.new_board(self.num_workers)
             storage.prepare_workers()  # what each worker would build again (an S3 client), built once here
+            pipeline.source.count_ahead(self.num_workers)  # ... and count again (pieces of documents)
         if self.dataloader is None:
             self.dataloader = DataLoader(
                 pipeline,

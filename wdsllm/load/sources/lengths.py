@@ -38,40 +38,92 @@ def doc_ranges(
 def range_pieces(
     chunks: Callable[[int, int], Iterator[tuple[int, np.ndarray]]], a: np.ndarray, b: np.ndarray, max_len: int
 ) -> np.ndarray:
-    """``block.pieces_per_doc`` summed over the lengths [a[i], b[i]) of every range (ranges that
-    do not overlap), in one pass over the spans they cover: a document of 1 to ``max_len``
-    tokens is one piece, so only the empty and the longer documents are looked at one by one.
-    ``chunks(lo, hi)``: (first position, lengths) over positions [lo, hi), checked."""
+    """``block.pieces_per_doc`` summed over the lengths [a[i], b[i]) of every range, in one pass
+    over the positions the ranges cover (they may overlap or touch). A document of 1 to
+    ``max_len`` tokens is one piece, so a range has as many pieces as documents, plus the extra
+    pieces (-1 for an empty one) of the few documents that are not one piece: their running sum
+    along the file, taken at the range's two ends. ``chunks(lo, hi)``: (first position, lengths)
+    over positions [lo, hi), in order, checked."""
     a, b = np.asarray(a, np.int64), np.asarray(b, np.int64)
     out = np.maximum(b - a, 0)
     ranged = np.flatnonzero(b > a)
-    ranged = ranged[np.argsort(a[ranged], kind="stable")]
-    lo, hi = a[ranged], b[ranged]
-    if not len(lo):
+    if not len(ranged):
         return out
-    if (lo[1:] < hi[:-1]).any():  # overlapping ranges: each on its own
-        for i in ranged.tolist():
-            out[i] = sum(int(pieces_per_doc(v.astype(np.int64), max_len).sum()) for _, v in chunks(a[i], b[i]))
+    lo, hi = (a, b) if len(ranged) == len(a) else (a[ranged], b[ranged])
+    if np.array_equal(lo[1:], hi[:-1]):  # one after another (a file's units, in order): one span
+        [at] = _extra_before(chunks, [(int(lo[0]), int(hi[-1]))], [np.append(lo, hi[-1:])], max_len)
+        out[ranged] += np.diff(at)
         return out
-    breaks = np.flatnonzero(lo[1:] != hi[:-1]) + 1  # spans: runs of ranges that touch
-    span_starts, span_stops = lo[np.r_[0, breaks]], hi[np.r_[breaks - 1, len(hi) - 1]]
-    for span_lo, span_hi in zip(span_starts.tolist(), span_stops.tolist()):
-        for first, values in chunks(span_lo, span_hi):
-            odd = np.flatnonzero(_not_one_piece(values, max_len))
-            if not len(odd):
-                continue
-            v = values[odd].astype(np.int64)
-            extra = np.where(v == 0, -1, (v - 1) // max_len)  # pieces beyond one per document
-            np.add.at(out, ranged[np.searchsorted(lo, first + odd, side="right") - 1], extra)
+    at_lo, at_hi = _extra_before(chunks, _spans(lo, hi), [lo, hi], max_len)
+    out[ranged] += at_hi - at_lo
     return out
 
 
-def _not_one_piece(values: np.ndarray, max_len: int) -> np.ndarray:
-    """Where a document is not one piece: empty, or longer than ``max_len`` (unsigned lengths: one
-    comparison, as 0 - 1 wraps past every max_len)."""
-    if values.dtype.kind == "u":
-        return values - values.dtype.type(1) >= max_len
-    return (values <= 0) | (values > max_len)
+def _sorting(x: np.ndarray) -> np.ndarray | None:
+    """The order that sorts ``x`` (stable), or None where it is sorted already (the usual case:
+    ranges asked in the file's order)."""
+    return None if bool(np.all(x[1:] >= x[:-1])) else np.argsort(x, kind="stable")
+
+
+def _spans(lo: np.ndarray, hi: np.ndarray) -> list[tuple[int, int]]:
+    """The union of the ranges [lo[i], hi[i]) (none empty): its disjoint spans, in order."""
+    by_start = _sorting(lo)
+    if by_start is not None:
+        lo, hi = lo[by_start], hi[by_start]
+    reach = np.maximum.accumulate(hi)
+    breaks = np.flatnonzero(lo[1:] > reach[:-1]) + 1  # a gap before range k: a new span
+    starts, stops = lo[np.r_[0, breaks]], reach[np.r_[breaks - 1, len(lo) - 1]]
+    return list(zip(starts.tolist(), stops.tolist()))
+
+
+def _extra_before(
+    chunks: Callable[[int, int], Iterator[tuple[int, np.ndarray]]],
+    spans: list[tuple[int, int]],
+    points: list[np.ndarray],
+    max_len: int,
+) -> list[np.ndarray]:
+    """The extra pieces of the documents of ``spans`` before each position of each of ``points``
+    (positions in a span or at its end), in the one pass over the lengths."""
+    orders = [_sorting(p) for p in points]
+    sorted_points = [p if o is None else p[o] for p, o in zip(points, orders)]
+    found = [np.empty(len(p), np.int64) for p in points]
+    mask = np.empty(0, bool)  # reused: a chunk's comparison allocates nothing
+    running = 0
+    for span_lo, span_hi in spans:
+        done = span_lo
+        for first, values in chunks(span_lo, span_hi):
+            if len(mask) < len(values):
+                mask = np.empty(len(values), bool)
+            odd = _not_one_piece(values, max_len, mask[: len(values)])
+            through = np.zeros(len(odd) + 1, np.int64)  # extra pieces of the first k odd documents
+            np.cumsum(pieces_per_doc(values[odd].astype(np.int64), max_len) - 1, out=through[1:])
+            done = first + len(values)
+            for at, order, out in zip(sorted_points, orders, found):
+                # the points in [first, done]: one at a chunk's end may be found again by the next, equal
+                i, j = int(np.searchsorted(at, first, side="left")), int(np.searchsorted(at, done, side="right"))
+                _put(out, order, i, j, running + through[np.searchsorted(odd, at[i:j] - first)])
+            running += int(through[-1])
+        for at, order, out in zip(sorted_points, orders, found):  # past the lengths ``chunks`` has: no documents
+            i, j = int(np.searchsorted(at, done, side="right")), int(np.searchsorted(at, span_hi, side="right"))
+            _put(out, order, i, j, running)
+    return found
+
+
+def _put(out: np.ndarray, order: np.ndarray | None, i: int, j: int, values: np.ndarray | int) -> None:
+    """Sorted positions [i, j) of ``out`` (``order``: where the sorted ones are in it) set to ``values``."""
+    if order is None:
+        out[i:j] = values
+    else:
+        out[order[i:j]] = values
+
+
+def _not_one_piece(values: np.ndarray, max_len: int, mask: np.ndarray) -> np.ndarray:
+    """Where documents are not one piece: longer than ``max_len``, or empty (looked for only where
+    a chunk has one). ``mask``: a buffer of len(values) for the comparison."""
+    np.greater(values, max_len, out=mask)
+    if len(values) and values.min() <= 0:
+        mask |= values <= 0
+    return np.flatnonzero(mask)
 
 
 class IndexLengths:
