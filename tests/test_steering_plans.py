@@ -372,3 +372,22 @@ def test_weights_that_would_repeat_a_source_beyond_what_a_plan_holds_are_refused
     with pytest.raises(SteeringError, match="times over"):
         loader.set_weights({"a": 1.0, "b": 0.0})
     assert not loader.steering.log.changes
+
+
+@pytest.mark.parametrize("world,workers", [(1, 3), (2, 2)])
+def test_a_replanned_epoch_counted_by_its_shares_items_equals_its_slices_counted(two_sources, one, world, workers):
+    """Batches of items: the rest of an epoch after a change is counted from its strands' totals
+    (``RemainderPlan.share_items``), exactly what counting every consumer's dealt slices gives."""
+    from wdsllm.load.counts import EpochCounts, _shares_exact
+    from wdsllm.load.steer.plans import Leaving, SteeredPlan
+
+    mix = wdsllm.Mixture(two_sources, weights={"a": 1.0, "b": 1.0}, unit="items")
+    for src, leaving in ((mix, Leaving(weights=(0.8, 0.2))), (mix, Leaving(sources=(1,))), (one, Leaving(shards=(2,)))):
+        loader = make(src, batch_size=5, shuffle_buffer=16)
+        catalog, cfg = loader.source.catalog, loader.cfg
+        consumed = [[3 * (r + w + 1) for w in range(2)] for r in range(2)]
+        plan = SteeredPlan(0, 2, 2, consumed, None, leaving=leaving)
+        counts = EpochCounts.create(catalog, cfg, 0, world, workers, plan)
+        assert counts.exact().tolist() == _shares_exact(catalog, cfg, 0, world, workers, plan, None).tolist()
+        assert counts.exact().sum() > 0
+        loader.close()

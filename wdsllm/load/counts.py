@@ -67,6 +67,15 @@ class EpochPlan(Protocol):
         ...
 
 
+class RemainderItems(Protocol):
+    """A remainder plan that knows every new consumer's items without making its slices
+    (``resume.RemainderPlan``), so that a count by items needs no consumer's slices."""
+
+    def share_items(self, catalog: Source, cfg: Config, world: int, workers: int) -> np.ndarray:
+        """[world, workers] items of every consumer's share."""
+        ...
+
+
 class SizedPlan(Protocol):
     """A plan that knows every consumer's items and tokens without making their slices (a
     mixture's: ``mixplan.MixturePlan``), so that its counts need no pass before the first batch."""
@@ -247,8 +256,13 @@ class EpochCounts:
         truncates = spec.max_len is not None and spec.max_len_mode == "truncate"
         want_tokens = not truncates and not (batcher.count_by == COUNT_BY_ITEMS and not splits)
         if plan is not None and plan.remainder:
-            # a re-planned remainder (made by a pass over the old shares): counted share by share, at once
-            exact = _shares_exact(catalog, cfg, epoch, world, workers, plan, ranks)
+            # a re-planned remainder (made by a pass over the old shares): by its shares' items where
+            # batches count items, else counted share by share; at once
+            if batcher.count_by == COUNT_BY_ITEMS and not splits:
+                items = cast(RemainderItems, plan).share_items(catalog, cfg, world, workers)
+                exact = _handed_table(batcher, items, hands_tails(catalog, cfg, spec), cfg.batch_size or 1, lambda n: n)
+            else:
+                exact = _shares_exact(catalog, cfg, epoch, world, workers, plan, ranks)
             return cls(exact, exact)
         if plan is not None:  # a mixture's epoch: shares from its stretches, exact counts from their slices
             items, tokens, check = _plan_sizes(catalog, cast(SizedPlan, plan), world, workers, want_tokens)

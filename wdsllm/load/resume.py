@@ -296,6 +296,21 @@ class RemainderPlan:
             out.append(runs.deal(strands, (upto + firsts[None, :]).T, split))
         return Slices.join(out)
 
+    def share_items(self, source: Source, cfg: Config, world: int, workers: int) -> np.ndarray:
+        """[world, workers] items of every consumer's share, as ``slices_for`` deals them, from the
+        remaining sequence's totals alone (``counts.RemainderItems``: no consumer's slices made)."""
+        slices, counts = self.sequence(source, cfg)
+        if source.mixing is None:
+            unit = cfg.share_unit(source.mode)
+            starts, stops = planmod.consumer_shares(int(sum(counts)), world, workers, unit=unit)
+            return stops - starts
+        out = np.zeros((world, workers), np.int64)
+        for strands in self.strands(source, cfg, slices, counts):
+            for strand in strands:
+                starts, stops = planmod.consumer_shares(strand.total, world, workers)
+                out += stops - starts
+        return out
+
     def excluded(self) -> tuple[int, int]:
         """(items, tokens) that exclusions took out of this epoch's plans (``steer.plans.SteeredPlan``)."""
         return self.base.excluded() if self.base is not None else (0, 0)
