@@ -20,11 +20,9 @@ import contextlib
 import functools
 import itertools
 import logging
-import os
 import time
 import weakref
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,10 +32,8 @@ from ..observe.observer import Observer, timed
 from . import state as statemod
 from .agree import agree_on_layout
 from .batching import Batch
-from .block import concat_blocks, join_rows
 from .collate import CollateOptions, assemble
 from .config import Config, reading_options, resolve_world
-from .counts import round_robin_share
 from .cpsplit import check_row_length
 from .cursor import (
     Cursor,
@@ -46,15 +42,12 @@ from .cursor import (
     Progress,
     RoundRobin,
     check_fits,
-    positions_of_share,
     restore,
-    turn_after,
 )
 from .dataset import CountedBy, DataStats, EndOfWorker, build_pipeline, dataset_tokenizer, open_given
 from .describe import describe
 from .layout import resolve_layout, world_seat
 from .mixstats import MixTally
-from .mixture import is_mixture_source
 from .options import (
     AGREE_ALL,
     BatchOptions,
@@ -68,8 +61,8 @@ from .options import (
 )
 from .plan import torch_seed
 from .replicas import replicas_for
-from .resume import items_between
 from .steer.face import SteeringMethods
+from .steer.file import steer_file_of
 from .steer.log import Log
 from .steer.plans import steer_plans
 from .steer.runtime import Steerer
@@ -344,13 +337,6 @@ class Loader(SteeringMethods):
             return
         self._finish_pass(cursor.epoch)
 
-    def _skip_rest(self, epoch: int) -> None:
-        """Count the rest of the epoch as skipped where a skipped range ends it (the planned step
-        moves to the epoch's end)."""
-        target = self.steering.skip_target()
-        if target is not None:
-            self._seek(epoch, target)
-
     def _finish_pass(self, epoch: int) -> None:
         """The pass over ``epoch`` is complete: its generator, if resumed or collected later, does nothing."""
         self._skip_rest(epoch)
@@ -602,57 +588,6 @@ class Loader(SteeringMethods):
                 self.limits.start_count()
             yield out
 
-    def _seek(self, epoch: int, target: int) -> bool:
-        """Move this pass to planned step ``target`` (the end of a skipped range): the workers
-        start again where the plan has the loader's batches of that step, as a resume does.
-        False where ``target`` lies beyond the epoch (which then ends, its steps counted)."""
-        steer, cursor = self.steering, self.cursor
-        total = self._epoch_total()
-        if total is None:
-            raise UsageError("skipping steps needs the batch counts of the epoch (an index, or a count sidecar)")
-        skipped = steer.phases.batches_between(steer.planned, target)
-        position = min(total, cursor.yielded + skipped)
-        end = steer.epoch_start + steer.epoch_steps(steer.epoch_start, total)
-        plan = self.source.plan_for(epoch)
-        counts = self.here.worker_counts(epoch, self.world_size, self.workers, plan)[self.rank]
-        before, after = (round_robin_share(counts, n).tolist() for n in (cursor.yielded, position))
-        items, tokens = items_between(self.catalog, self.cfg, epoch, self.rank, self.world_size, plan, before, after)
-        steer.skipped.add(min(target, end) - steer.planned, position - cursor.yielded, items, tokens)
-        steer.planned = min(target, end)
-        if position >= total:
-            cursor.yielded = total
-            return False
-        positions = positions_of_share(epoch, counts, position)
-        self.source.resume_from(positions)
-        self._transport.forget()
-        served = {w: (p[0], p[1]) for w, p in positions.items()}
-        cursor.seek(positions, position, turn_after(served, self.workers))
-        return True
-
-    def _hand_out_group(self, group: list[Batch]) -> dict:
-        """One step of several of the loader's batches: each counted as handed out, collated
-        together, their rows joined where a seq_len schedule says so."""
-        join = self.steering.rows.group_at(self.steering.planned - 1)
-        if len(group) == 1 and join == 1:
-            return self._hand_out(group[0])
-        began = time.perf_counter()
-        for batch in group:
-            if self._mix is not None:
-                self._mix.add(batch.mix, batch.epoch)
-            if batch.stats:
-                self.stats.add(batch.stats)
-            if batch.tail:
-                self.cursor.merged_out()
-            else:
-                self.cursor.handed_out(batch.worker, batch.epoch, batch.index, batch.hint)
-        options = self.collate_options
-        if join > 1:
-            options = replace(options, seq_len=options.seq_len * join, max_segments=(options.max_segments or 1) * join)
-        items = concat_blocks([join_rows(b.items, join) for b in group])
-        out = assemble(items, group[0].epoch, options)
-        self.observer.handed(group[-1].worker, time.perf_counter() - began)
-        return self._pinned(out)
-
     def _tail_merge(self, epoch: int) -> TailMerge:
         """The stage that holds the workers' epoch-final batches and merges them (``tails.py``),
         leaving out the merged batches handed out before a resume."""
@@ -811,17 +746,6 @@ class Loader(SteeringMethods):
         same_layout = (st.world_size, st.num_workers) == (self.world_size, self.workers)
         self.steering.restore(st.steering, same_layout)
         self._reschedule()
-
-
-def steer_file_of(face: Any) -> str | None:
-    """The steering file a loader re-reads: the one named, else the mixture file it was built from."""
-    given = face.steer.steer_file
-    if given is None and face.steer.reload_every is not None:
-        if isinstance(face.source, (str, os.PathLike)) and is_mixture_source(face.source):
-            given = os.fspath(face.source)
-        else:
-            raise ConfigError("reload_every= re-reads a steering file: pass steer_file= (or build from a mixture file)")
-    return given
 
 
 def loader(

@@ -195,16 +195,6 @@ def items_between(
     return items, tokens
 
 
-def remaining_slices(slices: Sequence[Slice], counts: Sequence[int], consumed: np.ndarray) -> Slices:
-    """The slices minus the consumed plan positions; partly consumed slices keep ``pick``s."""
-    return runs.remaining(runs.Run.of(slices, counts), consumed)
-
-
-def cut_sequence(slices: Sequence[Slice], counts: Sequence[int], a: int, b: int, split: bool) -> Slices:
-    """Items [a, b) of the slices taken in order; a cut inside a slice becomes a range or a pick."""
-    return runs.Run.of(slices, counts).cut(a, b, split)
-
-
 # ----------------------------------------------------------------------------------------------
 # The remainder of an epoch, for a new layout
 
@@ -264,7 +254,7 @@ class RemainderPlan:
                 gone = consumed_plan_positions(batcher, lengths, spec, self.consumed[r][w], source.mixing, labels)
                 if hands_over(source, cfg, spec):  # its tail is in its rank's last worker's slices
                     gone = np.union1d(gone, tail_positions(source, cfg, spec, slices)[0])
-                slices_out.append(remaining_slices(slices, counts, gone))
+                slices_out.append(runs.remaining(Run.of(slices, counts), gone))  # partly consumed: picks
         joined = Slices.join(slices_out)
         self._sequence = (joined, slice_item_counts(source, joined, cfg.spec(self.epoch, 0, 1, 0, 1)))
         return self._sequence
@@ -279,7 +269,7 @@ class RemainderPlan:
         if mixing is None:  # in whole batches per worker, as an epoch is (``Config.share_unit``)
             unit = cfg.share_unit(source.mode)
             a, b = planmod.consumer_share(int(sum(counts)), rank, world, worker, workers, unit=unit)
-            return cut_sequence(slices, counts, a, b, split)
+            return Run.of(slices, counts).cut(a, b, split)
         block = mixing.block_size(cfg.spec(self.epoch, rank, world, worker, workers))
         out: list[Slices] = []
         for strands in self.strands(source, cfg, slices, counts):
@@ -318,4 +308,4 @@ class RemainderPlan:
     def strands(self, source: Source, cfg: Config, slices: Sequence[Slice], counts: Sequence[int]) -> list[list[Run]]:
         """Per part of the epoch, per source of a mixture: its remaining slices and counts."""
         mixing = source.mixing
-        return runs.strands(runs.Run.of(slices, counts), mixing.sources_of_shards, mixing.sources)
+        return runs.strands(Run.of(slices, counts), mixing.sources_of_shards, mixing.sources)

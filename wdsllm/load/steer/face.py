@@ -5,20 +5,27 @@ checked by ``steer.agree``), validated before anything changes (a bad one is a `
 and the run keeps its settings), recorded in the run's log, and applied from the next planned
 step: a skip where the stream reaches it, an exclusion or new weights by re-planning the rest of
 the epoch (``plans.SteeredPlan``) and every later epoch. The same exclusion or skip given
-again (a requeue replaying its launch script) is a replay: nothing more changes.
+again (a requeue replaying its launch script) is a replay: nothing more changes. How the stream
+follows them is here too: a seek over skipped steps, a step of several batches handed out as one.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from ...errors import MixtureError, SteeringError
-from ..block import ID_SHIFT
+from ...errors import MixtureError, SteeringError, UsageError
+from ..batching import Batch
+from ..block import ID_SHIFT, concat_blocks, join_rows
+from ..collate import assemble
 from ..counts import round_robin_share
+from ..cursor import positions_of_share, turn_after
+from ..resume import items_between
 from ..tails import merges_tails
 from .agree import agree_on_change
 from .log import Exclude, Rescheduled, Weights, check_weights
@@ -312,6 +319,65 @@ class SteeringMethods:
                 self._check_something_left(Exclude(names, shard_ids, items, 0))
                 takes.append(lambda: self._take_exclusion(names, shard_ids, items))
         return takes
+
+    # -- the stream under steering --------------------------------------------------------------
+    def _skip_rest(self, epoch: int) -> None:
+        """Count the rest of the epoch as skipped where a skipped range ends it (the planned step
+        moves to the epoch's end)."""
+        target = self.steering.skip_target()
+        if target is not None:
+            self._seek(epoch, target)
+
+    def _seek(self, epoch: int, target: int) -> bool:
+        """Move this pass to planned step ``target`` (the end of a skipped range): the workers
+        start again where the plan has the loader's batches of that step, as a resume does.
+        False where ``target`` lies beyond the epoch (which then ends, its steps counted)."""
+        steer, cursor = self.steering, self.cursor
+        total = self._epoch_total()
+        if total is None:
+            raise UsageError("skipping steps needs the batch counts of the epoch (an index, or a count sidecar)")
+        skipped = steer.phases.batches_between(steer.planned, target)
+        position = min(total, cursor.yielded + skipped)
+        end = steer.epoch_start + steer.epoch_steps(steer.epoch_start, total)
+        plan = self.source.plan_for(epoch)
+        counts = self.here.worker_counts(epoch, self.world_size, self.workers, plan)[self.rank]
+        before, after = (round_robin_share(counts, n).tolist() for n in (cursor.yielded, position))
+        items, tokens = items_between(self.catalog, self.cfg, epoch, self.rank, self.world_size, plan, before, after)
+        steer.skipped.add(min(target, end) - steer.planned, position - cursor.yielded, items, tokens)
+        steer.planned = min(target, end)
+        if position >= total:
+            cursor.yielded = total
+            return False
+        positions = positions_of_share(epoch, counts, position)
+        self.source.resume_from(positions)
+        self._transport.forget()
+        served = {w: (p[0], p[1]) for w, p in positions.items()}
+        cursor.seek(positions, position, turn_after(served, self.workers))
+        return True
+
+    def _hand_out_group(self, group: list[Batch]) -> dict:
+        """One step of several of the loader's batches: each counted as handed out, collated
+        together, their rows joined where a seq_len schedule says so."""
+        join = self.steering.rows.group_at(self.steering.planned - 1)
+        if len(group) == 1 and join == 1:
+            return self._hand_out(group[0])
+        began = time.perf_counter()
+        for batch in group:
+            if self._mix is not None:
+                self._mix.add(batch.mix, batch.epoch)
+            if batch.stats:
+                self.stats.add(batch.stats)
+            if batch.tail:
+                self.cursor.merged_out()
+            else:
+                self.cursor.handed_out(batch.worker, batch.epoch, batch.index, batch.hint)
+        options = self.collate_options
+        if join > 1:
+            options = replace(options, seq_len=options.seq_len * join, max_segments=(options.max_segments or 1) * join)
+        items = concat_blocks([join_rows(b.items, join) for b in group])
+        out = assemble(items, group[0].epoch, options)
+        self.observer.handed(group[-1].worker, time.perf_counter() - began)
+        return self._pinned(out)
 
     # -- applying a change ----------------------------------------------------------------------
     def _mid_epoch(self) -> bool:

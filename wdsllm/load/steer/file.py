@@ -17,12 +17,13 @@ as an error naming the file and what is wrong, on every rank, and the run keeps 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from ... import storage
-from ...errors import MixtureError, SteeringError, StorageError
-from ..mixture import MAX_FILE_BYTES, _parse_yaml
+from ...errors import ConfigError, MixtureError, SteeringError, StorageError
+from ..mixture import MAX_FILE_BYTES, _parse_yaml, is_mixture_source
 
 log = logging.getLogger(__name__)
 
@@ -93,4 +94,15 @@ def shared(url: str, names: list[str]) -> tuple[str, Any]:
     return box[0]
 
 
-__all__ = ["fetched", "read_steer_file", "shared"]
+def steer_file_of(face: Any) -> str | None:
+    """The steering file a loader re-reads: the one named, else the mixture file it was built from."""
+    given = face.steer.steer_file
+    if given is None and face.steer.reload_every is not None:
+        if isinstance(face.source, (str, os.PathLike)) and is_mixture_source(face.source):
+            given = os.fspath(face.source)
+        else:
+            raise ConfigError("reload_every= re-reads a steering file: pass steer_file= (or build from a mixture file)")
+    return given
+
+
+__all__ = ["fetched", "read_steer_file", "shared", "steer_file_of"]
