@@ -318,7 +318,7 @@ def test_a_state_records_the_log_and_an_edited_one_is_refused(tmp_path):
     next(it)
     state = loader.state_dict()
     body = json.loads(state["state"])
-    assert body["version"] == 7 and body["steering"]["log"][0]["start"] == 2
+    assert body["version"] == 8 and body["steering"]["log"][0]["start"] == 2
     body["steering"]["log"][0]["stop"] = 9  # edited, the seal not renewed
     with pytest.raises(StateError, match="digest"):
         make(str(tmp_path), batch_size=4).load_state_dict({"format": state["format"], "state": json.dumps(body)})

@@ -47,9 +47,10 @@ def make(src, rank=0, world=1, workers=0, **kw):
     return wdsllm.loader(src, rank=rank, world_size=world, num_workers=workers, _in_process=True, seed=3, **kw)
 
 
-def steered_run(src, change, at, epochs=(0, 1), world=1, rank=0, workers=0, **kw):
-    """Every batch of ``epochs`` with ``change(loader)`` made after ``at`` batches."""
-    loader = make(src, rank, world, workers, **kw)
+def steered_run(src, change, at, epochs=(0, 1), world=1, rank=0, workers=0, loader=None, **kw):
+    """Every batch of ``epochs`` with ``change(loader)`` made after ``at`` batches (of ``loader``
+    where given, else one ``make`` builds)."""
+    loader = loader or make(src, rank, world, workers, **kw)
     out = []
     for e in epochs:
         loader.set_epoch(e)
@@ -331,6 +332,7 @@ def test_stats_and_explain_take_a_states_changes(two_sources, tmp_path):
     loader.set_weights({"a": 0.9, "b": 0.1})
     loader.skip(3, 5)
     next(it)
+    assert loader.exclude(sources=["b"], at=6) == 6  # pending in the state
     state = tmp_path / "state.json"
     state.write_text(json.dumps(loader.state_dict()))
     rest = [next(it) for _ in range(3)]  # planned steps 2, 5, 6
@@ -342,6 +344,8 @@ def test_stats_and_explain_take_a_states_changes(two_sources, tmp_path):
 
     got = cli("stats", mix_file, "--state", state, "--schedule", '{"batch_size": [[0, 32], [1, 64]]}', "--json")
     assert [c["kind"] for c in got["steering"]["changes"]] == ["weights", "skip"]
+    assert [(c["kind"], c["at"]) for c in got["steering"]["pending"]] == [("exclude", 6)]
+    assert set(rest[2]["sources"].tolist()) == {0}  # planned step 6: source b is gone
     assert got["modes"][0]["steps"] == -(-(got["modes"][0]["batches"] - 1) // 2) + 1
     for step, batch in enumerate(rest):  # step 1 after the state is planned step 5: the skip is taken
         shown = cli(

@@ -150,7 +150,9 @@ def _steered(source, state: str | None) -> dict | None:
         source.mix_planner()
         steer_plans(st.steering.log, source)
     changes = [c.to_json() for c in st.steering.log.changes]
-    return {"epoch": st.epoch, "planned_step": st.steering.planned, "skipped": st.steering.skipped, "changes": changes}
+    pending = [c.to_json() for c in st.steering.pending]
+    out = {"epoch": st.epoch, "planned_step": st.steering.planned, "skipped": st.steering.skipped}
+    return {**out, "changes": changes, "pending": pending}
 
 
 def _steering_lines(steered: dict) -> str:
@@ -158,6 +160,9 @@ def _steering_lines(steered: dict) -> str:
     for change in steered["changes"]:
         what = {k: v for k, v in change.items() if k not in ("kind", "at")}
         lines.append(f"  from planned step {change['at']}: {change['kind']} {what}")
+    for change in steered.get("pending", []):
+        what = {k: v for k, v in change.items() if k not in ("kind", "at", "epoch", "point")}
+        lines.append(f"  pending, from planned step {change['at']}: {change['kind']} {what}")
     return "\n".join(lines) + "\n"
 
 

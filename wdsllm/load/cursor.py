@@ -385,12 +385,15 @@ class EpochTotal:
         key = (epoch, id(plan), here.world)
         if self._key != key:
             limits = here.source.limits(epoch, here.workers)
-            if limits is not None:
-                value = limits.per_rank
-            else:
-                counts = EpochCounts.create(
-                    here.catalog, here.cfg, epoch, here.world, here.workers, plan, ranks=[here.rank]
-                )
-                value = None if counts is None else int(counts.exact()[here.rank].sum())
-            self._key, self._value = key, value
+            self._key, self._value = key, limits.per_rank if limits is not None else self.own(here, epoch, plan)
         return self._value
+
+    @staticmethod
+    def own(here: Here, epoch: int, plan: Any) -> int | None:
+        """This rank's own batches of ``epoch`` under ``plan`` (where no equal-batches decision is made)."""
+        counts = EpochCounts.create(here.catalog, here.cfg, epoch, here.world, here.workers, plan, ranks=[here.rank])
+        return None if counts is None else int(counts.exact()[here.rank].sum())
+
+    def know(self, here: Here, epoch: int, plan: Any, value: int | None) -> None:
+        """``own``'s answer for ``plan``, worked out elsewhere (ahead of a change: steer/ahead.py)."""
+        self._key, self._value = (epoch, id(plan), here.world), value

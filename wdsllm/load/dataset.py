@@ -9,6 +9,7 @@ second reads, shuffles and batches that worker's stream; the third collates. A p
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import multiprocessing as mp
@@ -200,6 +201,13 @@ class EpochSource(IterableDataset):
         """Replace epoch ``epoch``'s plan (None: every epoch follows the normal plan)."""
         self._plans = {} if plan is None else {epoch: plan}
         self._limits = {}
+
+    def with_plan(self, epoch: int, plan: EpochPlan) -> EpochSource:
+        """A copy that reads ``epoch`` by ``plan`` from its start, this source left as it is: the
+        stream of a change's re-plan, started before its step (steer/prestart.py)."""
+        other = copy.copy(self)
+        other._plans, other._resume, other._limits, other._passes = {epoch: plan}, {}, {}, dict(self._passes)
+        return other
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -601,6 +609,13 @@ class WdsPipeline(wds.DataPipeline):
     @property
     def epoch(self) -> int:
         return self.source.epoch
+
+    def with_source(self, source: EpochSource) -> WdsPipeline:
+        """The same stages after another first stage (``EpochSource.with_plan``)."""
+        other = copy.copy(self)
+        other.pipeline = [source, *self.pipeline[1:]]
+        other.source = source
+        return other
 
     @property
     def tokenizer(self) -> Any:

@@ -65,7 +65,7 @@ from .steer.face import SteeringMethods
 from .steer.file import steer_file_of
 from .steer.log import Log
 from .steer.plans import steer_plans
-from .steer.runtime import Steerer
+from .steer.runtime import Replans, Steerer
 from .steer.schedule import Schedule
 from .tails import TailMerge, merge_key, merges_tails
 from .transport import WorkerBatches
@@ -170,6 +170,8 @@ class Loader(SteeringMethods):
         self.steering = self._steerer()
         self._steer_url = steer_file_of(face)
         self.steering.reload_every = face.steer.reload_every
+        self.steering.horizon = face.steer.steer_horizon
+        self._replans = Replans()
         self._replicas = replicas_for(self.layout, self.description.settings())
         #: a mixture's delivered tokens and items per source (``mix_stats``)
         self._mix = MixTally(self.catalog) if self.catalog.mixing is not None else None
@@ -455,6 +457,7 @@ class Loader(SteeringMethods):
             if stream is not None:
                 stream.close()
         self._stream = self._pass = None
+        self._close_steering()
         self._transport.close()
         self.observer.close()
         storage.release(id(self.catalog))
@@ -512,6 +515,8 @@ class Loader(SteeringMethods):
         cursor = self.cursor
         cursor.mirror(progress)
         self.steering.mirror(progress.steer)
+        if self.steering.due() and not self._epoch_done(cursor.yielded):  # as the reader took it
+            self._take_due()
         if not ended and not self._streamed and self._epoch_done(cursor.yielded):
             cursor.finish(cursor.epoch)
 
@@ -529,6 +534,10 @@ class Loader(SteeringMethods):
         if noted:
             self._note_limits(epoch)
         steer = self.steering
+        if steer.due():  # a change made for this step (``at=``, ``steer_horizon``)
+            self._take_due()
+            self.limits = self.source.limits(epoch, self.workers)
+            noted = self.limits is not None and self.limits.ready()
         if cursor.restored is None:  # a fresh epoch: its planned steps begin here
             steer.epoch_start = steer.planned
         resumed = False
@@ -541,18 +550,22 @@ class Loader(SteeringMethods):
                     if noted:
                         self._note_limits(epoch)
                 order = self._begin()
+                if steer.pending:  # a change made for a later step, maybe of this epoch
+                    self._prepare()
                 resumed = resumed or bool(self.source.resume_positions)
-                batches = order.run(
-                    self._transport.stream(self.pipeline, torch_seed(self.cfg.seed, epoch)), self._note_end
-                )
+                batches = order.run(self._pass_stream(epoch), self._note_end)
                 if merges_tails(self.source.catalog, self.cfg, self.workers):
                     batches = self._tail_merge(epoch).run(batches)
                 try:
                     yield from self._steps(batches)
-                finally:
+                except BaseException:
                     batches.close()
+                    raise
+                self._end_stream(batches)
                 if cursor.pass_no != this_pass:
                     break
+                if steer.due() and not self._epoch_done(cursor.yielded):  # else at the next epoch's start
+                    self._take_due()
                 if steer.restart:
                     continue
                 target = steer.skip_target()
@@ -571,14 +584,14 @@ class Loader(SteeringMethods):
         skipped step (``Steerer.steps``)."""
         steer = self.steering
         if steer.plain:
-            changes = steer.log.changes  # a change made while the pass runs leaves this path
+            changes, pending = steer.log.changes, steer.pending  # a change made meanwhile leaves this path
             for batch in batches:
                 steer.planned += 1
                 out = self._hand_out(batch)
                 if self.limits is not None:  # its exact count begins once a first batch is out
                     self.limits.start_count()
                 yield out
-                if changes:
+                if changes or pending:
                     break
             else:
                 return
@@ -587,6 +600,8 @@ class Loader(SteeringMethods):
             if self.limits is not None:
                 self.limits.start_count()
             yield out
+            if self._ahead is not None:  # a change's pass may start its workers now
+                self._prestart_workers()
 
     def _tail_merge(self, epoch: int) -> TailMerge:
         """The stage that holds the workers' epoch-final batches and merges them (``tails.py``),
@@ -681,7 +696,7 @@ class Loader(SteeringMethods):
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self, *, kept_per_rank: bool = False) -> dict[str, str]:
-        """Where this rank's stream stands, as ``{"format": "wdsllm.loader/7", "state": JSON}``:
+        """Where this rank's stream stands, as ``{"format": "wdsllm.loader/8", "state": JSON}``:
         two strings that every checkpointer keeps whole (see docs/loader.md and state.py). Replica
         peers (docs/parallel.md) hold one state, each its own copy (a receiver's is its reader's,
         mirrored with every batch): no collective, so one rank alone may save

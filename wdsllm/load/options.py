@@ -388,6 +388,12 @@ class SteerOptions(Options):
     reload_every: int | None = option(
         None, "every N planned steps, rank 0 re-reads steer_file and every rank takes what it says", low=1
     )
+    steer_horizon: int = option(
+        0,
+        "set_weights and exclude take effect this many planned steps after the call; the re-plan is made "
+        "meanwhile, in the background (0: at the next step, waiting for it)",
+        low=0,
+    )
 
 
 #: the records a face takes, in the order the docs list them

@@ -199,6 +199,10 @@ def items_between(
 # The remainder of an epoch, for a new layout
 
 
+#: consumers whose slices a remainder plan keeps once dealt (``RemainderPlan.slices_for``)
+MAX_KEPT_CONSUMERS = 16
+
+
 @dataclass
 class RemainderPlan:
     """Epoch ``epoch`` minus what an old layout (world x workers) had consumed.
@@ -215,6 +219,11 @@ class RemainderPlan:
     remainder: ClassVar[bool] = True  # ``counts.EpochPlan``
     #: ``sequence``'s answer, once made (it takes a pass over every old share's lengths)
     _sequence: tuple[Slices, list[int]] | None = field(default=None, repr=False, compare=False)
+    #: ``slices_for``'s answers, by consumer, once made (ahead of a change's step: steer/ahead.py)
+    _dealt: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_dealt": {}}  # a spawned worker makes its own
 
     def to_json(self) -> dict:
         return {
@@ -262,7 +271,17 @@ class RemainderPlan:
     def slices_for(self, source: Source, cfg: Config, rank: int, world: int, worker: int, workers: int) -> Slices:
         """One dataset: the remaining sequence split like an epoch. A mixture: each source's
         remainder (per part of the epoch) split on its own and interleaved in rounds of a shuffle
-        block, as ``MixPlanner.slices`` deals a fresh epoch, so every new consumer keeps the mix."""
+        block, as ``MixPlanner.slices`` deals a fresh epoch, so every new consumer keeps the mix.
+        Kept for the consumer (read-only)."""
+        key = (rank, world, worker, workers)
+        got = self._dealt.get(key)
+        if got is None:
+            got = self._slices_for(source, cfg, rank, world, worker, workers)
+            if len(self._dealt) < MAX_KEPT_CONSUMERS:  # the first asked: a rank's workers, made ahead
+                self._dealt = {**self._dealt, key: got}
+        return got
+
+    def _slices_for(self, source: Source, cfg: Config, rank: int, world: int, worker: int, workers: int) -> Slices:
         slices, counts = self.sequence(source, cfg)
         split = cfg.spec(self.epoch, 0, 1, 0, 1).splits(source.mode)
         mixing = source.mixing

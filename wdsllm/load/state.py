@@ -4,7 +4,7 @@ A state travels through checkpointers that each keep a different subset of a nes
 ``torch.distributed.checkpoint`` fills only the leaves of the *fresh* object's state (a fresh
 loader has no per-worker keys, so they were dropped) and, across ranks, keeps each leaf from
 whichever rank it likes; ``torch.load(weights_only=True)`` refuses anything but plain types. So
-``state_dict()`` returns two strings, ``{"format": "wdsllm.loader/7", "state": "<JSON>"}``: one
+``state_dict()`` returns two strings, ``{"format": "wdsllm.loader/8", "state": "<JSON>"}``: one
 leaf can be neither truncated nor mixed, and every checkpointer keeps strings. The JSON carries a
 digest of itself, so an edited or damaged state is refused rather than trusted.
 
@@ -47,9 +47,9 @@ DATASET_KIND = "wdsllm.dataset"
 #: endless state with ``equal_batches`` is a position in one epoch of whole epochs run one after another
 #: (``Config.endless_by_epochs``; an older endless state always streamed on across epochs); 7:
 #: ``steering``, the run's planned step and its log of changes (``steer/runtime.py``; older states leave the
-#: planned step unknown)
-LOADER_VERSION = 7
-READABLE_LOADER_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+#: planned step unknown); 8: ``steering.pending``, changes made for a later planned step (none in older states)
+LOADER_VERSION = 8
+READABLE_LOADER_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 #: 2: blocks of shards, as the loader's 3; 3: whole-batch and piece shares, as the loader's 4; 4: the
 #: epochs of an endless stream hand tails over, as the loader's 5
 DATASET_VERSION = 4

@@ -726,7 +726,7 @@ def _slice_work(
             yield sl, 0, remaining
             remaining = 0
             continue
-        if pos + n <= start:
+        if pos + n <= start or n == 0:  # passed, or holds nothing (a slice whose picks were all left out)
             pos += n
             continue
         skip_items = max(0, start - pos)

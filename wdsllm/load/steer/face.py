@@ -11,7 +11,9 @@ follows them is here too: a seek over skipped steps, a step of several batches h
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -20,16 +22,21 @@ from typing import Any
 import numpy as np
 
 from ...errors import MixtureError, SteeringError, UsageError
+from .. import state as statemod
 from ..batching import Batch
 from ..block import ID_SHIFT, concat_blocks, join_rows
 from ..collate import assemble
 from ..counts import round_robin_share
 from ..cursor import positions_of_share, turn_after
+from ..plan import torch_seed
 from ..resume import items_between
 from ..tails import merges_tails
 from .agree import agree_on_change
-from .log import Exclude, Rescheduled, Weights, check_weights
-from .plans import Leaving, SteeredPlan, steer_plans
+from .ahead import Ahead, AheadInputs, PlanKey, readied, replan_ahead
+from .log import Change, Exclude, Log, Rescheduled, Weights, check_weights
+from .plans import Leaving, SteeredPlan, exclusions_of, steer_plans
+from .prestart import Prestarted, started
+from .runtime import Replans
 from .schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,14 @@ _STREAMED = (
 
 class SteeringMethods:
     """What a ``Loader`` offers a trainer that steers it (mixed into the loader)."""
+
+    #: the re-plan of the first pending change, made in a thread (``_prepare``)
+    _ahead: Ahead | None = None
+    #: the stream of the re-plan the last change took, started ahead (``_pass_stream`` takes it)
+    _prestarted: Prestarted | None = None
+    #: threads closing the streams of passes a change ended (``_end_stream``)
+    _retiring: tuple = ()
+    _replans: Replans
 
     # -- the planned step -----------------------------------------------------------------------
     @property
@@ -93,29 +108,103 @@ class SteeringMethods:
 
     # -- exclude --------------------------------------------------------------------------------
     def exclude(
-        self, *, sources: Iterable[str] = (), shards: Iterable[int | str] = (), docs: Iterable[int] = ()
+        self,
+        *,
+        sources: Iterable[str] = (),
+        shards: Iterable[int | str] = (),
+        docs: Iterable[int] = (),
+        at: int | None = None,
     ) -> int:
-        """Never yield these again, from the next planned step (returned): a mixture's ``sources``
-        by name, ``shards`` by number (as item ids name them) or name, and ``docs`` by id (the
-        values of a batch's ``docs``; of its ``rows`` for a packed dataset). The rest of the epoch
-        is re-planned without them, and so is every later epoch; a mixture's other sources share
-        an excluded source's weight from the next epoch on. An exclusion that names nothing known,
-        or would leave nothing to read, is refused; the same one again is a replay."""
+        """Never yield these again, from planned step ``at`` (None: the next step, or
+        ``steer_horizon`` steps after it), returned: a mixture's ``sources`` by name, ``shards``
+        by number (as item ids name them) or name, and ``docs`` by id (the values of a batch's
+        ``docs``; of its ``rows`` for a packed dataset). The rest of the epoch is re-planned
+        without them, and so is every later epoch; a mixture's other sources share an excluded
+        source's weight from the next epoch on. An exclusion that names nothing known, or would
+        leave nothing to read, is refused; the same one again is a replay."""
         names, shard_ids, items = self._exclusion(sources, shards, docs)
-        self._steer_first("exclude()", ["exclude", list(names), list(shard_ids), list(items)])
-        return self._take_exclusion(names, shard_ids, items)
+        _check_at(at)
+        self._steer_first("exclude()", ["exclude", list(names), list(shard_ids), list(items), at])
+        return self._take_exclusion(names, shard_ids, items, self._effective(at))
 
-    def _take_exclusion(self, names: tuple[str, ...], shard_ids: tuple[int, ...], items: tuple[int, ...]) -> int:
+    def _take_exclusion(
+        self, names: tuple[str, ...], shard_ids: tuple[int, ...], items: tuple[int, ...], at: int
+    ) -> int:
         steer = self.steering
-        change = Exclude(names, shard_ids, items, self._change_epoch())
-        for old in steer.log.exclusions:
+        change = Exclude(names, shard_ids, items, 0)
+        for old in [*steer.log.exclusions, *self._pending(Exclude)]:
             if old.same(change):
                 log.info("this exclusion is recorded already (a replay): nothing more is excluded")
                 return steer.planned
         self._check_something_left(change)
-        self._apply(change, Leaving())
-        log.info("excluded from planned step %d: %s", steer.planned, change.to_json())
-        return steer.planned
+        return self._schedule(change, at)
+
+    def _pending(self, kind: type) -> list:
+        """The pending changes of one kind, in the order they take effect."""
+        return [c.change for c in self.steering.pending if isinstance(c.change, kind)]
+
+    def _effective(self, at: int | None) -> int:
+        """The planned step a change made now takes effect at: ``at``, else the horizon after the
+        next step; never a step already planned."""
+        planned = self.steering.planned
+        if at is None:
+            return planned + self.steering.horizon
+        if at < planned:
+            raise SteeringError(
+                f"at={at}: the next planned step is {planned}; a change takes effect at a step not yet planned"
+            )
+        return int(at)
+
+    def _schedule(self, change: Exclude | Weights, at: int) -> int:
+        """Take ``change`` now where ``at`` is the next planned step, else hold it for step ``at``
+        and start its re-plan in the background (``ahead.Ahead``)."""
+        steer = self.steering
+        if self._streamed:
+            raise SteeringError(_STREAMED.format(what=f"{change.kind}()"))
+        self._check_depth()
+        if at == steer.planned:
+            self._take_change(change)
+            return at
+        steer.add_pending(Change(at, change))
+        log.info("%s made at planned step %d takes effect at step %d", change.kind, steer.planned, at)
+        self._prepare()
+        return at
+
+    def _check_depth(self) -> None:
+        """Refuse a change a state could not hold: each one inside an epoch plans the rest over
+        the plan before it, and a state reads at most ``MAX_PLAN_DEPTH`` plans deep."""
+        plan = self.source.plan_for(self.cursor.epoch) if self._mid_epoch() else None
+        depth = 0
+        while plan is not None:
+            depth, plan = depth + 1, getattr(plan, "base", None)
+        if depth + len(self.steering.pending) + 1 > statemod.MAX_PLAN_DEPTH:
+            raise SteeringError(
+                f"epoch {self.cursor.epoch} was planned again {depth} times (each change inside it, and each resume "
+                f"on another layout, plans the rest over the plan before), with {len(self.steering.pending)} changes "
+                f"pending; a state holds at most {statemod.MAX_PLAN_DEPTH}: make this change at the next epoch's "
+                "first step (at=), or give the mixture shorter epochs (epoch_items=)"
+            )
+
+    def _take_change(self, change: Exclude | Weights) -> None:
+        """Record ``change`` at the next planned step and re-plan for it."""
+        planned = self.steering.planned
+        if isinstance(change, Weights):
+            self._apply(
+                Weights(change.weights, self._change_epoch(), self._units_point()), Leaving(weights=change.weights)
+            )
+            names = list(self.catalog.mixture.names)
+            log.info("mixture weights from planned step %d: %s", planned, dict(zip(names, change.weights)))
+        else:
+            made = replace(change, epoch=self._change_epoch())
+            self._apply(made, Leaving())
+            log.info("excluded from planned step %d: %s", planned, made.to_json())
+
+    def _take_due(self) -> None:
+        """Take the pending changes whose step the stream has reached."""
+        steer = self.steering
+        while steer.due():
+            self._take_change(steer.pending.pop(0).change)
+        self._prepare()
 
     def _exclusion(self, sources: Iterable[str], shards: Iterable[int | str], docs: Iterable[int]):
         catalog = self.catalog
@@ -160,7 +249,7 @@ class SteeringMethods:
     def _check_something_left(self, change: Exclude) -> None:
         """Refuse an exclusion after which nothing would be read."""
         catalog = self.catalog
-        previous = [*self.steering.log.exclusions, change]
+        previous = [*self.steering.log.exclusions, *self._pending(Exclude), change]
         gone_sources = {n for ex in previous for n in ex.sources}
         gone_shards = {s for ex in previous for s in ex.shards}
         if catalog.mixing is not None:
@@ -200,16 +289,18 @@ class SteeringMethods:
         return steer.planned
 
     # -- set_weights ----------------------------------------------------------------------------
-    def set_weights(self, weights: Mapping[str, float]) -> int:
-        """A mixture's weights from the next planned step (returned) on, by source name (every
-        source named; they are normalised). The rest of the epoch takes its remaining documents
-        in the new proportions as far as they go (the source that runs out first for its weight
-        sets how far; what others had planned beyond waits for a later pass); later epochs' quotas
-        follow the new weights. Refused: unknown or missing names, negative, NaN, infinite or
-        all-zero weights, weight on an excluded source."""
+    def set_weights(self, weights: Mapping[str, float], at: int | None = None) -> int:
+        """A mixture's weights from planned step ``at`` (None: the next step, or ``steer_horizon``
+        steps after it), returned, on, by source name (every source named; they are
+        normalised). The rest of the epoch takes its remaining documents in the new proportions
+        as far as they go (the source that runs out first for its weight sets how far; what
+        others had planned beyond waits for a later pass); later epochs' quotas follow the new
+        weights. Refused: unknown or missing names, negative, NaN, infinite or all-zero weights,
+        weight on an excluded source."""
         normal = self._checked_weights(weights)
-        self._steer_first("set_weights()", ["set_weights", list(normal)])
-        return self._take_weights(normal)
+        _check_at(at)
+        self._steer_first("set_weights()", ["set_weights", list(normal), at])
+        return self._take_weights(normal, self._effective(at))
 
     def _checked_weights(self, weights: Mapping[str, float]) -> tuple[float, ...]:
         """Weights by name as the mixture's sources come, normalised, or a ``SteeringError``."""
@@ -228,7 +319,7 @@ class SteeringMethods:
                 f"(the mixture's sources are {names})"
             )
         normal = check_weights([weights[n] for n in names], "set_weights() weights")
-        excluded = {n for ex in self.steering.log.exclusions for n in ex.sources}
+        excluded = {n for ex in [*self.steering.log.exclusions, *self._pending(Exclude)] for n in ex.sources}
         heavy = [n for n, w in zip(names, normal) if w > 0 and n in excluded]
         if heavy:
             raise SteeringError(f"set_weights(): sources {heavy} are excluded and must weigh 0")
@@ -238,11 +329,8 @@ class SteeringMethods:
             raise SteeringError(f"set_weights(): {exc}") from None
         return normal
 
-    def _take_weights(self, normal: tuple[float, ...]) -> int:
-        self._apply(Weights(normal, self._change_epoch(), self._units_point()), Leaving(weights=normal))
-        names = list(self.catalog.mixture.names)
-        log.info("mixture weights from planned step %d: %s", self.steering.planned, dict(zip(names, normal)))
-        return self.steering.planned
+    def _take_weights(self, normal: tuple[float, ...], at: int) -> int:
+        return self._schedule(Weights(normal, 0), at)
 
     def _units_point(self) -> int:
         """Where the run stands in the mixture's units (over every rank), as the drift counts it."""
@@ -269,6 +357,7 @@ class SteeringMethods:
         out = self.steering.metrics()
         if not self.steering.log.changes:
             return out
+        out.update(self._replans.metrics())
         plan = self.source.plan_for(self.cursor.epoch)
         if plan is not None and plan.remainder:
             out["steer_excluded_items"], out["steer_excluded_tokens"] = map(float, plan.excluded())
@@ -298,14 +387,13 @@ class SteeringMethods:
 
     def _checked_file(self, what: dict) -> list:
         """Every entry of a steering file checked before any is taken: what to call, in order."""
-        from .log import Log
-
         takes = []
         if "weights" in what:
             normal = self._checked_weights(what["weights"])
-            now = self.weights_now()
+            pending = self._pending(Weights)
+            now = pending[-1].weights if pending else self.weights_now()
             if now is None or max(abs(a - b) for a, b in zip(normal, now)) > 1e-9:
-                takes.append(lambda: self._take_weights(normal))
+                takes.append(lambda: self._take_weights(normal, self._effective(None)))
         trial = Log(list(self.steering.log.changes))
         for start, stop in what.get("skip", []):
             trial.add_skip(start, stop, self.steering.planned)
@@ -317,7 +405,7 @@ class SteeringMethods:
                     ex.get("sources", ()), ex.get("shards", ()), ex.get("docs", ())
                 )
                 self._check_something_left(Exclude(names, shard_ids, items, 0))
-                takes.append(lambda: self._take_exclusion(names, shard_ids, items))
+                takes.append(lambda: self._take_exclusion(names, shard_ids, items, self._effective(None)))
         return takes
 
     # -- the stream under steering --------------------------------------------------------------
@@ -400,12 +488,13 @@ class SteeringMethods:
             base = self.source.plan_for(epoch)
             steer.log.add(steer.planned, change)
             leaving = self._leaving(now)
-            self.source.set_plan(
-                epoch, SteeredPlan(epoch, self.world_size, self.workers, consumed, base, leaving=leaving)
-            )
+            plan = self._replan(PlanKey.of(epoch, consumed, base, leaving), consumed, base)
+            self.source.set_plan(epoch, plan)
             self.source.resume_from({})
             self._transport.forget()
             self._total.forget()
+            if plan.own_total is not None:  # counted ahead
+                self._total.know(self.here, epoch, plan, plan.own_total)
             self.cursor.restored = None
             self.cursor.positions, self.cursor.yielded = {}, 0
             steer.epoch_start = steer.planned
@@ -414,9 +503,103 @@ class SteeringMethods:
             steer.log.add(steer.planned, change)
         steer_plans(steer.log, self.catalog, self.source)
 
-    def _leaving(self, now: Leaving) -> Leaving:
-        from .plans import exclusions_of
+    def _replan(self, key: PlanKey, consumed: list[list[int]], base: Any) -> SteeredPlan:
+        """The rest of the epoch as ``key`` says: made ahead (``_prepare``), else now."""
+        ahead, self._ahead = self._ahead, None
+        began = time.perf_counter()
+        plan = ahead.take(key) if ahead is not None else None
+        self._replans.add(plan is not None, time.perf_counter() - began)
+        if ahead is not None and plan is not None:  # its stream, started ahead, is for this plan
+            self._prestarted, ahead.prestarted = ahead.prestarted, None
+        elif ahead is not None:
+            self._abandon(ahead)
+        if plan is None:
+            plan = SteeredPlan(key.epoch, self.world_size, self.workers, consumed, base, leaving=key.leaving)
+            if self._transport.bundled:  # made once here, before the workers fork, not in each of them
+                readied(self.here, plan, deal=False)
+        return plan
 
+    def _prepare(self) -> None:
+        """Start the re-plan of the first pending change in a thread, where it falls inside the
+        epoch in progress: what every consumer will have consumed at its step follows from the
+        batch count there (the round robin), so the plan does not wait for the step."""
+        steer, cursor = self.steering, self.cursor
+        if not steer.pending or not self._mid_epoch() or not self.layout.reads:  # a receiver reads nothing
+            return
+        if merges_tails(self.catalog, self.cfg, self.workers):
+            return
+        if self.world_size > 1 and not self.cfg.keeps_equal_batches(self.world_size):
+            return
+        first = steer.pending[0]
+        epoch = cursor.epoch
+        base = self.source.plan_for(epoch)
+        trial = Log(list(steer.log.changes))
+        trial.add(first.at, first.change)
+        weights = first.change.weights if isinstance(first.change, Weights) else None
+        leaving = exclusions_of(trial, self.catalog).joined(Leaving(weights=weights))
+        yielded = cursor.restored.state.yielded if cursor.restored is not None else cursor.yielded
+        upto = yielded + steer.phases.batches_between(steer.planned, first.at)
+        inputs = AheadInputs(
+            self.here, self._transport, self.pipeline, epoch, base, leaving, upto, torch_seed(self.cfg.seed, epoch)
+        )
+        expected = PlanKey.of(epoch, [[upto]], base, leaving)  # what is known before: the batch count
+        if self._ahead is None or self._ahead.expected != expected:
+            if self._ahead is not None:  # made for a plan an earlier change replaced
+                self._abandon(self._ahead)
+            self._ahead = Ahead(expected, functools.partial(replan_ahead, inputs))
+
+    def _abandon(self, ahead: Ahead) -> None:
+        """A re-plan made ahead that no step will take: it ends in the background (joined at close)."""
+        ahead.abandon()
+        self._retiring = (*(t for t in self._retiring if t.is_alive()), ahead.thread)
+
+    def _prestart_workers(self) -> None:
+        """Between steps, once the plan made ahead is there: fork the workers of its pass now,
+        so that they read while the old plan's batches are still handed out."""
+        ahead = self._ahead
+        plan = ahead.plan() if ahead is not None else None
+        if plan is None or ahead.prestarted is not None or not self._transport.bundled:
+            return
+        epoch = self.cursor.epoch
+        ahead.prestarted = started(self._transport, self.pipeline, epoch, plan, torch_seed(self.cfg.seed, epoch))
+        steer = self.steering
+        log.debug("the workers of the re-plan for step %d start at step %d", steer.pending[0].at, steer.planned)
+
+    def _end_stream(self, batches: Any) -> None:
+        """Close a pass's stream; one that a change ended closes in a thread (its workers' exit,
+        its buffers freed), so that the new pass's first step does not wait for it."""
+        steer = self.steering
+        if not (steer.restart or steer.due()):
+            batches.close()
+            return
+        retiring = threading.Thread(target=batches.close, name="wdsllm-steer-retire", daemon=True)
+        retiring.start()
+        self._retiring = (*(t for t in self._retiring if t.is_alive()), retiring)
+
+    def _close_steering(self) -> None:
+        """What steering started ends with the loader: a re-plan made ahead, a stream started
+        ahead, old streams closing."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.close()
+        pre, self._prestarted = self._prestarted, None
+        if pre is not None:
+            pre.close()
+        retiring, self._retiring = self._retiring, ()
+        for thread in retiring:
+            thread.join()
+
+    def _pass_stream(self, epoch: int) -> Any:
+        """The transport's stream of the pass that starts now: the one started ahead where it
+        reads the plan this pass follows from its start, else a new one."""
+        pre, self._prestarted = self._prestarted, None
+        if pre is not None and pre.plan is self.source.plan_for(epoch) and not self.source.resume_positions:
+            return pre.stream
+        if pre is not None:
+            pre.close()
+        return self._transport.stream(self.pipeline, torch_seed(self.cfg.seed, epoch))
+
+    def _leaving(self, now: Leaving) -> Leaving:
         return exclusions_of(self.steering.log, self.catalog).joined(now)
 
     def _consumed_now(self, epoch: int) -> list[list[int]]:
@@ -434,6 +617,12 @@ class SteeringMethods:
             raise SteeringError("changes inside an epoch on several ranks need equal batches (equal_batches=True)")
         counts = self.here.worker_counts(epoch, self.world_size, self.workers, self.source.plan_for(epoch))
         return [[int(x) for x in round_robin_share(counts[r], yielded)] for r in range(self.world_size)]
+
+
+def _check_at(at: Any) -> None:
+    """``at=`` is a planned step (None: the loader's horizon)."""
+    if at is not None and (isinstance(at, bool) or not isinstance(at, (int, np.integer)) or not 0 <= at < 1 << 62):
+        raise SteeringError(f"at={at!r:.40} is not a planned step")
 
 
 __all__ = ["SteeringMethods"]

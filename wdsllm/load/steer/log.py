@@ -164,9 +164,13 @@ class Log:
     def weight_changes(self) -> list[Weights]:
         return [c.change for c in self.changes if isinstance(c.change, Weights)]
 
-    def add(self, at: int, change: Exclude | Weights | Rescheduled) -> None:
+    def room(self) -> None:
+        """Refuse a change the log has no room for."""
         if len(self.changes) >= MAX_CHANGES:
             raise SteeringError(f"the run's log holds {MAX_CHANGES:,} changes; no more are kept")
+
+    def add(self, at: int, change: Exclude | Weights | Rescheduled) -> None:
+        self.room()
         self.changes.append(Change(at, change))
 
     def add_skip(self, start: int, stop: int, planned: int) -> tuple[Skip, bool]:
@@ -188,8 +192,7 @@ class Log:
                 f"skip({start}, {stop}) lies wholly in what was already planned and consumed (the next planned "
                 f"step is {planned}): steps before it cannot be taken back"
             )
-        if len(self.changes) >= MAX_CHANGES:
-            raise SteeringError(f"the run's log holds {MAX_CHANGES:,} changes; no more are kept")
+        self.room()
         skip = Skip(max(start, planned), stop, start)
         self.changes.append(Change(planned, skip))
         return skip, False

@@ -180,6 +180,8 @@ class SteeredPlan(RemainderPlan):
     leaving: Leaving = field(default_factory=Leaving)
     #: (items, tokens) the exclusions took out of the rest of the epoch, once it was planned
     left_out: tuple[int, int] | None = field(default=None, repr=False, compare=False)
+    #: this rank's batches of the rest, where counted ahead of the change's step (steer/ahead.py)
+    own_total: int | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
         return {**super().to_json(), "leaving": self.leaving.to_json()}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import SteeringError
-from .log import Log
+from .log import Change, Log
 from .schedule import Phases, Schedule, resolve, resolve_rows
 
 STEERING_KEY = "steering"
@@ -71,6 +71,30 @@ class Counted:
 
 
 @dataclass
+class Replans:
+    """How the re-plans of changes went: made ahead of their step (``steer_horizon``) or while
+    the stream waited, and how long the stream waited at the last one."""
+
+    ahead: int = 0
+    waited: int = 0
+    last_wait_s: float = 0.0
+
+    def add(self, made_ahead: bool, wait_s: float) -> None:
+        if made_ahead:
+            self.ahead += 1
+        else:
+            self.waited += 1
+        self.last_wait_s = wait_s
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "steer_replans_ahead": float(self.ahead),
+            "steer_replans_waited": float(self.waited),
+            "steer_replan_wait_s": self.last_wait_s,
+        }
+
+
+@dataclass
 class Steerer:
     """The schedule resolved into planned steps, the run's log, and the planned step of the next
     batch (``planned``)."""
@@ -91,6 +115,11 @@ class Steerer:
 
     #: the row length schedule as planned steps of a join factor (``steering.resolve_rows``)
     rows: Phases = field(default_factory=Phases)
+    #: changes made for a later planned step (``at=``, ``steer_horizon``), in the order they take
+    #: effect; each is recorded in the log when the stream reaches its step
+    pending: list[Change] = field(default_factory=list)
+    #: planned steps between a call and the step its change takes effect at (``steer_horizon``)
+    horizon: int = 0
 
     @classmethod
     def of(cls, schedule: Schedule | None, cfg: Any, rows: bool, seq_len: int | None, world: int) -> Steerer:
@@ -110,7 +139,23 @@ class Steerer:
     def plain(self) -> bool:
         """Whether every step is one of the loader's batches of the loader's rows, nothing is
         skipped and no file is re-read (the fast path)."""
-        return self.phases.trivial and self.rows.trivial and not self.log.changes and self.reload_every is None
+        return (
+            self.phases.trivial
+            and self.rows.trivial
+            and not self.log.changes
+            and not self.pending
+            and self.reload_every is None
+        )
+
+    def due(self) -> bool:
+        """Whether a pending change takes effect at the next planned step."""
+        return bool(self.pending) and self.pending[0].at <= self.planned
+
+    def add_pending(self, change: Change) -> None:
+        """Hold ``change`` until the stream reaches its step (after those due at or before it)."""
+        self.log.room()
+        at = [c.at for c in self.pending]
+        self.pending.insert(bisect.bisect_right(at, change.at), change)
 
     def group_at(self, step: int) -> int:
         return self.phases.group_at(step)
@@ -123,7 +168,7 @@ class Steerer:
             if reload is not None and self.reload_due():
                 self._reloaded = self.planned
                 reload()
-            if self.restart or self.log.skip_end(self.planned) is not None:
+            if self.restart or self.due() or self.log.skip_end(self.planned) is not None:
                 return
             group = list(itertools.islice(batches, self.group_at(self.planned)))
             if not group:
@@ -152,8 +197,10 @@ class Steerer:
         elastic resume re-plans the rest of the epoch, whose steps then begin at ``planned``."""
         if saved is None:
             self.log, self.planned, self.epoch_start, self.skipped, self.unknown = Log(), 0, 0, Counted(), True
+            self.pending = []
             return
         self.log, self.planned, self.unknown = Log(list(saved.log.changes)), saved.planned, False
+        self.pending = list(saved.pending)
         self.epoch_start = saved.epoch_start if same_layout else saved.planned
         self.skipped = Counted(**saved.skipped)
 
@@ -175,6 +222,7 @@ class Steerer:
             "steer_skipped_batches": float(skipped.batches),
             "steer_skipped_items": float(skipped.items),
             "steer_skipped_tokens": float(skipped.tokens),
+            "steer_pending_changes": float(len(self.pending)),
         }
         if not self.phases.trivial:
             i = bisect.bisect_right(self.phases._starts, self.planned) - 1
@@ -183,7 +231,8 @@ class Steerer:
 
     def saved(self) -> SavedSteering:
         """What a state keeps of it."""
-        return SavedSteering(self.planned, self.epoch_start, Log(list(self.log.changes)), self.skipped.to_json())
+        log = Log(list(self.log.changes))
+        return SavedSteering(self.planned, self.epoch_start, log, self.skipped.to_json(), tuple(self.pending))
 
 
 @dataclass(frozen=True)
@@ -194,6 +243,8 @@ class SavedSteering:
     epoch_start: int
     log: Log
     skipped: dict
+    #: changes made for a later planned step, not yet taken effect (state version 8; none before)
+    pending: tuple[Change, ...] = ()
 
     @classmethod
     def parse(cls, value: Any) -> SavedSteering:
@@ -206,11 +257,16 @@ class SavedSteering:
         if not isinstance(skipped, dict) or set(skipped) != {"steps", "batches", "items", "tokens"}:
             raise SteeringError("loader state field 'steering.skipped' must be {steps, batches, items, tokens}")
         counts = {k: _checked(v, f"skipped.{k}") for k, v in skipped.items()}
-        return cls(planned, start, Log.parse(value.get("log")), counts)
+        pending = tuple(Log.parse(value.get("pending", []), "steering.pending").changes)
+        ats = [c.at for c in pending]
+        if ats != sorted(ats) or any(at < planned for at in ats) or any(c.change.kind == "skip" for c in pending):
+            raise SteeringError("loader state field 'steering.pending' must be changes for later steps, in order")
+        return cls(planned, start, Log.parse(value.get("log")), counts, pending)
 
     def to_json(self) -> dict:
         log = self.log.to_json()
-        return {"planned": self.planned, "epoch_start": self.epoch_start, "log": log, "skipped": self.skipped}
+        out = {"planned": self.planned, "epoch_start": self.epoch_start, "log": log, "skipped": self.skipped}
+        return {**out, "pending": [c.to_json() for c in self.pending]} if self.pending else out
 
 
 def _checked(value: Any, key: str) -> int:
@@ -219,4 +275,4 @@ def _checked(value: Any, key: str) -> int:
     return value
 
 
-__all__ = ["STEERING_KEY", "Counted", "SavedSteering", "Steerer", "schedule_base", "step_units"]
+__all__ = ["STEERING_KEY", "Counted", "Replans", "SavedSteering", "Steerer", "schedule_base", "step_units"]
