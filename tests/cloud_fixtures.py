@@ -176,10 +176,8 @@ def make_threaded_gcs_emulator(port: int, host: str = "127.0.0.1", data_dir: str
         gse.Router.handle = handle
         gse.Router._wdsllm_locked = True
 
-    class _Threading(ThreadingHTTPServer):
-        daemon_threads = True
+    class _Threading(_QuietServer):
         allow_reuse_address = True
-        request_queue_size = 128  # socketserver's default 5 drops SYNs under concurrent reads
 
     def run(self) -> None:  # APIThread.run with a threading server
         from functools import partial
