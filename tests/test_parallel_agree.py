@@ -259,3 +259,36 @@ def test_in_a_group_of_four_the_peer_that_died_is_named_not_its_living_peers(dat
         assert survivor.get("error") == "ReplicaError", survivor
         message = survivor["message"]
         assert "(did not reach it: dp=0 tp=2)" in message and "the backend said" in message, message
+
+
+def _pending_on_peers(rank: int, world: int, data: str) -> dict:
+    """A broadcast's reader and receiver both exclude a shard, for a later step and for the next
+    one: the receiver takes it where its reader does."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import wdsllm
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for name, call_at, at in (("ahead", 1, 5), ("now", 4, None)):
+        loader = wdsllm.loader(data, mesh=mesh, dp="dp", replicas="broadcast", **BASE)
+        docs, states = [], []
+        for step, batch in enumerate(loader):
+            docs.append(batch["docs"][:, 0].tolist())
+            if step == call_at:
+                loader.exclude(shards=[1], at=at)
+            if step in (3, 6, 9):
+                states.append(loader.state_dict()["state"])
+        out[name] = {"docs": docs, "states": states, "log": loader.steering.log.to_json()}
+        loader.close()
+    return out
+
+
+def test_a_change_made_ahead_is_taken_by_a_broadcasts_receiver_where_its_reader_takes_it(data):
+    reports = run(2, _pending_on_peers, data)
+    assert all(rep is not None and "crash" not in rep for rep in reports), reports
+    for name in ("ahead", "now"):
+        reader, receiver = reports[0][name], reports[1][name]
+        assert reader["docs"] == receiver["docs"] and reader["states"] == receiver["states"], name
+        assert [c["at"] for c in reader["log"]] == [5] and reader["log"] == receiver["log"], name
+    assert reports[0]["ahead"]["docs"] == reports[0]["now"]["docs"]
