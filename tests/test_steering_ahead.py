@@ -94,7 +94,7 @@ def test_with_forked_workers_the_pass_started_ahead_is_the_pass_at_the_step(mix,
 
     def ahead_of_time(loader):
         change(12)(loader)
-        loader._ahead.join()  # made: the next step starts the new pass's workers
+        loader._ahead.thread.join()  # made: the next step starts the new pass's workers
 
     now, _ = run(mix, 12, change(None), workers=2, forked=True, **MIX_KW)
     with caplog.at_level(logging.DEBUG, logger="wdsllm.load.steer"):

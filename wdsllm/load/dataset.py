@@ -64,7 +64,7 @@ from .stream import (
     slice_item_lengths,
 )
 from .tails import StreamEnd, merges_tails, worker_batcher
-from .transport import RingHolder, send_bundles
+from .transport import BUNDLE_TOKENS, RingHolder, bundle_batches, send_bundles
 
 log = logging.getLogger(__name__)
 
@@ -496,35 +496,6 @@ class _Refill:
                 )
 
 
-#: tokens per DataLoader message at most (unless one batch holds more)
-BUNDLE_TOKENS = 1 << 20
-
-
-def _bundle(batches: Iterator, max_batches: int, max_tokens: int) -> Iterator[list]:
-    """Lists of consecutive batches: one DataLoader message per list instead of per batch.
-
-    DataLoader's per-message cost (queues, pickling threads, wake-ups) is several hundred
-    microseconds; a bundle amortises it. The first bundle holds one batch so the first batch
-    arrives as soon as it is made. A bundle holds at most ``max_tokens`` tokens unless one batch
-    alone holds more (so that it fits a slot of the worker's token ring, transport.py).
-    """
-    bundle: list = []
-    tokens = 0
-    limit = 1
-    for batch in batches:
-        size = batch.items.n_tokens if isinstance(batch, Batch) else 0
-        if bundle and tokens + size > max_tokens:
-            yield bundle
-            bundle, tokens, limit = [], 0, max_batches
-        bundle.append(batch)
-        tokens += size
-        if len(bundle) >= limit:
-            yield bundle
-            bundle, tokens, limit = [], 0, max_batches
-    if bundle:
-        yield bundle
-
-
 class Tracker:
     """Where the batches this process handed out stand: (epoch, batches or items of the worker's
     epoch, the batcher's hint), updated before each one is yielded (what ``state_dict`` saves)."""
@@ -740,7 +711,7 @@ def build_pipeline(
     source = EpochSource(catalog, cfg, rank, world, passes)
     stages = [source, wds.filters.pipelinefilter(_epoch_batches)(catalog, cfg, read, end_marker, shared=bool(bundle))]
     if bundle:
-        stages.append(wds.filters.pipelinefilter(_bundle)(bundle, BUNDLE_TOKENS))
+        stages.append(wds.filters.pipelinefilter(bundle_batches)(bundle, BUNDLE_TOKENS))
         stages.append(wds.filters.pipelinefilter(send_bundles)(ring or RingHolder()))
     tracker = Tracker() if collate else None
     if collate and cfg.unbatched:

@@ -72,7 +72,7 @@ from .transport import WorkerBatches
 
 log = logging.getLogger(__name__)
 
-#: batches per message from a worker (see dataset._bundle)
+#: batches per message from a worker (see transport.bundle_batches)
 BUNDLE_BATCHES = 16
 
 
@@ -529,15 +529,13 @@ class Loader(SteeringMethods):
         this_pass = cursor.new_pass()
         epoch = cursor.epoch
         self.source.set_epoch(epoch)
+        steer = self.steering
+        if steer.due():  # a change made for this step (``at=``, ``steer_horizon``)
+            self._take_due()
         self.limits = self.source.limits(epoch, self.workers)
         noted = self.limits is not None and self.limits.ready()  # else once the count is done
         if noted:
             self._note_limits(epoch)
-        steer = self.steering
-        if steer.due():  # a change made for this step (``at=``, ``steer_horizon``)
-            self._take_due()
-            self.limits = self.source.limits(epoch, self.workers)
-            noted = self.limits is not None and self.limits.ready()
         if cursor.restored is None:  # a fresh epoch: its planned steps begin here
             steer.epoch_start = steer.planned
         resumed = False

@@ -41,7 +41,7 @@ from ..observe.workers import WorkerTally
 from .batching import Batch
 
 HEADER = 4096  # one int64 acknowledgement counter per worker
-SLOT_BYTES = 4 << 20  # a bundle holds at most 1M tokens (dataset.BUNDLE_TOKENS) of at most 4 bytes
+SLOT_BYTES = 4 << 20  # a bundle holds at most 1M tokens (BUNDLE_TOKENS) of at most 4 bytes
 
 #: rings of this process by key, so that an unpickled message finds its ring
 _RINGS: weakref.WeakValueDictionary[str, TokenRing] = weakref.WeakValueDictionary()
@@ -164,8 +164,37 @@ class RingHolder:
         self.board: WorkerBoard | None = None
 
 
+#: tokens per DataLoader message at most (unless one batch holds more)
+BUNDLE_TOKENS = 1 << 20
+
+
+def bundle_batches(batches: Iterator, max_batches: int, max_tokens: int) -> Iterator[list]:
+    """Lists of consecutive batches: one DataLoader message per list instead of per batch.
+
+    DataLoader's per-message cost (queues, pickling threads, wake-ups) is several hundred
+    microseconds; a bundle amortises it. The first bundle holds one batch so the first batch
+    arrives as soon as it is made. A bundle holds at most ``max_tokens`` tokens unless one batch
+    alone holds more (so that it fits a slot of the worker's TokenRing).
+    """
+    bundle: list = []
+    tokens = 0
+    limit = 1
+    for batch in batches:
+        size = batch.items.n_tokens if isinstance(batch, Batch) else 0
+        if bundle and tokens + size > max_tokens:
+            yield bundle
+            bundle, tokens, limit = [], 0, max_batches
+        bundle.append(batch)
+        tokens += size
+        if len(bundle) >= limit:
+            yield bundle
+            bundle, tokens, limit = [], 0, max_batches
+    if bundle:
+        yield bundle
+
+
 def send_bundles(bundles: Iterable[list], holder: RingHolder) -> Iterator[Any]:
-    """Stage after ``dataset._bundle`` in DataLoader workers: bundles through the ring where
+    """Stage after ``bundle_batches`` in DataLoader workers: bundles through the ring where
     possible, else as they are (then compacted, to be pickled). Each bundle ends with the
     worker's report (``observe.report``): what its stages took since its previous one."""
     info = get_worker_info()

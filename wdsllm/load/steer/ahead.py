@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..counts import round_robin_share
@@ -42,12 +42,13 @@ class PlanKey:
 
 
 class Ahead:
-    """One re-plan in a thread of its own (``make`` returns its key and plan; ``expected`` is the
-    key as far as it is known before: all but the consumed counts); ``take`` hands it over where
-    the key is the one asked for."""
+    """One re-plan in a thread of its own, for the rank's batch count ``upto`` at the change's
+    step (``make`` returns its key, plan and stream; ``expected`` is the key as far as it is
+    known before: all but the consumed counts); ``take`` hands it over where the key is the one
+    asked for."""
 
-    def __init__(self, expected: PlanKey, make: Callable[[], tuple[PlanKey, Any, Any]]):
-        self.expected, self._make = expected, make
+    def __init__(self, expected: PlanKey, upto: int, make: Callable[[], tuple[PlanKey, Any, Any]]):
+        self.expected, self.upto, self._make = expected, upto, make
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._abandoned = False
@@ -55,7 +56,6 @@ class Ahead:
         #: the plan's stream started ahead (``prestart.Prestarted``), made by ``make`` or later
         self.prestarted: Any = None
         self._error: BaseException | None = None
-        self.seconds = 0.0  # what the thread took
         self.thread = threading.Thread(target=self._run, name="wdsllm-steer-ahead", daemon=True)
         self.thread.start()
 
@@ -67,19 +67,12 @@ class Ahead:
         except BaseException as exc:  # the step that needs the plan makes it again, and sees this
             self._error = exc
         finally:
-            self.seconds = time.perf_counter() - began
-            log.debug("the re-plan made ahead took %.2f s", self.seconds)
+            log.debug("the re-plan made ahead took %.2f s", time.perf_counter() - began)
             with self._lock:
                 self._done.set()
                 abandoned = self._abandoned
             if abandoned:
                 self._close_stream()
-
-    def ready(self) -> bool:
-        return self._done.is_set()
-
-    def join(self) -> None:
-        self._done.wait()
 
     def plan(self) -> Any | None:
         """The plan made, once the thread is done (None before, or where it failed)."""
@@ -107,8 +100,7 @@ class Ahead:
     def take(self, key: PlanKey) -> Any | None:
         """The plan made ahead where it was made from ``key`` (waiting for the thread if it still
         runs), else None: the caller makes it now."""
-        known = self.expected
-        if (known.epoch, known.base, known.leaving) != (key.epoch, key.base, key.leaving):
+        if replace(key, consumed=()) != self.expected:
             log.debug("the re-plan made ahead was made for another plan or exclusion: made again")
             return None
         self._done.wait()

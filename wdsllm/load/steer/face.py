@@ -542,11 +542,12 @@ class SteeringMethods:
         inputs = AheadInputs(
             self.here, self._transport, self.pipeline, epoch, base, leaving, upto, torch_seed(self.cfg.seed, epoch)
         )
-        expected = PlanKey.of(epoch, [[upto]], base, leaving)  # what is known before: the batch count
-        if self._ahead is None or self._ahead.expected != expected:
-            if self._ahead is not None:  # made for a plan an earlier change replaced
-                self._abandon(self._ahead)
-            self._ahead = Ahead(expected, functools.partial(replan_ahead, inputs))
+        expected = PlanKey.of(epoch, [], base, leaving)
+        ahead = self._ahead
+        if ahead is None or (ahead.expected, ahead.upto) != (expected, upto):
+            if ahead is not None:  # made for a plan an earlier change replaced
+                self._abandon(ahead)
+            self._ahead = Ahead(expected, upto, functools.partial(replan_ahead, inputs))
 
     def _abandon(self, ahead: Ahead) -> None:
         """A re-plan made ahead that no step will take: it ends in the background (joined at close)."""
